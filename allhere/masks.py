@@ -1,0 +1,69 @@
+"""Attention masks as predicates ``(b, h, q_idx, kv_idx) -> bool`` (True = may attend).
+
+The same predicate feeds the dense references (``dense_mask``), FlexAttention and any plot of the
+pattern. Indices are absolute token positions. Predicates work on broadcastable integer tensors, so
+they are written with tensor operators (``&``, ``|``), never ``and``/``or``.
+
+The one window definition of the project: window ``w`` = the ``w`` most recent keys including the
+current token, i.e. ``0 <= q_idx - kv_idx < w`` (seeds/003 Eq. 4; Hugging Face ``sliding_window=w``;
+flash-attn ``window_size=(w - 1, 0)``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+MaskFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def sliding_window(window: int) -> MaskFn:
+    """Causal window of ``window`` keys, the current one included."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+
+    def pred(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    pred.__name__ = f"sliding_window_{window}"
+    return pred
+
+
+def and_masks(*preds: MaskFn) -> MaskFn:
+    def pred(b, h, q_idx, kv_idx):
+        out = preds[0](b, h, q_idx, kv_idx)
+        for p in preds[1:]:
+            out = out & p(b, h, q_idx, kv_idx)
+        return out
+
+    return pred
+
+
+def or_masks(*preds: MaskFn) -> MaskFn:
+    def pred(b, h, q_idx, kv_idx):
+        out = preds[0](b, h, q_idx, kv_idx)
+        for p in preds[1:]:
+            out = out | p(b, h, q_idx, kv_idx)
+        return out
+
+    return pred
+
+
+def dense_mask(pred: MaskFn, q_len: int, kv_len: int, device=None, q_offset: int | None = None,
+               batch: int = 1, heads: int = 1) -> torch.Tensor:
+    """Evaluate ``pred`` on a grid: bool tensor [batch, heads, q_len, kv_len].
+
+    Queries are the last ``q_len`` positions of the ``kv_len`` keys (bottom-right alignment, as in a KV
+    cache) unless ``q_offset`` says where the first query sits.
+    """
+    off = kv_len - q_len if q_offset is None else q_offset
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    q = torch.arange(q_len, device=device).view(1, 1, -1, 1) + off
+    k = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
+    return pred(b, h, q, k).expand(batch, heads, q_len, kv_len)

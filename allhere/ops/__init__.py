@@ -1,0 +1,7 @@
+"""Attention ops. Each op has a dense reference twin (``naive``) and a fast path with the same signature.
+
+Layout everywhere: q [batch, heads, q_len, dim], k/v [batch, kv_heads, kv_len, dim] with heads a
+multiple of kv_heads (grouped-query attention), q_len <= kv_len and the queries being the *last*
+q_len positions of the keys (bottom-right alignment: prefill has q_len == kv_len, a decode step has
+q_len == 1).
+"""

@@ -1,0 +1,72 @@
+"""Fast All-or-Here attention (CPU and GPU): skip the full attention of local (token, head) pairs.
+
+Inference (the gate needs no gradient):
+  1. local attention for every query with the blocked sliding-window op (``block + w - 1`` keys each);
+  2. the global queries are compacted per (batch, head) -- a different count for every head, never
+     padded to the busiest head -- and only they run full causal attention, in chunks of ``chunk``
+     queries that read the keys up to the chunk's last position (a head that is global for more
+     than ``dense_above`` of its queries runs plain causal SDPA instead);
+  3. their outputs are scattered over the local result.
+The local result of a global query is computed and thrown away (a fraction mu_f of the local work).
+
+Training (a float gate that requires grad): the straight-through estimator needs both outputs for every
+(token, head), so both are computed densely (SDPA causal and the blocked window) and combined.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..common import check_gate, check_qkv, check_window, combine_gated, default_scale, hard_gate
+from ..full import causal_attention
+from ..sliding.blocked import sliding_window_attention
+
+
+def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
+                       scale: float | None = None, chunk: int = 512, dense_above: float = 0.5) -> torch.Tensor:
+    """Same contract as ``aha_attention_naive``; computes in q's dtype.
+
+    chunk: global queries per full-attention call. dense_above: a (batch, head) whose share of global
+    queries exceeds this runs plain causal SDPA over all its queries instead of gathering them.
+    """
+    _, h, _, d, hkv, _ = check_qkv(q, k, v)
+    check_gate(gate, q)
+    check_window(window)
+    scale = default_scale(d, scale)
+    hard = hard_gate(gate)
+    a_local = sliding_window_attention(q, k, v, window, scale=scale)
+    if gate.dtype != torch.bool and gate.requires_grad:
+        return combine_gated(hard, gate, causal_attention(q, k, v, scale=scale), a_local)
+    return _scatter_global(q, k, v, hard, a_local, scale, chunk, dense_above)
+
+
+def _scatter_global(q, k, v, hard, out, scale, chunk, dense_above):
+    b, h, lq, d = q.shape
+    g = h // k.shape[1]
+    off = k.shape[2] - lq
+    idx = hard.nonzero()  # [P, 3] rows (batch, head, query), sorted
+    if idx.numel() == 0:
+        return out
+    group = idx[:, 0] * h + idx[:, 1]
+    groups, counts = torch.unique_consecutive(group, return_counts=True)
+    rows, pieces = [], []
+    for bh, qi in zip(groups.tolist(), idx[:, 2].split(counts.tolist())):
+        bi, hi = divmod(bh, h)
+        if qi.numel() > dense_above * lq:  # a busy head: dense causal is cheaper than gathering
+            o = causal_attention(q[bi, hi][None, None], k[bi, hi // g][None, None], v[bi, hi // g][None, None],
+                                 scale=scale)
+            pieces.append(o[0, 0, qi])
+            rows.append(bh * lq + qi)
+            continue
+        for qc in qi.split(chunk):
+            n_keys = off + int(qc[-1]) + 1
+            qpos = qc + off
+            mask = torch.arange(n_keys, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(q[bi, hi, qc][None], k[bi, hi // g, :n_keys][None],
+                                               v[bi, hi // g, :n_keys][None], attn_mask=mask[None],
+                                               scale=scale)
+            pieces.append(o[0])
+            rows.append(bh * lq + qc)
+    flat = out.reshape(b * h * lq, d).index_put((torch.cat(rows),), torch.cat(pieces))
+    return flat.view(b, h, lq, d)

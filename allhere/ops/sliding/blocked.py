@@ -1,0 +1,55 @@
+"""Sliding-window attention in query blocks: the fast path (CPU and GPU, any dtype, differentiable).
+
+Queries are cut into blocks of ``block`` rows. A block only needs the ``block + window - 1`` keys that
+end at its last query, so every block runs one small dense SDPA over its own key slab (built with
+``unfold``, a view of the padded keys) and a mask that is the same for every block apart from the
+padding in front of the first keys. Work per query is ``block + window - 1`` keys instead of the whole
+prefix. Grouped-query heads that share a kv head are stacked as extra query rows of the same block, so
+keys are never copied per query head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..common import check_qkv, check_window, default_scale
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                             scale: float | None = None, block: int | None = None) -> torch.Tensor:
+    """Same contract as ``sliding_window_attention_naive``; output in q's dtype.
+
+    block: query rows per block (default ``min(window, 64)``, at least 1, at most q_len).
+    """
+    b, h, lq, d, hkv, lk = check_qkv(q, k, v)
+    check_window(window)
+    scale = default_scale(d, scale)
+    g = h // hkv
+    w = min(window, lk)  # a window longer than the keys is the keys
+    bq = max(1, min(block or min(w, 64), lq))
+    nb = -(-lq // bq)
+    bk = bq + w - 1
+    off = lk - lq  # absolute position of query 0
+    # Keys: slab i covers absolute positions [off - (w - 1) + i*bq, off + i*bq + bq - 1].
+    start = off - (w - 1)
+    pad_front = max(0, -start)
+    need = nb * bq + w - 1  # length of the padded key sequence
+    ks, vs = (t[:, :, max(0, start):] for t in (k, v))
+    pad_back = need - pad_front - ks.shape[2]
+    ks, vs = (F.pad(t, (0, 0, pad_front, pad_back)) for t in (ks, vs))
+    ks, vs = (t.unfold(2, bk, bq).transpose(-1, -2) for t in (ks, vs))  # [b, hkv, nb, bk, d]
+    # Queries: [b, hkv, g, lq, d] -> blocks [b, hkv, nb, g*bq, d]
+    qb = F.pad(q, (0, 0, 0, nb * bq - lq)).view(b, hkv, g, nb, bq, d).permute(0, 1, 3, 2, 4, 5)
+    qb = qb.reshape(b * hkv, nb, g * bq, d)
+    # Mask: query a of block i (abs off + i*bq + a) sees slab key c (abs start + i*bq + c) iff
+    # 0 <= (a + w - 1 - c) < w and the key is not front padding.
+    a = torch.arange(bq, device=q.device).view(1, -1, 1)
+    c = torch.arange(bk, device=q.device).view(1, 1, -1)
+    i = torch.arange(nb, device=q.device).view(-1, 1, 1)
+    mask = (c >= a) & (c <= a + w - 1) & (start + i * bq + c >= 0)  # [nb, bq, bk]
+    mask = mask.unsqueeze(1).expand(nb, g, bq, bk).reshape(1, nb, g * bq, bk)
+    o = F.scaled_dot_product_attention(qb, ks.reshape(b * hkv, nb, bk, d), vs.reshape(b * hkv, nb, bk, d),
+                                       attn_mask=mask, scale=scale)
+    o = o.view(b, hkv, nb, g, bq, d).permute(0, 1, 3, 2, 4, 5).reshape(b, h, nb * bq, d)
+    return o[:, :, :lq]
