@@ -24,7 +24,7 @@ from ..sliding.blocked import sliding_window_attention
 
 
 def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
-                       scale: float | None = None, chunk: int = 512, dense_above: float = 0.5) -> torch.Tensor:
+                       scale: float | None = None, chunk: int = 64, dense_above: float = 0.5) -> torch.Tensor:
     """Same contract as ``aha_attention_naive``; computes in q's dtype.
 
     chunk: global queries per full-attention call. dense_above: a (batch, head) whose share of global

@@ -1,0 +1,75 @@
+"""AHA inference forward vs dense causal SDPA on the CPU, ratios measured side by side in one run.
+
+    python benchmarks/cpu_prefill.py            # 16 heads x 64 dims, w = 256, mu_f ~ 7%, n in {2k, 8k}
+
+Prints, per sequence length and gate pattern: dense SDPA time, AHA fast-path time, the speed-up and the
+FLOP limit 1 / (mu + 2 (1 - mu) w / n). Each time is the median of --repeats runs after one warm-up.
+Before timing, the fast path is checked against the dense reference at the smallest length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gates import PATTERNS, flop_limit  # noqa: E402
+
+from allhere.ops.aha import aha_attention_fast, aha_attention_naive  # noqa: E402
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--mu", type=float, default=0.07)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
+    a = p.parse_args(argv)
+    torch.manual_seed(0)
+    print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads, heads={a.heads}, dim={a.dim}, w={a.window}, fp32, B=1")
+
+    n0 = min(a.lengths)  # correctness before speed
+    q, k, v = (torch.randn(1, a.heads, n0, a.dim) for _ in range(3))
+    gate = PATTERNS[a.patterns[0]](1, a.heads, n0, a.mu)
+    err = (aha_attention_fast(q, k, v, gate, a.window) - aha_attention_naive(q, k, v, gate, a.window)).abs().max()
+    print(f"# check at n={n0}: max |fast - reference| = {err.item():.2e}")
+    if err > 1e-4:
+        raise SystemExit("fast path disagrees with the reference")
+
+    print("| n | gates | mu_f | dense SDPA ms | AHA fast ms | speed-up | FLOP limit |")
+    print("|---|---|---|---|---|---|---|")
+    with torch.inference_mode():
+        for n in a.lengths:
+            q, k, v = (torch.randn(1, a.heads, n, a.dim) for _ in range(3))
+            t_dense = median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), a.repeats)
+            for name in a.patterns:
+                gate = PATTERNS[name](1, a.heads, n, a.mu)
+                mu = gate.float().mean().item()
+                t_aha = median_time(lambda: aha_attention_fast(q, k, v, gate, a.window), a.repeats)
+                print(f"| {n} | {name} | {mu:.3f} | {t_dense * 1e3:.1f} | {t_aha * 1e3:.1f} | "
+                      f"{t_dense / t_aha:.2f}x | {flop_limit(mu, a.window, n):.1f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
