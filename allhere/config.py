@@ -188,3 +188,47 @@ class ModelConfig:
         if d.get("layer_mechanisms") is not None:
             d["layer_mechanisms"] = tuple(mechanism_from_dict(m) for m in d["layer_mechanisms"])
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run (pretraining or fine-tuning): AdamW, linear warmup, cosine decay."""
+
+    steps: int = 1000  # optimizer steps
+    batch_size: int = 16  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step (global batch = batch_size * grad_accum)
+    lr: float = 1e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_ratio: float = 0.03  # share of steps with linear warmup from 0 (seeds/003 uses 0.03)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2 (seeds/003 uses 0.95)
+    weight_decay: float = 0.1  # on matrices, not on norms, embeddings or routers
+    clip: float = 1.0  # gradient-norm clipping; 0 disables
+    lam: float | None = None  # lambda of L_reg; None = the model's AHA config value
+    router_lr_mult: float = 1.0  # router learning rate = lr * router_lr_mult
+    eval_every: int = 0  # evaluate every this many steps (0 = only at the end)
+    ckpt_every: int = 100  # checkpoint every this many steps (and always at the end)
+    log_every: int = 10  # record loss/mu_f in the history every this many steps
+    seed: int = 0  # seeds the model init and every batch (batch k of step s is a pure function of both)
+    device: str = "cpu"  # "cpu" or "cuda"; bf16 autocast is used on CUDA
+
+    def __post_init__(self) -> None:
+        c = "TrainConfig"
+        for name in ("steps", "batch_size", "grad_accum", "ckpt_every", "log_every"):
+            _int(c, name, getattr(self, name), 1)
+        _int(c, "eval_every", self.eval_every, 0)
+        _int(c, "seed", self.seed, 0)
+        _check(self.lr > 0, c, "lr", self.lr, "a number > 0")
+        _check(0 <= self.min_lr_ratio <= 1, c, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        _check(0 <= self.warmup_ratio < 1, c, "warmup_ratio", self.warmup_ratio, "a number in [0, 1)")
+        _check(0 <= self.beta1 < 1, c, "beta1", self.beta1, "a number in [0, 1)")
+        _check(0 <= self.beta2 < 1, c, "beta2", self.beta2, "a number in [0, 1)")
+        _check(self.weight_decay >= 0, c, "weight_decay", self.weight_decay, "a number >= 0")
+        _check(self.clip >= 0, c, "clip", self.clip, "a number >= 0")
+        _check(self.lam is None or self.lam >= 0, c, "lam", self.lam, "None or a number >= 0")
+        _check(self.router_lr_mult > 0, c, "router_lr_mult", self.router_lr_mult, "a number > 0")
+        _check(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), c, "device", self.device,
+               "'cpu' or 'cuda[:N]'")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,1 @@
+"""Reports and pictures of routing behaviour (matplotlib is loaded only where a picture is drawn)."""

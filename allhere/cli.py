@@ -1,0 +1,78 @@
+"""Command line: parse arguments, call the library, turn known errors into one line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .checkpoint import CheckpointError
+from .config import ConfigError
+from .data.corpus import DataError
+
+
+def _device(value: str) -> str:
+    if value == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if value != "cpu" and not value.startswith("cuda"):
+        raise argparse.ArgumentTypeError(f"--device must be auto, cpu or cuda[:N], got {value!r}")
+    return value
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return n
+
+
+def _nonnegative_float(value: str) -> float:
+    x = float(value)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return x
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="allhere", description="Local and global attention for decoder-only LMs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="pretrain a full model, swap in AHA, fine-tune, evaluate, write a report")
+    d.add_argument("--out", default="runs/demo", help="run directory (reused and resumed when settings match)")
+    d.add_argument("--preset", default="cpu", choices=["cpu", "tiny", "gpu"],
+                   help="sizes and steps: cpu (~15 min on 2 cores), tiny (seconds), gpu")
+    d.add_argument("--task", dest="tasks", action="append", choices=["stdlib", "recall"],
+                   help="run only this task (repeatable); default both")
+    d.add_argument("--data", default=None,
+                   help="your own text instead of the stdlib corpus: a file, a folder of text files, or a "
+                        "datasets folder saved with save_to_disk (column 'text')")
+    d.add_argument("--device", type=_device, default="auto", help="auto (default), cpu or cuda[:N]")
+    d.add_argument("--window", type=_positive, default=None, help="AHA / sliding window w (overrides the preset)")
+    d.add_argument("--lam", type=_nonnegative_float, default=None, help="lambda of L_reg (overrides the preset)")
+    d.add_argument("--pretrain-steps", type=_positive, default=None)
+    d.add_argument("--finetune-steps", type=_positive, default=None)
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            from .analysis.report import render_markdown
+            from .demo import run_demo
+
+            report = run_demo(out=args.out, preset=args.preset, tasks=tuple(args.tasks or ("stdlib", "recall")),
+                              data_path=args.data, device=args.device, progress=not args.no_progress,
+                              window=args.window, lam=args.lam, pretrain_steps=args.pretrain_steps,
+                              finetune_steps=args.finetune_steps)
+            print(render_markdown(report))
+            print(f"Report written to {args.out}/report.md, report.json and mu_f_heatmap.png")
+    except (ConfigError, DataError, CheckpointError, ImportError) as e:
+        print(f"allhere {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

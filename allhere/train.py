@@ -1,0 +1,128 @@
+"""The training loop, for pretraining and fine-tuning alike: L = L_LM + lambda * L_reg (seeds/003 Eq. 6).
+
+Reads top to bottom: set up the optimizer, resume if asked, then for every step draw the step's
+micro-batches (a pure function of the seed and the step, so a resumed run sees the same data), forward,
+backward, clip, step, log, evaluate, checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .checkpoint import CheckpointError, read_checkpoint, restore_model, restore_optimizer, save_checkpoint
+from .config import TrainConfig
+from .losses import aha_loss
+from .model import Decoder
+
+BatchFn = Callable[[torch.Generator], torch.Tensor]  # generator -> token ids [batch, seq]
+EvalFn = Callable[[Decoder], dict]
+
+
+def step_generator(seed: int, step: int, micro: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + micro)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup over warmup_ratio of the steps, then cosine decay to lr * min_lr_ratio."""
+    warm = int(cfg.warmup_ratio * cfg.steps)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def make_optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
+    groups = {"decay": [], "no_decay": [], "router": []}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if ".router" in name:
+            groups["router"].append(p)
+        elif p.dim() >= 2 and "embed" not in name:
+            groups["decay"].append(p)
+        else:
+            groups["no_decay"].append(p)
+    params = [
+        {"params": groups["decay"], "weight_decay": cfg.weight_decay, "lr_mult": 1.0},
+        {"params": groups["no_decay"], "weight_decay": 0.0, "lr_mult": 1.0},
+        {"params": groups["router"], "weight_decay": 0.0, "lr_mult": cfg.router_lr_mult},
+    ]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def model_lam(model: Decoder, cfg: TrainConfig) -> float:
+    if cfg.lam is not None:
+        return cfg.lam
+    lams = {m.cfg.lam for _, m in model.aha_modules()}
+    if len(lams) > 1:
+        raise ValueError(f"AHA layers disagree on lam ({sorted(lams)}); set TrainConfig.lam")
+    return lams.pop() if lams else 0.0
+
+
+def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | Path, resume: bool = False,
+          eval_fn: EvalFn | None = None, progress: bool = True, extra_state: dict | None = None) -> dict:
+    """Train ``model`` in place; checkpoint to ``ckpt_path``; return the final state (history, metrics).
+
+    ``resume=True`` continues from ``ckpt_path`` exactly where it stopped; without it an existing
+    checkpoint there is an error (nothing good is overwritten).
+    """
+    from tqdm.auto import tqdm
+
+    ckpt_path = Path(ckpt_path)
+    model.to(cfg.device)
+    opt = make_optimizer(model, cfg)
+    lam = model_lam(model, cfg)
+    state = {"step": 0, "history": [], "evals": [], "train_config": cfg.to_dict(), **(extra_state or {})}
+    if ckpt_path.exists():
+        if not resume:
+            raise CheckpointError(f"{ckpt_path} already exists: pass --resume to continue it, or choose another "
+                                  "output directory")
+        tensors, meta = read_checkpoint(ckpt_path)
+        if meta.get("train_config") != cfg.to_dict():
+            raise CheckpointError(f"{ckpt_path} was written with other training settings; resume with the "
+                                  "same settings or choose another output directory")
+        restore_model(model, tensors, ckpt_path)
+        restore_optimizer(opt, tensors, meta, ckpt_path)
+        model.to(cfg.device)
+        state.update({k: meta[k] for k in ("step", "history", "evals") if k in meta})
+
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg.device.startswith("cuda")
+                else contextlib.nullcontext())
+    bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress, desc=ckpt_path.parent.name,
+               dynamic_ncols=True)
+    model.train()
+    for step in range(state["step"], cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, step) * group["lr_mult"]
+        sums = {"loss": 0.0, "lm": 0.0, "mu_f": 0.0}
+        for micro in range(cfg.grad_accum):
+            ids = batches(step_generator(cfg.seed, step, micro)).to(cfg.device)
+            with autocast:
+                out = model(ids)
+            loss = aha_loss(out, ids, lam)
+            (loss.total / cfg.grad_accum).backward()
+            sums["loss"] += loss.total.item() / cfg.grad_accum
+            sums["lm"] += loss.lm.item() / cfg.grad_accum
+            sums["mu_f"] += (1.0 if loss.mu_f is None else loss.mu_f.item()) / cfg.grad_accum
+        if cfg.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["step"] = step + 1
+        bar.update(1)
+        bar.set_postfix(lm=f"{sums['lm']:.3f}", mu_f=f"{sums['mu_f']:.3f}")
+        if state["step"] % cfg.log_every == 0 or state["step"] == cfg.steps:
+            state["history"].append({"step": state["step"], **{k: round(v, 5) for k, v in sums.items()}})
+        if eval_fn is not None and cfg.eval_every and state["step"] % cfg.eval_every == 0:
+            state["evals"].append({"step": state["step"], **eval_fn(model)})
+            model.train()
+        if state["step"] % cfg.ckpt_every == 0 or state["step"] == cfg.steps:
+            save_checkpoint(ckpt_path, model, opt, state)
+    bar.close()
+    model.eval()
+    return state

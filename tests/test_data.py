@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from allhere.data.corpus import DataError, eval_windows, sample_batch, stdlib_corpus, text_corpus
+from allhere.data.recall import RecallTask
+
+
+def test_stdlib_corpus_is_deterministic_and_split_by_file():
+    a, b = stdlib_corpus(), stdlib_corpus()
+    assert torch.equal(a.train[:10_000], b.train[:10_000]) and torch.equal(a.val, b.val)
+    assert len(a.val) > 100_000 and len(a.train) > 20 * len(a.val)
+    assert "standard library" in a.describe()
+
+
+def test_text_folder_and_file(tmp_path):
+    for i in range(40):
+        (tmp_path / f"doc{i}.txt").write_text(f"document number {i}\n" * 20)
+    c = text_corpus(tmp_path)
+    assert len(c.train) > len(c.val) > 0
+    single = tmp_path / "doc0.txt"
+    c = text_corpus(single)
+    assert bytes(c.train.tolist()) + bytes(c.val.tolist()) == single.read_bytes()
+
+
+@pytest.mark.parametrize("case", ["missing", "empty-file", "empty-folder"])
+def test_bad_data_paths_raise_named_errors(tmp_path, case):
+    path = {"missing": tmp_path / "nope.txt", "empty-file": tmp_path / "empty.txt", "empty-folder": tmp_path / "d"}[case]
+    if case == "empty-file":
+        path.write_text("  \n")
+    if case == "empty-folder":
+        path.mkdir()
+    with pytest.raises(DataError, match=str(path)):
+        text_corpus(path)
+
+
+def test_saved_dataset_with_text_column(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"text": [f"line {i} " * 30 for i in range(50)]})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    assert len(text_corpus(tmp_path / "ds").train) > 0
+    datasets.Dataset.from_dict({"body": ["x"] * 5}).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match="no 'text' column"):
+        text_corpus(tmp_path / "bad")
+
+
+def test_batches_are_pure_functions_of_the_generator():
+    stream = torch.arange(1000, dtype=torch.int64) % 256
+    a = sample_batch(stream.to(torch.uint8), 4, 32, torch.Generator().manual_seed(3))
+    b = sample_batch(stream.to(torch.uint8), 4, 32, torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and a.shape == (4, 32) and a.dtype == torch.int64
+    assert eval_windows(stream, 100, 5).shape == (5, 100)
+    with pytest.raises(DataError):
+        eval_windows(stream[:50], 100, 5)
+
+
+def test_recall_task_layout():
+    task = RecallTask(seq_len=64, n_pairs=4, n_queries=3)
+    ids, retrieval = task.batch(8, torch.Generator().manual_seed(0))
+    assert ids.shape == retrieval.shape == (8, 64)
+    assert int(ids.max()) < task.vocab_size
+    assert retrieval.sum(1).tolist() == [3] * 8
+    for row, r in zip(ids.tolist(), retrieval):
+        pairs = dict(zip(row[1:9:2], row[2:9:2]))
+        for pos in r.nonzero().flatten().tolist():
+            assert pairs[row[pos]] == row[pos + 1]  # the answer is the stated value
+            first = row.index(row[pos])
+            assert pos - first >= task.min_distance
+    with pytest.raises(ValueError, match="too short"):
+        RecallTask(seq_len=20, n_pairs=8, n_queries=8)

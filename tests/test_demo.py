@@ -1,0 +1,83 @@
+"""The main job end to end on the tiny preset, and its handling of bad input."""
+
+import json
+
+import pytest
+
+from allhere.cli import main
+
+
+def run(*args):
+    return main(["demo", "--preset", "tiny", "--device", "cpu", "--no-progress", *args])
+
+
+def test_tiny_demo_writes_report_and_reuses_its_run(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert run("--out", str(out)) == 0
+    printed = capsys.readouterr().out
+    assert "Retain %" in printed and "mu_f retrieval tokens" in printed
+    report = json.loads((out / "report.json").read_text())
+    stdlib = report["tasks"]["stdlib"]["rows"]
+    assert set(stdlib) == {"full (pretrained)", "AHA w=8 (fine-tuned)", "sliding w=8 (pretrained, no fine-tuning)",
+                           "full (pretrained + the same fine-tuning steps, control)"}
+    assert stdlib["full (pretrained)"]["retain_percent"] == pytest.approx(100.0)
+    assert stdlib["full (pretrained)"]["mu_f"] == 1.0 and stdlib["sliding w=8 (pretrained, no fine-tuning)"]["mu_f"] == 0.0
+    assert 0.0 <= stdlib["AHA w=8 (fine-tuned)"]["mu_f"] <= 1.0
+    recall = report["tasks"]["recall"]["rows"]["AHA w=8 (fine-tuned)"]
+    assert {"accuracy", "mu_f_retrieval", "mu_f_other"} <= set(recall)
+    assert (out / "report.md").read_text().startswith("# allhere demo report")
+    assert (out / "mu_f_heatmap.png").read_bytes()[:4] == b"\x89PNG"
+    ckpt = out / "stdlib" / "aha" / "checkpoint.safetensors"
+    before = ckpt.stat().st_mtime_ns
+    assert run("--out", str(out)) == 0  # finished checkpoints are reused, not retrained
+    assert ckpt.stat().st_mtime_ns == before
+    again = json.loads((out / "report.json").read_text())
+    assert again["tasks"]["stdlib"]["rows"] == report["tasks"]["stdlib"]["rows"]
+
+
+def test_other_settings_in_same_run_directory_are_refused(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert run("--out", str(out), "--task", "recall") == 0
+    ckpt = out / "recall" / "aha" / "checkpoint.safetensors"
+    before = ckpt.read_bytes()
+    assert run("--out", str(out), "--task", "recall", "--lam", "0.5") == 2
+    assert "other settings" in capsys.readouterr().err
+    assert ckpt.read_bytes() == before
+
+
+def test_own_text_data(tmp_path):
+    data = tmp_path / "texts"
+    data.mkdir()
+    for i in range(30):
+        (data / f"f{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 10)
+    assert run("--out", str(tmp_path / "own"), "--task", "stdlib", "--data", str(data)) == 0
+    report = json.loads((tmp_path / "own" / "report.json").read_text())
+    assert str(data) in report["tasks"]["stdlib"]["data"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "/no/such/path"], "does not exist"),
+    (["--window", "48"], "window = 48 must be smaller"),
+])
+def test_bad_input_one_line_nonzero_exit(tmp_path, capsys, args, message):
+    assert run("--out", str(tmp_path / "x"), "--task", "stdlib", *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_corrupt_checkpoint_in_run_directory(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert run("--out", str(out), "--task", "recall") == 0
+    ckpt = out / "recall" / "pretrain" / "checkpoint.safetensors"
+    ckpt.write_bytes(b"garbage")
+    assert run("--out", str(out), "--task", "recall") == 2
+    assert "corrupt" in capsys.readouterr().err
+    assert ckpt.read_bytes() == b"garbage"  # not silently replaced
+
+
+@pytest.mark.parametrize("args", [["--window", "0"], ["--lam", "-1"], ["--preset", "huge"], ["--device", "tpu"]])
+def test_out_of_range_flags_exit_nonzero(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        run(*args)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
