@@ -66,8 +66,8 @@ def _plans(preset: str, device: str) -> dict[str, TaskPlan]:
                          ckpt_every=100, device=device)
     lm_ft = TrainConfig(steps=1000 if big else 200, batch_size=lm_pre.batch_size, lr=3e-4, router_lr_mult=10.0,
                         ckpt_every=50, device=device)
-    rc_pre = TrainConfig(steps=800, batch_size=64, lr=3e-3, ckpt_every=100, device=device)
-    rc_ft = TrainConfig(steps=300, batch_size=64, lr=1e-3, router_lr_mult=10.0, ckpt_every=50, device=device)
+    rc_pre = TrainConfig(steps=400, batch_size=64, lr=2e-3, ckpt_every=100, device=device)
+    rc_ft = TrainConfig(steps=200, batch_size=64, lr=3e-4, router_lr_mult=10.0, ckpt_every=50, device=device)
     return {
         "stdlib": TaskPlan(lm, AHAConfig(window=32, lam=0.05), lm_pre, lm_ft, 1024 if big else 256, 128),
         "recall": TaskPlan(rc, AHAConfig(window=16, lam=0.05), rc_pre, rc_ft, task.seq_len, 1024),
@@ -89,19 +89,21 @@ def plans(preset: str = "cpu", device: str = "cpu", window: int | None = None, l
     return out
 
 
-def _pretrain_and_finetune(run: Path, plan: TaskPlan, batches: Callable, progress: bool) -> tuple[Decoder, Decoder]:
+def _pretrain_and_finetune(run: Path, plan: TaskPlan, pre_batches: Callable, ft_batches: Callable,
+                           progress: bool) -> tuple[Decoder, Decoder]:
     torch.manual_seed(plan.pretrain.seed)
     full = Decoder(plan.model)
-    train(full, batches, plan.pretrain, run / "pretrain" / "checkpoint.safetensors", resume=True, progress=progress)
+    train(full, pre_batches, plan.pretrain, run / "pretrain" / "checkpoint.safetensors", resume=True,
+          progress=progress)
     aha = swap_mechanism(full, plan.aha)
-    train(aha, batches, plan.finetune, run / "aha" / "checkpoint.safetensors", resume=True, progress=progress)
+    train(aha, ft_batches, plan.finetune, run / "aha" / "checkpoint.safetensors", resume=True, progress=progress)
     return full, aha
 
 
 def run_lm_task(run: Path, plan: TaskPlan, data_path: str | None, progress: bool) -> dict:
     corpus = stdlib_corpus() if data_path is None else text_corpus(data_path)
     batches = lambda g: sample_batch(corpus.train, plan.pretrain.batch_size, plan.seq_len, g)  # noqa: E731
-    full, aha = _pretrain_and_finetune(run, plan, batches, progress)
+    full, aha = _pretrain_and_finetune(run, plan, batches, batches, progress)
     # Control: the full model trained for the same extra steps, so that the gain of plain extra training
     # is not credited to AHA.
     control = swap_mechanism(full, FullConfig())
@@ -130,8 +132,9 @@ def run_lm_task(run: Path, plan: TaskPlan, data_path: str | None, progress: bool
 
 def run_recall_task(run: Path, plan: TaskPlan, progress: bool) -> dict:
     task = RecallTask(seq_len=plan.seq_len)
-    batches = lambda g: task.batch(plan.pretrain.batch_size, g)[0]  # noqa: E731
-    full, aha = _pretrain_and_finetune(run, plan, batches, progress)
+    pre = lambda g: task.training_batch(plan.pretrain.batch_size, g, curriculum=True)  # noqa: E731
+    ft = lambda g: task.training_batch(plan.finetune.batch_size, g)  # noqa: E731
+    full, aha = _pretrain_and_finetune(run, plan, pre, ft, progress)
     dev = plan.pretrain.device
     sliding = swap_mechanism(full, SlidingConfig(window=plan.aha.window))
     n = plan.eval_sequences

@@ -19,12 +19,19 @@ from .config import TrainConfig
 from .losses import aha_loss
 from .model import Decoder
 
-BatchFn = Callable[[torch.Generator], torch.Tensor]  # generator -> token ids [batch, seq]
+# generator -> token ids [batch, seq], or (ids, loss_mask) where loss_mask [batch, seq] marks the target tokens
+# that count in the loss
+BatchFn = Callable[[torch.Generator], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 EvalFn = Callable[[Decoder], dict]
 
 
 def step_generator(seed: int, step: int, micro: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + micro)
+
+
+def _unpack(batch, device):
+    ids, mask = batch if isinstance(batch, tuple) else (batch, None)
+    return ids.to(device), None if mask is None else mask.to(device)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -101,10 +108,10 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
             group["lr"] = lr_at(cfg, step) * group["lr_mult"]
         sums = {"loss": 0.0, "lm": 0.0, "mu_f": 0.0}
         for micro in range(cfg.grad_accum):
-            ids = batches(step_generator(cfg.seed, step, micro)).to(cfg.device)
+            ids, loss_mask = _unpack(batches(step_generator(cfg.seed, step, micro)), cfg.device)
             with autocast:
                 out = model(ids)
-            loss = aha_loss(out, ids, lam)
+            loss = aha_loss(out, ids, lam, loss_mask=loss_mask)
             (loss.total / cfg.grad_accum).backward()
             sums["loss"] += loss.total.item() / cfg.grad_accum
             sums["lm"] += loss.lm.item() / cfg.grad_accum

@@ -59,11 +59,21 @@ def test_recall_task_layout():
     assert ids.shape == retrieval.shape == (8, 64)
     assert int(ids.max()) < task.vocab_size
     assert retrieval.sum(1).tolist() == [3] * 8
+    p0 = task.vocab_size - task.n_keys * task.n_values  # first fact id
     for row, r in zip(ids.tolist(), retrieval):
-        pairs = dict(zip(row[1:9:2], row[2:9:2]))
+        facts = {2 + (f - p0) // task.n_values: 2 + task.n_keys + (f - p0) % task.n_values for f in row[1:5]}
+        assert len(facts) == 4
         for pos in r.nonzero().flatten().tolist():
-            assert pairs[row[pos]] == row[pos + 1]  # the answer is the stated value
-            first = row.index(row[pos])
-            assert pos - first >= task.min_distance
+            assert facts[row[pos]] == row[pos + 1]  # the answer is the stated value
+            assert pos - 4 >= task.min_distance  # the last fact sits at position 4
     with pytest.raises(ValueError, match="too short"):
         RecallTask(seq_len=20, n_pairs=8, n_queries=8)
+
+
+def test_recall_training_batch_counts_only_answers():
+    task = RecallTask(seq_len=64, n_pairs=4, n_queries=3)
+    ids, mask = task.training_batch(4, torch.Generator().manual_seed(1))
+    _, retrieval = task.batch(4, torch.Generator().manual_seed(1))
+    assert torch.equal(mask[:, 1:], retrieval[:, :-1]) and not mask[:, 0].any()
+    lengths = {task.training_batch(2, torch.Generator().manual_seed(s), curriculum=True)[0].shape[1] for s in range(20)}
+    assert len(lengths) > 1 and max(lengths) <= 64
