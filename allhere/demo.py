@@ -50,7 +50,7 @@ def _plans(preset: str, device: str) -> dict[str, TaskPlan]:
         lm = ModelConfig(vocab_size=VOCAB_SIZE, d_model=32, n_layers=2, n_heads=2)
         rc = ModelConfig(vocab_size=RecallTask(seq_len=48).vocab_size, d_model=32, n_layers=2, n_heads=2)
         tc = lambda steps, lr: TrainConfig(steps=steps, batch_size=4, lr=lr, ckpt_every=4, log_every=2,  # noqa: E731
-                                           device=device)
+                                           eval_every=2, device=device)
         return {
             "stdlib": TaskPlan(lm, AHAConfig(window=8, lam=0.01), tc(6, 3e-3), tc(4, 1e-3), 48, 4),
             "recall": TaskPlan(rc, AHAConfig(window=8, lam=0.01), tc(6, 3e-3), tc(4, 1e-3), 48, 32),
@@ -62,12 +62,13 @@ def _plans(preset: str, device: str) -> dict[str, TaskPlan]:
                      n_heads=8 if big else 6)
     task = RecallTask(seq_len=96)
     rc = ModelConfig(vocab_size=task.vocab_size, d_model=128, n_layers=2, n_heads=4)
-    lm_pre = TrainConfig(steps=3000 if big else 500, batch_size=32 if big else 16, lr=1e-3 if big else 2e-3,
-                         ckpt_every=100, device=device)
-    lm_ft = TrainConfig(steps=1000 if big else 200, batch_size=lm_pre.batch_size, lr=3e-4, router_lr_mult=10.0,
-                        ckpt_every=50, device=device)
-    rc_pre = TrainConfig(steps=400, batch_size=64, lr=2e-3, ckpt_every=100, device=device)
-    rc_ft = TrainConfig(steps=200, batch_size=64, lr=3e-4, router_lr_mult=10.0, ckpt_every=50, device=device)
+    lm_pre = TrainConfig(steps=3000 if big else 800, batch_size=32 if big else 16, lr=1e-3 if big else 2e-3,
+                         ckpt_every=100, eval_every=100, device=device)
+    lm_ft = TrainConfig(steps=1000 if big else 250, batch_size=lm_pre.batch_size, lr=3e-4, router_lr_mult=10.0,
+                        ckpt_every=50, eval_every=50, device=device)
+    rc_pre = TrainConfig(steps=400, batch_size=64, lr=2e-3, ckpt_every=100, eval_every=100, device=device)
+    rc_ft = TrainConfig(steps=200, batch_size=64, lr=3e-4, router_lr_mult=10.0, ckpt_every=50, eval_every=50,
+                        device=device)
     return {
         "stdlib": TaskPlan(lm, AHAConfig(window=32, lam=0.05), lm_pre, lm_ft, 1024 if big else 256, 128),
         "recall": TaskPlan(rc, AHAConfig(window=16, lam=0.05), rc_pre, rc_ft, task.seq_len, 1024),
@@ -90,27 +91,31 @@ def plans(preset: str = "cpu", device: str = "cpu", window: int | None = None, l
 
 
 def _pretrain_and_finetune(run: Path, plan: TaskPlan, pre_batches: Callable, ft_batches: Callable,
-                           progress: bool) -> tuple[Decoder, Decoder]:
+                           eval_fn: Callable, progress: bool) -> tuple[Decoder, Decoder, dict]:
+    """Returns the pretrained full model, the fine-tuned AHA model and their periodic evaluations."""
     torch.manual_seed(plan.pretrain.seed)
     full = Decoder(plan.model)
-    train(full, pre_batches, plan.pretrain, run / "pretrain" / "checkpoint.safetensors", resume=True,
-          progress=progress)
+    curves = {}
+    curves["pretrain"] = train(full, pre_batches, plan.pretrain, run / "pretrain" / "checkpoint.safetensors",
+                               resume=True, eval_fn=eval_fn, progress=progress)["evals"]
     aha = swap_mechanism(full, plan.aha)
-    train(aha, ft_batches, plan.finetune, run / "aha" / "checkpoint.safetensors", resume=True, progress=progress)
-    return full, aha
+    curves["aha"] = train(aha, ft_batches, plan.finetune, run / "aha" / "checkpoint.safetensors", resume=True,
+                          eval_fn=eval_fn, progress=progress)["evals"]
+    return full, aha, curves
 
 
 def run_lm_task(run: Path, plan: TaskPlan, data_path: str | None, progress: bool) -> dict:
     corpus = stdlib_corpus() if data_path is None else text_corpus(data_path)
     batches = lambda g: sample_batch(corpus.train, plan.pretrain.batch_size, plan.seq_len, g)  # noqa: E731
-    full, aha = _pretrain_and_finetune(run, plan, batches, batches, progress)
+    windows = eval_windows(corpus.val, plan.seq_len, plan.eval_sequences)
+    dev = plan.pretrain.device
+    periodic = lambda m: _brief(evaluate_lm(m, windows[:16], device=dev), ("loss", "mu_f"))  # noqa: E731
+    full, aha, curves = _pretrain_and_finetune(run, plan, batches, batches, periodic, progress)
     # Control: the full model trained for the same extra steps, so that the gain of plain extra training
     # is not credited to AHA.
     control = swap_mechanism(full, FullConfig())
     train(control, batches, plan.finetune, run / "full-finetuned" / "checkpoint.safetensors", resume=True,
           progress=progress)
-    windows = eval_windows(corpus.val, plan.seq_len, plan.eval_sequences)
-    dev = plan.pretrain.device
     sliding = swap_mechanism(full, SlidingConfig(window=plan.aha.window))
     rows = {"full (pretrained)": evaluate_lm(full, windows, device=dev),
             f"AHA w={plan.aha.window} (fine-tuned)": evaluate_lm(aha, windows, device=dev),
@@ -127,15 +132,20 @@ def run_lm_task(run: Path, plan: TaskPlan, data_path: str | None, progress: bool
         "sliding-window-only keeps less than AHA": slide_row["retain_percent"] < aha_row["retain_percent"],
     }
     return {"data": corpus.describe(), "seq_len": plan.seq_len, "eval_sequences": int(windows.shape[0]),
-            "rows": rows, "goals": goals, "aha_layers": [i for i, _ in aha.aha_modules()]}
+            "rows": rows, "goals": goals, "aha_layers": [i for i, _ in aha.aha_modules()], "curves": curves}
+
+
+def _brief(metrics: dict, keys: tuple[str, ...]) -> dict:
+    return {k: round(metrics[k], 5) for k in keys}
 
 
 def run_recall_task(run: Path, plan: TaskPlan, progress: bool) -> dict:
     task = RecallTask(seq_len=plan.seq_len)
     pre = lambda g: task.training_batch(plan.pretrain.batch_size, g, curriculum=True)  # noqa: E731
     ft = lambda g: task.training_batch(plan.finetune.batch_size, g)  # noqa: E731
-    full, aha = _pretrain_and_finetune(run, plan, pre, ft, progress)
     dev = plan.pretrain.device
+    periodic = lambda m: _brief(evaluate_recall(m, task, 128, device=dev), ("accuracy", "mu_f"))  # noqa: E731
+    full, aha, curves = _pretrain_and_finetune(run, plan, pre, ft, periodic, progress)
     sliding = swap_mechanism(full, SlidingConfig(window=plan.aha.window))
     n = plan.eval_sequences
     rows = {"full (pretrained)": evaluate_recall(full, task, n, device=dev),
@@ -152,7 +162,7 @@ def run_recall_task(run: Path, plan: TaskPlan, progress: bool) -> dict:
     }
     return {"data": f"recall task {dataclasses.asdict(task)} (min distance query->pair "
                     f"{task.min_distance} tokens)", "rows": rows, "goals": goals,
-            "aha_layers": [i for i, _ in aha.aha_modules()]}
+            "aha_layers": [i for i, _ in aha.aha_modules()], "curves": curves}
 
 
 def run_demo(out: str | Path = "runs/demo", preset: str = "cpu", tasks: tuple[str, ...] = ("stdlib", "recall"),

@@ -100,7 +100,7 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
 
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg.device.startswith("cuda")
                 else contextlib.nullcontext())
-    bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress, desc=ckpt_path.parent.name,
+    bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress, desc=f"{ckpt_path.parent.parent.name}/{ckpt_path.parent.name}",
                dynamic_ncols=True)
     model.train()
     for step in range(state["step"], cfg.steps):
