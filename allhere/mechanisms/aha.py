@@ -80,10 +80,11 @@ class AHAAttention(nn.Module):
             logits = router_logits if self.router_bias is None else router_logits + self.router_bias
         return torch.sigmoid(logits.float()).transpose(1, 2)
 
-    def forward(self, q, k, v, x, cache=None, router_logits=None):
+    def forward(self, q, k, v, x, cache=None, router_logits=None, scale=None, mask=None):
         """q [b, h, n, d], k/v [b, kv_heads, n, d] (new tokens), x [b, n, d_model] the block input.
 
-        Returns (out [b, h, n, d], LayerRouting)."""
+        mask: optional bool [b, 1 or h, n, kv_len] of keys each query may see at all (padding); with a mask
+        the dense reference computes the output. Returns (out [b, h, n, d], LayerRouting)."""
         s = self.scores(x, router_logits)
         hard = s > self.cfg.tau
         if self.forced_gate is not None:
@@ -95,5 +96,8 @@ class AHAAttention(nn.Module):
             gate = hard
         if cache is not None:
             k, v = cache.update(k, v)
-        out = IMPLS[self.impl](q, k, v, gate, self.cfg.window)
+        if mask is None:
+            out = IMPLS[self.impl](q, k, v, gate, self.cfg.window, scale=scale)
+        else:
+            out = aha_attention_naive(q, k, v, gate, self.cfg.window, scale=scale, mask=mask)
         return out, LayerRouting(scores=s, gates=hard)

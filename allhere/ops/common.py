@@ -48,7 +48,9 @@ def masked_attention_fp32(q, k, v, mask, scale):
     heads = q.shape[1]
     s = (q.float() @ repeat_kv(k, heads).float().transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, float("-inf"))
-    return torch.softmax(s, dim=-1) @ repeat_kv(v, heads).float()
+    p = torch.softmax(s, dim=-1)
+    p = torch.where(mask.any(-1, keepdim=True), p, 0.0)  # a query that may see no key (padding) gives 0
+    return p @ repeat_kv(v, heads).float()
 
 
 def combine_gated(hard: torch.Tensor, gate: torch.Tensor, a_full: torch.Tensor, a_local: torch.Tensor):

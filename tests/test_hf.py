@@ -1,0 +1,129 @@
+"""Hugging Face conversion, offline: tiny random-weight configs built here, no downloads."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from allhere import AHAConfig, ConfigError  # noqa: E402
+from allhere.hf import collect_routing, convert, load_pretrained, save_pretrained, set_forced_gate  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=128, eos_token_id=1, bos_token_id=0, pad_token_id=2)
+
+
+def family_config(name):
+    t = transformers
+    if name == "gpt_neox":  # partial rotary, fused qkv, no grouped-query heads
+        return t.GPTNeoXConfig(rotary_pct=0.25, **COMMON)
+    cls = {"llama": t.LlamaConfig, "mistral": t.MistralConfig, "qwen2": t.Qwen2Config, "qwen3": t.Qwen3Config,
+           "olmo2": t.Olmo2Config}[name]
+    extra = {"sliding_window": None} if name == "mistral" else {}
+    return cls(num_key_value_heads=2, **COMMON, **extra)
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "gpt_neox"]
+
+
+def build(name, seed=0):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(family_config(name), attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_forced_full_equals_original_and_global_init_too(name):
+    model = build(name)
+    ids = torch.randint(3, 97, (2, 24))
+    with torch.no_grad():
+        ref = model(ids).logits
+        convert(model, AHAConfig(window=4))  # router_init="global": every gate starts open
+        assert rel_err(model(ids).logits, ref) < 1e-5
+        assert collect_routing(model).mu_f().item() == 1.0
+        set_forced_gate(model, True)
+        assert rel_err(model(ids).logits, ref) < 1e-5
+        set_forced_gate(model, False)
+        assert rel_err(model(ids).logits, ref) > 1e-3  # the window changes something at 24 tokens
+
+
+def test_mistral_own_sliding_window_is_the_oracle_for_forced_local():
+    w = 5
+    oracle = build("mistral")
+    oracle.config.sliding_window = w  # transformers' own sliding-window attention
+    ours = build("mistral")
+    ours.load_state_dict(oracle.state_dict())
+    convert(ours, AHAConfig(window=w))
+    set_forced_gate(ours, False)
+    ids = torch.randint(3, 97, (2, 30))
+    with torch.no_grad():
+        assert rel_err(ours(ids).logits, oracle(ids).logits) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["llama", "olmo2", "gpt_neox"])
+def test_save_then_load_gives_identical_logits(name, tmp_path):
+    model = convert(build(name), AHAConfig(window=4, router_init="neutral"))
+    save_pretrained(model, tmp_path / "m")
+    again = load_pretrained(tmp_path / "m").eval()
+    ids = torch.randint(3, 97, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    assert again.config.allhere_aha == model.config.allhere_aha
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt_neox"])
+def test_cached_greedy_generation_equals_uncached(name):
+    model = convert(build(name), AHAConfig(window=3, router_init="neutral"))
+    prompt = torch.randint(3, 97, (2, 7))
+    kw = dict(max_new_tokens=10, do_sample=False, min_new_tokens=10, pad_token_id=2)
+    with torch.no_grad():
+        uncached = model.generate(prompt, use_cache=False, **kw)
+        cached = model.generate(prompt, use_cache=True, **kw)
+    assert torch.equal(cached, uncached)
+    routing = collect_routing(model)  # with the cache, the last step routed one new token per head
+    assert routing.per_layer[0].gates.shape == (2, 4, 1)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_padded_batch_equals_one_by_one(name):
+    model = convert(build(name), AHAConfig(window=3, router_init="neutral"))
+    a, b = torch.randint(3, 97, (1, 12)), torch.randint(3, 97, (1, 7))
+    ids = torch.full((2, 12), 2)
+    ids[0], ids[1, 5:] = a[0], b[0]  # left padding
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask).logits
+        one_a, one_b = model(a).logits, model(b).logits
+    assert rel_err(batched[0], one_a[0]) < 1e-5
+    assert rel_err(batched[1, 5:], one_b[0]) < 1e-5
+
+
+def test_unsupported_architecture_and_bad_window():
+    gpt2 = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    with pytest.raises(ConfigError, match="unsupported architecture 'gpt2'.*llama"):
+        convert(gpt2, AHAConfig(window=4))
+    with pytest.raises(ConfigError, match="larger than the model's context"):
+        convert(build("llama"), AHAConfig(window=1000))
+    with pytest.raises(ConfigError, match="qproj"):
+        convert(build("llama"), AHAConfig(window=4, router="qproj"))
+
+
+def test_contract_with_transformers_interfaces():
+    """Fails loudly if transformers changes the interfaces the integration relies on."""
+    import inspect
+
+    from transformers import AttentionInterface
+    from transformers.cache_utils import DynamicCache
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    assert hasattr(AttentionInterface, "register") and hasattr(AttentionMaskInterface, "register")
+    params = inspect.signature(sdpa_mask).parameters
+    for name in ("batch_size", "q_length", "kv_length", "attention_mask", "allow_is_causal_skip"):
+        assert name in params, name
+    assert hasattr(DynamicCache, "update")
+    model = convert(build("llama"), AHAConfig(window=4))
+    assert model.config._attn_implementation == "allhere_aha"
+    src = inspect.getsource(type(model.model.layers[0].self_attn).forward)
+    assert "attention_interface(" in src and "past_key_values.update" in src
