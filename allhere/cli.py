@@ -52,7 +52,33 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--pretrain-steps", type=_positive, default=None)
     d.add_argument("--finetune-steps", type=_positive, default=None)
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    c = sub.add_parser("convert", help="convert a local Hugging Face model to AHA and save it")
+    c.add_argument("--model", required=True, help="folder of a saved transformers causal LM")
+    c.add_argument("--out", required=True, help="folder to save the converted model into")
+    _aha_flags(c)
+
+    s = sub.add_parser("sft", help="convert a local Hugging Face model to AHA and fine-tune it on chat data")
+    s.add_argument("--model", required=True, help="folder of a saved transformers causal LM")
+    s.add_argument("--data", required=True, help="chat data: .jsonl/.json/.parquet with a 'messages' column")
+    s.add_argument("--out", required=True, help="run folder: checkpoint.safetensors and the final model/")
+    _aha_flags(s)
+    s.add_argument("--seq-len", type=_positive, default=2048, help="packed sequence length (default 2048)")
+    s.add_argument("--batch-size", type=_positive, default=4, help="sequences per micro-batch (default 4)")
+    s.add_argument("--global-batch", type=_positive, default=128, help="sequences per optimizer step (default 128)")
+    s.add_argument("--epochs", type=float, default=1.0, help="passes over the data (default 1)")
+    s.add_argument("--max-steps", type=_positive, default=None, help="stop after this many optimizer steps")
+    s.add_argument("--lr", type=float, default=3e-5, help="peak learning rate (default 3e-5)")
+    s.add_argument("--device", type=_device, default="auto", help="auto (default), cpu or cuda[:N]")
+    s.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+def _aha_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--window", type=_positive, required=True, help="AHA window w (keys, the current one included)")
+    p.add_argument("--tau", type=float, default=0.5, help="gate threshold (default 0.5)")
+    p.add_argument("--lam", type=_nonnegative_float, default=3e-4, help="lambda of L_reg (default 3e-4)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +94,26 @@ def main(argv: list[str] | None = None) -> int:
                               finetune_steps=args.finetune_steps)
             print(render_markdown(report))
             print(f"Report written to {args.out}/report.md, report.json and mu_f_heatmap.png")
+        elif args.command == "convert":
+            from .config import AHAConfig
+            from .hf import convert, save_pretrained
+            from .hf.sft import load_local
+
+            tokenizer, model = load_local(args.model)
+            convert(model, AHAConfig(window=args.window, tau=args.tau, lam=args.lam))
+            save_pretrained(model, args.out)
+            tokenizer.save_pretrained(args.out)
+            print(f"AHA model (w={args.window}) saved to {args.out}; load it with allhere.hf.load_pretrained")
+        elif args.command == "sft":
+            from .hf import sft
+
+            state = sft(args.model, args.data, args.out, window=args.window, seq_len=args.seq_len,
+                        batch_size=args.batch_size, global_batch=args.global_batch, epochs=args.epochs,
+                        lr=args.lr, lam=args.lam, tau=args.tau, max_steps=args.max_steps, device=args.device,
+                        resume=args.resume, progress=not args.no_progress)
+            last = state["history"][-1]
+            print(f"{state['step']} steps; last step: loss {last['lm']:.4f}, mu_f {last['mu_f']:.3f}. "
+                  f"Model saved to {args.out}/model")
     except (ConfigError, DataError, CheckpointError, ImportError) as e:
         print(f"allhere {args.command}: error: {e}", file=sys.stderr)
         return 2

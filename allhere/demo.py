@@ -106,7 +106,7 @@ def _pretrain_and_finetune(run: Path, plan: TaskPlan, pre_batches: Callable, ft_
 
 def run_lm_task(run: Path, plan: TaskPlan, data_path: str | None, progress: bool) -> dict:
     corpus = stdlib_corpus() if data_path is None else text_corpus(data_path)
-    batches = lambda g: sample_batch(corpus.train, plan.pretrain.batch_size, plan.seq_len, g)  # noqa: E731
+    batches = lambda step, micro, g: sample_batch(corpus.train, plan.pretrain.batch_size, plan.seq_len, g)  # noqa: E731
     windows = eval_windows(corpus.val, plan.seq_len, plan.eval_sequences)
     dev = plan.pretrain.device
     periodic = lambda m: _brief(evaluate_lm(m, windows[:16], device=dev), ("loss", "mu_f"))  # noqa: E731
@@ -141,8 +141,8 @@ def _brief(metrics: dict, keys: tuple[str, ...]) -> dict:
 
 def run_recall_task(run: Path, plan: TaskPlan, progress: bool) -> dict:
     task = RecallTask(seq_len=plan.seq_len)
-    pre = lambda g: task.training_batch(plan.pretrain.batch_size, g, curriculum=True)  # noqa: E731
-    ft = lambda g: task.training_batch(plan.finetune.batch_size, g)  # noqa: E731
+    pre = lambda step, micro, g: task.training_batch(plan.pretrain.batch_size, g, curriculum=True)  # noqa: E731
+    ft = lambda step, micro, g: task.training_batch(plan.finetune.batch_size, g)  # noqa: E731
     dev = plan.pretrain.device
     periodic = lambda m: _brief(evaluate_recall(m, task, 128, device=dev), ("accuracy", "mu_f"))  # noqa: E731
     full, aha, curves = _pretrain_and_finetune(run, plan, pre, ft, periodic, progress)

@@ -19,9 +19,9 @@ from .config import TrainConfig
 from .losses import aha_loss
 from .model import Decoder
 
-# generator -> token ids [batch, seq], or (ids, loss_mask) where loss_mask [batch, seq] marks the target tokens
-# that count in the loss
-BatchFn = Callable[[torch.Generator], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+# (step, micro-batch index, a generator seeded by both) -> token ids [batch, seq], or (ids, loss_mask) where
+# loss_mask [batch, seq] marks the target tokens that count in the loss
+BatchFn = Callable[[int, int, torch.Generator], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 EvalFn = Callable[[Decoder], dict]
 
 
@@ -108,7 +108,7 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
             group["lr"] = lr_at(cfg, step) * group["lr_mult"]
         sums = {"loss": 0.0, "lm": 0.0, "mu_f": 0.0}
         for micro in range(cfg.grad_accum):
-            ids, loss_mask = _unpack(batches(step_generator(cfg.seed, step, micro)), cfg.device)
+            ids, loss_mask = _unpack(batches(step, micro, step_generator(cfg.seed, step, micro)), cfg.device)
             with autocast:
                 out = model(ids)
             loss = aha_loss(out, ids, lam, loss_mask=loss_mask)

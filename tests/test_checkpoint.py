@@ -56,7 +56,7 @@ def test_failed_write_keeps_the_good_checkpoint(tmp_path, monkeypatch):
 
 def test_existing_checkpoint_needs_resume(tmp_path):
     path = tmp_path / "run" / "c.safetensors"
-    batches = lambda g: torch.randint(0, 40, (2, 8), generator=g)  # noqa: E731
+    batches = lambda step, micro, g: torch.randint(0, 40, (2, 8), generator=g)  # noqa: E731
     cfg = TrainConfig(steps=2, batch_size=2, ckpt_every=1)
     train(tiny(), batches, cfg, path, progress=False)
     before = path.read_bytes()

@@ -25,7 +25,7 @@ def batches(g, delay=0.0):
 
 def run(path, delay=0.0):
     torch.set_num_threads(1)
-    return train(fresh_model(), lambda g: batches(g, delay), CFG, path, resume=True, progress=False)
+    return train(fresh_model(), lambda step, micro, g: batches(g, delay), CFG, path, resume=True, progress=False)
 
 
 if __name__ == "__main__":

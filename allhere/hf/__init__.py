@@ -9,6 +9,7 @@ require("transformers", "hf")
 
 from .convert import SUPPORTED_MODEL_TYPES, collect_routing, convert, set_forced_gate  # noqa: E402
 from .io import load_pretrained, save_pretrained  # noqa: E402
+from .sft import HFCausalLM, sft  # noqa: E402
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "collect_routing", "convert", "load_pretrained", "save_pretrained",
-           "set_forced_gate"]
+__all__ = ["HFCausalLM", "SUPPORTED_MODEL_TYPES", "collect_routing", "convert", "load_pretrained",
+           "save_pretrained", "set_forced_gate", "sft"]

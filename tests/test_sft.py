@@ -1,0 +1,138 @@
+"""Chat formatting and SFT on a tiny local model and tokenizer built in the test (no downloads)."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from allhere.data.chat import FALLBACK_CHAT_TEMPLATE, load_chat, pack, tokenize_conversation  # noqa: E402
+from allhere.data.corpus import DataError  # noqa: E402
+from allhere.hf import HFCausalLM, load_pretrained, sft  # noqa: E402
+from allhere.losses import aha_loss  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(60)]
+
+
+def make_tokenizer():
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + ["<|user|>", "<|assistant|>", "<|system|>"] + WORDS)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="<s>",
+                                                pad_token="<pad>", unk_token="<unk>")
+    return fast
+
+
+def conversation(rng, turns=2):
+    msgs = [{"role": "system", "content": "w0 w1"}]
+    for _ in range(turns):
+        q = [WORDS[i] for i in torch.randint(2, 60, (4,), generator=rng).tolist()]
+        msgs += [{"role": "user", "content": " ".join(q)},
+                 {"role": "assistant", "content": " ".join(reversed(q))}]  # learnable: echo reversed
+    return msgs
+
+
+@pytest.fixture
+def local_model(tmp_path):
+    tok = make_tokenizer()
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                                   pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(str(tmp_path / "base"))
+    tok.save_pretrained(str(tmp_path / "base"))
+    rng = torch.Generator().manual_seed(0)
+    with open(tmp_path / "chat.jsonl", "w") as f:
+        for _ in range(64):
+            f.write(json.dumps({"messages": conversation(rng)}) + "\n")
+    return tmp_path
+
+
+def test_assistant_mask_covers_replies_only():
+    tok = make_tokenizer()
+    tok.chat_template = FALLBACK_CHAT_TEMPLATE
+    msgs = conversation(torch.Generator().manual_seed(1), turns=2)
+    ids, mask = tokenize_conversation(tok, msgs)
+    trained = tok.decode([t for t, m in zip(ids, mask) if m]).split()
+    expected = []
+    for m in msgs:
+        if m["role"] == "assistant":
+            expected += m["content"].split() + ["</s>"]
+    assert trained == expected
+    packed_ids, packed_mask = pack([(ids, mask)] * 5, 16)
+    assert packed_ids.shape == packed_mask.shape == (len(ids) * 5 // 16, 16)
+
+
+def test_non_assistant_targets_contribute_nothing(local_model):
+    tok = make_tokenizer()
+    tok.chat_template = FALLBACK_CHAT_TEMPLATE
+    ids, mask = pack([tokenize_conversation(tok, conversation(torch.Generator().manual_seed(s))) for s in range(8)], 32)
+    from allhere import AHAConfig
+    from allhere.hf import convert
+
+    model = HFCausalLM(convert(transformers.AutoModelForCausalLM.from_pretrained(str(local_model / "base")),
+                               AHAConfig(window=4)))
+    out = model(ids)
+    changed = ids.clone()
+    changed[~mask] = 7  # every non-assistant target replaced
+    a = aha_loss(out, ids, 3e-4, loss_mask=mask).lm
+    b = aha_loss(out, changed, 3e-4, loss_mask=mask).lm
+    assert torch.equal(a, b)
+    assert not torch.equal(aha_loss(out, ids, 3e-4).lm, aha_loss(out, changed, 3e-4).lm)
+
+
+def test_sft_reduces_loss_and_trains_routers(local_model):
+    out = local_model / "run"
+    state = sft(local_model / "base", local_model / "chat.jsonl", out, window=4, seq_len=32, batch_size=4,
+                global_batch=8, lr=3e-3, lam=1e-2, max_steps=30, progress=False)
+    hist = state["history"]
+    assert state["chat_template_fallback"] is True
+    assert sum(h["lm"] for h in hist[-5:]) / 5 < sum(h["lm"] for h in hist[:5]) / 5 - 0.3
+    tuned = load_pretrained(out / "model")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(local_model / "base"))
+    from allhere import AHAConfig
+    from allhere.hf import convert
+
+    fresh = convert(base, AHAConfig(window=4, lam=1e-2))
+    w_tuned = tuned.model.layers[0].self_attn.aha.router.weight
+    w_fresh = fresh.model.layers[0].self_attn.aha.router.weight
+    assert (w_tuned - w_fresh).abs().max() > 1e-3  # routers were trained
+    reg = [h["loss"] - h["lm"] for h in hist]  # lambda * L_reg: the mean router score went down
+    assert reg[-1] < reg[0]
+
+
+def test_chat_data_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "no messages here"}) + "\n")
+    with pytest.raises(DataError, match="no 'messages' column"):
+        load_chat(bad)
+    with pytest.raises(DataError, match="does not exist"):
+        load_chat(tmp_path / "missing.jsonl")
+    tok = make_tokenizer()
+    tok.chat_template = FALLBACK_CHAT_TEMPLATE
+    with pytest.raises(DataError, match="role"):
+        tokenize_conversation(tok, [{"content": "w1"}])
+
+
+def test_cli_convert_and_sft(local_model, capsys):
+    from allhere.cli import main
+
+    assert main(["convert", "--model", str(local_model / "base"), "--out", str(local_model / "conv"),
+                 "--window", "4"]) == 0
+    assert load_pretrained(local_model / "conv").config.allhere_aha["window"] == 4
+    args = ["sft", "--model", str(local_model / "base"), "--data", str(local_model / "chat.jsonl"), "--window", "4",
+            "--seq-len", "32", "--batch-size", "4", "--global-batch", "8", "--max-steps", "2", "--device", "cpu",
+            "--no-progress", "--out", str(local_model / "sft")]
+    assert main(args) == 0
+    assert "Model saved" in capsys.readouterr().out
+    assert main(args) == 2  # the run folder holds a checkpoint: needs --resume
+    assert "--resume" in capsys.readouterr().err
+    assert main(["sft", "--model", str(local_model / "nope"), "--data", "x", "--window", "4", "--out", "y"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert main(args[:-2] + ["--window", "999", "--out", str(local_model / "w")]) == 2
+    assert "larger than the model's context" in capsys.readouterr().err
