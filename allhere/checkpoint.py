@@ -19,7 +19,7 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt or does not fit. The message names the file."""
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -45,8 +45,8 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
                 tensors[f"optim.{idx}.{key}"] = torch.as_tensor(val).detach().contiguous().cpu()
         meta["optim_param_groups"] = osd["param_groups"]
     text = json.dumps(meta, indent=1, sort_keys=True)
-    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"allhere": text}))
-    _atomic_write(path.with_suffix(".json"), lambda tmp: tmp.write_text(text + "\n"))
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"allhere": text}))
+    atomic_write(path.with_suffix(".json"), lambda tmp: tmp.write_text(text + "\n"))
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .checkpoint import _atomic_write
+from .checkpoint import atomic_write
 from .config import AHAConfig, ConfigError, FullConfig, ModelConfig, SlidingConfig, TrainConfig
 from .data.corpus import VOCAB_SIZE, eval_windows, sample_batch, stdlib_corpus, text_corpus
 from .data.recall import RecallTask
@@ -202,4 +202,4 @@ def _check_run_settings(run: Path, settings: dict) -> None:
         if json.loads(path.read_text()) != json.loads(text):
             raise ConfigError(f"{run} holds a run with other settings; choose another --out (nothing was changed)")
         return
-    _atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
+    atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..checkpoint import _atomic_write
+from ..checkpoint import atomic_write
 
 
 def _pct(x: float) -> str:
@@ -51,8 +51,8 @@ def render_markdown(report: dict) -> str:
 def write_report(report: dict, out: str | Path) -> dict[str, Path]:
     out = Path(out)
     paths = {"json": out / "report.json", "md": out / "report.md"}
-    _atomic_write(paths["json"], lambda tmp: tmp.write_text(json.dumps(report, indent=1) + "\n"))
-    _atomic_write(paths["md"], lambda tmp: tmp.write_text(render_markdown(report)))
+    atomic_write(paths["json"], lambda tmp: tmp.write_text(json.dumps(report, indent=1) + "\n"))
+    atomic_write(paths["md"], lambda tmp: tmp.write_text(render_markdown(report)))
     panels, layers = {}, {}
     for name, res in report["tasks"].items():
         for row_name, r in res["rows"].items():

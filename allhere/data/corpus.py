@@ -23,6 +23,10 @@ SEPARATOR = b"\n\x00\n"  # between documents
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json", ".jsonl", ".csv")
 
 
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 class DataError(ValueError):
     """A data path is missing, empty or unreadable. The message names it."""
 
@@ -45,8 +49,7 @@ def _split(docs: list[tuple[str, bytes]], val_percent: int, source: str) -> Corp
     if not train or not val:
         raise DataError(f"{source}: need files for both train and validation, got {len(train)} and {len(val)} "
                         f"(pass more than one file, or a larger folder)")
-    to_tensor = lambda parts: torch.frombuffer(bytearray(SEPARATOR.join(parts)), dtype=torch.uint8)  # noqa: E731
-    return Corpus(to_tensor(train), to_tensor(val), source)
+    return Corpus(_bytes_tensor(SEPARATOR.join(train)), _bytes_tensor(SEPARATOR.join(val)), source)
 
 
 def stdlib_corpus(val_percent: int = 5) -> Corpus:
@@ -87,8 +90,7 @@ def _split_single(text: bytes, val_percent: int, source: str) -> Corpus:
     cut = text.rfind(b"\n", 0, cut) + 1 or cut
     if cut <= 0 or cut >= len(text):
         raise DataError(f"{source} is too short to split into train and validation")
-    tt = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)  # noqa: E731
-    return Corpus(tt(text[:cut]), tt(text[cut:]), source)
+    return Corpus(_bytes_tensor(text[:cut]), _bytes_tensor(text[cut:]), source)
 
 
 def _datasets_corpus(p: Path, val_percent: int) -> Corpus:
@@ -110,11 +112,10 @@ def _datasets_corpus(p: Path, val_percent: int) -> Corpus:
         docs = [(str(i), t.encode()) for i, t in enumerate(splits["train"]["text"]) if t]
         return _split(docs, val_percent, str(p))
     join = lambda col: SEPARATOR.join(t.encode() for t in col if t)  # noqa: E731
-    tt = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)  # noqa: E731
     train, val = join(splits["train"]["text"]), join(splits["val"]["text"])
     if not train or not val:
         raise DataError(f"dataset {p} has an empty train or validation split")
-    return Corpus(tt(train), tt(val), str(p))
+    return Corpus(_bytes_tensor(train), _bytes_tensor(val), str(p))
 
 
 def sample_batch(stream: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
