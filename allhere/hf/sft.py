@@ -39,9 +39,12 @@ class HFCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> DecoderOutput:
         out = self.hf(input_ids=input_ids, use_cache=False)
-        return DecoderOutput(out.logits, collect_routing(self.hf), None)
+        converted = getattr(self.hf.config, "allhere_aha", None) is not None
+        return DecoderOutput(out.logits, collect_routing(self.hf) if converted else None, None)
 
     def aha_modules(self):
+        if getattr(self.hf.config, "allhere_aha", None) is None:
+            return []  # a plain model (e.g. the SDPA baseline of a benchmark)
         return list(enumerate(_mechanisms(self.hf)))
 
 
