@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--finetune-steps", type=_positive, default=None)
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
 
+    a = sub.add_parser("analyze", help="routing statistics, sorted-usage curve and static baseline of a demo run")
+    a.add_argument("--run", default="runs/demo", help="a finished demo run directory")
+    a.add_argument("--task", dest="tasks", action="append", choices=["stdlib", "recall"],
+                   help="analyse only this task (repeatable); default both")
+
     c = sub.add_parser("convert", help="convert a local Hugging Face model to AHA and save it")
     c.add_argument("--model", required=True, help="folder of a saved transformers causal LM")
     c.add_argument("--out", required=True, help="folder to save the converted model into")
@@ -94,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
                               finetune_steps=args.finetune_steps)
             print(render_markdown(report))
             print(f"Report written to {args.out}/report.md, report.json and mu_f_heatmap.png")
+        elif args.command == "analyze":
+            from .analysis.analyze import analyze_run, render
+
+            results = analyze_run(args.run, tuple(args.tasks or ("stdlib", "recall")))
+            print(render(results))
+            print(f"Written to {args.run}/analysis/: analysis.md, analysis.json, sorted_usage.png")
         elif args.command == "convert":
             from .config import AHAConfig
             from .hf import convert, save_pretrained

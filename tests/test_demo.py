@@ -81,3 +81,19 @@ def test_out_of_range_flags_exit_nonzero(args, capsys):
         run(*args)
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_analyze_a_finished_run(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert run("--out", str(out)) == 0
+    capsys.readouterr()
+    assert main(["analyze", "--run", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "static: top" in printed and "mean gap" in printed
+    res = json.loads((out / "analysis" / "analysis.json").read_text())
+    for task in ("stdlib", "recall"):
+        r = res[task]
+        assert r["static"]["mu_f"] >= r["dynamic"]["mu_f"] - 1e-9  # the static budget is never smaller
+        assert len(r["stats"]["sorted_usage"]) == 4  # 2 layers x 2 heads in the tiny preset
+    assert (out / "analysis" / "sorted_usage.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["analyze", "--run", str(tmp_path / "nothing")]) == 2

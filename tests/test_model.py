@@ -109,3 +109,21 @@ def test_generate_uses_the_cache_consistently():
     assert out.shape == (2, 14) and torch.equal(out[:, :6], prompt)
     ids = out[:, :-1]  # uncached greedy check: each generated token is the argmax of the full forward
     assert torch.equal(model(ids).logits[:, 5:].argmax(-1), out[:, 6:])
+
+
+def test_per_head_forced_gates_fix_each_head():
+    from allhere.analysis.static import set_static_heads, static_budget_k, top_k_heads
+
+    model = tiny(AHAConfig(window=3, router_init="neutral"), kv_heads=4, layers=2)
+    usage = torch.tensor([[0.9, 0.0, 0.2, 0.1], [0.0, 0.5, 0.0, 0.0]])
+    k = static_budget_k(0.2, 8)
+    assert k == 2
+    heads = top_k_heads(usage, k)
+    assert heads.nonzero().tolist() == [[0, 0], [1, 1]]
+    set_static_heads(model, heads)
+    out = model(torch.randint(0, 61, (2, 16)))
+    for row, r in enumerate(out.routing.per_layer):
+        assert torch.equal(r.gates, heads[row].view(1, -1, 1).expand_as(r.gates))
+    set_static_heads(model, None)
+    routed = model(torch.randint(0, 61, (2, 16))).routing.per_layer[0]
+    assert torch.equal(routed.gates, routed.scores > 0.5)  # the router decides again

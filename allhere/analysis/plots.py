@@ -37,3 +37,20 @@ def usage_heatmaps(panels: dict[str, list[list[float]]], path: str | Path, layer
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def sorted_usage_curve(curves: dict[str, list[float]], path: str | Path) -> Path:
+    """mu_f of every head, busiest first (seeds/003 Fig. 4); one line per entry."""
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    for name, values in curves.items():
+        ax.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=name)
+    ax.set_xlabel("head rank (busiest first)")
+    ax.set_ylabel("mu_f of the head")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = Path(path)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -43,15 +43,15 @@ def straight_through(scores: torch.Tensor, tau: float) -> torch.Tensor:
 class AHAAttention(nn.Module):
     """Mechanism ``aha``.
 
-    ``forced_gate``: None routes normally; True / False forces every gate to full / local attention
-    (for checks and baselines). ``impl``: "fast" (default) or "naive" (dense reference).
+    ``forced_gate``: None routes normally; True / False forces every gate to full / local attention; a
+    bool tensor [heads] fixes each head (the static baseline). ``impl``: "fast" (default) or "naive".
     """
 
     def __init__(self, cfg: AHAConfig, d_model: int, n_heads: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.n_heads = n_heads
-        self.forced_gate: bool | None = None
+        self.forced_gate: bool | torch.Tensor | None = None
         self.impl = "fast"
         if cfg.router == "linear":
             self.router = nn.Linear(d_model, n_heads, bias=cfg.router_bias)
@@ -88,7 +88,8 @@ class AHAAttention(nn.Module):
         s = self.scores(x, router_logits)
         hard = s > self.cfg.tau
         if self.forced_gate is not None:
-            hard = torch.full_like(hard, self.forced_gate)
+            forced = torch.as_tensor(self.forced_gate, device=hard.device)
+            hard = forced.view(1, -1, 1).expand_as(hard) if forced.dim() else torch.full_like(hard, bool(forced))
             gate = hard
         elif torch.is_grad_enabled() and s.requires_grad:
             gate = straight_through(s, self.cfg.tau)
