@@ -34,6 +34,13 @@ def _nonnegative_float(value: str) -> float:
     return x
 
 
+def _fraction(value: str) -> float:
+    x = float(value)
+    if not 0.0 < x < 1.0:
+        raise argparse.ArgumentTypeError(f"must be strictly between 0 and 1, got {value}")
+    return x
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="allhere", description="Local and global attention for decoder-only LMs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -57,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--run", default="runs/demo", help="a finished demo run directory")
     a.add_argument("--task", dest="tasks", action="append", choices=["stdlib", "recall"],
                    help="analyse only this task (repeatable); default both")
+    a.add_argument("--target-mu", type=_fraction, default=None,
+                   help="also calibrate tau for this share of full attention (0 < x < 1) and report where it lands")
+
+    e = sub.add_parser("perplexity", help="rolling-window perplexity of a checkpoint on held-out documents")
+    e.add_argument("--checkpoint", required=True, help="an allhere checkpoint.safetensors (e.g. runs/demo/stdlib/aha/...)")
+    e.add_argument("--data", default=None, help="text data as for demo --data; default the stdlib corpus")
+    e.add_argument("--seq-len", type=_positive, default=256, help="window length (default 256)")
+    e.add_argument("--stride", type=_positive, default=None, help="window advance (default seq-len / 2)")
+    e.add_argument("--min-len", type=int, default=0, help="skip documents shorter than this (e.g. the AHA window)")
+    e.add_argument("--max-docs", type=_positive, default=None, help="only the first N validation documents")
 
     c = sub.add_parser("convert", help="convert a local Hugging Face model to AHA and save it")
     c.add_argument("--model", required=True, help="folder of a saved transformers causal LM")
@@ -102,9 +119,22 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "analyze":
             from .analysis.analyze import analyze_run, render
 
-            results = analyze_run(args.run, tuple(args.tasks or ("stdlib", "recall")))
+            results = analyze_run(args.run, tuple(args.tasks or ("stdlib", "recall")), args.target_mu)
             print(render(results))
             print(f"Written to {args.run}/analysis/: analysis.md, analysis.json, sorted_usage.png")
+        elif args.command == "perplexity":
+            from .checkpoint import load_model
+            from .data.corpus import stdlib_corpus, text_corpus
+            from .eval.perplexity import rolling_perplexity
+
+            model, _ = load_model(args.checkpoint)
+            corpus = stdlib_corpus() if args.data is None else text_corpus(args.data)
+            docs = corpus.val_docs[: args.max_docs]
+            res = rolling_perplexity(model, docs, args.seq_len, args.stride, args.min_len)
+            mu = "" if res["mu_f"] is None else f", mu_f {100 * res['mu_f']:.1f}%"
+            print(f"{res['tokens']:,} tokens in {len(docs) - res['skipped_docs']} documents "
+                  f"({res['skipped_docs']} skipped): loss {res['loss']:.4f} nats, perplexity {res['perplexity']:.3f}, "
+                  f"{res['bits_per_token']:.4f} bits/token{mu}")
         elif args.command == "convert":
             from .config import AHAConfig
             from .hf import convert, save_pretrained

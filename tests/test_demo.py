@@ -87,13 +87,24 @@ def test_analyze_a_finished_run(tmp_path, capsys):
     out = tmp_path / "demo"
     assert run("--out", str(out)) == 0
     capsys.readouterr()
-    assert main(["analyze", "--run", str(out)]) == 0
+    assert main(["analyze", "--run", str(out), "--target-mu", "0.3"]) == 0
     printed = capsys.readouterr().out
-    assert "static: top" in printed and "mean gap" in printed
+    assert "static: top" in printed and "mean gap" in printed and "Budget control" in printed
     res = json.loads((out / "analysis" / "analysis.json").read_text())
     for task in ("stdlib", "recall"):
         r = res[task]
         assert r["static"]["mu_f"] >= r["dynamic"]["mu_f"] - 1e-9  # the static budget is never smaller
         assert len(r["stats"]["sorted_usage"]) == 4  # 2 layers x 2 heads in the tiny preset
+        assert 0.0 < r["budget"]["tau"] < 1.0
     assert (out / "analysis" / "sorted_usage.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["analyze", "--run", str(tmp_path / "nothing")]) == 2
+
+
+def test_perplexity_command(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert run("--out", str(out), "--task", "stdlib") == 0
+    capsys.readouterr()
+    ckpt = out / "stdlib" / "aha" / "checkpoint.safetensors"
+    assert main(["perplexity", "--checkpoint", str(ckpt), "--max-docs", "3", "--seq-len", "48"]) == 0
+    assert "perplexity" in capsys.readouterr().out
+    assert main(["perplexity", "--checkpoint", str(tmp_path / "none.safetensors")]) == 2

@@ -19,6 +19,7 @@ from ..config import ConfigError
 from ..data.corpus import eval_windows, stdlib_corpus, text_corpus
 from ..data.recall import RecallTask
 from ..eval import evaluate_lm, evaluate_recall
+from .budget import calibrate_tau, set_tau
 from .stats import StatsAccumulator
 from .static import set_static_heads, static_budget_k, top_k_heads
 
@@ -37,7 +38,7 @@ def _task_inputs(name: str, settings: dict):
 
 
 @torch.no_grad()
-def analyze_task(run: Path, name: str) -> dict:
+def analyze_task(run: Path, name: str, target_mu: float | None = None) -> dict:
     settings_path = run / name / "settings.json"
     if not settings_path.exists():
         raise ConfigError(f"{run / name} holds no finished demo task (no settings.json); run allhere demo first")
@@ -45,6 +46,7 @@ def analyze_task(run: Path, name: str) -> dict:
     model, _ = load_model(run / name / "aha" / "checkpoint.safetensors")
     model.eval()
     batches, quality = _task_inputs(name, settings)
+    batches = list(batches)
     acc = StatsAccumulator()
     for ids in batches:
         acc.update(model(ids).routing)
@@ -55,9 +57,26 @@ def analyze_task(run: Path, name: str) -> dict:
     set_static_heads(model, heads)
     static = quality(model)
     set_static_heads(model, None)
-    return {"stats": stats.to_dict(), "dynamic": {**dynamic, "mu_f": stats.mu_f},
-            "static": {**static, "mu_f": k / stats.usage.numel(), "heads": k,
-                       "global_heads": [[stats.layers[i], h] for i, h in heads.nonzero().tolist()]}}
+    result = {"stats": stats.to_dict(), "dynamic": {**dynamic, "mu_f": stats.mu_f},
+              "static": {**static, "mu_f": k / stats.usage.numel(), "heads": k,
+                         "global_heads": [[stats.layers[i], h] for i, h in heads.nonzero().tolist()]}}
+    if target_mu is not None:
+        result["budget"] = _budget(model, batches, quality, target_mu)
+    return result
+
+
+def _budget(model, batches, quality, target_mu: float) -> dict:
+    """Calibrate tau on the first half of the held-out batches, measure mu_f on the second half."""
+    half = max(1, len(batches) // 2)
+    tau = calibrate_tau(model, batches[:half], target_mu)
+    original = model.aha_modules()[0][1].cfg.tau
+    set_tau(model, tau)
+    acc = StatsAccumulator()
+    for ids in batches[half:] or batches:
+        acc.update(model(ids).routing)
+    landed = {"target_mu_f": target_mu, "tau": tau, "mu_f": acc.result().mu_f, **quality(model)}
+    set_tau(model, original)
+    return landed
 
 
 def _fmt_gap(x) -> str:
@@ -84,15 +103,20 @@ def render(results: dict) -> str:
                 f"| static: top {sta['heads']} heads global | {sta[metric]:.4f} | {100 * sta['mu_f']:.1f}% |", "",
                 f"- [{'x' if better else ' '}] at an equal or smaller budget the dynamic router beats the static heads",
                 ""]
+        if "budget" in r:
+            b = r["budget"]
+            out += [f"Budget control: asked for mu_f {100 * b['target_mu_f']:.1f}%, tau calibrated to {b['tau']:.4f} "
+                    f"on half of the held-out data; on the other half mu_f is {100 * b['mu_f']:.1f}% "
+                    f"({metric} {b[metric]:.4f} on all of it).", ""]
     return "\n".join(out) + "\n"
 
 
-def analyze_run(run: str | Path, tasks: tuple[str, ...] = ("stdlib", "recall")) -> dict:
+def analyze_run(run: str | Path, tasks: tuple[str, ...] = ("stdlib", "recall"), target_mu: float | None = None) -> dict:
     run = Path(run)
     present = [t for t in tasks if (run / t / "aha" / "checkpoint.safetensors").exists()]
     if not present:
         raise CheckpointError(f"{run} holds no fine-tuned AHA checkpoint of {', '.join(tasks)}; run allhere demo first")
-    results = {t: analyze_task(run, t) for t in present}
+    results = {t: analyze_task(run, t, target_mu) for t in present}
     out = run / "analysis"
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "analysis.json", lambda tmp: tmp.write_text(json.dumps(results, indent=1) + "\n"))

@@ -36,6 +36,7 @@ class Corpus:
     train: torch.Tensor  # uint8 token stream
     val: torch.Tensor
     source: str  # where it came from, for reports
+    val_docs: list[torch.Tensor] | None = None  # the validation documents one by one (for perplexity)
 
     def describe(self) -> str:
         return f"{self.source}: {len(self.train):,} train bytes, {len(self.val):,} validation bytes"
@@ -49,7 +50,8 @@ def _split(docs: list[tuple[str, bytes]], val_percent: int, source: str) -> Corp
     if not train or not val:
         raise DataError(f"{source}: need files for both train and validation, got {len(train)} and {len(val)} "
                         f"(pass more than one file, or a larger folder)")
-    return Corpus(_bytes_tensor(SEPARATOR.join(train)), _bytes_tensor(SEPARATOR.join(val)), source)
+    return Corpus(_bytes_tensor(SEPARATOR.join(train)), _bytes_tensor(SEPARATOR.join(val)), source,
+                  [_bytes_tensor(v) for v in val])
 
 
 def stdlib_corpus(val_percent: int = 5) -> Corpus:
@@ -90,7 +92,8 @@ def _split_single(text: bytes, val_percent: int, source: str) -> Corpus:
     cut = text.rfind(b"\n", 0, cut) + 1 or cut
     if cut <= 0 or cut >= len(text):
         raise DataError(f"{source} is too short to split into train and validation")
-    return Corpus(_bytes_tensor(text[:cut]), _bytes_tensor(text[cut:]), source)
+    val = _bytes_tensor(text[cut:])
+    return Corpus(_bytes_tensor(text[:cut]), val, source, [val])
 
 
 def _datasets_corpus(p: Path, val_percent: int) -> Corpus:
@@ -115,7 +118,8 @@ def _datasets_corpus(p: Path, val_percent: int) -> Corpus:
     train, val = join(splits["train"]["text"]), join(splits["val"]["text"])
     if not train or not val:
         raise DataError(f"dataset {p} has an empty train or validation split")
-    return Corpus(_bytes_tensor(train), _bytes_tensor(val), str(p))
+    val_docs = [_bytes_tensor(t.encode()) for t in splits["val"]["text"] if t]
+    return Corpus(_bytes_tensor(train), _bytes_tensor(val), str(p), val_docs)
 
 
 def sample_batch(stream: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
