@@ -67,6 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--target-mu", type=_fraction, default=None,
                    help="also calibrate tau for this share of full attention (0 < x < 1) and report where it lands")
 
+    w = sub.add_parser("sweep", help="window and lambda sweeps (Tables 1, 2, 4 of seeds/003), resumable")
+    w.add_argument("--out", default="runs/sweep", help="sweep directory (reused and resumed)")
+    w.add_argument("--preset", default="cpu", choices=["cpu", "tiny", "gpu"])
+    w.add_argument("--windows", type=_positive, nargs="+", default=[16, 32, 64, 128, 256])
+    w.add_argument("--lams", type=_nonnegative_float, nargs="+", default=[1e-4, 3e-4, 1e-3])
+    w.add_argument("--lam-window", type=_positive, default=None, help="window of the lambda sweep (default: preset's)")
+    w.add_argument("--task", dest="tasks", action="append", choices=["stdlib", "recall"])
+    w.add_argument("--data", default=None, help="your own text instead of the stdlib corpus")
+    w.add_argument("--device", type=_device, default="auto")
+    w.add_argument("--no-progress", action="store_true")
+
     e = sub.add_parser("perplexity", help="rolling-window perplexity of a checkpoint on held-out documents")
     e.add_argument("--checkpoint", required=True, help="an allhere checkpoint.safetensors (e.g. runs/demo/stdlib/aha/...)")
     e.add_argument("--data", default=None, help="text data as for demo --data; default the stdlib corpus")
@@ -122,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             results = analyze_run(args.run, tuple(args.tasks or ("stdlib", "recall")), args.target_mu)
             print(render(results))
             print(f"Written to {args.run}/analysis/: analysis.md, analysis.json, sorted_usage.png")
+        elif args.command == "sweep":
+            from .analysis.sweep import render, run_sweep
+
+            res = run_sweep(args.out, args.preset, tuple(args.windows), tuple(args.lams), args.lam_window,
+                            tuple(args.tasks or ("stdlib", "recall")), args.data, args.device, not args.no_progress)
+            print(render(res))
+            print(f"Written to {args.out}/: sweep.md, sweep.json, mu_f_vs_window.png")
         elif args.command == "perplexity":
             from .checkpoint import load_model
             from .data.corpus import stdlib_corpus, text_corpus

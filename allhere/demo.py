@@ -90,37 +90,69 @@ def plans(preset: str = "cpu", device: str = "cpu", window: int | None = None, l
     return out
 
 
-def _pretrain_and_finetune(run: Path, plan: TaskPlan, pre_batches: Callable, ft_batches: Callable,
-                           eval_fn: Callable, progress: bool) -> tuple[Decoder, Decoder, dict]:
-    """Returns the pretrained full model, the fine-tuned AHA model and their periodic evaluations."""
+@dataclass
+class TaskData:
+    """A task's batches and evaluations, shared by the demo and the sweep."""
+
+    description: str
+    pretrain_batches: Callable
+    finetune_batches: Callable
+    evaluate: Callable[[Decoder], dict]  # held-out evaluation of a model
+    periodic: Callable[[Decoder], dict]  # a cheaper one, during training
+    metric: str  # the quality metric in evaluate's result
+    higher_is_better: bool
+
+
+def task_data(name: str, plan: TaskPlan, data_path: str | None = None) -> TaskData:
+    dev = plan.pretrain.device
+    if name == "stdlib":
+        corpus = stdlib_corpus() if data_path is None else text_corpus(data_path)
+        batches = lambda step, micro, g: sample_batch(corpus.train, plan.pretrain.batch_size, plan.seq_len, g)  # noqa: E731
+        windows = eval_windows(corpus.val, plan.seq_len, plan.eval_sequences)
+        return TaskData(corpus.describe(), batches, batches, lambda m: evaluate_lm(m, windows, device=dev),
+                        lambda m: _brief(evaluate_lm(m, windows[:16], device=dev), ("loss", "mu_f")),
+                        "bits_per_token", False)
+    task = RecallTask(seq_len=plan.seq_len)
+    return TaskData(
+        f"recall task {dataclasses.asdict(task)} (min distance query->pair {task.min_distance} tokens)",
+        lambda step, micro, g: task.training_batch(plan.pretrain.batch_size, g, curriculum=True),
+        lambda step, micro, g: task.training_batch(plan.finetune.batch_size, g),
+        lambda m: evaluate_recall(m, task, plan.eval_sequences, device=dev),
+        lambda m: _brief(evaluate_recall(m, task, 128, device=dev), ("accuracy", "mu_f")),
+        "accuracy", True)
+
+
+def pretrain(run: Path, plan: TaskPlan, data: TaskData, progress: bool) -> tuple[Decoder, list]:
+    """The full-attention model of the task (reused from ``run/pretrain`` when finished)."""
     torch.manual_seed(plan.pretrain.seed)
     full = Decoder(plan.model)
-    curves = {}
-    curves["pretrain"] = train(full, pre_batches, plan.pretrain, run / "pretrain" / "checkpoint.safetensors",
-                               resume=True, eval_fn=eval_fn, progress=progress)["evals"]
-    aha = swap_mechanism(full, plan.aha)
-    curves["aha"] = train(aha, ft_batches, plan.finetune, run / "aha" / "checkpoint.safetensors", resume=True,
-                          eval_fn=eval_fn, progress=progress)["evals"]
-    return full, aha, curves
+    evals = train(full, data.pretrain_batches, plan.pretrain, run / "pretrain" / "checkpoint.safetensors",
+                  resume=True, eval_fn=data.periodic, progress=progress)["evals"]
+    return full, evals
+
+
+def finetune(ckpt: Path, full: Decoder, mechanism, plan: TaskPlan, data: TaskData, progress: bool):
+    """A copy of ``full`` with ``mechanism`` swapped in, fine-tuned (reused from ``ckpt`` when finished)."""
+    model = swap_mechanism(full, mechanism)
+    evals = train(model, data.finetune_batches, plan.finetune, ckpt, resume=True, eval_fn=data.periodic,
+                  progress=progress)["evals"]
+    return model, evals
 
 
 def run_lm_task(run: Path, plan: TaskPlan, data_path: str | None, progress: bool) -> dict:
-    corpus = stdlib_corpus() if data_path is None else text_corpus(data_path)
-    batches = lambda step, micro, g: sample_batch(corpus.train, plan.pretrain.batch_size, plan.seq_len, g)  # noqa: E731
-    windows = eval_windows(corpus.val, plan.seq_len, plan.eval_sequences)
-    dev = plan.pretrain.device
-    periodic = lambda m: _brief(evaluate_lm(m, windows[:16], device=dev), ("loss", "mu_f"))  # noqa: E731
-    full, aha, curves = _pretrain_and_finetune(run, plan, batches, batches, periodic, progress)
+    data = task_data("stdlib", plan, data_path)
+    full, pre_curve = pretrain(run, plan, data, progress)
+    aha, aha_curve = finetune(run / "aha" / "checkpoint.safetensors", full, plan.aha, plan, data, progress)
     # Control: the full model trained for the same extra steps, so that the gain of plain extra training
     # is not credited to AHA.
     control = swap_mechanism(full, FullConfig())
-    train(control, batches, plan.finetune, run / "full-finetuned" / "checkpoint.safetensors", resume=True,
-          progress=progress)
+    train(control, data.finetune_batches, plan.finetune, run / "full-finetuned" / "checkpoint.safetensors",
+          resume=True, progress=progress)
     sliding = swap_mechanism(full, SlidingConfig(window=plan.aha.window))
-    rows = {"full (pretrained)": evaluate_lm(full, windows, device=dev),
-            f"AHA w={plan.aha.window} (fine-tuned)": evaluate_lm(aha, windows, device=dev),
-            f"sliding w={plan.aha.window} (pretrained, no fine-tuning)": evaluate_lm(sliding, windows, device=dev),
-            "full (pretrained + the same fine-tuning steps, control)": evaluate_lm(control, windows, device=dev)}
+    rows = {"full (pretrained)": data.evaluate(full),
+            f"AHA w={plan.aha.window} (fine-tuned)": data.evaluate(aha),
+            f"sliding w={plan.aha.window} (pretrained, no fine-tuning)": data.evaluate(sliding),
+            "full (pretrained + the same fine-tuning steps, control)": data.evaluate(control)}
     base = rows["full (pretrained)"]["loss"]
     for r in rows.values():
         r["retain_percent"] = 100.0 * base / r["loss"]
@@ -131,8 +163,9 @@ def run_lm_task(run: Path, plan: TaskPlan, data_path: str | None, progress: bool
         "AHA uses full attention on <= 25% of (token, head) pairs": aha_row["mu_f"] <= 0.25,
         "sliding-window-only keeps less than AHA": slide_row["retain_percent"] < aha_row["retain_percent"],
     }
-    return {"data": corpus.describe(), "seq_len": plan.seq_len, "eval_sequences": int(windows.shape[0]),
-            "rows": rows, "goals": goals, "aha_layers": [i for i, _ in aha.aha_modules()], "curves": curves}
+    return {"data": data.description, "seq_len": plan.seq_len, "eval_sequences": plan.eval_sequences,
+            "rows": rows, "goals": goals, "aha_layers": [i for i, _ in aha.aha_modules()],
+            "curves": {"pretrain": pre_curve, "aha": aha_curve}}
 
 
 def _brief(metrics: dict, keys: tuple[str, ...]) -> dict:
@@ -140,19 +173,17 @@ def _brief(metrics: dict, keys: tuple[str, ...]) -> dict:
 
 
 def run_recall_task(run: Path, plan: TaskPlan, progress: bool) -> dict:
-    task = RecallTask(seq_len=plan.seq_len)
-    pre = lambda step, micro, g: task.training_batch(plan.pretrain.batch_size, g, curriculum=True)  # noqa: E731
-    ft = lambda step, micro, g: task.training_batch(plan.finetune.batch_size, g)  # noqa: E731
-    dev = plan.pretrain.device
-    periodic = lambda m: _brief(evaluate_recall(m, task, 128, device=dev), ("accuracy", "mu_f"))  # noqa: E731
-    full, aha, curves = _pretrain_and_finetune(run, plan, pre, ft, periodic, progress)
+    data = task_data("recall", plan)
+    full, pre_curve = pretrain(run, plan, data, progress)
+    aha, aha_curve = finetune(run / "aha" / "checkpoint.safetensors", full, plan.aha, plan, data, progress)
     sliding = swap_mechanism(full, SlidingConfig(window=plan.aha.window))
-    n = plan.eval_sequences
-    rows = {"full (pretrained)": evaluate_recall(full, task, n, device=dev),
-            f"AHA w={plan.aha.window} (fine-tuned)": evaluate_recall(aha, task, n, device=dev),
-            f"sliding w={plan.aha.window} (pretrained, no fine-tuning)": evaluate_recall(sliding, task, n, device=dev)}
+    rows = {"full (pretrained)": data.evaluate(full),
+            f"AHA w={plan.aha.window} (fine-tuned)": data.evaluate(aha),
+            f"sliding w={plan.aha.window} (pretrained, no fine-tuning)": data.evaluate(sliding)}
     full_row, aha_row, slide_row = rows.values()
-    aha_row["usage"] = evaluate_lm(aha, task.batch(64, torch.Generator().manual_seed(7))[0], device=dev)["usage"]
+    task = RecallTask(seq_len=plan.seq_len)
+    aha_row["usage"] = evaluate_lm(aha, task.batch(64, torch.Generator().manual_seed(7))[0],
+                                   device=plan.pretrain.device)["usage"]
     goals = {
         "full attention reaches >= 90% accuracy": full_row["accuracy"] >= 0.90,
         "sliding-window-only stays near chance (< 2x chance)": slide_row["accuracy"] < 2 * full_row["chance"],
@@ -160,9 +191,8 @@ def run_recall_task(run: Path, plan: TaskPlan, progress: bool) -> dict:
         "AHA mu_f on other tokens <= 1/3 of mu_f on retrieval tokens":
             aha_row["mu_f_other"] <= aha_row["mu_f_retrieval"] / 3,
     }
-    return {"data": f"recall task {dataclasses.asdict(task)} (min distance query->pair "
-                    f"{task.min_distance} tokens)", "rows": rows, "goals": goals,
-            "aha_layers": [i for i, _ in aha.aha_modules()], "curves": curves}
+    return {"data": data.description, "rows": rows, "goals": goals,
+            "aha_layers": [i for i, _ in aha.aha_modules()], "curves": {"pretrain": pre_curve, "aha": aha_curve}}
 
 
 def run_demo(out: str | Path = "runs/demo", preset: str = "cpu", tasks: tuple[str, ...] = ("stdlib", "recall"),

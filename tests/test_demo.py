@@ -108,3 +108,20 @@ def test_perplexity_command(tmp_path, capsys):
     assert main(["perplexity", "--checkpoint", str(ckpt), "--max-docs", "3", "--seq-len", "48"]) == 0
     assert "perplexity" in capsys.readouterr().out
     assert main(["perplexity", "--checkpoint", str(tmp_path / "none.safetensors")]) == 2
+
+
+def test_sweep_tiny_is_resumable(tmp_path, capsys):
+    args = ["sweep", "--preset", "tiny", "--device", "cpu", "--no-progress", "--out", str(tmp_path / "sw"),
+            "--windows", "4", "8", "64", "--lams", "0.01", "0.1"]
+    assert main(args) == 0
+    res = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    rows = res["tasks"]["stdlib"]["rows"]
+    assert [r.get("skipped") is None for r in rows] == [True, True, False, True, True]  # 64 >= seq_len 48
+    assert all(0.0 <= r["mu_f"] <= 1.0 for r in rows if "skipped" not in r)
+    md = (tmp_path / "sw" / "sweep.md").read_text()
+    assert "Window sweep" in md and "Lambda sweep" in md and "n/a" in md
+    ckpt = tmp_path / "sw" / "stdlib" / "w4-lam0.01" / "checkpoint.safetensors"
+    before = ckpt.stat().st_mtime_ns
+    assert main(args) == 0  # everything finished is reused
+    assert ckpt.stat().st_mtime_ns == before
+    assert (tmp_path / "sw" / "mu_f_vs_window.png").exists()
