@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
             results = analyze_run(args.run, tuple(args.tasks or ("stdlib", "recall")), args.target_mu)
             print(render(results))
-            print(f"Written to {args.run}/analysis/: analysis.md, analysis.json, sorted_usage.png")
+            print(f"Written to {args.run}/analysis/: analysis.md, analysis.json, sorted_usage.png, tokens_*.html")
         elif args.command == "sweep":
             from .analysis.sweep import render, run_sweep
 

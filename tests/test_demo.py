@@ -97,6 +97,8 @@ def test_analyze_a_finished_run(tmp_path, capsys):
         assert len(r["stats"]["sorted_usage"]) == 4  # 2 layers x 2 heads in the tiny preset
         assert 0.0 < r["budget"]["tau"] < 1.0
     assert (out / "analysis" / "sorted_usage.png").read_bytes()[:4] == b"\x89PNG"
+    page = (out / "analysis" / "tokens_recall.html").read_text()
+    assert "heads global" in page and page.count('<span class="t"') == 48  # one span per token
     assert main(["analyze", "--run", str(tmp_path / "nothing")]) == 2
 
 

@@ -20,6 +20,7 @@ from ..data.corpus import eval_windows, stdlib_corpus, text_corpus
 from ..data.recall import RecallTask
 from ..eval import evaluate_lm, evaluate_recall
 from .budget import calibrate_tau, set_tau
+from .html import byte_tokens, token_page
 from .stats import StatsAccumulator
 from .static import set_static_heads, static_budget_k, top_k_heads
 
@@ -62,7 +63,25 @@ def analyze_task(run: Path, name: str, target_mu: float | None = None) -> dict:
                          "global_heads": [[stats.layers[i], h] for i, h in heads.nonzero().tolist()]}}
     if target_mu is not None:
         result["budget"] = _budget(model, batches, quality, target_mu)
+    result["page"] = str(_token_page(model, name, settings, batches[0][0], run / "analysis"))
     return result
+
+
+def _token_page(model, name: str, settings: dict, ids: torch.Tensor, folder: Path) -> Path:
+    """Figure 1 of seeds/003 for one held-out sequence."""
+    routing = model(ids[None]).routing
+    counts = torch.stack([r.gates[0] for r in routing.per_layer]).sum(dim=(0, 1)).tolist()  # per token
+    total = len(routing.per_layer) * routing.per_layer[0].gates.shape[1]
+    if name == "stdlib":
+        tokens = byte_tokens(ids.tolist())
+    else:
+        task = RecallTask(seq_len=settings["plan"]["seq_len"])
+        tokens = [task.token_name(t) for t in ids.tolist()]
+    note = (f"One held-out sequence of the {name} task. Darker = more of the model's {total} (layer, head) "
+            "pairs on full attention at that token; hover a token for the count.")
+    folder.mkdir(parents=True, exist_ok=True)
+    return token_page(tokens, [int(c) for c in counts], total, f"Where AHA goes global: {name}",
+                      folder / f"tokens_{name}.html", note)
 
 
 def _budget(model, batches, quality, target_mu: float) -> dict:
@@ -118,7 +137,6 @@ def analyze_run(run: str | Path, tasks: tuple[str, ...] = ("stdlib", "recall"), 
         raise CheckpointError(f"{run} holds no fine-tuned AHA checkpoint of {', '.join(tasks)}; run allhere demo first")
     results = {t: analyze_task(run, t, target_mu) for t in present}
     out = run / "analysis"
-    out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "analysis.json", lambda tmp: tmp.write_text(json.dumps(results, indent=1) + "\n"))
     atomic_write(out / "analysis.md", lambda tmp: tmp.write_text(render(results)))
     from .plots import sorted_usage_curve

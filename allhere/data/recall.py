@@ -52,6 +52,20 @@ class RecallTask:
         """Fewest tokens between a query and the pair it asks about."""
         return self.filler_len + 2
 
+    def token_name(self, t: int) -> str:
+        """A readable name of token id ``t`` (for pages and plots)."""
+        k0, v0, f0 = 2, 2 + self.n_keys, 2 + self.n_keys + self.n_values
+        p0 = f0 + self.n_filler
+        if t in (BOS, SEP):
+            return "<BOS>" if t == BOS else "\n<SEP> "
+        if t < v0:
+            return f"k{t - k0} "
+        if t < f0:
+            return f"v{t - v0} "
+        if t < p0:
+            return f"f{t - f0} "
+        return f"[k{(t - p0) // self.n_values}=v{(t - p0) % self.n_values}] "
+
     def batch(self, batch: int, generator: torch.Generator, filler_len: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ids [batch, seq_len] int64 and retrieval [batch, seq_len] bool (query-key positions).
