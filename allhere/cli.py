@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--min-len", type=int, default=0, help="skip documents shorter than this (e.g. the AHA window)")
     e.add_argument("--max-docs", type=_positive, default=None, help="only the first N validation documents")
 
+    v = sub.add_parser("eval", help="lm-evaluation-harness tasks, with mu_f next to each task's metrics")
+    v.add_argument("--model", required=True, help="an allhere checkpoint (.safetensors) or a transformers folder")
+    v.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    v.add_argument("--include-path", default=None, help="folder of your own lm-eval task YAMLs")
+    v.add_argument("--limit", type=_positive, default=None, help="only the first N documents of each task")
+    v.add_argument("--num-fewshot", type=int, default=None)
+    v.add_argument("--device", type=_device, default="cpu")
+
     c = sub.add_parser("convert", help="convert a local Hugging Face model to AHA and save it")
     c.add_argument("--model", required=True, help="folder of a saved transformers causal LM")
     c.add_argument("--out", required=True, help="folder to save the converted model into")
@@ -153,6 +161,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{res['tokens']:,} tokens in {len(docs) - res['skipped_docs']} documents "
                   f"({res['skipped_docs']} skipped): loss {res['loss']:.4f} nats, perplexity {res['perplexity']:.3f}, "
                   f"{res['bits_per_token']:.4f} bits/token{mu}")
+        elif args.command == "eval":
+            from .eval.harness import evaluate
+
+            results = evaluate(args.model, args.tasks.split(","), args.include_path, args.limit, args.device,
+                               args.num_fewshot)
+            for task, metrics in results.items():
+                shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
+                                  if isinstance(v, float) and "stderr" not in k)
+                print(f"{task}: {shown}")
         elif args.command == "convert":
             from .config import AHAConfig
             from .hf import convert, save_pretrained
