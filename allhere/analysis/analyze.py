@@ -9,7 +9,6 @@ at least the dynamic one) against the dynamic router. Writes analysis.md, analys
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch

@@ -30,7 +30,7 @@ def recall_table(res: dict) -> list[str]:
 
 
 def render_markdown(report: dict) -> str:
-    out = [f"# allhere demo report", "",
+    out = ["# allhere demo report", "",
            f"Preset `{report['preset']}` on `{report['device']}`, torch {report['torch']}, "
            f"{report['seconds']:.0f} s in all.", ""]
     for name, res in report["tasks"].items():
