@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .checkpoint import atomic_write
-from .config import AHAConfig, ConfigError, FullConfig, ModelConfig, SlidingConfig, TrainConfig
+from .config import AHAConfig, ConfigError, FullConfig, ModelConfig, SlidingConfig, TrainConfig, mechanism_from_dict
 from .data.corpus import VOCAB_SIZE, eval_windows, sample_batch, stdlib_corpus, text_corpus
 from .data.recall import RecallTask
 from .eval import evaluate_lm, evaluate_recall
@@ -101,6 +101,7 @@ class TaskData:
     periodic: Callable[[Decoder], dict]  # a cheaper one, during training
     metric: str  # the quality metric in evaluate's result
     higher_is_better: bool
+    heldout: list  # held-out token batches [b, seq] (for routing statistics)
 
 
 def task_data(name: str, plan: TaskPlan, data_path: str | None = None) -> TaskData:
@@ -111,7 +112,7 @@ def task_data(name: str, plan: TaskPlan, data_path: str | None = None) -> TaskDa
         windows = eval_windows(corpus.val, plan.seq_len, plan.eval_sequences)
         return TaskData(corpus.describe(), batches, batches, lambda m: evaluate_lm(m, windows, device=dev),
                         lambda m: _brief(evaluate_lm(m, windows[:16], device=dev), ("loss", "mu_f")),
-                        "bits_per_token", False)
+                        "bits_per_token", False, list(windows.split(16)))
     task = RecallTask(seq_len=plan.seq_len)
     return TaskData(
         f"recall task {dataclasses.asdict(task)} (min distance query->pair {task.min_distance} tokens)",
@@ -119,7 +120,7 @@ def task_data(name: str, plan: TaskPlan, data_path: str | None = None) -> TaskDa
         lambda step, micro, g: task.training_batch(plan.finetune.batch_size, g),
         lambda m: evaluate_recall(m, task, plan.eval_sequences, device=dev),
         lambda m: _brief(evaluate_recall(m, task, 128, device=dev), ("accuracy", "mu_f")),
-        "accuracy", True)
+        "accuracy", True, list(task.batch(256, torch.Generator().manual_seed(99))[0].split(64)))
 
 
 def pretrain(run: Path, plan: TaskPlan, data: TaskData, progress: bool) -> tuple[Decoder, list]:
@@ -222,6 +223,12 @@ def run_demo(out: str | Path = "runs/demo", preset: str = "cpu", tasks: tuple[st
 def _plan_dict(plan: TaskPlan) -> dict:
     return {"model": plan.model.to_dict(), "aha": dataclasses.asdict(plan.aha), "pretrain": plan.pretrain.to_dict(),
             "finetune": plan.finetune.to_dict(), "seq_len": plan.seq_len, "eval_sequences": plan.eval_sequences}
+
+
+def plan_from_dict(d: dict) -> TaskPlan:
+    """The inverse of ``_plan_dict`` (a run's settings.json back into a plan)."""
+    return TaskPlan(ModelConfig.from_dict(d["model"]), mechanism_from_dict(d["aha"]), TrainConfig(**d["pretrain"]),
+                    TrainConfig(**d["finetune"]), d["seq_len"], d["eval_sequences"])
 
 
 def _check_run_settings(run: Path, settings: dict) -> None:

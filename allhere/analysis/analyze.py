@@ -8,6 +8,7 @@ at least the dynamic one) against the dynamic router. Writes analysis.md, analys
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,26 +16,12 @@ import torch
 
 from ..checkpoint import CheckpointError, atomic_write, load_model
 from ..config import ConfigError
-from ..data.corpus import eval_windows, stdlib_corpus, text_corpus
 from ..data.recall import RecallTask
-from ..eval import evaluate_lm, evaluate_recall
+from ..demo import plan_from_dict, task_data
 from .budget import calibrate_tau, set_tau
 from .html import byte_tokens, token_page
 from .stats import StatsAccumulator
 from .static import set_static_heads, static_budget_k, top_k_heads
-
-
-def _task_inputs(name: str, settings: dict):
-    plan = settings["plan"]
-    if name == "stdlib":
-        corpus = stdlib_corpus() if settings["data_path"] is None else text_corpus(settings["data_path"])
-        windows = eval_windows(corpus.val, plan["seq_len"], plan["eval_sequences"])
-        quality = lambda m: {"bits_per_byte": evaluate_lm(m, windows)["bits_per_token"]}  # noqa: E731
-        return windows.split(16), quality
-    task = RecallTask(seq_len=plan["seq_len"])
-    ids = task.batch(256, torch.Generator().manual_seed(99))[0]
-    quality = lambda m: {"accuracy": evaluate_recall(m, task, plan["eval_sequences"])["accuracy"]}  # noqa: E731
-    return ids.split(64), quality
 
 
 @torch.no_grad()
@@ -45,8 +32,12 @@ def analyze_task(run: Path, name: str, target_mu: float | None = None) -> dict:
     settings = json.loads(settings_path.read_text())
     model, _ = load_model(run / name / "aha" / "checkpoint.safetensors")
     model.eval()
-    batches, quality = _task_inputs(name, settings)
-    batches = list(batches)
+    plan = plan_from_dict(settings["plan"])
+    data = task_data(name, dataclasses.replace(plan, pretrain=dataclasses.replace(plan.pretrain, device="cpu")),
+                     settings["data_path"])
+    label = "bits_per_byte" if data.metric == "bits_per_token" else data.metric  # byte-level tokens
+    quality = lambda m: {label: data.evaluate(m)[data.metric]}  # noqa: E731
+    batches = data.heldout
     acc = StatsAccumulator()
     for ids in batches:
         acc.update(model(ids).routing)
