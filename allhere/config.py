@@ -87,8 +87,27 @@ class AHAConfig:
                "router_init_bias", self.router_init_bias, "a number >= 0")
 
 
-MechanismConfig = Union[FullConfig, SlidingConfig, AHAConfig]
-MECHANISMS: dict[str, type] = {"full": FullConfig, "sliding": SlidingConfig, "aha": AHAConfig}
+@dataclass(frozen=True)
+class DARConfig:
+    """Distance-adaptive representation (seeds/001): keys/values of the ``window`` most recent tokens come
+    from the full hidden state h, those of older tokens from h' = (h W_down) W_up, one softmax over all.
+
+    window = 0 sends every token through the bottleneck (the "uniform reduction" baseline); d_down = d
+    keeps the modules but no bottleneck.
+    """
+
+    window: int = 128  # w: tokens j with i - j < w use full-dimensional K/V (the current token included)
+    d_down: int = 64  # bottleneck width of W_down (d x d_down) and W_up (d_down x d)
+
+    kind: str = field(default="dar", init=False)
+
+    def __post_init__(self) -> None:
+        _int("DARConfig", "window", self.window, 0)
+        _int("DARConfig", "d_down", self.d_down, 1)
+
+
+MechanismConfig = Union[FullConfig, SlidingConfig, AHAConfig, DARConfig]
+MECHANISMS: dict[str, type] = {"full": FullConfig, "sliding": SlidingConfig, "aha": AHAConfig, "dar": DARConfig}
 
 
 def mechanism_to_dict(cfg: MechanismConfig) -> dict[str, Any]:
@@ -139,15 +158,18 @@ class ModelConfig:
         _check(self.rope_theta > 0, c, "rope_theta", self.rope_theta, "a number > 0")
         _check(self.norm_eps > 0, c, "norm_eps", self.norm_eps, "a number > 0")
         _check(isinstance(self.mechanism, tuple(MECHANISMS.values())), c, "mechanism", self.mechanism,
-               "a FullConfig, SlidingConfig or AHAConfig")
+               "a FullConfig, SlidingConfig, AHAConfig or DARConfig")
         if self.layer_mechanisms is not None:
             mechs = tuple(self.layer_mechanisms)
             _check(len(mechs) == self.n_layers, c, "layer_mechanisms", len(mechs),
                    f"exactly n_layers={self.n_layers} entries")
             for m in mechs:
                 _check(isinstance(m, tuple(MECHANISMS.values())), c, "layer_mechanisms", m,
-                       "FullConfig, SlidingConfig or AHAConfig entries")
+                       "FullConfig, SlidingConfig, AHAConfig or DARConfig entries")
             object.__setattr__(self, "layer_mechanisms", mechs)
+        for m in self.layer_mechanisms or (self.mechanism,):
+            if isinstance(m, DARConfig):
+                _check(m.d_down <= self.d_model, "DARConfig", "d_down", m.d_down, f"<= d_model={self.d_model}")
 
     @property
     def head_dim(self) -> int:

@@ -8,13 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import AHAConfig, FullConfig, MechanismConfig, ModelConfig, SlidingConfig
+from .config import AHAConfig, DARConfig, FullConfig, MechanismConfig, ModelConfig, SlidingConfig
 from .mechanisms.aha import AHAAttention
+from .mechanisms.dar import DARAttention
 from .mechanisms.full import FullAttention
 from .mechanisms.sliding import SlidingAttention
 from .routing import Routing
 
-MECHANISM_MODULES = {FullConfig: FullAttention, SlidingConfig: SlidingAttention, AHAConfig: AHAAttention}
+MECHANISM_MODULES = {FullConfig: FullAttention, SlidingConfig: SlidingAttention, AHAConfig: AHAAttention,
+                     DARConfig: DARAttention}
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +36,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, mech: MechanismConfig) -> None:
         super().__init__()
-        self.h, self.hkv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.h, self.hkv, self.hd, self.rope_theta = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.rope_theta
         self.router_channels = cfg.n_heads if isinstance(mech, AHAConfig) and mech.router == "qproj" else 0
         self.q_proj = nn.Linear(cfg.d_model, self.h * self.hd + self.router_channels, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, self.hkv * self.hd, bias=False)
@@ -51,8 +53,20 @@ class Attention(nn.Module):
         q = apply_rope(q.view(b, n, self.h, self.hd).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_proj(x).view(b, n, self.hkv, self.hd).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, n, self.hkv, self.hd).transpose(1, 2)
-        out, routing = self.mechanism(q, k, v, x, cache=cache, router_logits=router_logits)
+        extra = {}
+        if getattr(self.mechanism, "wants_kv_projection", False):
+            extra["kv_of"] = lambda h, positions=None: self.project_kv(h, positions, cos, sin)
+        out, routing = self.mechanism(q, k, v, x, cache=cache, router_logits=router_logits, **extra)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.h * self.hd)), routing
+
+
+    def project_kv(self, h, positions=None, cos=None, sin=None):
+        """The module's own K (with RoPE at ``positions``, or at cos/sin) and V of hidden states h."""
+        b, n, _ = h.shape
+        if positions is not None:
+            cos, sin = rope_cos_sin(positions, self.hd, self.rope_theta)
+        k = apply_rope(self.k_proj(h).view(b, n, self.hkv, self.hd).transpose(1, 2), cos, sin)
+        return k, self.v_proj(h).view(b, n, self.hkv, self.hd).transpose(1, 2)
 
 
 class Block(nn.Module):
@@ -104,6 +118,9 @@ class Decoder(nn.Module):
                 scale = (2 * self.cfg.n_layers) ** -0.5 if name.endswith(residual_out) else 1.0
                 nn.init.normal_(p, 0.0, std * scale)
         reset_routers(self)
+        for blk in self.blocks:
+            if isinstance(blk.attn.mechanism, DARAttention):
+                blk.attn.mechanism.reset_parameters()
 
     def aha_modules(self) -> list[tuple[int, AHAAttention]]:
         return [(i, b.attn.mechanism) for i, b in enumerate(self.blocks) if isinstance(b.attn.mechanism, AHAAttention)]
@@ -169,7 +186,8 @@ def set_aha_impl(model: Decoder, impl: str) -> None:
 def swap_mechanism(model: Decoder, mechanism: MechanismConfig | list[MechanismConfig]) -> Decoder:
     """A new Decoder with the same weights and another attention mechanism (routers freshly initialised).
 
-    Every pretrained weight is copied; the only parameters allowed to be new are the routers.
+    Every pretrained weight is copied; the only parameters allowed to be new are the mechanism's own
+    (AHA routers, DAR's W_down / W_up).
     """
     if isinstance(mechanism, (list, tuple)):
         cfg = model.cfg.replace(layer_mechanisms=tuple(mechanism))
@@ -184,6 +202,6 @@ def swap_mechanism(model: Decoder, mechanism: MechanismConfig | list[MechanismCo
         elif name.endswith("q_proj.weight") and name in src:  # qproj router rows added or dropped
             rows = min(t.shape[0], src[name].shape[0])
             t[:rows].copy_(src[name][:rows])
-        elif ".router" not in name:
+        elif ".mechanism." not in name:  # only the mechanism's own modules (routers, DAR bottleneck) are new
             raise ValueError(f"cannot carry weight {name!r} over to the new mechanism")
     return new

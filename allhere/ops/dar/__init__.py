@@ -1,0 +1,3 @@
+from .naive import dar_attention_naive
+
+__all__ = ["dar_attention_naive"]

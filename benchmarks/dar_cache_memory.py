@@ -1,0 +1,52 @@
+"""KV-cache bytes of DAR (latents + rolling window) against the vanilla cache, for the same model.
+
+    python benchmarks/dar_cache_memory.py     # d = 1024, 16 heads (MHA), d_down = d/4, w = 128, fp16
+
+The caches are filled through their own ``update`` with tensors of the real shapes (no attention is
+computed), and their tensors' bytes are counted: one layer, batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from allhere.mechanisms.dar import DARCache
+from allhere.mechanisms.full import KVCache
+
+
+def cache_bytes(tokens: int, d_model: int, heads: int, kv_heads: int, d_down: int, window: int, dtype, chunk=4096):
+    hd = d_model // heads
+    dar, vanilla = DARCache(window), KVCache()
+    done = 0
+    while done < tokens:
+        n = min(chunk, tokens - done)
+        k = torch.zeros(1, kv_heads, n, hd, dtype=dtype)
+        dar.update(k, k.clone(), torch.zeros(1, n, d_down, dtype=dtype))
+        vanilla.update(k, k.clone())
+        done += n
+    vb = sum(t.numel() * t.element_size() for t in (vanilla.k, vanilla.v))
+    return dar.nbytes(), vb
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    a = p.parse_args(argv)
+    kv = a.kv_heads or a.heads
+    d_down = a.d_model // 4
+    print(f"# one layer, batch 1, fp16, d={a.d_model}, heads={a.heads}, kv_heads={kv}, d_down={d_down}, w={a.window}")
+    print("| T | vanilla cache | DAR cache | DAR / vanilla |")
+    print("|---|---|---|---|")
+    for t in a.tokens:
+        dar, van = cache_bytes(t, a.d_model, a.heads, kv, d_down, a.window, torch.float16)
+        print(f"| {t} | {van / 2**20:.1f} MiB | {dar / 2**20:.2f} MiB | {100 * dar / van:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
