@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--pretrain-steps", type=_positive, default=None)
     d.add_argument("--finetune-steps", type=_positive, default=None)
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d.add_argument("--mechanism", default="aha", choices=["aha", "dar"],
+                   help="aha (default): the AHA demo; dar: DAR against vanilla and uniform reduction")
 
     a = sub.add_parser("analyze", help="routing statistics, sorted-usage curve and static baseline of a demo run")
     a.add_argument("--run", default="runs/demo", help="a finished demo run directory")
@@ -125,7 +127,14 @@ def _aha_flags(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "demo":
+        if args.command == "demo" and args.mechanism == "dar":
+            from .dar_demo import render, run_dar_demo
+
+            report = run_dar_demo(out=args.out, preset=args.preset, data_path=args.data, device=args.device,
+                                  progress=not args.no_progress)
+            print(render(report))
+            print(f"Report written to {args.out}/dar_report.md and dar_report.json")
+        elif args.command == "demo":
             from .analysis.report import render_markdown
             from .demo import run_demo
 

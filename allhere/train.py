@@ -82,6 +82,8 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
 
     ckpt_path = Path(ckpt_path)
     model.to(cfg.device)
+    for name, p in model.named_parameters():  # stage-wise training (e.g. only a new bottleneck first)
+        p.requires_grad_(cfg.train_only is None or cfg.train_only in name)
     opt = make_optimizer(model, cfg)
     lam = model_lam(model, cfg)
     state = {"step": 0, "history": [], "evals": [], "train_config": cfg.to_dict(), **(extra_state or {})}
@@ -132,4 +134,6 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
             save_checkpoint(ckpt_path, model, opt, state)
     bar.close()
     model.eval()
+    for p in model.parameters():
+        p.requires_grad_(True)
     return state

@@ -127,3 +127,31 @@ def test_sweep_tiny_is_resumable(tmp_path, capsys):
     assert main(args) == 0  # everything finished is reused
     assert ckpt.stat().st_mtime_ns == before
     assert (tmp_path / "sw" / "mu_f_vs_window.png").exists()
+
+
+def test_dar_demo_tiny(tmp_path, capsys):
+    out = tmp_path / "dar"
+    assert run("--out", str(out), "--mechanism", "dar") == 0
+    assert "uniform reduction d/4" in capsys.readouterr().out
+    rep = json.loads((out / "dar_report.json").read_text())
+    assert {"vanilla (pretrained)", "vanilla (+ stage-2 steps, control)", "DAR w=16 d/4",
+            "uniform reduction d/4"} <= set(rep["rows"])
+    assert all(r["perplexity"] > 1 for r in rep["rows"].values())
+
+
+def test_stage_one_trains_only_the_bottleneck(tmp_path):
+    import torch
+
+    from allhere import DARConfig, Decoder, ModelConfig, swap_mechanism
+    from allhere.config import TrainConfig
+    from allhere.train import train
+
+    base = Decoder(ModelConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2))
+    model = swap_mechanism(base, DARConfig(window=2, d_down=4))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = TrainConfig(steps=3, batch_size=2, lr=1e-2, train_only=".mechanism.")
+    train(model, lambda s, m, g: torch.randint(0, 40, (2, 8), generator=g), cfg, tmp_path / "c.safetensors",
+          progress=False)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) != (".mechanism." in n), n
+        assert p.requires_grad
