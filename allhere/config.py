@@ -231,7 +231,6 @@ class TrainConfig:
     eval_every: int = 0  # evaluate every this many steps (0 = only at the end)
     ckpt_every: int = 100  # checkpoint every this many steps (and always at the end)
     log_every: int = 10  # record loss/mu_f in the history every this many steps
-    train_only: str | None = None  # train only parameters whose name contains this (e.g. ".mechanism.")
     seed: int = 0  # seeds the model init and every batch (batch k of step s is a pure function of both)
     device: str = "cpu"  # "cpu" or "cuda"; bf16 autocast is used on CUDA
 

@@ -25,7 +25,7 @@ from .eval.perplexity import rolling_perplexity
 def stage_configs(preset_finetune: TrainConfig, steps: int) -> tuple[TrainConfig, TrainConfig]:
     """Stage 1 trains only the bottleneck at the pretraining-scale lr; stage 2 everything at a 10x lower
     lr (the paper uses 3e-4 then 3e-5 on an LLM)."""
-    s1 = dataclasses.replace(preset_finetune, steps=steps, lr=2e-3, train_only=".mechanism.", router_lr_mult=1.0)
+    s1 = dataclasses.replace(preset_finetune, steps=steps, lr=2e-3, router_lr_mult=1.0)
     s2 = dataclasses.replace(preset_finetune, steps=steps, lr=2e-4, router_lr_mult=1.0)
     return s1, s2
 
@@ -55,7 +55,7 @@ def run_dar_demo(out: str | Path = "runs/demo", preset: str = "cpu", windows=(16
         name = "uniform reduction d/4" if w == 0 else f"DAR w={w} d/4"
         folder = run / "dar" / f"w{w}-d{d_down}"
         model, _ = finetune(folder / "stage1.safetensors", full, mech, dataclasses.replace(plan, finetune=s1),
-                            data, progress)
+                            data, progress, train_only=".mechanism.")
         model2, _ = finetune(folder / "stage2.safetensors", model, mech, stage2_plan, data, progress)
         rows[name] = ppl(model2)
     base = rows["vanilla (+ stage-2 steps, control)"]["perplexity"]

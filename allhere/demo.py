@@ -132,11 +132,12 @@ def pretrain(run: Path, plan: TaskPlan, data: TaskData, progress: bool) -> tuple
     return full, evals
 
 
-def finetune(ckpt: Path, full: Decoder, mechanism, plan: TaskPlan, data: TaskData, progress: bool):
+def finetune(ckpt: Path, full: Decoder, mechanism, plan: TaskPlan, data: TaskData, progress: bool,
+             train_only: str | None = None):
     """A copy of ``full`` with ``mechanism`` swapped in, fine-tuned (reused from ``ckpt`` when finished)."""
     model = swap_mechanism(full, mechanism)
     evals = train(model, data.finetune_batches, plan.finetune, ckpt, resume=True, eval_fn=data.periodic,
-                  progress=progress)["evals"]
+                  progress=progress, train_only=train_only)["evals"]
     return model, evals
 
 

@@ -72,27 +72,31 @@ def model_lam(model: Decoder, cfg: TrainConfig) -> float:
 
 
 def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | Path, resume: bool = False,
-          eval_fn: EvalFn | None = None, progress: bool = True, extra_state: dict | None = None) -> dict:
+          eval_fn: EvalFn | None = None, progress: bool = True, extra_state: dict | None = None,
+          train_only: str | None = None) -> dict:
     """Train ``model`` in place; checkpoint to ``ckpt_path``; return the final state (history, metrics).
 
     ``resume=True`` continues from ``ckpt_path`` exactly where it stopped; without it an existing
-    checkpoint there is an error (nothing good is overwritten).
+    checkpoint there is an error (nothing good is overwritten). ``train_only``: train only the parameters
+    whose name contains it (e.g. ".mechanism." for a new bottleneck); the others stay frozen.
     """
     from tqdm.auto import tqdm
 
     ckpt_path = Path(ckpt_path)
     model.to(cfg.device)
     for name, p in model.named_parameters():  # stage-wise training (e.g. only a new bottleneck first)
-        p.requires_grad_(cfg.train_only is None or cfg.train_only in name)
+        p.requires_grad_(train_only is None or train_only in name)
     opt = make_optimizer(model, cfg)
     lam = model_lam(model, cfg)
     state = {"step": 0, "history": [], "evals": [], "train_config": cfg.to_dict(), **(extra_state or {})}
+    if train_only is not None:
+        state["train_only"] = train_only
     if ckpt_path.exists():
         if not resume:
             raise CheckpointError(f"{ckpt_path} already exists: pass --resume to continue it, or choose another "
                                   "output directory")
         tensors, meta = read_checkpoint(ckpt_path)
-        if meta.get("train_config") != cfg.to_dict():
+        if meta.get("train_config") != cfg.to_dict() or meta.get("train_only") != train_only:
             raise CheckpointError(f"{ckpt_path} was written with other training settings; resume with the "
                                   "same settings or choose another output directory")
         restore_model(model, tensors, ckpt_path)

@@ -149,9 +149,9 @@ def test_stage_one_trains_only_the_bottleneck(tmp_path):
     base = Decoder(ModelConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2))
     model = swap_mechanism(base, DARConfig(window=2, d_down=4))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = TrainConfig(steps=3, batch_size=2, lr=1e-2, train_only=".mechanism.")
+    cfg = TrainConfig(steps=3, batch_size=2, lr=1e-2)
     train(model, lambda s, m, g: torch.randint(0, 40, (2, 8), generator=g), cfg, tmp_path / "c.safetensors",
-          progress=False)
+          progress=False, train_only=".mechanism.")
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) != (".mechanism." in n), n
         assert p.requires_grad
