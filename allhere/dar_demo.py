@@ -17,7 +17,6 @@ from pathlib import Path
 
 from .checkpoint import atomic_write
 from .config import DARConfig, FullConfig, TrainConfig
-from .data.corpus import stdlib_corpus, text_corpus
 from .demo import _check_run_settings, _plan_dict, finetune, plans, pretrain, task_data
 from .eval.perplexity import rolling_perplexity
 
@@ -45,8 +44,7 @@ def run_dar_demo(out: str | Path = "runs/demo", preset: str = "cpu", windows=(16
     stage2_plan = dataclasses.replace(plan, finetune=s2)
     control, _ = finetune(run / "dar" / "vanilla-stage2" / "checkpoint.safetensors", full, FullConfig(),
                           stage2_plan, data, progress)
-    corpus = stdlib_corpus() if data_path is None else text_corpus(data_path)
-    docs = corpus.val_docs[: max_docs or {"tiny": 2, "cpu": 10, "gpu": 100}[preset]]
+    docs = data.docs[: max_docs or {"tiny": 2, "cpu": 10, "gpu": 100}[preset]]
     min_len = max(windows)
     ppl = lambda m: rolling_perplexity(m, docs, plan.seq_len, plan.seq_len // 2, min_len=min_len, device=device)  # noqa: E731
     rows = {"vanilla (pretrained)": ppl(full), "vanilla (+ stage-2 steps, control)": ppl(control)}

@@ -102,6 +102,7 @@ class TaskData:
     metric: str  # the quality metric in evaluate's result
     higher_is_better: bool
     heldout: list  # held-out token batches [b, seq] (for routing statistics)
+    docs: list  # held-out documents one by one (for rolling-window perplexity); empty for recall
 
 
 def task_data(name: str, plan: TaskPlan, data_path: str | None = None) -> TaskData:
@@ -112,7 +113,7 @@ def task_data(name: str, plan: TaskPlan, data_path: str | None = None) -> TaskDa
         windows = eval_windows(corpus.val, plan.seq_len, plan.eval_sequences)
         return TaskData(corpus.describe(), batches, batches, lambda m: evaluate_lm(m, windows, device=dev),
                         lambda m: _brief(evaluate_lm(m, windows[:16], device=dev), ("loss", "mu_f")),
-                        "bits_per_token", False, list(windows.split(16)))
+                        "bits_per_token", False, list(windows.split(16)), corpus.val_docs)
     task = RecallTask(seq_len=plan.seq_len)
     return TaskData(
         f"recall task {dataclasses.asdict(task)} (min distance query->pair {task.min_distance} tokens)",
@@ -120,7 +121,7 @@ def task_data(name: str, plan: TaskPlan, data_path: str | None = None) -> TaskDa
         lambda step, micro, g: task.training_batch(plan.finetune.batch_size, g),
         lambda m: evaluate_recall(m, task, plan.eval_sequences, device=dev),
         lambda m: _brief(evaluate_recall(m, task, 128, device=dev), ("accuracy", "mu_f")),
-        "accuracy", True, list(task.batch(256, torch.Generator().manual_seed(99))[0].split(64)))
+        "accuracy", True, list(task.batch(256, torch.Generator().manual_seed(99))[0].split(64)), [])
 
 
 def pretrain(run: Path, plan: TaskPlan, data: TaskData, progress: bool) -> tuple[Decoder, list]:

@@ -35,6 +35,7 @@ def evaluate_lm(model: Decoder, windows: torch.Tensor, batch_size: int = 16, dev
 
 
 def static_mu_f(model: Decoder) -> float:
-    """Share of full attention of a model without routers: 1 per full layer, 0 per sliding layer."""
+    """Share of full attention of a model without routers: 1 per layer that reads every preceding token
+    (full, and DAR, whose distant tokens are compressed but still attended), 0 per sliding layer."""
     kinds = [model.cfg.layer_mechanism(i).kind for i in range(model.cfg.n_layers)]
-    return sum(k == "full" for k in kinds) / len(kinds)
+    return sum(k in ("full", "dar") for k in kinds) / len(kinds)

@@ -21,16 +21,18 @@ from torch import nn
 
 from ..config import DARConfig
 from ..ops.dar import dar_attention_naive
+from .sliding import RollingKVCache
 
 
 class DARCache:
     """Rolling full K/V of the last ``window`` tokens plus the d_down latent of every token."""
 
     def __init__(self, window: int) -> None:
-        self.window = window
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.near = RollingKVCache(window) if window else None  # window 0: no full K/V is kept
         self.latent: torch.Tensor | None = None  # [b, tokens, d_down]
+
+    k = property(lambda self: None if self.near is None else self.near.k)
+    v = property(lambda self: None if self.near is None else self.near.v)
 
     def __len__(self) -> int:
         return 0 if self.latent is None else self.latent.shape[1]
@@ -40,12 +42,9 @@ class DARCache:
 
     def update(self, k, v, latent):
         """Add the new tokens; return (near k, near v, all latents). Near k/v cover the last positions."""
-        k_all = k if self.k is None else torch.cat([self.k, k], dim=2)
-        v_all = v if self.v is None else torch.cat([self.v, v], dim=2)
         self.latent = latent if self.latent is None else torch.cat([self.latent, latent], dim=1)
-        keep = self.window
-        self.k, self.v = (k_all[:, :, -keep:], v_all[:, :, -keep:]) if keep else (None, None)
-        return k_all, v_all, self.latent
+        k_near, v_near = (k, v) if self.near is None else self.near.update(k, v)
+        return k_near, v_near, self.latent
 
 
 class DARAttention(nn.Module):
