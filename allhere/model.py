@@ -55,18 +55,21 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, n, self.hkv, self.hd).transpose(1, 2)
         extra = {}
         if getattr(self.mechanism, "wants_kv_projection", False):
-            extra["kv_of"] = lambda h, positions=None: self.project_kv(h, positions, cos, sin)
+            extra["kv_of"] = lambda h, positions=None, weights=None: self.project_kv(h, positions, cos, sin, weights)
+            extra["kv_weights"] = (self.k_proj.weight, self.v_proj.weight)
         out, routing = self.mechanism(q, k, v, x, cache=cache, router_logits=router_logits, **extra)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.h * self.hd)), routing
 
 
-    def project_kv(self, h, positions=None, cos=None, sin=None):
-        """The module's own K (with RoPE at ``positions``, or at cos/sin) and V of hidden states h."""
+    def project_kv(self, h, positions=None, cos=None, sin=None, weights=None):
+        """The module's own K (with RoPE at ``positions``, or at cos/sin) and V of hidden states h; or of
+        other inputs through ``weights`` = (W_K', W_V') given in place of the module's own."""
         b, n, _ = h.shape
         if positions is not None:
             cos, sin = rope_cos_sin(positions, self.hd, self.rope_theta)
-        k = apply_rope(self.k_proj(h).view(b, n, self.hkv, self.hd).transpose(1, 2), cos, sin)
-        return k, self.v_proj(h).view(b, n, self.hkv, self.hd).transpose(1, 2)
+        wk, wv = weights or (self.k_proj.weight, self.v_proj.weight)
+        k = apply_rope(F.linear(h, wk).view(b, n, self.hkv, self.hd).transpose(1, 2), cos, sin)
+        return k, F.linear(h, wv).view(b, n, self.hkv, self.hd).transpose(1, 2)
 
 
 class Block(nn.Module):

@@ -3,7 +3,8 @@
     python benchmarks/dar_cache_memory.py     # d = 1024, 16 heads (MHA), d_down = d/4, w = 128, fp16
 
 The caches are filled through their own ``update`` with tensors of the real shapes (no attention is
-computed), and their tensors' bytes are counted: one layer, batch 1.
+computed), and their tensors' bytes are counted: one layer, batch 1. The DAR cache also holds the
+absorbed weights W_K W_up and W_V W_up (a constant per layer, counted).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from allhere.mechanisms.full import KVCache
 def cache_bytes(tokens: int, d_model: int, heads: int, kv_heads: int, d_down: int, window: int, dtype, chunk=4096):
     hd = d_model // heads
     dar, vanilla = DARCache(window), KVCache()
+    dar.absorbed = tuple(torch.zeros(kv_heads * hd, d_down, dtype=dtype) for _ in range(2))  # W_K W_up, W_V W_up
     done = 0
     while done < tokens:
         n = min(chunk, tokens - done)

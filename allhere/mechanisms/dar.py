@@ -2,16 +2,18 @@
 d_down bottleneck far from it, one softmax over all preceding tokens.
 
 For query i and key j <= i: K/V come from h_j when i - j < w and from h'_j = (h_j W_down) W_up otherwise,
-through the same W_K / W_V and RoPE (Eqs. 1-4).
+through the same W_K / W_V and RoPE (Eqs. 1-4). The attention runs in query blocks
+(``ops.dar.dar_attention``); ``ops.dar.dar_attention_naive`` is its dense reference.
 
 Inference cache (``DARCache``), which realises the memory saving sketched in seeds/001 section 5: the last
-``w`` tokens keep their full K/V in a rolling buffer; every token keeps only its d_down latent h W_down.
-Distant keys and values are rebuilt from the latents on demand (through W_up, W_K, W_V and RoPE at their
-positions). Trade-off: the cache holds d_down numbers per token instead of 2 x kv_heads x head_dim, and
-each step recomputes the distant K/V from the latents (a d_down x d_kv product per cached token, where a
-plain cache only reads). W_up could be folded into W_K / W_V (W_K W_up) to shorten that product; RoPE is
-applied after the projection, per position, so the rebuilt keys cannot be cached in rotated form without
-giving the saving back.
+``w`` tokens keep their full K/V in a rolling buffer; every token keeps only its d_down latent c = h W_down.
+W_up is absorbed into W_K / W_V once per cache (W_K' = W_K W_up, W_V' = W_V W_up: [kv_dim, d_down]), so a
+distant key is RoPE(c W_K'^T) and a distant value c W_V'^T. They are rebuilt from the latents on demand at
+every step. Trade-off: the cache holds d_down numbers per token instead of 2 x kv_heads x head_dim, and
+each step spends 2 x d_down x kv_dim multiply-adds per cached token where a plain cache only reads. RoPE
+rotates keys by their position after the projection, so rotated distant keys could only be cached by
+giving the memory saving back; values (no RoPE) could be cached at kv_dim per token, which would also
+give it back.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from ..config import DARConfig
-from ..ops.dar import dar_attention_naive
+from ..ops.dar import dar_attention
 from .sliding import RollingKVCache
 
 
@@ -30,6 +32,7 @@ class DARCache:
     def __init__(self, window: int) -> None:
         self.near = RollingKVCache(window) if window else None  # window 0: no full K/V is kept
         self.latent: torch.Tensor | None = None  # [b, tokens, d_down]
+        self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None  # (W_K W_up, W_V W_up), set once
 
     k = property(lambda self: None if self.near is None else self.near.k)
     v = property(lambda self: None if self.near is None else self.near.v)
@@ -38,7 +41,9 @@ class DARCache:
         return 0 if self.latent is None else self.latent.shape[1]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.latent) if t is not None)
+        """Bytes held: near K/V, latents and the absorbed weights (a per-layer constant)."""
+        held = (self.k, self.v, self.latent, *(self.absorbed or ()))
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def update(self, k, v, latent):
         """Add the new tokens; return (near k, near v, all latents). Near k/v cover the last positions."""
@@ -69,16 +74,19 @@ class DARAttention(nn.Module):
     def new_cache(self) -> DARCache:
         return DARCache(self.cfg.window)
 
-    def forward(self, q, k, v, x, cache=None, router_logits=None, kv_of=None):
-        """kv_of(h, positions=None) -> (k, v) projects hidden states like the model's own K/V (RoPE at
-        ``positions``, by default the new tokens')."""
+    def forward(self, q, k, v, x, cache=None, router_logits=None, kv_of=None, kv_weights=None, mask=None):
+        """kv_of(h, positions=None, weights=None) -> (k, v) projects inputs like the model's own K/V (RoPE
+        at ``positions``, by default the new tokens'; through ``weights`` instead of W_K / W_V if given);
+        kv_weights = (W_K, W_V), needed with a cache to absorb W_up."""
         latent = self.down(x)
         if cache is None:
             k_far, v_far = kv_of(self.up(latent))
-            return dar_attention_naive(q, k, v, k_far, v_far, self.cfg.window), None
+            return dar_attention(q, k, v, k_far, v_far, self.cfg.window, mask=mask), None
+        if cache.absorbed is None:
+            cache.absorbed = tuple(w @ self.up.weight for w in kv_weights)
         k_near, v_near, latents = cache.update(k, v, latent)
         total = latents.shape[1]
-        k_far, v_far = kv_of(self.up(latents), torch.arange(total, device=x.device))
+        k_far, v_far = kv_of(latents, torch.arange(total, device=x.device), weights=cache.absorbed)
         pad = total - k_near.shape[2]  # positions whose full K/V are gone: never near for these queries
         k_near, v_near = (torch.nn.functional.pad(t, (0, 0, pad, 0)) for t in (k_near, v_near))
-        return dar_attention_naive(q, k_near, v_near, k_far, v_far, self.cfg.window), None
+        return dar_attention(q, k_near, v_near, k_far, v_far, self.cfg.window, mask=mask), None
