@@ -34,6 +34,16 @@ def _nonnegative_float(value: str) -> float:
     return x
 
 
+def _positive_or_zero(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return n
+
+
 def _fraction(value: str) -> float:
     x = float(value)
     if not 0.0 < x < 1.0:
@@ -61,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.add_argument("--mechanism", default="aha", choices=["aha", "dar"],
                    help="aha (default): the AHA demo; dar: DAR against vanilla and uniform reduction")
+    d.add_argument("--windows", type=_positive, nargs="+", default=None,
+                   help="with --mechanism dar: the DAR windows to compare (default 1 4 16 32 64 128)")
 
     a = sub.add_parser("analyze", help="routing statistics, sorted-usage curve and static baseline of a demo run")
     a.add_argument("--run", default="runs/demo", help="a finished demo run directory")
@@ -81,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-progress", action="store_true")
 
     e = sub.add_parser("perplexity", help="rolling-window perplexity of a checkpoint on held-out documents")
-    e.add_argument("--checkpoint", required=True, help="an allhere checkpoint.safetensors (e.g. runs/demo/stdlib/aha/...)")
+    which = e.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", help="an allhere checkpoint.safetensors (e.g. runs/demo/stdlib/aha/...)")
+    which.add_argument("--model", help="a Hugging Face model folder (plain, or saved by allhere convert / sft)")
     e.add_argument("--data", default=None, help="text data as for demo --data; default the stdlib corpus")
     e.add_argument("--seq-len", type=_positive, default=256, help="window length (default 256)")
     e.add_argument("--stride", type=_positive, default=None, help="window advance (default seq-len / 2)")
@@ -96,32 +110,61 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--num-fewshot", type=int, default=None)
     v.add_argument("--device", type=_device, default="cpu")
 
-    c = sub.add_parser("convert", help="convert a local Hugging Face model to AHA and save it")
+    bn = sub.add_parser("bench", help="AHA prefill / decode / training against the fastest dense attention (GPU)")
+    bn.add_argument("--device", type=_device, default="auto",
+                    help="auto (default: needs CUDA), cuda[:N], or cpu for a smoke run of the script")
+    bn.add_argument("--out", default="runs/bench", help="folder for bench.md and bench.json")
+    bn.add_argument("--lengths", type=_positive, nargs="+", default=None, help="prefill lengths (default 4k..64k)")
+    bn.add_argument("--decode-lengths", type=_positive, nargs="+", default=None, help="decode cache lengths")
+    bn.add_argument("--train-length", type=_positive, default=None, help="training length (default 16384)")
+    bn.add_argument("--heads", type=_positive, default=16)
+    bn.add_argument("--dim", type=_positive, default=128)
+    bn.add_argument("--window", type=_positive, default=256)
+    bn.add_argument("--repeats", type=_positive, default=10)
+
+    c = sub.add_parser("convert", help="convert a local Hugging Face model to AHA or DAR and save it")
     c.add_argument("--model", required=True, help="folder of a saved transformers causal LM")
     c.add_argument("--out", required=True, help="folder to save the converted model into")
-    _aha_flags(c)
+    _conversion_flags(c)
 
-    s = sub.add_parser("sft", help="convert a local Hugging Face model to AHA and fine-tune it on chat data")
+    s = sub.add_parser("sft", help="convert a local Hugging Face model to AHA or DAR and fine-tune it on chat data")
     s.add_argument("--model", required=True, help="folder of a saved transformers causal LM")
     s.add_argument("--data", required=True, help="chat data: .jsonl/.json/.parquet with a 'messages' column")
-    s.add_argument("--out", required=True, help="run folder: checkpoint.safetensors and the final model/")
-    _aha_flags(s)
+    s.add_argument("--out", required=True, help="run folder: checkpoint(s) and the final model/")
+    _conversion_flags(s)
     s.add_argument("--seq-len", type=_positive, default=2048, help="packed sequence length (default 2048)")
     s.add_argument("--batch-size", type=_positive, default=4, help="sequences per micro-batch (default 4)")
     s.add_argument("--global-batch", type=_positive, default=128, help="sequences per optimizer step (default 128)")
     s.add_argument("--epochs", type=float, default=1.0, help="passes over the data (default 1)")
     s.add_argument("--max-steps", type=_positive, default=None, help="stop after this many optimizer steps")
-    s.add_argument("--lr", type=float, default=3e-5, help="peak learning rate (default 3e-5)")
+    s.add_argument("--lr", type=float, default=3e-5, help="peak learning rate (default 3e-5; DAR: stage 2)")
+    s.add_argument("--stage1-lr", type=float, default=3e-4, help="DAR stage 1 (bottleneck only) learning rate (default 3e-4)")
     s.add_argument("--device", type=_device, default="auto", help="auto (default), cpu or cuda[:N]")
     s.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
-def _aha_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--window", type=_positive, required=True, help="AHA window w (keys, the current one included)")
-    p.add_argument("--tau", type=float, default=0.5, help="gate threshold (default 0.5)")
-    p.add_argument("--lam", type=_nonnegative_float, default=3e-4, help="lambda of L_reg (default 3e-4)")
+def _conversion_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mechanism", default="aha", choices=["aha", "dar"], help="aha (default) or dar")
+    p.add_argument("--window", type=_positive_or_zero, required=True,
+                   help="window w (keys, the current one included); DAR also takes 0 (uniform reduction)")
+    p.add_argument("--tau", type=float, default=0.5, help="AHA gate threshold (default 0.5)")
+    p.add_argument("--lam", type=_nonnegative_float, default=3e-4, help="AHA lambda of L_reg (default 3e-4)")
+    p.add_argument("--d-down", type=_positive, default=None, help="DAR bottleneck width (required with dar)")
+
+
+def _mechanism(args):
+    """The AHAConfig or DARConfig the conversion flags ask for."""
+    from .config import AHAConfig, ConfigError, DARConfig
+
+    if args.mechanism == "aha":
+        if args.d_down is not None:
+            raise ConfigError("--d-down is a DAR setting: use it with --mechanism dar")
+        return AHAConfig(window=args.window, tau=args.tau, lam=args.lam)
+    if args.d_down is None:
+        raise ConfigError("--mechanism dar needs --d-down (the bottleneck width, e.g. hidden size / 4)")
+    return DARConfig(window=args.window, d_down=args.d_down)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             from .dar_demo import render, run_dar_demo
 
             report = run_dar_demo(out=args.out, preset=args.preset, data_path=args.data, device=args.device,
-                                  progress=not args.no_progress)
+                                  progress=not args.no_progress, **({"windows": args.windows} if args.windows else {}))
             print(render(report))
             print(f"Report written to {args.out}/dar_report.md and dar_report.json")
         elif args.command == "demo":
@@ -160,12 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "perplexity":
             from .checkpoint import load_model
             from .data.corpus import stdlib_corpus, text_corpus
-            from .eval.perplexity import rolling_perplexity
+            from .eval.perplexity import hf_perplexity, rolling_perplexity
 
-            model, _ = load_model(args.checkpoint)
             corpus = stdlib_corpus() if args.data is None else text_corpus(args.data)
             docs = corpus.val_docs[: args.max_docs]
-            res = rolling_perplexity(model, docs, args.seq_len, args.stride, args.min_len)
+            if args.model is not None:
+                res = hf_perplexity(args.model, docs, args.seq_len, args.stride, args.min_len)
+            else:
+                res = rolling_perplexity(load_model(args.checkpoint)[0], docs, args.seq_len, args.stride, args.min_len)
             mu = "" if res["mu_f"] is None else f", mu_f {100 * res['mu_f']:.1f}%"
             print(f"{res['tokens']:,} tokens in {len(docs) - res['skipped_docs']} documents "
                   f"({res['skipped_docs']} skipped): loss {res['loss']:.4f} nats, perplexity {res['perplexity']:.3f}, "
@@ -179,26 +224,43 @@ def main(argv: list[str] | None = None) -> int:
                 shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
                                   if isinstance(v, float) and "stderr" not in k)
                 print(f"{task}: {shown}")
-        elif args.command == "convert":
-            from .config import AHAConfig
-            from .hf import convert, save_pretrained
-            from .hf.sft import load_local
+        elif args.command == "bench":
+            from .bench.gpu import BenchConfig, render, run_bench, write_report
 
+            if args.device == "cpu" and "--device" not in (argv or sys.argv):
+                raise ConfigError("allhere bench measures the GPU kernels and found no CUDA device; pass "
+                                  "--device cpu for a smoke run of the script (its numbers are not the goals)")
+            given = {"prefill_lengths": args.lengths, "decode_lengths": args.decode_lengths,
+                     "train_length": args.train_length}
+            cfg = BenchConfig(device=args.device, heads=args.heads, dim=args.dim, window=args.window,
+                              repeats=args.repeats, **{k: (tuple(v) if isinstance(v, list) else v)
+                                                       for k, v in given.items() if v is not None})
+            report = run_bench(cfg)
+            write_report(report, args.out)
+            print(render(report))
+            print(f"Written to {args.out}/bench.md and bench.json")
+        elif args.command == "convert":
+            from .hf import convert, convert_dar, save_pretrained
+            from .hf.io import load_local
+
+            mech = _mechanism(args)
             tokenizer, model = load_local(args.model)
-            convert(model, AHAConfig(window=args.window, tau=args.tau, lam=args.lam))
+            (convert if args.mechanism == "aha" else convert_dar)(model, mech)
             save_pretrained(model, args.out)
             tokenizer.save_pretrained(args.out)
-            print(f"AHA model (w={args.window}) saved to {args.out}; load it with allhere.hf.load_pretrained")
+            print(f"{args.mechanism.upper()} model ({mech}) saved to {args.out}; load it with allhere.hf.load_pretrained")
         elif args.command == "sft":
             from .hf import sft
 
+            mech = _mechanism(args)
             state = sft(args.model, args.data, args.out, window=args.window, seq_len=args.seq_len,
                         batch_size=args.batch_size, global_batch=args.global_batch, epochs=args.epochs,
                         lr=args.lr, lam=args.lam, tau=args.tau, max_steps=args.max_steps, device=args.device,
-                        resume=args.resume, progress=not args.no_progress)
+                        resume=args.resume, progress=not args.no_progress,
+                        d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr)
             last = state["history"][-1]
-            print(f"{state['step']} steps; last step: loss {last['lm']:.4f}, mu_f {last['mu_f']:.3f}. "
-                  f"Model saved to {args.out}/model")
+            mu = f", mu_f {last['mu_f']:.3f}" if last.get("mu_f") is not None else ""
+            print(f"{state['step']} steps; last step: loss {last['lm']:.4f}{mu}. Model saved to {args.out}/model")
     except (ConfigError, DataError, CheckpointError, ImportError) as e:
         print(f"allhere {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -4,8 +4,8 @@
 From the demo's pretrained full model (reused when the run directory holds it): convert to DAR(w, d/4)
 for several windows and to uniform reduction (every token through the bottleneck, w = 0), fine-tune each
 in the paper's two stages (1: only W_down / W_up; 2: everything), train a vanilla control for the same
-stage-2 steps, and compare perplexity with rolling windows over held-out files (Rel. % = vanilla
-perplexity / model perplexity). Writes dar_report.md / dar_report.json.
+stage-2 steps, and compare perplexity with rolling windows over held-out files (Rel. % = model
+perplexity / vanilla perplexity, smaller is better, as in seeds/001). Writes dar_report.md / dar_report.json.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def stage_configs(preset_finetune: TrainConfig, steps: int) -> tuple[TrainConfig
     return s1, s2
 
 
-def run_dar_demo(out: str | Path = "runs/demo", preset: str = "cpu", windows=(16, 32, 64), data_path=None,
+def run_dar_demo(out: str | Path = "runs/demo", preset: str = "cpu", windows=(1, 4, 16, 32, 64, 128), data_path=None,
                  device: str = "cpu", progress: bool = True, stage_steps: int | None = None,
                  max_docs: int | None = None) -> dict:
     t0 = time.time()
@@ -57,8 +57,8 @@ def run_dar_demo(out: str | Path = "runs/demo", preset: str = "cpu", windows=(16
         model2, _ = finetune(folder / "stage2.safetensors", model, mech, stage2_plan, data, progress)
         rows[name] = ppl(model2)
     base = rows["vanilla (+ stage-2 steps, control)"]["perplexity"]
-    for r in rows.values():
-        r["rel_percent"] = 100.0 * base / r["perplexity"]
+    for r in rows.values():  # seeds/001's Rel.: perplexity relative to vanilla, smaller is better
+        r["rel_percent"] = 100.0 * r["perplexity"] / base
     dar_main = rows.get("DAR w=32 d/4") or rows[f"DAR w={windows[0]} d/4"]
     goals = {"DAR(d/4) within 2% of vanilla perplexity": dar_main["perplexity"] <= 1.02 * base,
              "DAR(d/4) better than uniform reduction at d/4":
@@ -75,7 +75,7 @@ def render(report: dict) -> str:
            f"Rolling-window perplexity over {report['docs']} held-out documents (documents shorter than "
            f"{report['min_len']} skipped); d_down = {report['d_down']} (d/4); each DAR model fine-tuned "
            f"{report['stage_steps']} steps in stage 1 (bottleneck only) and {report['stage_steps']} in stage 2.", "",
-           "| model | perplexity | bits/byte | Rel. % |", "|---|---|---|---|"]
+           "| model | perplexity | bits/byte | Rel. % (model / control, smaller is better) |", "|---|---|---|---|"]
     for name, r in report["rows"].items():
         out.append(f"| {name} | {r['perplexity']:.4f} | {r['bits_per_token']:.4f} | {r['rel_percent']:.1f}% |")
     out += ["", "Goals:"] + [f"- [{'x' if ok else ' '}] {g}" for g, ok in report["goals"].items()]

@@ -10,29 +10,14 @@ Before timing, the fast path is checked against the dense reference at the small
 from __future__ import annotations
 
 import argparse
-import os
 import platform
-import statistics
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
-from gates import PATTERNS, flop_limit  # noqa: E402
-
-from allhere.ops.aha import aha_attention_fast, aha_attention_naive  # noqa: E402
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from allhere.bench.gates import PATTERNS, flop_limit
+from allhere.bench.timing import median_time
+from allhere.ops.aha import aha_attention_fast, aha_attention_naive
 
 
 def main(argv=None) -> None:

@@ -11,16 +11,12 @@ a warm-up, and the ratios. The blocked op is checked against the reference first
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cpu_prefill import median_time  # noqa: E402
-
-from allhere.ops.dar import dar_attention, dar_attention_naive  # noqa: E402
+from allhere.bench.timing import median_time
+from allhere.ops.dar import dar_attention, dar_attention_naive
 
 
 def main(argv=None) -> None:

@@ -131,7 +131,7 @@ def test_sweep_tiny_is_resumable(tmp_path, capsys):
 
 def test_dar_demo_tiny(tmp_path, capsys):
     out = tmp_path / "dar"
-    assert run("--out", str(out), "--mechanism", "dar") == 0
+    assert run("--out", str(out), "--mechanism", "dar", "--windows", "4", "16") == 0
     assert "uniform reduction d/4" in capsys.readouterr().out
     rep = json.loads((out / "dar_report.json").read_text())
     assert {"vanilla (pretrained)", "vanilla (+ stage-2 steps, control)", "DAR w=16 d/4",

@@ -29,3 +29,18 @@ def test_model_cached_decoding_on_cuda():
     cache = model.new_cache()
     steps = torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(20)], 1)
     assert rel_err(steps, model(ids).logits) < 1e-4
+
+
+@pytest.mark.parametrize("lq", [1000, 1])  # whole-sequence prefill, one-token decode
+def test_triton_kernels_picked_on_cuda_match_reference(lq):
+    pytest.importorskip("triton")
+    from allhere.kernels import use_triton
+
+    q = torch.randn(2, 8, lq, 128, device="cuda")
+    k, v = (torch.randn(2, 2, 1000, 128, device="cuda") for _ in range(2))
+    gate = torch.rand(2, 8, lq, device="cuda") < 0.07
+    gate[:, 0] = True
+    assert use_triton(q)
+    with torch.no_grad():
+        out = aha_attention_fast(q.bfloat16(), k.bfloat16(), v.bfloat16(), gate, 256)
+    assert rel_err(out.float(), aha_attention_naive(q, k, v, gate, 256)) < 2e-2

@@ -136,3 +136,67 @@ def test_cli_convert_and_sft(local_model, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert main(args[:-2] + ["--window", "999", "--out", str(local_model / "w")]) == 2
     assert "larger than the model's context" in capsys.readouterr().err
+
+
+def test_dar_two_stage_sft(local_model):
+    from allhere.checkpoint import read_checkpoint
+
+    out = local_model / "dar"
+    state = sft(local_model / "base", local_model / "chat.jsonl", out, window=4, seq_len=32, batch_size=4,
+                global_batch=8, lr=3e-3, stage1_lr=1e-2, max_steps=15, progress=False, d_down=8)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(local_model / "base")).state_dict()
+    stage1, meta1 = read_checkpoint(out / "stage1.safetensors")
+    assert meta1["train_only"] == ".dar." and meta1["stage"] == 1 and state["stage"] == 2
+    dar_keys = [k for k in stage1 if ".dar." in k]
+    down = stage1["model.hf.model.layers.0.self_attn.dar.down.weight"]
+    up = stage1["model.hf.model.layers.0.self_attn.dar.up.weight"]
+    assert (up - down.T).abs().max() > 1e-3  # stage 1 trained the bottleneck (it starts with W_up = W_down^T)
+    kept = [k for k in base if "model.hf." + k in stage1]
+    assert len(kept) == len(base)
+    for key in kept:  # stage 1 leaves every pretrained weight untouched
+        assert torch.equal(stage1["model.hf." + key], base[key]), key
+    tuned = load_pretrained(out / "model")
+    assert tuned.config.allhere_dar == {"window": 4, "d_down": 8, "kind": "dar"}
+    moved = [k for k, v in tuned.state_dict().items() if k in base and not torch.equal(v, base[k])]
+    assert len(moved) > len(base) // 2  # stage 2 trains everything
+    for k in dar_keys:  # the bottleneck trained in stage 1, and the final model holds the stage-2 weights
+        assert not torch.equal(stage1[k], tuned.state_dict()[k[len("model.hf."):]])
+    hist = state["history"]
+    assert sum(h["lm"] for h in hist[-3:]) / 3 < sum(h["lm"] for h in hist[:3]) / 3
+
+
+def test_cli_dar(local_model, capsys):
+    from allhere.cli import main
+
+    base = ["--model", str(local_model / "base"), "--window", "4"]
+    assert main(["convert", *base, "--mechanism", "dar", "--d-down", "8", "--out", str(local_model / "c")]) == 0
+    assert load_pretrained(local_model / "c").config.allhere_dar["d_down"] == 8
+    assert main(["convert", *base, "--mechanism", "dar", "--out", str(local_model / "x")]) == 2
+    assert "needs --d-down" in capsys.readouterr().err
+    assert main(["convert", *base, "--d-down", "8", "--out", str(local_model / "x")]) == 2
+    assert "DAR setting" in capsys.readouterr().err
+    assert not (local_model / "x").exists()
+    assert main(["sft", *base, "--mechanism", "dar", "--d-down", "8", "--data", str(local_model / "chat.jsonl"),
+                 "--seq-len", "32", "--batch-size", "4", "--global-batch", "8", "--max-steps", "2", "--device",
+                 "cpu", "--no-progress", "--out", str(local_model / "s")]) == 0
+    assert "2 steps; last step: loss" in capsys.readouterr().out
+    assert (local_model / "s" / "stage1.safetensors").exists() and (local_model / "s" / "model").exists()
+
+
+def test_perplexity_of_hf_folders(local_model, capsys):
+    from allhere.cli import main
+    from allhere.data.corpus import text_corpus
+    from allhere.eval.perplexity import hf_perplexity
+
+    rng = torch.Generator().manual_seed(1)
+    text = local_model / "text.txt"
+    text.write_text(" ".join(WORDS[i] for i in torch.randint(0, 60, (3000,), generator=rng).tolist()))
+    docs = text_corpus(text).val_docs
+    assert main(["convert", "--model", str(local_model / "base"), "--window", "4", "--mechanism", "dar",
+                 "--d-down", "32", "--out", str(local_model / "same")]) == 0  # d_down = d: no bottleneck
+    base = hf_perplexity(local_model / "base", docs, seq_len=32, stride=16)
+    same = hf_perplexity(local_model / "same", docs, seq_len=32, stride=16)
+    assert base["tokens"] == same["tokens"] > 100
+    assert same["perplexity"] == pytest.approx(base["perplexity"], rel=1e-5)
+    assert main(["perplexity", "--model", str(local_model / "same"), "--data", str(text), "--seq-len", "32"]) == 0
+    assert f"perplexity {same['perplexity']:.3f}" in capsys.readouterr().out

@@ -56,3 +56,16 @@ def rolling_perplexity(model: Decoder, docs: list[torch.Tensor], seq_len: int, s
     loss = total / count
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2), "tokens": count,
             "skipped_docs": skipped, "mu_f": gates / gate_tokens if gate_tokens else None}
+
+
+def hf_perplexity(model_path, byte_docs: list[torch.Tensor], seq_len: int, stride: int | None = None,
+                  min_len: int = 0, device: str = "cpu") -> dict:
+    """``rolling_perplexity`` of a Hugging Face model folder (plain, or saved converted to AHA / DAR) on
+    documents given as UTF-8 bytes, tokenized with the model's own tokenizer; losses are per model token."""
+    from ..hf import HFCausalLM
+    from ..hf.io import load_local
+
+    tokenizer, model = load_local(model_path)
+    texts = [bytes(d.to(torch.uint8).tolist()).decode("utf-8", errors="replace") for d in byte_docs]
+    docs = [torch.tensor(tokenizer(t)["input_ids"], dtype=torch.long) for t in texts]
+    return rolling_perplexity(HFCausalLM(model), docs, seq_len, stride, min_len, device)

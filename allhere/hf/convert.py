@@ -62,6 +62,21 @@ def attention_modules(model) -> list[torch.nn.Module]:
     return [getattr(layer, attr) for layer in layers]
 
 
+def check_window(model, window: int, field: str) -> None:
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None and window > context:
+        raise ConfigError(f"{field} = {window} is larger than the model's context "
+                          f"(max_position_embeddings = {context})")
+
+
+def drop_sliding_window(config) -> None:
+    """A converted model attends over the whole prefix: switch the family's own sliding window off."""
+    if getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = None
+    if getattr(config, "use_sliding_window", False):
+        config.use_sliding_window = False
+
+
 def convert(model, cfg: AHAConfig):
     """Turn ``model`` (a transformers causal LM of a supported family) into its AHA version, in place.
 
@@ -73,23 +88,16 @@ def convert(model, cfg: AHAConfig):
         raise ConfigError("AHAConfig.router = 'qproj' is not supported for Hugging Face models (it would "
                           "change q_proj's shape); use router='linear'")
     modules = attention_modules(model)
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context is not None and cfg.window > context:
-        raise ConfigError(f"AHAConfig.window = {cfg.window} is larger than the model's context "
-                          f"(max_position_embeddings = {context})")
+    check_window(model, cfg.window, "AHAConfig.window")
     register()
     hidden, heads = model.config.hidden_size, model.config.num_attention_heads
     for attn in modules:
-        if hasattr(attn, "aha"):
-            raise ValueError("this model is already converted to AHA")
+        if hasattr(attn, "aha") or hasattr(attn, "dar"):
+            raise ValueError("this model is already converted (it has AHA or DAR layers)")
         ref = next(attn.parameters())
         attn.aha = HFAHAAttention(cfg, hidden, heads).to(device=ref.device, dtype=ref.dtype)
         attn.register_forward_pre_hook(_stash_input, with_kwargs=True)
-    for name in ("sliding_window",):
-        if getattr(model.config, name, None) is not None:
-            setattr(model.config, name, None)
-    if getattr(model.config, "use_sliding_window", False):
-        model.config.use_sliding_window = False
+    drop_sliding_window(model.config)
     model.config.allhere_aha = dataclasses.asdict(cfg)
     model.set_attn_implementation(ATTN_NAME)
     return model

@@ -1,7 +1,9 @@
-"""Save and load converted models: transformers' own safetensors files, the AHA settings in config.json.
+"""Save and load converted models: transformers' own safetensors files, the mechanism's settings in
+config.json (``allhere_aha`` or ``allhere_dar``).
 
 ``load_pretrained`` needs no ``trust_remote_code``: transformers loads the pretrained weights with its
-own loader, allhere converts the model again and loads the router weights from the same files.
+own loader, allhere converts the model again and loads the added weights (routers or bottlenecks) from
+the same files.
 """
 
 from __future__ import annotations
@@ -14,12 +16,21 @@ import torch
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, mechanism_from_dict
 from .convert import convert
+from .dar import convert_dar
+
+# config.json key -> (conversion, the submodule name of the weights it adds)
+CONVERSIONS = {"allhere_aha": (convert, "aha"), "allhere_dar": (convert_dar, "dar")}
+
+
+def _settings(config) -> tuple[str, dict] | None:
+    found = [(key, getattr(config, key)) for key in CONVERSIONS if getattr(config, key, None) is not None]
+    return found[0] if found else None
 
 
 def save_pretrained(model, path: str | Path, **kwargs) -> None:
-    """``model.save_pretrained`` (safetensors); the AHA settings travel in config.json as ``allhere_aha``."""
-    if getattr(model.config, "allhere_aha", None) is None:
-        raise ValueError("this model is not converted to AHA; save it with model.save_pretrained")
+    """``model.save_pretrained`` (safetensors); the settings travel in config.json."""
+    if _settings(model.config) is None:
+        raise ValueError("this model is not converted to AHA or DAR; save it with model.save_pretrained")
     model.save_pretrained(str(path), **kwargs)
 
 
@@ -34,8 +45,8 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def load_pretrained(path: str | Path, **kwargs):
-    """Load a model saved by ``save_pretrained``: the same weights, routers included. kwargs go to
-    ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map, ...)."""
+    """Load a model saved by ``save_pretrained``: the same weights, routers or bottlenecks included.
+    kwargs go to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map, ...)."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -43,26 +54,42 @@ def load_pretrained(path: str | Path, **kwargs):
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} is not a saved model folder (no config.json)")
     config = AutoConfig.from_pretrained(str(path))
-    settings = getattr(config, "allhere_aha", None)
-    if settings is None:
-        raise ConfigError(f"{path} holds no AHA settings ('allhere_aha' missing from config.json); load it with "
-                          "transformers and convert it with allhere.hf.convert")
+    found = _settings(config)
+    if found is None:
+        raise ConfigError(f"{path} holds no allhere settings ('allhere_aha' / 'allhere_dar' missing from "
+                          "config.json); load it with transformers and convert it with allhere.hf.convert")
+    key, settings = found
+    conversion, part = CONVERSIONS[key]
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the router weights are "unexpected" until convert() adds the routers
+    hf_logging.set_verbosity_error()  # the added weights are "unexpected" until the conversion adds them
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
     finally:
         hf_logging.set_verbosity(level)
-    convert(model, mechanism_from_dict(settings))
-    wanted = {k for k in model.state_dict() if ".aha." in k}
-    routers: dict[str, torch.Tensor] = {}
+    conversion(model, mechanism_from_dict(settings))
+    wanted = {k for k in model.state_dict() if f".{part}." in k}
+    added: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as fh:
-            routers.update({k: fh.get_tensor(k) for k in fh.keys() if k in wanted})
-    missing = wanted - set(routers)
+            added.update({k: fh.get_tensor(k) for k in fh.keys() if k in wanted})
+    missing = wanted - set(added)
     if missing:
-        raise CheckpointError(f"{path} lacks router weights {sorted(missing)[:3]}...")
-    model.load_state_dict(routers, strict=False)
+        raise CheckpointError(f"{path} lacks the weights {sorted(missing)[:3]}...")
+    model.load_state_dict(added, strict=False)
     return model
+
+
+def load_local(model_path: str | Path):
+    """Tokenizer and model from a local folder with transformers' own loaders (never the network): a plain
+    transformers model, or one saved converted (then through ``load_pretrained``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(model_path)
+    if not (p / "config.json").exists():
+        raise ConfigError(f"model path {p} is not a saved transformers model (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    if _settings(AutoConfig.from_pretrained(str(p), local_files_only=True)) is not None:
+        return tokenizer, load_pretrained(p, local_files_only=True)
+    return tokenizer, AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, attn_implementation="sdpa")

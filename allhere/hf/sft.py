@@ -1,11 +1,14 @@
-"""Supervised fine-tuning of a converted Hugging Face model on chat data (seeds/003 section 3.1).
+"""Supervised fine-tuning of a converted Hugging Face model on chat data (seeds/003 section 3.1 for AHA,
+seeds/001 section 3 for DAR's two stages).
 
-Defaults are the paper's: AdamW lr 3e-5, betas (0.9, 0.95), warmup ratio 0.03, global batch 128 (by
-gradient accumulation), lambda 3e-4, tau 0.5, one epoch. The loss counts assistant tokens only.
+Defaults are the papers': AdamW lr 3e-5, betas (0.9, 0.95), warmup ratio 0.03, global batch 128 (by
+gradient accumulation), lambda 3e-4, tau 0.5, one epoch; DAR's stage 1 at lr 3e-4. The loss counts
+assistant tokens only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,12 +16,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import AHAConfig, ConfigError, TrainConfig
+from ..config import AHAConfig, ConfigError, DARConfig, TrainConfig
 from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversation
 from ..model import DecoderOutput
 from ..train import train
 from .convert import _mechanisms, collect_routing, convert
-from .io import save_pretrained
+from .dar import convert_dar
+from .io import load_local, save_pretrained
 
 
 class _ConfigView:
@@ -48,24 +52,18 @@ class HFCausalLM(nn.Module):
         return list(enumerate(_mechanisms(self.hf)))
 
 
-def load_local(model_path: str | Path):
-    """Tokenizer and model from a local folder, with transformers' own loaders (never the network)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    p = Path(model_path)
-    if not (p / "config.json").exists():
-        raise ConfigError(f"model path {p} is not a saved transformers model (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, attn_implementation="sdpa")
-    return tokenizer, model
-
-
 def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: int, seq_len: int = 2048,
         batch_size: int = 4, global_batch: int = 128, epochs: float = 1.0, lr: float = 3e-5, lam: float = 3e-4,
         tau: float = 0.5, max_steps: int | None = None, device: str = "cpu", resume: bool = False, seed: int = 0,
-        progress: bool = True) -> dict:
-    """Convert the model at ``model_path`` to AHA and fine-tune it on the chat data; the result is saved
-    to ``out/model`` (``allhere.hf.load_pretrained`` reads it back). Returns the training state."""
+        progress: bool = True, d_down: int | None = None, stage1_lr: float = 3e-4) -> dict:
+    """Convert the model at ``model_path`` and fine-tune it on the chat data; the result is saved to
+    ``out/model`` (``allhere.hf.load_pretrained`` reads it back). Returns the (last) training state.
+
+    Without ``d_down``: AHA (seeds/003), one run with L_LM + lam L_reg, checkpoint ``out/checkpoint.safetensors``.
+    With ``d_down``: DAR (seeds/001) in two stages of ``epochs`` each -- stage 1 trains only W_down / W_up
+    at ``stage1_lr`` with the rest frozen (``out/stage1.safetensors``), stage 2 everything at ``lr``
+    (``out/stage2.safetensors``).
+    """
     if global_batch % batch_size:
         raise ConfigError(f"global_batch = {global_batch} must be a multiple of batch_size = {batch_size}")
     out = Path(out)
@@ -76,7 +74,10 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     used_fallback = ensure_chat_template(tokenizer)
     rows = load_chat(data_path)
     ids, mask = pack([tokenize_conversation(tokenizer, r["messages"]) for r in rows], seq_len)
-    convert(model, AHAConfig(window=window, tau=tau, lam=lam))
+    if d_down is None:
+        convert(model, AHAConfig(window=window, tau=tau, lam=lam))
+    else:
+        convert_dar(model, DARConfig(window=window, d_down=d_down))
     accum = global_batch // batch_size
     n = ids.shape[0]
     steps = max_steps or max(1, math.ceil(epochs * n / global_batch))
@@ -88,10 +89,18 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
         return ids[idx], mask[idx]
 
     cfg = TrainConfig(steps=steps, batch_size=batch_size, grad_accum=accum, lr=lr, beta1=0.9, beta2=0.95,
-                      warmup_ratio=0.03, weight_decay=0.0, lam=lam, ckpt_every=max(1, min(100, steps)),
-                      log_every=1, seed=seed, device=device)
-    state = train(HFCausalLM(model), batches, cfg, out / "checkpoint.safetensors", resume=resume,
-                  progress=progress, extra_state={"chat_template_fallback": used_fallback, "sequences": n})
+                      warmup_ratio=0.03, weight_decay=0.0, lam=lam if d_down is None else 0.0,
+                      ckpt_every=max(1, min(100, steps)), log_every=1, seed=seed, device=device)
+    extra = {"chat_template_fallback": used_fallback, "sequences": n}
+    lm = HFCausalLM(model)
+    if d_down is None:
+        state = train(lm, batches, cfg, out / "checkpoint.safetensors", resume=resume, progress=progress,
+                      extra_state=extra)
+    else:
+        train(lm, batches, dataclasses.replace(cfg, lr=stage1_lr), out / "stage1.safetensors", resume=resume,
+              progress=progress, extra_state={**extra, "stage": 1}, train_only=".dar.")
+        state = train(lm, batches, cfg, out / "stage2.safetensors", resume=resume, progress=progress,
+                      extra_state={**extra, "stage": 2})
     save_pretrained(model, out / "model")
     tokenizer.save_pretrained(str(out / "model"))
     return state

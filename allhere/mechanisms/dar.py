@@ -74,14 +74,16 @@ class DARAttention(nn.Module):
     def new_cache(self) -> DARCache:
         return DARCache(self.cfg.window)
 
-    def forward(self, q, k, v, x, cache=None, router_logits=None, kv_of=None, kv_weights=None, mask=None):
+    def forward(self, q, k, v, x, cache=None, router_logits=None, kv_of=None, kv_weights=None, mask=None,
+                scale=None):
         """kv_of(h, positions=None, weights=None) -> (k, v) projects inputs like the model's own K/V (RoPE
         at ``positions``, by default the new tokens'; through ``weights`` instead of W_K / W_V if given);
-        kv_weights = (W_K, W_V), needed with a cache to absorb W_up."""
+        kv_weights = (W_K, W_V), needed with a cache to absorb W_up. mask: optional bool [b, 1, q, k]
+        (padding); scale: softmax scale (default 1 / sqrt(head_dim))."""
         latent = self.down(x)
         if cache is None:
             k_far, v_far = kv_of(self.up(latent))
-            return dar_attention(q, k, v, k_far, v_far, self.cfg.window, mask=mask), None
+            return dar_attention(q, k, v, k_far, v_far, self.cfg.window, scale, mask), None
         if cache.absorbed is None:
             cache.absorbed = tuple(w @ self.up.weight for w in kv_weights)
         k_near, v_near, latents = cache.update(k, v, latent)
@@ -89,4 +91,4 @@ class DARAttention(nn.Module):
         k_far, v_far = kv_of(latents, torch.arange(total, device=x.device), weights=cache.absorbed)
         pad = total - k_near.shape[2]  # positions whose full K/V are gone: never near for these queries
         k_near, v_near = (torch.nn.functional.pad(t, (0, 0, pad, 0)) for t in (k_near, v_near))
-        return dar_attention(q, k_near, v_near, k_far, v_far, self.cfg.window, mask=mask), None
+        return dar_attention(q, k_near, v_near, k_far, v_far, self.cfg.window, scale, mask), None

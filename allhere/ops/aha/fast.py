@@ -1,5 +1,9 @@
 """Fast All-or-Here attention (CPU and GPU): skip the full attention of local (token, head) pairs.
 
+On CUDA with triton installed, inference (no grad) of a whole-sequence prefill or a one-token decode step
+runs the Triton kernels of ``allhere.kernels`` (packed global queries; split-KV decode); everything else
+runs the PyTorch path below.
+
 Inference (the gate needs no gradient):
   1. local attention for every query with the blocked sliding-window op (``block + w - 1`` keys each);
   2. the global queries are compacted per (batch, head) -- a different count for every head, never
@@ -35,10 +39,28 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
     check_window(window)
     scale = default_scale(d, scale)
     hard = hard_gate(gate)
+    training = gate.dtype != torch.bool and gate.requires_grad
+    if not training and not torch.is_grad_enabled() and _triton_shape(q, k):
+        if q.shape[2] == 1:
+            from ...kernels.aha_decode import aha_decode_triton
+
+            return aha_decode_triton(q, k, v, hard[..., 0], window, scale)
+        from ...kernels.aha_prefill import aha_prefill_triton
+
+        return aha_prefill_triton(q, k, v, hard, window, scale)
     a_local = sliding_window_attention(q, k, v, window, scale=scale)
-    if gate.dtype != torch.bool and gate.requires_grad:
+    if training:
         return combine_gated(hard, gate, causal_attention(q, k, v, scale=scale), a_local)
     return _scatter_global(q, k, v, hard, a_local, scale, chunk, dense_above)
+
+
+def _triton_shape(q, k) -> bool:
+    """The Triton kernels (``allhere.kernels``) take this call: CUDA (or the interpreter), triton installed,
+    head dim a power of two >= 16, and a prefill over the whole sequence or a one-token decode step."""
+    from ...kernels import use_triton
+
+    d, lq, lk = q.shape[-1], q.shape[2], k.shape[2]
+    return use_triton(q) and d >= 16 and d & (d - 1) == 0 and (lq == lk or lq == 1)
 
 
 def _scatter_global(q, k, v, hard, out, scale, chunk, dense_above):

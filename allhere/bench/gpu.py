@@ -1,0 +1,231 @@
+"""``allhere bench``: AHA prefill, decode and training against the fastest dense attention, in one run.
+
+Every ratio is against the fastest dense SDPA backend measured in the same run (cuDNN, flash and
+memory-efficient are each tried; those that refuse the shape are left out), prefill also against
+FlexAttention's sliding window (what local-only attention costs), with the FLOP (prefill) or byte
+(decode) limit of shared/ANCHORS.md next to it. Before timing, each AHA path is checked against the
+fp32 dense reference at a small size. Default settings are issue 6's table: B = 1, 16 heads, head dim
+128, bf16, w = 256, long-tailed and uniform gates at mu_f 7% and 25%, prefill n in 4k..64k, decode
+B = 8 at n in 8k, 32k, 128k, training forward + backward at n = 16k.
+
+On the CPU (``--device cpu``) it runs the same code through the PyTorch paths (no Triton, no
+FlexAttention): a smoke run of the script, not a measurement of the goals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..mechanisms.aha import straight_through
+from ..ops.aha import aha_attention_fast, aha_attention_naive
+from .gates import PATTERNS, flop_limit
+from .timing import median_time
+
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    device: str = "cuda"
+    heads: int = 16
+    dim: int = 128
+    window: int = 256
+    prefill_lengths: tuple = (4096, 16384, 32768, 65536)
+    decode_lengths: tuple = (8192, 32768, 131072)
+    decode_batch: int = 8
+    train_length: int = 16384
+    mus: tuple = (0.07, 0.25)
+    patterns: tuple = ("long-tailed", "uniform")
+    repeats: int = 10
+    check_length: int = 1024
+
+    @property
+    def dtype(self):
+        return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+
+
+def fastest_dense(fn, cfg: BenchConfig) -> tuple[str, float]:
+    """(backend name, seconds) of the fastest SDPA backend that accepts the call ``fn``."""
+    best = None
+    for name, backend in BACKENDS.items():
+        try:
+            with sdpa_kernel([backend]):
+                t = median_time(fn, cfg.repeats, device=cfg.device)
+        except RuntimeError:  # this backend does not take this shape / device
+            continue
+        if best is None or t < best[1]:
+            best = (name, t)
+    if best is None:
+        with sdpa_kernel([SDPBackend.MATH]):
+            best = ("math", median_time(fn, cfg.repeats, device=cfg.device))
+    return best
+
+
+def flex_sliding(q, k, v, window: int):
+    """A callable running FlexAttention's sliding window (compiled), or None off CUDA."""
+    if not q.is_cuda:
+        return None
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from ..masks import sliding_window
+
+    n = q.shape[2]
+    block = create_block_mask(sliding_window(window), None, None, n, n, device=q.device)
+    compiled = torch.compile(flex_attention)
+    return lambda: compiled(q, k, v, block_mask=block)
+
+
+def _qkv(cfg: BenchConfig, b: int, lq: int, lk: int, seed: int = 0, requires_grad: bool = False):
+    g = torch.Generator(device=cfg.device).manual_seed(seed)
+    make = lambda n: torch.randn(b, cfg.heads, n, cfg.dim, device=cfg.device, generator=g,  # noqa: E731
+                                 dtype=cfg.dtype).requires_grad_(requires_grad)
+    return make(lq), make(lk), make(lk)
+
+
+def _gate(cfg: BenchConfig, pattern: str, b: int, lq: int, mu: float, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator(device=cfg.device).manual_seed(seed)
+    return PATTERNS[pattern](b, cfg.heads, lq, mu, generator=g, device=cfg.device)
+
+
+def check_paths(cfg: BenchConfig) -> dict:
+    """Relative errors of the AHA prefill, decode and training paths against the fp32 reference."""
+    n, w = cfg.check_length, min(cfg.window, cfg.check_length // 4)
+    q, k, v = _qkv(cfg, 2, n, n)
+    gate = _gate(cfg, "long-tailed", 2, n, 0.07)
+    rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa: E731
+    f32 = [t.float() for t in (q, k, v)]
+    with torch.no_grad():
+        prefill = rel(aha_attention_fast(q, k, v, gate, w), aha_attention_naive(*f32, gate, w))
+        decode = rel(aha_attention_fast(q[:, :, -1:], k, v, gate[..., -1:], w),
+                     aha_attention_naive(f32[0][:, :, -1:], *f32[1:], gate[..., -1:], w))
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    scores = torch.rand(2, cfg.heads, n, device=cfg.device, requires_grad=True)
+    up = torch.randn_like(q, dtype=torch.float32)
+    fast = aha_attention_fast(qg, kg, vg, straight_through(scores, 0.5), w)
+    grads = torch.autograd.grad((fast.float() * up).sum(), [qg, kg, vg, scores])
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    sr = scores.detach().requires_grad_()
+    ref = aha_attention_naive(qr, kr, vr, straight_through(sr, 0.5), w)
+    grads_ref = torch.autograd.grad((ref * up).sum(), [qr, kr, vr, sr])
+    train = max(rel(a, b) for a, b in zip(grads, grads_ref))
+    return {"prefill": prefill, "decode": decode, "training_grads": train}
+
+
+def bench_prefill(cfg: BenchConfig, n: int, pattern: str, mu: float) -> dict:
+    q, k, v = _qkv(cfg, 1, n, n)
+    gate = _gate(cfg, pattern, 1, n, mu)
+    with torch.no_grad():
+        dense_name, dense = fastest_dense(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), cfg)
+        flex_fn = flex_sliding(q, k, v, cfg.window)
+        flex = median_time(flex_fn, cfg.repeats, device=cfg.device) if flex_fn else None
+        aha = median_time(lambda: aha_attention_fast(q, k, v, gate, cfg.window), cfg.repeats, device=cfg.device)
+    mu_real = gate.float().mean().item()
+    return {"n": n, "pattern": pattern, "mu_asked": mu, "mu_f": mu_real, "dense_backend": dense_name, "dense_ms": 1e3 * dense,
+            "flex_sliding_ms": None if flex is None else 1e3 * flex, "aha_ms": 1e3 * aha,
+            "speedup": dense / aha, "limit": flop_limit(mu_real, cfg.window, n)}
+
+
+def bench_decode(cfg: BenchConfig, n: int, pattern: str, mu: float) -> dict:
+    b = cfg.decode_batch
+    q, k, v = _qkv(cfg, b, 1, n)
+    gate = _gate(cfg, pattern, b, 1, mu)
+    if pattern == "long-tailed":  # one token per sequence: take head 0 global, the others at the rest
+        gate[:, 0] = True
+    with torch.no_grad():
+        dense_name, dense = fastest_dense(lambda: F.scaled_dot_product_attention(q, k, v), cfg)
+        aha = median_time(lambda: aha_attention_fast(q, k, v, gate, cfg.window), cfg.repeats, device=cfg.device)
+    mu_real = gate.float().mean().item()
+    limit = 1.0 / (mu_real + (1.0 - mu_real) * min(1.0, cfg.window / n))
+    return {"n": n, "batch": b, "pattern": pattern, "mu_asked": mu, "mu_f": mu_real, "dense_backend": dense_name,
+            "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "speedup": dense / aha, "limit": limit}
+
+
+def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
+    n = cfg.train_length
+    q, k, v = _qkv(cfg, 1, n, n, requires_grad=True)
+    gate = _gate(cfg, pattern, 1, n, mu)
+    scores = (gate.float() * 0.5 + 0.25).requires_grad_()  # s > 0.5 exactly where the gate is global
+    up = torch.randn_like(q)
+
+    def dense_step():
+        torch.autograd.grad((F.scaled_dot_product_attention(q, k, v, is_causal=True) * up).sum(), [q, k, v])
+
+    def aha_step():
+        out = aha_attention_fast(q, k, v, straight_through(scores, 0.5), cfg.window)
+        torch.autograd.grad((out * up).sum(), [q, k, v, scores])
+
+    dense_name, dense = fastest_dense(dense_step, cfg)
+    aha = median_time(aha_step, cfg.repeats, device=cfg.device)
+    return {"n": n, "pattern": pattern, "mu_asked": mu, "mu_f": gate.float().mean().item(), "dense_backend": dense_name,
+            "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "overhead": aha / dense}
+
+
+def run_bench(cfg: BenchConfig, progress=print) -> dict:
+    report = {"config": {k: v for k, v in dataclasses.asdict(cfg).items()}, "torch": torch.__version__,
+              "device_name": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"}
+    from ..kernels import use_triton
+
+    report["aha_path"] = "triton kernels" if use_triton(torch.empty(0, device=cfg.device)) else \
+        "PyTorch path (no CUDA or no triton: pip install 'allhere[gpu]')"
+    progress(f"AHA inference runs the {report['aha_path']}")
+    report["check"] = check_paths(cfg)
+    progress(f"check against the fp32 reference: {report['check']}")
+    report["prefill"], report["decode"], report["training"] = [], [], []
+    for pattern in cfg.patterns:
+        for mu in cfg.mus:
+            for n in cfg.prefill_lengths:
+                report["prefill"].append(bench_prefill(cfg, n, pattern, mu))
+                progress(f"prefill {report['prefill'][-1]}")
+            for n in cfg.decode_lengths:
+                report["decode"].append(bench_decode(cfg, n, pattern, mu))
+                progress(f"decode {report['decode'][-1]}")
+            report["training"].append(bench_training(cfg, pattern, mu))
+            progress(f"training {report['training'][-1]}")
+    return report
+
+
+def _mu(row: dict) -> str:
+    return f"{100 * row['mu_asked']:.0f}% ({100 * row['mu_f']:.1f}%)"
+
+
+def render(report: dict) -> str:
+    c = report["config"]
+    out = [f"# AHA kernels vs dense attention ({report['device_name']}, torch {report['torch']})", "",
+           f"heads {c['heads']}, head dim {c['dim']}, w = {c['window']}; ratios against the fastest dense SDPA "
+           f"backend of the same run. AHA inference: {report['aha_path']}.", "",
+           "Check against the fp32 reference (relative error): "
+           + ", ".join(f"{k} {v:.1e}" for k, v in report["check"].items()), "",
+           "## Prefill (B = 1)", "",
+           "| n | gates | mu_f asked (drawn) | dense (backend) | Flex sliding | AHA | speed-up | FLOP limit |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in report["prefill"]:
+        flex = "n/a" if r["flex_sliding_ms"] is None else f"{r['flex_sliding_ms']:.2f} ms"
+        out.append(f"| {r['n']} | {r['pattern']} | {_mu(r)} | {r['dense_ms']:.2f} ms ({r['dense_backend']}) "
+                   f"| {flex} | {r['aha_ms']:.2f} ms | {r['speedup']:.2f}x | {r['limit']:.1f}x |")
+    out += ["", f"## Decode (B = {c['decode_batch']}, one query per sequence)", "",
+            "| n | gates | mu_f asked (drawn) | dense (backend) | AHA | speed-up | byte limit |", "|---|---|---|---|---|---|---|"]
+    for r in report["decode"]:
+        out.append(f"| {r['n']} | {r['pattern']} | {_mu(r)} | {r['dense_ms']:.3f} ms ({r['dense_backend']}) "
+                   f"| {r['aha_ms']:.3f} ms | {r['speedup']:.2f}x | {r['limit']:.1f}x |")
+    out += ["", "## Training forward + backward (B = 1)", "",
+            "| n | gates | mu_f asked (drawn) | dense (backend) | AHA (STE) | AHA / dense |", "|---|---|---|---|---|---|"]
+    for r in report["training"]:
+        out.append(f"| {r['n']} | {r['pattern']} | {_mu(r)} | {r['dense_ms']:.2f} ms ({r['dense_backend']}) "
+                   f"| {r['aha_ms']:.2f} ms | {r['overhead']:.2f}x |")
+    return "\n".join(out) + "\n"
+
+
+def write_report(report: dict, out: str | Path) -> None:
+    from ..checkpoint import atomic_write
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "bench.json", lambda tmp: tmp.write_text(json.dumps(report, indent=1) + "\n"))
+    atomic_write(out / "bench.md", lambda tmp: tmp.write_text(render(report)))

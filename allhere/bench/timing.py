@@ -1,0 +1,28 @@
+"""Median wall time of a callable, with CUDA events on a GPU and perf_counter on the CPU."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def median_time(fn, repeats: int = 5, warmup: int = 1, device: str = "cpu") -> float:
+    """Seconds: the median of ``repeats`` calls after ``warmup`` calls (on CUDA, timed by events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

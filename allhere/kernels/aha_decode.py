@@ -1,0 +1,75 @@
+"""AHA decode in Triton: one new query per sequence and head; a local head reads only the last w cached
+keys, a global head the whole cache. The key range is split across programs (split-KV, as in flash
+decoding) so that a long cache of a global head is read by many thread blocks at once; a local head's
+range fits in its first split and its other programs return at once. Each program writes its partial
+output and log-sum-exp; the splits are merged in PyTorch (a few numbers per head).
+
+Layout: q [b, h, 1, d], k/v [b, kv_heads, t, d] (the cache, every sequence t long), gate [b, h] bool.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, GATE, OP, LSE, sm_scale, T, H, G, W,
+                   sqb, sqh, skb, skh, skn,
+                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    nsplit = tl.num_programs(1)
+    b = bh // H
+    h = bh % H
+    kh = h // G
+    is_global = tl.load(GATE + bh) != 0
+    lo = tl.where(is_global, 0, tl.maximum(T - W, 0))
+    start = lo + split * SPLIT
+    end = tl.minimum(start + SPLIT, T)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + h * sqh + offs_d).to(tl.float32)
+    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)  # fp32 scalars carried by the loop
+    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(start, end, BLOCK_N):
+        offs_n = s0 + tl.arange(0, BLOCK_N)
+        kmask = offs_n < end
+        kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
+        k = tl.load(K + kv, mask=kmask[:, None], other=0.0).to(tl.float32)
+        v = tl.load(V + kv, mask=kmask[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], 1) * sm_scale
+        s = tl.where(kmask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        m_i = m_new
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(OP + (bh * nsplit + split) * D + offs_d, out)
+    tl.store(LSE + bh * nsplit + split, lse)
+
+
+def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
+                      scale: float, split: int = 512, block_n: int = 64) -> torch.Tensor:
+    """AHA attention of the last query of every (sequence, head) over the whole cache; returns [b, h, 1, d]."""
+    b, h, lq, d = q.shape
+    if lq != 1:
+        raise ValueError(f"the decode kernel takes one query per sequence, got {lq}")
+    hkv, t = k.shape[1], k.shape[2]
+    k, v = k.contiguous(), v.contiguous()
+    q = q.contiguous()
+    nsplit = triton.cdiv(t, split)
+    partial = torch.empty(b * h, nsplit, d, device=q.device, dtype=torch.float32)
+    lse = torch.empty(b * h, nsplit, device=q.device, dtype=torch.float32)
+    g = gate.reshape(b * h).to(torch.int8).contiguous()
+    _decode_kernel[(b * h, nsplit)](q, k, v, g, partial, lse, scale, t, h, h // hkv, window,
+                                    q.stride(0), q.stride(1), *k.stride()[:3],
+                                    SPLIT=split, BLOCK_N=block_n, D=d)
+    weight = torch.softmax(lse, dim=1)  # splits that saw no key have lse = -inf: weight 0
+    out = (weight[..., None] * partial).sum(1)
+    return out.view(b, h, 1, d).to(q.dtype)

@@ -1,0 +1,26 @@
+"""`allhere bench` runs its whole table; on the CPU only as an explicit smoke run (tiny sizes)."""
+
+import json
+
+import pytest
+import torch
+
+from allhere.cli import main
+
+
+def test_bench_smoke_run_on_cpu(tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "--device", "cpu", "--lengths", "256", "--decode-lengths", "128", "--train-length", "128",
+            "--heads", "2", "--dim", "16", "--window", "32", "--repeats", "1", "--out", str(out)]
+    assert main(args) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert all(v < 1e-4 for v in report["check"].values())  # every path against the fp32 reference
+    assert len(report["prefill"]) == len(report["decode"]) == 4 and len(report["training"]) == 4
+    assert all(r["speedup"] > 0 and r["limit"] >= 1 for r in report["prefill"] + report["decode"])
+    assert "## Decode" in (out / "bench.md").read_text() and "speed-up" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_without_a_gpu_says_so(capsys):
+    assert main(["bench"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
