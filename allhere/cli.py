@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="aha (default): the AHA demo; dar: DAR against vanilla and uniform reduction")
     d.add_argument("--windows", type=_positive, nargs="+", default=None,
                    help="with --mechanism dar: the DAR windows to compare (default 1 4 16 32 64 128)")
+    d.add_argument("--from-scratch", action="store_true",
+                   help="with --mechanism dar: also train DAR and uniform reduction from scratch with the "
+                        "vanilla model's pretraining budget")
 
     a = sub.add_parser("analyze", help="routing statistics, sorted-usage curve and static baseline of a demo run")
     a.add_argument("--run", default="runs/demo", help="a finished demo run directory")
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             from .dar_demo import render, run_dar_demo
 
             report = run_dar_demo(out=args.out, preset=args.preset, data_path=args.data, device=args.device,
-                                  progress=not args.no_progress, **({"windows": args.windows} if args.windows else {}))
+                                  progress=not args.no_progress, from_scratch=args.from_scratch,
+                                  **({"windows": args.windows} if args.windows else {}))
             print(render(report))
             print(f"Report written to {args.out}/dar_report.md and dar_report.json")
         elif args.command == "demo":

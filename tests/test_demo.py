@@ -131,12 +131,15 @@ def test_sweep_tiny_is_resumable(tmp_path, capsys):
 
 def test_dar_demo_tiny(tmp_path, capsys):
     out = tmp_path / "dar"
-    assert run("--out", str(out), "--mechanism", "dar", "--windows", "4", "16") == 0
+    assert run("--out", str(out), "--mechanism", "dar", "--windows", "4", "16", "--from-scratch") == 0
     assert "uniform reduction d/4" in capsys.readouterr().out
     rep = json.loads((out / "dar_report.json").read_text())
     assert {"vanilla (pretrained)", "vanilla (+ stage-2 steps, control)", "DAR w=16 d/4",
             "uniform reduction d/4"} <= set(rep["rows"])
     assert all(r["perplexity"] > 1 for r in rep["rows"].values())
+    assert set(rep["scratch_rows"]) == {"vanilla", "DAR w=32 d/4", "uniform reduction d/4"}
+    assert rep["scratch_rows"]["vanilla"] == rep["rows"]["vanilla (pretrained)"]
+    assert (out / "stdlib" / "dar" / "scratch-0-d8" / "checkpoint.safetensors").exists()
 
 
 def test_stage_one_trains_only_the_bottleneck(tmp_path):
