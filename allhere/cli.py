@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--device", type=_device, default="cpu")
 
     bn = sub.add_parser("bench", help="AHA prefill / decode / training against the fastest dense attention (GPU)")
-    bn.add_argument("--device", type=_device, default="auto",
-                    help="auto (default: needs CUDA), cuda[:N], or cpu for a smoke run of the script")
+    bn.add_argument("--device", type=_device, default=None,
+                    help="cuda[:N] (default: the first GPU), or cpu for a smoke run of the script")
     bn.add_argument("--out", default="runs/bench", help="folder for bench.md and bench.json")
     bn.add_argument("--lengths", type=_positive, nargs="+", default=None, help="prefill lengths (default 4k..64k)")
     bn.add_argument("--decode-lengths", type=_positive, nargs="+", default=None, help="decode cache lengths")
@@ -231,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench":
             from .bench.gpu import BenchConfig, render, run_bench, write_report
 
-            if args.device == "cpu" and "--device" not in (argv or sys.argv):
-                raise ConfigError("allhere bench measures the GPU kernels and found no CUDA device; pass "
-                                  "--device cpu for a smoke run of the script (its numbers are not the goals)")
+            if args.device is None:
+                args.device = _device("auto")
+                if args.device == "cpu":
+                    raise ConfigError("allhere bench measures the GPU kernels and found no CUDA device; pass "
+                                      "--device cpu for a smoke run of the script (its numbers are not the goals)")
             given = {"prefill_lengths": args.lengths, "decode_lengths": args.decode_lengths,
                      "train_length": args.train_length}
             cfg = BenchConfig(device=args.device, heads=args.heads, dim=args.dim, window=args.window,

@@ -200,3 +200,22 @@ def test_perplexity_of_hf_folders(local_model, capsys):
     assert same["perplexity"] == pytest.approx(base["perplexity"], rel=1e-5)
     assert main(["perplexity", "--model", str(local_model / "same"), "--data", str(text), "--seq-len", "32"]) == 0
     assert f"perplexity {same['perplexity']:.3f}" in capsys.readouterr().out
+
+
+def test_lm_eval_model_loads_dar_folders(local_model):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from allhere.cli import main
+    from allhere.eval.harness import AllhereLM
+
+    base = ["convert", "--model", str(local_model / "base"), "--window", "4", "--mechanism", "dar"]
+    assert main([*base, "--d-down", "32", "--out", str(local_model / "same")]) == 0  # d_down = d
+    assert main([*base, "--d-down", "8", "--out", str(local_model / "small")]) == 0
+    text = " ".join(WORDS[i] for i in range(40))
+    req = Instance("loglikelihood_rolling", {}, (text,), 0, ("t", 0, 1))
+    scores = {name: AllhereLM(str(local_model / name)).loglikelihood_rolling([req])[0]
+              for name in ("base", "same", "small")}
+    assert scores["same"] == pytest.approx(scores["base"], rel=1e-5)
+    assert abs(scores["small"] - scores["base"]) > 1e-2  # the bottleneck was loaded and used
+    assert AllhereLM(str(local_model / "small")).model.config.allhere_dar["d_down"] == 8

@@ -2,7 +2,7 @@
 ``import allhere.eval.harness``) or ``allhere eval``, with mu_f reported next to each task's metrics.
 
 ``pretrained`` is an allhere checkpoint (``*.safetensors``, byte-level tokens) or a folder with a
-transformers model (converted by allhere, or plain). Requests are scored one sequence at a time.
+transformers model (converted by allhere to AHA or DAR, or plain). Requests are scored one sequence at a time.
 """
 
 from __future__ import annotations
@@ -50,15 +50,9 @@ class AllhereLM(LM):
             self.model, _ = load_model(path, device=device)
             self.tok, self.hf = _Bytes(), False
         else:
-            from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+            from ..hf.io import load_local
 
-            self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-            if getattr(AutoConfig.from_pretrained(str(path)), "allhere_aha", None) is not None:
-                from ..hf import load_pretrained
-
-                self.model = load_pretrained(path)
-            else:
-                self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+            self.tok, self.model = load_local(path)  # plain, or saved converted to AHA / DAR
             self.model.to(self._device)
             self.hf = True
         self.model.eval()
