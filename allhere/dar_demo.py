@@ -72,7 +72,7 @@ def run_dar_demo(out: str | Path = "runs/demo", preset: str = "cpu", windows=(1,
     report = {"preset": preset, "d_down": d_down, "stage_steps": steps, "docs": len(docs), "min_len": min_len,
               "rows": rows, "goals": goals}
     if from_scratch:
-        scratch = {"vanilla": rows["vanilla (pretrained)"]}
+        scratch = {"vanilla": dict(rows["vanilla (pretrained)"])}
         for name, mech in (("DAR w=32 d/4", DARConfig(window=32, d_down=d_down)),
                            ("uniform reduction d/4", DARConfig(window=0, d_down=d_down))):
             torch.manual_seed(plan.pretrain.seed)  # the vanilla model's initialisation seed and data

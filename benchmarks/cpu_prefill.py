@@ -5,6 +5,8 @@
 Prints, per sequence length and gate pattern: dense SDPA time, AHA fast-path time, the speed-up and the
 FLOP limit 1 / (mu + 2 (1 - mu) w / n). Each time is the median of --repeats runs after one warm-up.
 Before timing, the fast path is checked against the dense reference at the smallest length.
+
+    python benchmarks/cpu_prefill.py --training --lengths 2048 4096   # forward + backward instead
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 from allhere.bench.gates import PATTERNS, flop_limit
 from allhere.bench.timing import median_time
+from allhere.mechanisms.aha import straight_through
 from allhere.ops.aha import aha_attention_fast, aha_attention_naive
 
 
@@ -29,7 +32,11 @@ def main(argv=None) -> None:
     p.add_argument("--mu", type=float, default=0.07)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
+    p.add_argument("--training", action="store_true",
+                   help="time training forward + backward (straight-through gate) instead of inference")
     a = p.parse_args(argv)
+    if a.training:
+        return training_table(a)
     torch.manual_seed(0)
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, heads={a.heads}, dim={a.dim}, w={a.window}, fp32, B=1")
@@ -54,6 +61,32 @@ def main(argv=None) -> None:
                 t_aha = median_time(lambda: aha_attention_fast(q, k, v, gate, a.window), a.repeats)
                 print(f"| {n} | {name} | {mu:.3f} | {t_dense * 1e3:.1f} | {t_aha * 1e3:.1f} | "
                       f"{t_dense / t_aha:.2f}x | {flop_limit(mu, a.window, n):.1f}x |", flush=True)
+
+
+def training_table(a) -> None:
+    """Forward + backward: dense causal SDPA against AHA with the straight-through gate, its backward
+    dense (both outputs with autograd) and sparse (autograd only through the outputs used)."""
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, heads={a.heads}, dim={a.dim}, "
+          f"w={a.window}, fp32, B=1, forward + backward")
+    print("| n | gates | mu_f | dense SDPA ms | AHA dense backward ms | AHA sparse backward ms | dense / sparse |")
+    print("|---|---|---|---|---|---|---|")
+    for n in a.lengths:
+        q, k, v = (torch.randn(1, a.heads, n, a.dim, requires_grad=True) for _ in range(3))
+        up = torch.randn(1, a.heads, n, a.dim)
+
+        def step(fn, *extra):
+            torch.autograd.grad((fn() * up).sum(), [q, k, v, *extra])
+
+        t_dense = median_time(lambda: step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), a.repeats)
+        for name in a.patterns:
+            gate = PATTERNS[name](1, a.heads, n, a.mu)
+            s = (gate.float() * 0.5 + 0.25).requires_grad_()  # s > 0.5 exactly where the gate is global
+            ste = lambda: straight_through(s, 0.5)  # noqa: E731
+            times = [median_time(lambda: step(lambda: aha_attention_fast(q, k, v, ste(), a.window,
+                                                                          sparse_backward=sb), s), a.repeats)
+                     for sb in (False, True)]
+            print(f"| {n} | {name} | {gate.float().mean().item():.3f} | {t_dense * 1e3:.1f} | {times[0] * 1e3:.1f} | "
+                  f"{times[1] * 1e3:.1f} | {t_dense / times[1]:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

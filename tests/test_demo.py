@@ -138,7 +138,8 @@ def test_dar_demo_tiny(tmp_path, capsys):
             "uniform reduction d/4"} <= set(rep["rows"])
     assert all(r["perplexity"] > 1 for r in rep["rows"].values())
     assert set(rep["scratch_rows"]) == {"vanilla", "DAR w=32 d/4", "uniform reduction d/4"}
-    assert rep["scratch_rows"]["vanilla"] == rep["rows"]["vanilla (pretrained)"]
+    assert rep["scratch_rows"]["vanilla"]["perplexity"] == rep["rows"]["vanilla (pretrained)"]["perplexity"]
+    assert rep["scratch_rows"]["vanilla"]["rel_percent"] == 100.0
     assert (out / "stdlib" / "dar" / "scratch-0-d8" / "checkpoint.safetensors").exists()
 
 

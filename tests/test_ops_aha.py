@@ -77,8 +77,9 @@ def test_fast_with_long_tailed_heads_and_float_gate():
     assert rel_err(aha_attention_fast(q, k, v, gate, w), brute_force_aha(q, k, v, gate, w)) < 1e-5
 
 
+@pytest.mark.parametrize("sparse_backward", [True, False], ids=["sparse-backward", "dense-backward"])
 @pytest.mark.parametrize("shape", SHAPES[:5], ids=IDS[:5])
-def test_fast_gradients_equal_reference(shape):
+def test_fast_gradients_equal_reference(shape, sparse_backward):
     q, k, v, gate, w = make(shape)
     s = torch.rand(gate.shape)
 
@@ -91,7 +92,7 @@ def test_fast_gradients_equal_reference(shape):
         (out * torch.randn_like(out)).sum().backward()
         return out, [t.grad for t in leaves] + [st.grad]
 
-    out_f, g_f = grads(aha_attention_fast)
+    out_f, g_f = grads(lambda *a: aha_attention_fast(*a, chunk=3, sparse_backward=sparse_backward))
     out_r, g_r = grads(aha_attention_naive)
     assert rel_err(out_f, out_r) < 1e-5
     for name, a, b in zip("qkvs", g_f, g_r):

@@ -13,8 +13,14 @@ Inference (the gate needs no gradient):
   3. their outputs are scattered over the local result.
 The local result of a global query is computed and thrown away (a fraction mu_f of the local work).
 
-Training (a float gate that requires grad): the straight-through estimator needs both outputs for every
-(token, head), so both are computed densely (SDPA causal and the blocked window) and combined.
+Training (a float gate that requires grad): the straight-through estimator needs the value of both
+outputs for every (token, head) -- dL/dgate = sum dL/da (a_full - a_local) -- but gradients flow only
+into the output that was used: the full path of global pairs and the local path of local pairs. So
+``sparse_backward`` (the default on the CPU) runs full attention for every query without autograd (only
+for that difference) and the differentiable part as in inference (compacted global queries scattered
+over the local result): the backward is as sparse as inference. With ``sparse_backward=False`` (the
+default on CUDA, where cuDNN's dense backward beats many small gathered calls until kernels take it
+over) both outputs are computed densely with autograd and combined. Both give the same gradients.
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ from ..sliding.blocked import sliding_window_attention
 
 
 def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
-                       scale: float | None = None, chunk: int = 64, dense_above: float = 0.5) -> torch.Tensor:
+                       scale: float | None = None, chunk: int = 64, dense_above: float = 0.5,
+                       sparse_backward: bool | None = None) -> torch.Tensor:
     """Same contract as ``aha_attention_naive``; computes in q's dtype.
 
     chunk: global queries per full-attention call. dense_above: a (batch, head) whose share of global
     queries exceeds this runs plain causal SDPA over all its queries instead of gathering them.
+    sparse_backward: training only; None = True off CUDA, False on CUDA (see the module docstring).
     """
     _, h, _, d, hkv, _ = check_qkv(q, k, v)
     check_gate(gate, q)
@@ -49,9 +57,14 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
 
         return aha_prefill_triton(q, k, v, hard, window, scale)
     a_local = sliding_window_attention(q, k, v, window, scale=scale)
-    if training:
+    if training and not (not q.is_cuda if sparse_backward is None else sparse_backward):
         return combine_gated(hard, gate, causal_attention(q, k, v, scale=scale), a_local)
-    return _scatter_global(q, k, v, hard, a_local, scale, chunk, dense_above)
+    out = _scatter_global(q, k, v, hard, a_local, scale, chunk, dense_above)
+    if training:  # the straight-through term: zero in value, dL/dgate = sum dL/da (a_full - a_local)
+        with torch.no_grad():
+            diff = causal_attention(q, k, v, scale=scale) - a_local
+        out = out + (gate - gate.detach()).to(out.dtype)[..., None] * diff
+    return out
 
 
 def _triton_shape(q, k) -> bool:
@@ -72,12 +85,15 @@ def _scatter_global(q, k, v, hard, out, scale, chunk, dense_above):
         return out
     group = idx[:, 0] * h + idx[:, 1]
     groups, counts = torch.unique_consecutive(group, return_counts=True)
+    # Per-(batch, head) views made once: with autograd, each piece's backward then touches its own head's
+    # rows only, instead of allocating a gradient of the whole tensor per piece.
+    qs = q.reshape(b * h, lq, d).unbind(0)
+    ks, vs = (t.reshape(-1, t.shape[2], d).unbind(0) for t in (k, v))
     rows, pieces = [], []
     for bh, qi in zip(groups.tolist(), idx[:, 2].split(counts.tolist())):
-        bi, hi = divmod(bh, h)
+        kv = (bh // h) * (h // g) + (bh % h) // g
         if qi.numel() > dense_above * lq:  # a busy head: dense causal is cheaper than gathering
-            o = causal_attention(q[bi, hi][None, None], k[bi, hi // g][None, None], v[bi, hi // g][None, None],
-                                 scale=scale)
+            o = causal_attention(qs[bh][None, None], ks[kv][None, None], vs[kv][None, None], scale=scale)
             pieces.append(o[0, 0, qi])
             rows.append(bh * lq + qi)
             continue
@@ -85,9 +101,8 @@ def _scatter_global(q, k, v, hard, out, scale, chunk, dense_above):
             n_keys = off + int(qc[-1]) + 1
             qpos = qc + off
             mask = torch.arange(n_keys, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(q[bi, hi, qc][None], k[bi, hi // g, :n_keys][None],
-                                               v[bi, hi // g, :n_keys][None], attn_mask=mask[None],
-                                               scale=scale)
+            o = F.scaled_dot_product_attention(qs[bh][qc][None], ks[kv][:n_keys][None], vs[kv][:n_keys][None],
+                                               attn_mask=mask[None], scale=scale)
             pieces.append(o[0])
             rows.append(bh * lq + qc)
     flat = out.reshape(b * h * lq, d).index_put((torch.cat(rows),), torch.cat(pieces))
