@@ -56,8 +56,10 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
         from ...kernels.aha_prefill import aha_prefill_triton
 
         return aha_prefill_triton(q, k, v, hard, window, scale)
+    if sparse_backward is None:
+        sparse_backward = not q.is_cuda
     a_local = sliding_window_attention(q, k, v, window, scale=scale)
-    if training and not (not q.is_cuda if sparse_backward is None else sparse_backward):
+    if training and not sparse_backward:
         return combine_gated(hard, gate, causal_attention(q, k, v, scale=scale), a_local)
     out = _scatter_global(q, k, v, hard, a_local, scale, chunk, dense_above)
     if training:  # the straight-through term: zero in value, dL/dgate = sum dL/da (a_full - a_local)
@@ -68,7 +70,7 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
 
 
 def _triton_shape(q, k) -> bool:
-    """The Triton kernels (``allhere.kernels``) take this call: CUDA (or the interpreter), triton installed,
+    """The Triton kernels (``allhere.kernels``) take this call: CUDA, triton installed,
     head dim a power of two >= 16, and a prefill over the whole sequence or a one-token decode step."""
     from ...kernels import use_triton
 
