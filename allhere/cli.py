@@ -157,6 +157,18 @@ def _conversion_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-down", type=_positive, default=None, help="DAR bottleneck width (required with dar)")
 
 
+def _check_demo_flags(args) -> None:
+    """A flag of the other demo is an error, not silently ignored."""
+    only = {"aha": {"window": "--window", "lam": "--lam", "pretrain_steps": "--pretrain-steps",
+                    "finetune_steps": "--finetune-steps", "tasks": "--task"},
+            "dar": {"windows": "--windows", "from_scratch": "--from-scratch"}}
+    other = "dar" if args.mechanism == "aha" else "aha"
+    given = [flag for name, flag in only[other].items() if getattr(args, name, None) not in (None, False)]
+    if given:
+        raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
+                          f"`allhere demo --mechanism {other}`, not --mechanism {args.mechanism}")
+
+
 def _mechanism(args):
     """The AHAConfig or DARConfig the conversion flags ask for."""
     from .config import AHAConfig, ConfigError, DARConfig
@@ -173,6 +185,8 @@ def _mechanism(args):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "demo":
+            _check_demo_flags(args)
         if args.command == "demo" and args.mechanism == "dar":
             from .dar_demo import render, run_dar_demo
 

@@ -159,3 +159,12 @@ def test_stage_one_trains_only_the_bottleneck(tmp_path):
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) != (".mechanism." in n), n
         assert p.requires_grad
+
+
+def test_flags_of_the_other_demo_are_errors(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert main(["demo", "--out", str(out), "--windows", "4"]) == 2
+    assert "--windows is for `allhere demo --mechanism dar`" in capsys.readouterr().err
+    assert main(["demo", "--out", str(out), "--mechanism", "dar", "--lam", "0.1"]) == 2
+    assert "--lam is for `allhere demo --mechanism aha`" in capsys.readouterr().err
+    assert not out.exists()
