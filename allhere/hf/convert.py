@@ -69,6 +69,18 @@ def check_window(model, window: int, field: str) -> None:
                           f"(max_position_embeddings = {context})")
 
 
+def install(modules, name: str, build, pre_hook) -> None:
+    """Give every attention module a mechanism submodule ``name`` (``build()``, on the module's device
+    and dtype) and a forward pre-hook (with kwargs) that hands it the call."""
+    for attn in modules:
+        if hasattr(attn, "aha") or hasattr(attn, "dar"):
+            raise ValueError("this model is already converted (it has AHA or DAR layers)")
+    for attn in modules:
+        ref = next(attn.parameters())
+        setattr(attn, name, build().to(device=ref.device, dtype=ref.dtype))
+        attn.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
 def drop_sliding_window(config) -> None:
     """A converted model attends over the whole prefix: switch the family's own sliding window off."""
     if getattr(config, "sliding_window", None) is not None:
@@ -91,12 +103,7 @@ def convert(model, cfg: AHAConfig):
     check_window(model, cfg.window, "AHAConfig.window")
     register()
     hidden, heads = model.config.hidden_size, model.config.num_attention_heads
-    for attn in modules:
-        if hasattr(attn, "aha") or hasattr(attn, "dar"):
-            raise ValueError("this model is already converted (it has AHA or DAR layers)")
-        ref = next(attn.parameters())
-        attn.aha = HFAHAAttention(cfg, hidden, heads).to(device=ref.device, dtype=ref.dtype)
-        attn.register_forward_pre_hook(_stash_input, with_kwargs=True)
+    install(modules, "aha", lambda: HFAHAAttention(cfg, hidden, heads), _stash_input)
     drop_sliding_window(model.config)
     model.config.allhere_aha = dataclasses.asdict(cfg)
     model.set_attn_implementation(ATTN_NAME)

@@ -22,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..config import ConfigError, DARConfig
 from ..mechanisms.dar import DARAttention
-from .convert import attention_modules, check_window, drop_sliding_window
+from .convert import attention_modules, check_window, drop_sliding_window, install
 
 ATTN_NAME = "allhere_dar"
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
@@ -95,12 +95,7 @@ def convert_dar(model, cfg: DARConfig):
         raise ConfigError(f"DARConfig.d_down = {cfg.d_down} is larger than the model's hidden size ({hidden})")
     AttentionInterface.register(ATTN_NAME, dar_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-    for attn in modules:
-        if hasattr(attn, "dar") or hasattr(attn, "aha"):
-            raise ValueError("this model is already converted (it has AHA or DAR layers)")
-        ref = next(attn.parameters())
-        attn.dar = HFDARAttention(cfg, hidden, heads).to(device=ref.device, dtype=ref.dtype)
-        attn.register_forward_pre_hook(_stash_call, with_kwargs=True)
+    install(modules, "dar", lambda: HFDARAttention(cfg, hidden, heads), _stash_call)
     drop_sliding_window(model.config)
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:
