@@ -20,11 +20,18 @@ def _device(value: str) -> str:
     return value
 
 
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return n
+def _int_at_least(low: int):
+    def parse(value: str) -> int:
+        n = int(value)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return n
+
+    parse.__name__ = "integer"  # argparse names it in "invalid integer value"
+    return parse
+
+
+_positive, _positive_or_zero = _int_at_least(1), _int_at_least(0)
 
 
 def _nonnegative_float(value: str) -> float:
@@ -32,16 +39,6 @@ def _nonnegative_float(value: str) -> float:
     if x < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return x
-
-
-def _positive_or_zero(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return n
 
 
 def _fraction(value: str) -> float:

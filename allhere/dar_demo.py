@@ -63,8 +63,7 @@ def run_dar_demo(out: str | Path = "runs/demo", preset: str = "cpu", windows=(1,
         model2, _ = finetune(folder / "stage2.safetensors", model, mech, stage2_plan, data, progress)
         rows[name] = ppl(model2)
     base = rows["vanilla (+ stage-2 steps, control)"]["perplexity"]
-    for r in rows.values():  # seeds/001's Rel.: perplexity relative to vanilla, smaller is better
-        r["rel_percent"] = 100.0 * r["perplexity"] / base
+    _relative(rows, base)
     dar_main = rows.get("DAR w=32 d/4") or rows[f"DAR w={windows[0]} d/4"]
     goals = {"DAR(d/4) within 2% of vanilla perplexity": dar_main["perplexity"] <= 1.02 * base,
              "DAR(d/4) better than uniform reduction at d/4":
@@ -80,8 +79,7 @@ def run_dar_demo(out: str | Path = "runs/demo", preset: str = "cpu", windows=(1,
             train(model, data.pretrain_batches, plan.pretrain, run / "dar" / f"scratch-{mech.window}-d{d_down}"
                   / "checkpoint.safetensors", resume=True, eval_fn=data.periodic, progress=progress)
             scratch[name] = ppl(model)
-        for r in scratch.values():
-            r["rel_percent"] = 100.0 * r["perplexity"] / scratch["vanilla"]["perplexity"]
+        _relative(scratch, scratch["vanilla"]["perplexity"])
         dar, van, uni = (scratch[k]["perplexity"] for k in ("DAR w=32 d/4", "vanilla", "uniform reduction d/4"))
         goals["from scratch, same budget: DAR(d/4) within 2% of vanilla perplexity"] = dar <= 1.02 * van
         goals["from scratch, same budget: DAR(d/4) better than uniform reduction at d/4"] = dar < uni
@@ -92,19 +90,27 @@ def run_dar_demo(out: str | Path = "runs/demo", preset: str = "cpu", windows=(1,
     return report
 
 
+def _relative(rows: dict, base: float) -> None:
+    """seeds/001's Rel.: perplexity relative to vanilla's, in percent, smaller is better."""
+    for r in rows.values():
+        r["rel_percent"] = 100.0 * r["perplexity"] / base
+
+
+def _table(rows: dict, rel_header: str) -> list[str]:
+    out = [f"| model | perplexity | bits/byte | {rel_header} |", "|---|---|---|---|"]
+    return out + [f"| {name} | {r['perplexity']:.4f} | {r['bits_per_token']:.4f} | {r['rel_percent']:.1f}% |"
+                  for name, r in rows.items()]
+
+
 def render(report: dict) -> str:
     out = ["# DAR against vanilla and uniform reduction", "",
            f"Rolling-window perplexity over {report['docs']} held-out documents (documents shorter than "
            f"{report['min_len']} skipped); d_down = {report['d_down']} (d/4); each DAR model fine-tuned "
-           f"{report['stage_steps']} steps in stage 1 (bottleneck only) and {report['stage_steps']} in stage 2.", "",
-           "| model | perplexity | bits/byte | Rel. % (model / control, smaller is better) |", "|---|---|---|---|"]
-    for name, r in report["rows"].items():
-        out.append(f"| {name} | {r['perplexity']:.4f} | {r['bits_per_token']:.4f} | {r['rel_percent']:.1f}% |")
+           f"{report['stage_steps']} steps in stage 1 (bottleneck only) and {report['stage_steps']} in stage 2.", ""]
+    out += _table(report["rows"], "Rel. % (model / control, smaller is better)")
     if "scratch_rows" in report:
-        out += ["", f"From scratch, the same {report['scratch_steps']} pretraining steps, data and seed for all:", "",
-                "| model | perplexity | bits/byte | Rel. % (model / vanilla) |", "|---|---|---|---|"]
-        for name, r in report["scratch_rows"].items():
-            out.append(f"| {name} | {r['perplexity']:.4f} | {r['bits_per_token']:.4f} | {r['rel_percent']:.1f}% |")
+        out += ["", f"From scratch, the same {report['scratch_steps']} pretraining steps, data and seed for all:", ""]
+        out += _table(report["scratch_rows"], "Rel. % (model / vanilla)")
     out += ["", "Goals:"] + [f"- [{'x' if ok else ' '}] {g}" for g, ok in report["goals"].items()]
     out.append(f"\n{report['seconds']:.0f} s.")
     return "\n".join(out) + "\n"

@@ -168,7 +168,7 @@ def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
-    report = {"config": {k: v for k, v in dataclasses.asdict(cfg).items()}, "torch": torch.__version__,
+    report = {"config": dataclasses.asdict(cfg), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"}
     from ..kernels import use_triton
 

@@ -61,8 +61,7 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
     if lq != 1:
         raise ValueError(f"the decode kernel takes one query per sequence, got {lq}")
     hkv, t = k.shape[1], k.shape[2]
-    k, v = k.contiguous(), v.contiguous()
-    q = q.contiguous()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     nsplit = triton.cdiv(t, split)
     partial = torch.empty(b * h, nsplit, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(b * h, nsplit, device=q.device, dtype=torch.float32)
