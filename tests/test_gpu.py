@@ -44,3 +44,23 @@ def test_triton_kernels_picked_on_cuda_match_reference(lq):
     with torch.no_grad():
         out = aha_attention_fast(q.bfloat16(), k.bfloat16(), v.bfloat16(), gate, 256)
     assert rel_err(out.float(), aha_attention_naive(q, k, v, gate, 256)) < 2e-2
+
+
+def test_triton_training_on_cuda_matches_reference_gradients():
+    """bf16 training kernels (picked by the op) against the fp32 reference: output and the gradients of
+    q, k, v and the router scores (straight-through)."""
+    pytest.importorskip("triton")
+    from allhere.mechanisms.aha import straight_through
+
+    q = torch.randn(2, 8, 1000, 128, device="cuda")
+    k, v = (torch.randn(2, 2, 1000, 128, device="cuda") for _ in range(2))
+    scores = torch.rand(2, 8, 1000, device="cuda")
+    scores[:, 0] += 0.5  # one busy head
+    up = torch.randn_like(q)
+    results = []
+    for op, dtype in ((aha_attention_fast, torch.bfloat16), (aha_attention_naive, torch.float32)):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [scores.clone().requires_grad_()]
+        out = op(*leaves[:3], straight_through(leaves[3], 0.93), 256)
+        results.append([out.detach()] + list(torch.autograd.grad((out.float() * up).sum(), leaves)))
+    for got, want in zip(*results):
+        assert rel_err(got.float(), want.float()) < 2e-2

@@ -7,7 +7,10 @@ pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's int
 
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton, pack_global  # noqa: E402
-from allhere.ops.aha import aha_attention_naive  # noqa: E402
+from allhere.kernels.aha_train import _global_block_ranges, aha_train_triton  # noqa: E402
+from allhere.mechanisms.aha import straight_through  # noqa: E402
+from allhere.ops.aha import aha_attention_fast, aha_attention_naive, fast  # noqa: E402
+from allhere.ops.sliding import sliding_window_attention_naive  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
 
@@ -36,6 +39,68 @@ def test_prefill_equals_reference(b, h, hkv, n, d, w, pattern):
         gate[:, 0] = True  # a busy head next to rare ones: packed per head, each with its own count
     out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, block_m=16, block_n=16)
     assert rel_err(out, aha_attention_naive(q, k, v, gate, w)) < TOL
+
+
+def mixed_gate(b, h, n, p, seed=1):
+    gate = torch.rand(b, h, n, generator=torch.Generator().manual_seed(seed)) < p
+    gate[:, 0] = True  # a busy head next to rare ones
+    return gate
+
+
+@pytest.mark.parametrize("b,h,hkv,n,d,w,gates,bm,bn", [
+    (2, 4, 2, 50, 16, 7, "mixed", 16, 16), (1, 2, 1, 33, 32, 40, "mixed", 16, 32),
+    (1, 4, 4, 70, 16, 1, "one head", 32, 16), (1, 4, 1, 45, 16, 3, "all-global", 16, 16),
+    (1, 2, 2, 40, 16, 5, "all-local", 16, 16)])
+def test_training_kernels_give_the_reference_outputs_and_gradients(b, h, hkv, n, d, w, gates, bm, bn):
+    q, k, v = inputs(b, h, hkv, n, n, d)
+    gate = {"mixed": lambda: mixed_gate(b, h, n, 0.3), "one head": lambda: mixed_gate(b, h, n, 0.0),
+            "all-global": lambda: torch.ones(b, h, n, dtype=torch.bool),
+            "all-local": lambda: torch.zeros(b, h, n, dtype=torch.bool)}[gates]()
+    up = torch.randn(b, h, n, d)
+    leaves = [t.to(DEVICE, DTYPE).requires_grad_() for t in (q, k, v)]
+    out, a_local = aha_train_triton(*leaves, gate.to(DEVICE), w, d ** -0.5, block_m=bm, block_n=bn)
+    grads = torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = aha_attention_naive(*ref_leaves, gate, w)
+    ref_grads = torch.autograd.grad((ref * up).sum(), ref_leaves)
+    assert rel_err(out.float().cpu(), ref) < TOL
+    assert rel_err(a_local.float().cpu(), sliding_window_attention_naive(q, k, v, w)) < TOL
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got.float().cpu(), want) < TOL
+
+
+def test_dkdv_kernel_starts_at_the_first_packed_block_reaching_each_key_block():
+    gate = mixed_gate(2, 3, 100, 0.2)
+    gate[1, 1] = False  # a head with no global rows
+    packed = pack_global(gate, 8)
+    rows, bh, start, count = packed
+    blk_from, head_end = _global_block_ranges(*packed, 6, 100, 7, 16)
+    last = rows[(start + count - 1).long()]
+    for head in range(6):
+        mine = (bh == head).nonzero().flatten().tolist()
+        assert head_end[head] == (mine[-1] + 1 if mine else blk_from[head * 7])
+        for kb in range(7):
+            reach = [i for i in mine if last[i] >= kb * 16]
+            assert blk_from[head * 7 + kb] == (reach[0] if reach else head_end[head])
+
+
+def test_op_takes_the_training_kernels_and_the_router_gets_its_gradient(monkeypatch):
+    """The op's own dispatch (forced onto the kernels here; on the GPU it picks them itself): q, k, v
+    and the router scores get the dense reference's straight-through gradients."""
+    called = []
+    monkeypatch.setattr(fast, "_triton_shape", lambda q, k: called.append(1) or True)
+    q, k, v = inputs(2, 4, 2, 40, 40, 16)
+    scores = torch.rand(2, 4, 40, generator=torch.Generator().manual_seed(3))
+    up = torch.randn(2, 4, 40, 16)
+    results = []
+    for op in (aha_attention_fast, aha_attention_naive):
+        leaves = [t.clone().to(DEVICE, DTYPE if op is aha_attention_fast else torch.float32).requires_grad_()
+                  for t in (q, k, v)] + [scores.clone().to(DEVICE).requires_grad_()]
+        out = op(*leaves[:3], straight_through(leaves[3], 0.5), 6)
+        results.append(torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves))
+    assert called
+    for got, want in zip(*results):
+        assert rel_err(got.float().cpu(), want.float().cpu()) < TOL
 
 
 def test_packing_has_one_block_per_started_block_m_of_each_head():

@@ -14,8 +14,10 @@ FlexAttention): a smoke run of the script, not a measurement of the goals.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -163,8 +165,23 @@ def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
 
     dense_name, dense = fastest_dense(dense_step, cfg)
     aha = median_time(aha_step, cfg.repeats, device=cfg.device)
+    with _without_triton():  # the PyTorch path, for comparison (the same as aha_ms where triton is missing)
+        torch_path = median_time(aha_step, cfg.repeats, device=cfg.device)
     return {"n": n, "pattern": pattern, "mu_asked": mu, "mu_f": gate.float().mean().item(), "dense_backend": dense_name,
-            "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "overhead": aha / dense}
+            "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "torch_path_ms": 1e3 * torch_path, "overhead": aha / dense}
+
+
+@contextlib.contextmanager
+def _without_triton():
+    old = os.environ.get("ALLHERE_NO_TRITON")
+    os.environ["ALLHERE_NO_TRITON"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["ALLHERE_NO_TRITON"]
+        else:
+            os.environ["ALLHERE_NO_TRITON"] = old
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
@@ -172,9 +189,9 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
               "device_name": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"}
     from ..kernels import use_triton
 
-    report["aha_path"] = "triton kernels" if use_triton(torch.empty(0, device=cfg.device)) else \
+    report["aha_path"] = "Triton kernels" if use_triton(torch.empty(0, device=cfg.device)) else \
         "PyTorch path (no CUDA or no triton: pip install 'allhere[gpu]')"
-    progress(f"AHA inference runs the {report['aha_path']}")
+    progress(f"AHA runs the {report['aha_path']}")
     report["check"] = check_paths(cfg)
     progress(f"check against the fp32 reference: {report['check']}")
     report["prefill"], report["decode"], report["training"] = [], [], []
@@ -199,7 +216,7 @@ def render(report: dict) -> str:
     c = report["config"]
     out = [f"# AHA kernels vs dense attention ({report['device_name']}, torch {report['torch']})", "",
            f"heads {c['heads']}, head dim {c['dim']}, w = {c['window']}; ratios against the fastest dense SDPA "
-           f"backend of the same run. AHA inference: {report['aha_path']}.", "",
+           f"backend of the same run. AHA runs the {report['aha_path']}.", "",
            "Check against the fp32 reference (relative error): "
            + ", ".join(f"{k} {v:.1e}" for k, v in report["check"].items()), "",
            "## Prefill (B = 1)", "",
@@ -215,10 +232,11 @@ def render(report: dict) -> str:
         out.append(f"| {r['n']} | {r['pattern']} | {_mu(r)} | {r['dense_ms']:.3f} ms ({r['dense_backend']}) "
                    f"| {r['aha_ms']:.3f} ms | {r['speedup']:.2f}x | {r['limit']:.1f}x |")
     out += ["", "## Training forward + backward (B = 1)", "",
-            "| n | gates | mu_f asked (drawn) | dense (backend) | AHA (STE) | AHA / dense |", "|---|---|---|---|---|---|"]
+            "| n | gates | mu_f asked (drawn) | dense (backend) | AHA (STE) | AHA / dense | PyTorch path |",
+            "|---|---|---|---|---|---|---|"]
     for r in report["training"]:
         out.append(f"| {r['n']} | {r['pattern']} | {_mu(r)} | {r['dense_ms']:.2f} ms ({r['dense_backend']}) "
-                   f"| {r['aha_ms']:.2f} ms | {r['overhead']:.2f}x |")
+                   f"| {r['aha_ms']:.2f} ms | {r['overhead']:.2f}x | {r['torch_path_ms']:.2f} ms |")
     return "\n".join(out) + "\n"
 
 

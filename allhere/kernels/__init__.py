@@ -1,4 +1,4 @@
-"""Triton kernels for AHA inference on the GPU (prefill and decode).
+"""Triton kernels for AHA on the GPU: prefill, decode and training (forward + backward).
 
 Needs the ``gpu`` extra (``pip install 'allhere[gpu]'``, i.e. triton). The ops pick these kernels on
 CUDA only. Without a GPU the kernels can still be called directly under Triton's interpreter

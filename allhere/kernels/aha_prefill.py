@@ -35,9 +35,9 @@ def _online_block(q, k_ptrs, v_ptrs, kmask, valid, m_i, l_i, acc, sm_scale):
 
 
 @triton.jit
-def _sliding_kernel(Q, K, V, O, sm_scale, N, H, G, W,
+def _sliding_kernel(Q, K, V, O, LSE, sm_scale, N, H, G, W,
                     sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -61,12 +61,14 @@ def _sliding_kernel(Q, K, V, O, sm_scale, N, H, G, W,
         m_i, l_i, acc = _online_block(q, K + kv, V + kv, offs_n[:, None] < N, valid, m_i, l_i, acc, sm_scale)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty), mask=qmask)
+    if STORE_LSE:
+        tl.store(LSE + bh * N + offs_m, m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)), mask=offs_m < N)
 
 
 @triton.jit
-def _global_kernel(Q, K, V, O, ROWS, BLK_BH, BLK_START, BLK_COUNT, sm_scale, H, G,
+def _global_kernel(Q, K, V, O, LSE, ROWS, BLK_BH, BLK_START, BLK_COUNT, sm_scale, N, H, G,
                    sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.load(BLK_BH + pid)
     first = tl.load(BLK_START + pid)
@@ -91,6 +93,8 @@ def _global_kernel(Q, K, V, O, ROWS, BLK_BH, BLK_START, BLK_COUNT, sm_scale, H, 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + b * sob + h * soh + pos[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None])
+    if STORE_LSE:
+        tl.store(LSE + bh * N + pos, m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)), mask=rmask)
 
 
 def pack_global(hard: torch.Tensor, block_m: int):
@@ -115,15 +119,31 @@ def pack_global(hard: torch.Tensor, block_m: int):
 def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
                        scale: float, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
     """AHA forward for queries and keys over the same positions; ``hard`` [b, h, n] bool (True = global)."""
-    b, h, n, d = q.shape
-    hkv = k.shape[1]
     q, k, v = (t.contiguous() for t in (q, k, v))
     out = torch.empty_like(q)
-    strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
-    _sliding_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, out, scale, n, h, h // hkv, window, *strides,
-                                                      BLOCK_M=block_m, BLOCK_N=block_n, D=d)
-    rows, blk_bh, blk_start, blk_count = pack_global(hard, block_m)
-    if blk_bh.numel():
-        _global_kernel[(blk_bh.numel(),)](q, k, v, out, rows, blk_bh, blk_start, blk_count, scale, h, h // hkv,
-                                          *strides, BLOCK_M=block_m, BLOCK_N=block_n, D=d)
+    sliding_forward(q, k, v, out, None, window, scale, block_m, block_n)
+    global_forward(q, k, v, out, None, pack_global(hard, block_m), scale, block_m, block_n)
     return out
+
+
+def sliding_forward(q, k, v, out, lse, window, scale, block_m, block_n) -> None:
+    """The sliding-window kernel: writes every query's local output into ``out`` and, unless ``lse`` is
+    None, its log-sum-exp (natural log of the scaled scores) into ``lse`` [b * h, n] fp32."""
+    b, h, n, d = q.shape
+    strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
+    _sliding_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, out, out if lse is None else lse, scale, n, h,
+                                                      h // k.shape[1], window, *strides, BLOCK_M=block_m,
+                                                      BLOCK_N=block_n, D=d, STORE_LSE=lse is not None)
+
+
+def global_forward(q, k, v, out, lse, packed, scale, block_m, block_n) -> None:
+    """The global kernel over ``packed`` (from ``pack_global``): overwrites those rows of ``out`` (and of
+    ``lse`` unless it is None) with full causal attention."""
+    rows, blk_bh, blk_start, blk_count = packed
+    if not blk_bh.numel():
+        return
+    b, h, n, d = q.shape
+    strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
+    _global_kernel[(blk_bh.numel(),)](q, k, v, out, out if lse is None else lse, rows, blk_bh, blk_start,
+                                      blk_count, scale, n, h, h // k.shape[1], *strides, BLOCK_M=block_m,
+                                      BLOCK_N=block_n, D=d, STORE_LSE=lse is not None)

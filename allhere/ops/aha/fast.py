@@ -1,8 +1,9 @@
 """Fast All-or-Here attention (CPU and GPU): skip the full attention of local (token, head) pairs.
 
-On CUDA with triton installed, inference (no grad) of a whole-sequence prefill or a one-token decode step
-runs the Triton kernels of ``allhere.kernels`` (packed global queries; split-KV decode); everything else
-runs the PyTorch path below.
+On CUDA with triton installed and fp16 / bf16 inputs, ``allhere.kernels`` takes over: a one-token decode
+step and a whole-sequence prefill without gradients run the inference kernels (split-KV decode; packed
+global queries), a whole-sequence call that needs gradients runs the training kernels (the same forward,
+a backward through the used paths only). Everything else runs the PyTorch path below.
 
 Inference (the gate needs no gradient):
   1. local attention for every query with the blocked sliding-window op (``block + w - 1`` keys each);
@@ -16,11 +17,12 @@ The local result of a global query is computed and thrown away (a fraction mu_f 
 Training (a float gate that requires grad): the straight-through estimator needs the value of both
 outputs for every (token, head) -- dL/dgate = sum dL/da (a_full - a_local) -- but gradients flow only
 into the output that was used: the full path of global pairs and the local path of local pairs. So
-``sparse_backward`` (the default on the CPU) runs full attention for every query without autograd (only
-for that difference) and the differentiable part as in inference (compacted global queries scattered
-over the local result): the backward is as sparse as inference. With ``sparse_backward=False`` (the
-default on CUDA, where cuDNN's dense backward beats many small gathered calls until kernels take it
-over) both outputs are computed densely with autograd and combined. Both give the same gradients.
+full attention runs for every query without autograd (a forward pass, only for that difference) and the
+differentiable part as in inference: the backward is as sparse as inference. That is what the Triton
+training kernels do and, on the PyTorch path, ``sparse_backward`` (the default off CUDA). With
+``sparse_backward=False`` (the PyTorch path's default on CUDA, where cuDNN's dense backward beats many
+small gathered calls) both outputs are computed densely with autograd and combined. All give the same
+gradients.
 """
 
 from __future__ import annotations
@@ -48,34 +50,47 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
     scale = default_scale(d, scale)
     hard = hard_gate(gate)
     training = gate.dtype != torch.bool and gate.requires_grad
-    if not training and not torch.is_grad_enabled() and _triton_shape(q, k):
-        if q.shape[2] == 1:
-            from ...kernels.aha_decode import aha_decode_triton
+    needs_grad = training or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    if _triton_shape(q, k):
+        if needs_grad and q.shape[2] == k.shape[2]:
+            from ...kernels.aha_train import aha_train_triton
 
-            return aha_decode_triton(q, k, v, hard[..., 0], window, scale)
-        from ...kernels.aha_prefill import aha_prefill_triton
+            out, a_local = aha_train_triton(q, k, v, hard, window, scale)
+            return _straight_through(out, gate, q, k, v, a_local, scale) if training else out
+        if not needs_grad:
+            if q.shape[2] == 1:
+                from ...kernels.aha_decode import aha_decode_triton
 
-        return aha_prefill_triton(q, k, v, hard, window, scale)
+                return aha_decode_triton(q, k, v, hard[..., 0], window, scale)
+            from ...kernels.aha_prefill import aha_prefill_triton
+
+            return aha_prefill_triton(q, k, v, hard, window, scale)
     if sparse_backward is None:
         sparse_backward = not q.is_cuda
     a_local = sliding_window_attention(q, k, v, window, scale=scale)
     if training and not sparse_backward:
         return combine_gated(hard, gate, causal_attention(q, k, v, scale=scale), a_local)
     out = _scatter_global(q, k, v, hard, a_local, scale, chunk, dense_above)
-    if training:  # the straight-through term: zero in value, dL/dgate = sum dL/da (a_full - a_local)
-        with torch.no_grad():
-            diff = causal_attention(q, k, v, scale=scale) - a_local
-        out = out + (gate - gate.detach()).to(out.dtype)[..., None] * diff
-    return out
+    return _straight_through(out, gate, q, k, v, a_local, scale) if training else out
+
+
+def _straight_through(out, gate, q, k, v, a_local, scale):
+    """Adds the straight-through term: zero in value, dL/dgate = sum dL/da (a_full - a_local). a_full is
+    a forward pass only (no autograd): the gradient of q, k, v came from the used outputs already."""
+    with torch.no_grad():
+        diff = causal_attention(q, k, v, scale=scale) - a_local
+    return out + (gate - gate.detach()).to(out.dtype)[..., None] * diff
 
 
 def _triton_shape(q, k) -> bool:
-    """The Triton kernels (``allhere.kernels``) take this call: CUDA, triton installed,
-    head dim a power of two >= 16, and a prefill over the whole sequence or a one-token decode step."""
+    """The Triton kernels (``allhere.kernels``) take this call: CUDA, triton installed, fp16 / bf16 (fp32
+    stays on the PyTorch path: Triton's dots would round it to tf32), head dim a power of two >= 16, and
+    a prefill over the whole sequence or a one-token decode step."""
     from ...kernels import use_triton
 
     d, lq, lk = q.shape[-1], q.shape[2], k.shape[2]
-    return use_triton(q) and d >= 16 and d & (d - 1) == 0 and (lq == lk or lq == 1)
+    return (use_triton(q) and q.dtype in (torch.float16, torch.bfloat16) and d >= 16 and d & (d - 1) == 0
+            and (lq == lk or lq == 1))
 
 
 def _scatter_global(q, k, v, hard, out, scale, chunk, dense_above):

@@ -1,0 +1,225 @@
+"""AHA training in Triton: the straight-through forward, and a backward as sparse as inference.
+
+Forward: the prefill kernels of ``aha_prefill`` (sliding window for every query, then the packed global
+pairs), keeping each row's log-sum-exp; the local output of every query is returned too, because the
+router's gradient needs ``a_full - a_local``.
+
+Backward (FlashAttention-2 style: probabilities recomputed from the saved log-sum-exp). A gradient flows
+only into the output that was used, so each row is differentiated through its own pattern:
+  - dQ: local rows over their window (one program per query block), then global rows over their prefix
+    (one program per packed block, as in the forward), written in place over the zero rows the first
+    kernel left for them;
+  - dK / dV: one program per key block and kv head, looping over the query heads that share it: the
+    local rows whose window covers the block, then the packed global blocks of those heads that reach
+    it (rows are sorted by position, so a packed block ending before the key block is skipped).
+No work is done for the full attention of local rows: the op computes ``a_full`` for the router's
+gradient separately, with dense SDPA and without autograd (a forward pass only).
+
+Layout as in ``aha_prefill``: q [b, h, n, d], k/v [b, kv_heads, n, d], head dim a power of two >= 16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .aha_prefill import global_forward, pack_global, sliding_forward
+
+
+@triton.jit
+def _grad_block(q, k, v, do, lse, delta, valid, sm_scale):
+    """Probabilities p and score gradients ds (d loss / d scaled score) of one [rows, keys] tile."""
+    s = tl.dot(q, tl.trans(k)) * sm_scale
+    p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, sm_scale, N, H, G, W,
+                     sqb, sqh, sqn, skb, skh, skn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kh = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    mmask = offs_m < N
+    qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
+    q = tl.load(Q + qo, mask=mmask[:, None], other=0.0)
+    do = tl.load(DO + qo, mask=mmask[:, None], other=0.0)
+    lse = tl.load(LSE + bh * N + offs_m, mask=mmask, other=0.0)
+    delta = tl.load(DELTA + bh * N + offs_m, mask=mmask, other=0.0)
+    local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    lo = tl.maximum(pid_m * BLOCK_M - W + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, N)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
+        k = tl.load(K + kv, mask=offs_n[:, None] < N, other=0.0)
+        v = tl.load(V + kv, mask=offs_n[:, None] < N, other=0.0)
+        diff = offs_m[:, None] - offs_n[None, :]
+        valid = (diff >= 0) & (diff < W) & local[:, None] & (offs_n[None, :] < N)
+        p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(DQ + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mmask[:, None])
+
+
+@triton.jit
+def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, BLK_BH, BLK_START, BLK_COUNT, sm_scale, N, H, G,
+                      sqb, sqh, sqn, skb, skh, skn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.load(BLK_BH + pid)
+    first = tl.load(BLK_START + pid)
+    count = tl.load(BLK_COUNT + pid)
+    b = bh // H
+    h = bh % H
+    kh = h // G
+    i = tl.arange(0, BLOCK_M)
+    rmask = i < count
+    pos = tl.load(ROWS + first + i, mask=rmask, other=0)
+    offs_d = tl.arange(0, D)
+    qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
+    q = tl.load(Q + qo, mask=rmask[:, None], other=0.0)
+    do = tl.load(DO + qo, mask=rmask[:, None], other=0.0)
+    lse = tl.load(LSE + bh * N + pos, mask=rmask, other=0.0)
+    delta = tl.load(DELTA + bh * N + pos, mask=rmask, other=0.0)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    last = tl.max(tl.where(rmask, pos, 0), 0)
+    for start in range(0, last + 1, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
+        k = tl.load(K + kv, mask=offs_n[:, None] <= last, other=0.0)
+        v = tl.load(V + kv, mask=offs_n[:, None] <= last, other=0.0)
+        valid = (offs_n[None, :] <= pos[:, None]) & rmask[:, None]
+        p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(DQ + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, BLK_START, BLK_COUNT, BLK_FROM, HEAD_END,
+                 sm_scale, N, H, G, W,
+                 sqb, sqh, sqn, skb, skh, skn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bkh = tl.program_id(1)  # batch * kv_heads + kv head
+    hkv = H // G
+    b = bkh // hkv
+    kh = bkh % hkv
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    nmask = offs_n < N
+    kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
+    k = tl.load(K + kv, mask=nmask[:, None], other=0.0)
+    v = tl.load(V + kv, mask=nmask[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    lo = (n0 // BLOCK_M) * BLOCK_M
+    hi = tl.minimum(n0 + BLOCK_N + W - 1, N)
+    i = tl.arange(0, BLOCK_M)
+    for gi in range(0, G):
+        h = kh * G + gi
+        bh = b * H + h
+        # Local rows whose window reaches this key block.
+        for start in range(lo, hi, BLOCK_M):
+            offs_m = start + i
+            mmask = offs_m < N
+            qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
+            q = tl.load(Q + qo, mask=mmask[:, None], other=0.0)
+            do = tl.load(DO + qo, mask=mmask[:, None], other=0.0)
+            lse = tl.load(LSE + bh * N + offs_m, mask=mmask, other=0.0)
+            delta = tl.load(DELTA + bh * N + offs_m, mask=mmask, other=0.0)
+            local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
+            diff = offs_m[:, None] - offs_n[None, :]
+            valid = (diff >= 0) & (diff < W) & local[:, None] & nmask[None, :]
+            p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do)
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+        # Packed global blocks of this head that reach the key block (the first one is looked up).
+        for blk in range(tl.load(BLK_FROM + bh * tl.num_programs(0) + pid_n), tl.load(HEAD_END + bh)):
+            first = tl.load(BLK_START + blk)
+            count = tl.load(BLK_COUNT + blk)
+            rmask = i < count
+            pos = tl.load(ROWS + first + i, mask=rmask, other=0)
+            qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
+            q = tl.load(Q + qo, mask=rmask[:, None], other=0.0)
+            do = tl.load(DO + qo, mask=rmask[:, None], other=0.0)
+            lse = tl.load(LSE + bh * N + pos, mask=rmask, other=0.0)
+            delta = tl.load(DELTA + bh * N + pos, mask=rmask, other=0.0)
+            valid = (offs_n[None, :] <= pos[:, None]) & rmask[:, None] & nmask[None, :]
+            p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do)
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+    tl.store(DK + kv, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask[:, None])
+    tl.store(DV + kv, dv.to(DV.dtype.element_ty), mask=nmask[:, None])
+
+
+class _AHATrain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, hard, window, scale, block_m, block_n):
+        b, h, n, _ = q.shape
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        a_local = torch.empty_like(q)
+        lse = torch.empty(b * h, n, device=q.device, dtype=torch.float32)
+        sliding_forward(q, k, v, a_local, lse, window, scale, block_m, block_n)
+        out = a_local.clone()
+        packed = pack_global(hard, block_m)
+        global_forward(q, k, v, out, lse, packed, scale, block_m, block_n)
+        ctx.save_for_backward(q, k, v, out, lse, hard, *packed)
+        ctx.config = (window, scale, block_m, block_n)
+        ctx.mark_non_differentiable(a_local)
+        return out, a_local
+
+    @staticmethod
+    def backward(ctx, dout, _unused):
+        q, k, v, out, lse, hard, rows, blk_bh, blk_start, blk_count = ctx.saved_tensors
+        window, scale, block_m, block_n = ctx.config
+        b, h, n, d = q.shape
+        hkv = k.shape[1]
+        dout = dout.contiguous()
+        delta = (dout.float() * out.float()).sum(-1).reshape(b * h, n)
+        hard8 = hard.reshape(b * h, n).to(torch.int8)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        strides = (*q.stride()[:3], *k.stride()[:3])
+        _local_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, hard8, dq, scale, n, h,
+                                                           h // hkv, window, *strides,
+                                                           BLOCK_M=block_m, BLOCK_N=block_n, D=d)
+        if blk_bh.numel():
+            _global_dq_kernel[(blk_bh.numel(),)](q, k, v, dout, lse, delta, dq, rows, blk_bh, blk_start, blk_count,
+                                                 scale, n, h, h // hkv, *strides,
+                                                 BLOCK_M=block_m, BLOCK_N=block_n, D=d)
+        nb = triton.cdiv(n, block_n)
+        blk_from, head_end = _global_block_ranges(rows, blk_bh, blk_start, blk_count, b * h, n, nb, block_n)
+        _dkdv_kernel[(nb, b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, blk_start, blk_count,
+                                    blk_from, head_end, scale, n, h, h // hkv, window, *strides,
+                                    BLOCK_M=block_m, BLOCK_N=block_n, D=d)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _global_block_ranges(rows, blk_bh, blk_start, blk_count, bh_total, n, nb, block_n):
+    """For the dK/dV kernel: ``blk_from`` [bh_total * nb], the first packed block of each (batch * head,
+    key block) whose last row reaches the key block, and ``head_end`` [bh_total], one past each head's
+    last packed block. Blocks are sorted by (head, position), so both come from one searchsorted."""
+    bh = blk_bh.long()
+    last = bh * n + rows[(blk_start + blk_count - 1).long()].long()  # increasing over the packed blocks
+    key_start = torch.arange(bh_total, device=rows.device)[:, None] * n \
+        + torch.arange(nb, device=rows.device)[None, :] * block_n
+    blk_from = torch.searchsorted(last, key_start.reshape(-1)).to(torch.int32)
+    head_end = torch.searchsorted(bh, torch.arange(1, bh_total + 1, device=rows.device)).to(torch.int32)
+    return blk_from, head_end
+
+
+def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
+                     scale: float, block_m: int = 64, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, a_local): ``out`` is AHA's output under the hard gate [b, h, n] (True = global),
+    differentiable in q, k, v through the used path only; ``a_local`` is every query's sliding-window
+    output, without gradient (for the straight-through term)."""
+    return _AHATrain.apply(q, k, v, hard, window, scale, block_m, block_n)
