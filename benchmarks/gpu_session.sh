@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# Every GPU check and measurement of the project in one device call (well inside its 10 minutes):
-# the CUDA tests (kernels compiled for real, bf16 against the fp32 reference), `allhere bench` (the
-# prefill / decode / training table) and the SFT throughput of issue 4. Runs from the repository root
-# without installing (the lent machine's image has torch, triton and transformers; nothing can be
-# fetched there). Logs and reports go to $OUT (the device tool's folder) or runs/gpu.
-#
-#   bash benchmarks/gpu_session.sh
+# Every GPU check and measurement of the project, from the repository root, without installing (the lent
+# machine's image has torch, triton and transformers; nothing can be fetched there). Logs and reports go
+# to $OUT (the device tool's folder) or runs/gpu. Parts, in order (default: all of them):
+#   tests  the CUDA tests: kernels compiled for real, bf16 against the fp32 reference (~1-2 min)
+#   tiles  benchmarks/kernel_tiles.py: block sizes / warps / stages / decode split of the Triton kernels
+#   bench  allhere bench: issue 6's prefill / decode / training table against the fastest dense SDPA
+#   sft    benchmarks/sft_throughput.py --device cuda: issue 4's SFT tokens/s, AHA vs SDPA
+# A device call has 10 minutes: run them as two calls, e.g.
+#   bash benchmarks/gpu_session.sh tests tiles
+#   bash benchmarks/gpu_session.sh bench sft
 set -uo pipefail
 out="${OUT:-runs/gpu}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests tiles bench sft)
+for part in "${parts[@]}"; do
+  case "$part" in tests|tiles|bench|sft) ;; *) echo "error: unknown part '$part' (tests, tiles, bench, sft)" >&2; exit 2 ;; esac
+done
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$out/versions.txt"
-python3 -m pytest -q tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$out/tests.log"
-python3 -m allhere.cli bench --out "$out" 2>&1 | tee "$out/bench.log"
-python3 benchmarks/sft_throughput.py --device cuda 2>&1 | tee "$out/sft_throughput.log"
+for part in "${parts[@]}"; do
+  case "$part" in
+    tests) python3 -m pytest -q tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$out/tests.log" ;;
+    tiles) python3 benchmarks/kernel_tiles.py 2>&1 | tee "$out/tiles.md" ;;
+    bench) python3 -m allhere.cli bench --out "$out" 2>&1 | tee "$out/bench.log" ;;
+    sft) python3 benchmarks/sft_throughput.py --device cuda 2>&1 | tee "$out/sft_throughput.log" ;;
+  esac
+done

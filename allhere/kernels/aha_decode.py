@@ -55,8 +55,9 @@ def _decode_kernel(Q, K, V, GATE, OP, LSE, sm_scale, T, H, G, W,
 
 
 def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
-                      scale: float, split: int = 512, block_n: int = 64) -> torch.Tensor:
-    """AHA attention of the last query of every (sequence, head) over the whole cache; returns [b, h, 1, d]."""
+                      scale: float, split: int = 512, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """AHA attention of the last query of every (sequence, head) over the whole cache; returns [b, h, 1, d].
+    split: keys per program (the cache is split across programs); block_n: keys per step."""
     b, h, lq, d = q.shape
     if lq != 1:
         raise ValueError(f"the decode kernel takes one query per sequence, got {lq}")
@@ -68,7 +69,7 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
     g = gate.reshape(b * h).to(torch.int8).contiguous()
     _decode_kernel[(b * h, nsplit)](q, k, v, g, partial, lse, scale, t, h, h // hkv, window,
                                     q.stride(0), q.stride(1), *k.stride()[:3],
-                                    SPLIT=split, BLOCK_N=block_n, D=d)
+                                    SPLIT=split, BLOCK_N=block_n, D=d, num_warps=num_warps)
     weight = torch.softmax(lse, dim=1)  # splits that saw no key have lse = -inf: weight 0
     out = (weight[..., None] * partial).sum(1)
     return out.view(b, h, 1, d).to(q.dtype)

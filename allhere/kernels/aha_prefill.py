@@ -117,33 +117,38 @@ def pack_global(hard: torch.Tensor, block_m: int):
 
 
 def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
-                       scale: float, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
-    """AHA forward for queries and keys over the same positions; ``hard`` [b, h, n] bool (True = global)."""
+                       scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                       num_stages: int = 3) -> torch.Tensor:
+    """AHA forward for queries and keys over the same positions; ``hard`` [b, h, n] bool (True = global).
+    block_m: query rows per program (and packed pairs per block); block_n: keys per step; num_warps,
+    num_stages: Triton's launch settings (``benchmarks/kernel_tiles.py`` times the choices)."""
     q, k, v = (t.contiguous() for t in (q, k, v))
     out = torch.empty_like(q)
-    sliding_forward(q, k, v, out, None, window, scale, block_m, block_n)
-    global_forward(q, k, v, out, None, pack_global(hard, block_m), scale, block_m, block_n)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    sliding_forward(q, k, v, out, None, window, scale, tiles)
+    global_forward(q, k, v, out, None, pack_global(hard, block_m), scale, tiles)
     return out
 
 
-def sliding_forward(q, k, v, out, lse, window, scale, block_m, block_n) -> None:
+def sliding_forward(q, k, v, out, lse, window, scale, tiles: dict) -> None:
     """The sliding-window kernel: writes every query's local output into ``out`` and, unless ``lse`` is
-    None, its log-sum-exp (natural log of the scaled scores) into ``lse`` [b * h, n] fp32."""
+    None, its log-sum-exp (natural log of the scaled scores) into ``lse`` [b * h, n] fp32. ``tiles``:
+    BLOCK_M, BLOCK_N, num_warps, num_stages."""
     b, h, n, d = q.shape
     strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
-    _sliding_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, out, out if lse is None else lse, scale, n, h,
-                                                      h // k.shape[1], window, *strides, BLOCK_M=block_m,
-                                                      BLOCK_N=block_n, D=d, STORE_LSE=lse is not None)
+    _sliding_kernel[(triton.cdiv(n, tiles["BLOCK_M"]), b * h)](
+        q, k, v, out, out if lse is None else lse, scale, n, h, h // k.shape[1], window, *strides, D=d,
+        STORE_LSE=lse is not None, **tiles)
 
 
-def global_forward(q, k, v, out, lse, packed, scale, block_m, block_n) -> None:
-    """The global kernel over ``packed`` (from ``pack_global``): overwrites those rows of ``out`` (and of
-    ``lse`` unless it is None) with full causal attention."""
+def global_forward(q, k, v, out, lse, packed, scale, tiles: dict) -> None:
+    """The global kernel over ``packed`` (from ``pack_global`` with block_m = tiles["BLOCK_M"]): overwrites
+    those rows of ``out`` (and of ``lse`` unless it is None) with full causal attention."""
     rows, blk_bh, blk_start, blk_count = packed
     if not blk_bh.numel():
         return
     b, h, n, d = q.shape
     strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
     _global_kernel[(blk_bh.numel(),)](q, k, v, out, out if lse is None else lse, rows, blk_bh, blk_start,
-                                      blk_count, scale, n, h, h // k.shape[1], *strides, BLOCK_M=block_m,
-                                      BLOCK_N=block_n, D=d, STORE_LSE=lse is not None)
+                                      blk_count, scale, n, h, h // k.shape[1], *strides, D=d,
+                                      STORE_LSE=lse is not None, **tiles)

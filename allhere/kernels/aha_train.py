@@ -164,24 +164,25 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, BLK_START, BLK_COU
 
 class _AHATrain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, hard, window, scale, block_m, block_n):
+    def forward(ctx, q, k, v, hard, window, scale, tiles):
         b, h, n, _ = q.shape
         q, k, v = (t.contiguous() for t in (q, k, v))
         a_local = torch.empty_like(q)
         lse = torch.empty(b * h, n, device=q.device, dtype=torch.float32)
-        sliding_forward(q, k, v, a_local, lse, window, scale, block_m, block_n)
+        sliding_forward(q, k, v, a_local, lse, window, scale, tiles)
         out = a_local.clone()
-        packed = pack_global(hard, block_m)
-        global_forward(q, k, v, out, lse, packed, scale, block_m, block_n)
+        packed = pack_global(hard, tiles["BLOCK_M"])
+        global_forward(q, k, v, out, lse, packed, scale, tiles)
         ctx.save_for_backward(q, k, v, out, lse, hard, *packed)
-        ctx.config = (window, scale, block_m, block_n)
+        ctx.config = (window, scale, tiles)
         ctx.mark_non_differentiable(a_local)
         return out, a_local
 
     @staticmethod
     def backward(ctx, dout, _unused):
         q, k, v, out, lse, hard, rows, blk_bh, blk_start, blk_count = ctx.saved_tensors
-        window, scale, block_m, block_n = ctx.config
+        window, scale, tiles = ctx.config
+        block_m, block_n = tiles["BLOCK_M"], tiles["BLOCK_N"]
         b, h, n, d = q.shape
         hkv = k.shape[1]
         dout = dout.contiguous()
@@ -190,18 +191,15 @@ class _AHATrain(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         strides = (*q.stride()[:3], *k.stride()[:3])
         _local_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, hard8, dq, scale, n, h,
-                                                           h // hkv, window, *strides,
-                                                           BLOCK_M=block_m, BLOCK_N=block_n, D=d)
+                                                           h // hkv, window, *strides, D=d, **tiles)
         if blk_bh.numel():
             _global_dq_kernel[(blk_bh.numel(),)](q, k, v, dout, lse, delta, dq, rows, blk_bh, blk_start, blk_count,
-                                                 scale, n, h, h // hkv, *strides,
-                                                 BLOCK_M=block_m, BLOCK_N=block_n, D=d)
+                                                 scale, n, h, h // hkv, *strides, D=d, **tiles)
         nb = triton.cdiv(n, block_n)
         blk_from, head_end = _global_block_ranges(rows, blk_bh, blk_start, blk_count, b * h, n, nb, block_n)
         _dkdv_kernel[(nb, b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, blk_start, blk_count,
-                                    blk_from, head_end, scale, n, h, h // hkv, window, *strides,
-                                    BLOCK_M=block_m, BLOCK_N=block_n, D=d)
-        return dq, dk, dv, None, None, None, None, None
+                                    blk_from, head_end, scale, n, h, h // hkv, window, *strides, D=d, **tiles)
+        return dq, dk, dv, None, None, None, None
 
 
 def _global_block_ranges(rows, blk_bh, blk_start, blk_count, bh_total, n, nb, block_n):
@@ -218,8 +216,11 @@ def _global_block_ranges(rows, blk_bh, blk_start, blk_count, bh_total, n, nb, bl
 
 
 def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
-                     scale: float, block_m: int = 64, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, a_local): ``out`` is AHA's output under the hard gate [b, h, n] (True = global),
     differentiable in q, k, v through the used path only; ``a_local`` is every query's sliding-window
-    output, without gradient (for the straight-through term)."""
-    return _AHATrain.apply(q, k, v, hard, window, scale, block_m, block_n)
+    output, without gradient (for the straight-through term). Tiles as in ``aha_prefill_triton``, the
+    same for the forward and backward kernels."""
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    return _AHATrain.apply(q, k, v, hard, window, scale, tiles)
