@@ -67,3 +67,28 @@ def dense_mask(pred: MaskFn, q_len: int, kv_len: int, device=None, q_offset: int
     q = torch.arange(q_len, device=device).view(1, 1, -1, 1) + off
     k = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
     return pred(b, h, q, k).expand(batch, heads, q_len, kv_len)
+
+
+def padding_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """If ``mask`` (bool [batch, 1, q_len, kv_len], True = may attend) is causal attention over one
+    contiguous run of real keys per sequence -- left and/or right padding, as Hugging Face builds for a
+    padded batch -- return the first real key of each sequence ([batch] int64); otherwise None.
+
+    Rows of padding queries are not compared (their outputs are never read by a real token; transformers
+    may un-mask them entirely); a real query must see exactly the real keys up to itself. Queries are the
+    last q_len positions.
+    """
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (q_len, kv_len):
+        return None
+    m = mask[:, 0]
+    j = torch.arange(kv_len, device=mask.device)
+    pos = torch.arange(q_len, device=mask.device) + (kv_len - q_len)
+    sees_future = (m & (j[None, None, :] > pos[None, :, None])).any(-1, keepdim=True)  # only padding rows may
+    real = (m & ~sees_future).any(1)  # [b, kv_len]: keys that some causal row sees
+    start = real.int().argmax(1)
+    end = start + real.sum(1)
+    if not bool(real.any(1).all()) or not torch.equal((j >= start[:, None]) & (j < end[:, None]), real):
+        return None
+    real_row = (pos >= start[:, None]) & (pos < end[:, None])  # [b, q_len]
+    want = (j[None, None, :] <= pos[None, :, None]) & real[:, None, :]
+    return start if bool(((m == want) | ~real_row[..., None]).all()) else None

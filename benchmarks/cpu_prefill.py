@@ -7,6 +7,7 @@ FLOP limit 1 / (mu + 2 (1 - mu) w / n). Each time is the median of --repeats run
 Before timing, the fast path is checked against the dense reference at the smallest length.
 
     python benchmarks/cpu_prefill.py --training --lengths 2048 4096   # forward + backward instead
+    python benchmarks/cpu_prefill.py --padded --lengths 1024 2048     # a left-padded batch of 4
 """
 
 from __future__ import annotations
@@ -34,9 +35,14 @@ def main(argv=None) -> None:
     p.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
     p.add_argument("--training", action="store_true",
                    help="time training forward + backward (straight-through gate) instead of inference")
+    p.add_argument("--padded", action="store_true",
+                   help="a left-padded batch (B = 4, padding 0, n/16, n/4, n/2): the padding mask through the "
+                        "dense reference against the fast op's kv_start")
     a = p.parse_args(argv)
     if a.training:
         return training_table(a)
+    if a.padded:
+        return padded_table(a)
     torch.manual_seed(0)
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, heads={a.heads}, dim={a.dim}, w={a.window}, fp32, B=1")
@@ -87,6 +93,32 @@ def training_table(a) -> None:
                      for sb in (False, True)]
             print(f"| {n} | {name} | {gate.float().mean().item():.3f} | {t_dense * 1e3:.1f} | {times[0] * 1e3:.1f} | "
                   f"{times[1] * 1e3:.1f} | {t_dense / times[1]:.2f}x |", flush=True)
+
+
+def padded_table(a) -> None:
+    """A left-padded batch, as a Hugging Face model gets it: the mask through the dense reference (what
+    every padded batch ran before) against the fast op on each sequence's real part (kv_start), and
+    dense SDPA under the same mask."""
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, heads={a.heads}, dim={a.dim}, "
+          f"w={a.window}, mu_f ~{a.mu}, fp32, B=4 left-padded by 0, n/16, n/4, n/2")
+    print("| n | gates | dense SDPA + mask ms | AHA reference + mask ms | AHA fast (kv_start) ms | fast vs reference "
+          "| max abs. diff. |")
+    print("|---|---|---|---|---|---|---|")
+    with torch.inference_mode():
+        for n in a.lengths:
+            q, k, v = (torch.randn(4, a.heads, n, a.dim) for _ in range(3))
+            starts = torch.tensor([0, n // 16, n // 4, n // 2])
+            pos = torch.arange(n)
+            mask = torch.stack([(pos[None, :] <= pos[:, None]) & (pos[None, :] >= s) for s in starts])[:, None]
+            t_sdpa = median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), a.repeats)
+            for name in a.patterns:
+                gate = PATTERNS[name](4, a.heads, n, a.mu)
+                ref = aha_attention_naive(q, k, v, gate, a.window, mask=mask)
+                err = (aha_attention_fast(q, k, v, gate, a.window, kv_start=starts) - ref).abs().max().item()
+                t_ref = median_time(lambda: aha_attention_naive(q, k, v, gate, a.window, mask=mask), a.repeats)
+                t_fast = median_time(lambda: aha_attention_fast(q, k, v, gate, a.window, kv_start=starts), a.repeats)
+                print(f"| {n} | {name} | {t_sdpa * 1e3:.0f} | {t_ref * 1e3:.0f} | {t_fast * 1e3:.0f} | "
+                      f"{t_ref / t_fast:.1f}x | {err:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

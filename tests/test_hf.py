@@ -84,8 +84,18 @@ def test_cached_greedy_generation_equals_uncached(name):
     assert routing.per_layer[0].gates.shape == (2, 4, 1)
 
 
+def no_dense_reference(monkeypatch):
+    """Make the dense reference fail inside the mechanism: a padded batch must take the fast op."""
+    import allhere.mechanisms.aha as mech
+
+    def refuse(*a, **kw):
+        raise AssertionError("the dense reference ran")
+
+    monkeypatch.setattr(mech, "aha_attention_naive", refuse)
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_padded_batch_equals_one_by_one(name):
+def test_padded_batch_equals_one_by_one(name, monkeypatch):
     model = convert(build(name), AHAConfig(window=3, router_init="neutral"))
     a, b = torch.randint(3, 97, (1, 12)), torch.randint(3, 97, (1, 7))
     ids = torch.full((2, 12), 2)
@@ -93,10 +103,26 @@ def test_padded_batch_equals_one_by_one(name):
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :5] = 0
     with torch.no_grad():
-        batched = model(ids, attention_mask=mask).logits
         one_a, one_b = model(a).logits, model(b).logits
+        no_dense_reference(monkeypatch)
+        batched = model(ids, attention_mask=mask).logits
     assert rel_err(batched[0], one_a[0]) < 1e-5
     assert rel_err(batched[1, 5:], one_b[0]) < 1e-5
+
+
+def test_left_padded_batched_generation_equals_one_by_one(monkeypatch):
+    model = convert(build("qwen2"), AHAConfig(window=3, router_init="neutral"))
+    a, b = torch.randint(3, 97, (1, 10)), torch.randint(3, 97, (1, 6))
+    ids = torch.full((2, 10), 2)
+    ids[0], ids[1, 4:] = a[0], b[0]
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        alone = [model.generate(p, **kw)[0, p.shape[1]:] for p in (a, b)]
+        no_dense_reference(monkeypatch)
+        batched = model.generate(ids, attention_mask=mask, **kw)[:, 10:]
+    assert torch.equal(batched[0], alone[0]) and torch.equal(batched[1], alone[1])
 
 
 def test_unsupported_architecture_and_bad_window():

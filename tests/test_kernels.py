@@ -120,3 +120,15 @@ def test_decode_equals_reference(b, h, hkv, t, d, w, split):
     gate[0, 0], gate[-1, -1] = True, False
     out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), w, d ** -0.5, split=split, block_n=16)
     assert rel_err(out, aha_attention_naive(q, k, v, gate, w)) < TOL
+
+
+def test_decode_with_left_padding_equals_reference_with_the_mask():
+    q, k, v = inputs(3, 4, 2, 1, 90, 16)
+    gate = torch.rand(3, 4, 1, generator=torch.Generator().manual_seed(4)) < 0.5
+    gate[:, 0] = True
+    starts = torch.tensor([0, 37, 90])  # no padding; padding; nothing real at all
+    mask = torch.stack([torch.arange(90) >= s for s in starts])[:, None, None, :]
+    out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), 6, 16 ** -0.5, split=32, block_n=16,
+              kv_start=starts.to(DEVICE))
+    assert rel_err(out, aha_attention_naive(q, k, v, gate, 6, mask=mask)) < TOL
+    assert out[2].abs().max() == 0

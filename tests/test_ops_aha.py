@@ -99,6 +99,38 @@ def test_fast_gradients_equal_reference(shape, sparse_backward):
         assert rel_err(a, b) < 1e-4, name
 
 
+def padding_mask(starts, lq, lk):
+    """Causal over each sequence's keys from its start on (a left-padded batch), [b, 1, lq, lk]."""
+    pos = torch.arange(lq)[:, None] + (lk - lq)
+    j = torch.arange(lk)[None, :]
+    return torch.stack([(j <= pos) & (j >= s) for s in starts])[:, None]
+
+
+@pytest.mark.parametrize("starts", [[0, 5], [3, 0], [29, 40]], ids=["left-pad", "first-padded", "all-pad-rows"])
+@pytest.mark.parametrize("lq", [40, 1, 9], ids=["prefill", "decode", "chunk"])
+def test_fast_with_left_padding_equals_reference_with_the_mask(starts, lq):
+    """kv_start: each sequence's real part alone, values and gradients (q, k, v, router scores) as the
+    reference under the padding mask; queries before the start give zero in both."""
+    q, k, v, gate, w = make((2, 4, 2, lq, 40, 8, 5))
+    mask = padding_mask(starts, lq, 40)
+    s = torch.rand(gate.shape)
+
+    def run(fn, **kw):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        st = s.clone().requires_grad_()
+        out = fn(*leaves, (st > 0.5).float() + st - st.detach(), w, **kw)
+        (out * torch.randn_like(out, generator=torch.Generator().manual_seed(1))).sum().backward()
+        return [out] + [t.grad for t in leaves] + [st.grad]
+
+    got = run(aha_attention_fast, kv_start=torch.tensor(starts))
+    want = run(aha_attention_naive, mask=mask)
+    for name, a, b in zip(["out", "q", "k", "v", "s"], got, want):
+        assert rel_err(a, b) < 1e-4, name
+    with torch.no_grad():
+        assert rel_err(aha_attention_fast(q, k, v, gate, w, kv_start=torch.tensor(starts)),
+                       aha_attention_naive(q, k, v, gate, w, mask=mask)) < 1e-5
+
+
 def test_fast_inference_path_gradients_to_qkv():
     q, k, v, gate, w = make((2, 4, 2, 30, 30, 8, 5))
     outs = []

@@ -15,7 +15,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, GATE, OP, LSE, sm_scale, T, H, G, W,
+def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, sm_scale, T, H, G, W,
                    sqb, sqh, skb, skh, skn,
                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     bh = tl.program_id(0)
@@ -25,7 +25,8 @@ def _decode_kernel(Q, K, V, GATE, OP, LSE, sm_scale, T, H, G, W,
     h = bh % H
     kh = h // G
     is_global = tl.load(GATE + bh) != 0
-    lo = tl.where(is_global, 0, tl.maximum(T - W, 0))
+    first = tl.load(KV_START + b)  # keys before it are padding
+    lo = tl.maximum(tl.where(is_global, 0, T - W), first)
     start = lo + split * SPLIT
     end = tl.minimum(start + SPLIT, T)
     offs_d = tl.arange(0, D)
@@ -55,9 +56,11 @@ def _decode_kernel(Q, K, V, GATE, OP, LSE, sm_scale, T, H, G, W,
 
 
 def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
-                      scale: float, split: int = 512, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                      scale: float, split: int = 512, block_n: int = 64, num_warps: int = 4,
+                      kv_start: torch.Tensor | None = None) -> torch.Tensor:
     """AHA attention of the last query of every (sequence, head) over the whole cache; returns [b, h, 1, d].
-    split: keys per program (the cache is split across programs); block_n: keys per step."""
+    split: keys per program (the cache is split across programs); block_n: keys per step; kv_start:
+    optional int [b], keys before it are padding (a sequence with no real key gets zero)."""
     b, h, lq, d = q.shape
     if lq != 1:
         raise ValueError(f"the decode kernel takes one query per sequence, got {lq}")
@@ -67,9 +70,11 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
     partial = torch.empty(b * h, nsplit, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(b * h, nsplit, device=q.device, dtype=torch.float32)
     g = gate.reshape(b * h).to(torch.int8).contiguous()
-    _decode_kernel[(b * h, nsplit)](q, k, v, g, partial, lse, scale, t, h, h // hkv, window,
+    first = torch.zeros(b, dtype=torch.int32, device=q.device) if kv_start is None else kv_start.to(torch.int32)
+    _decode_kernel[(b * h, nsplit)](q, k, v, g, first.contiguous(), partial, lse, scale, t, h, h // hkv, window,
                                     q.stride(0), q.stride(1), *k.stride()[:3],
                                     SPLIT=split, BLOCK_N=block_n, D=d, num_warps=num_warps)
     weight = torch.softmax(lse, dim=1)  # splits that saw no key have lse = -inf: weight 0
+    weight = torch.where(torch.isfinite(lse).any(1, keepdim=True), weight, 0.0)  # no key at all: zero
     out = (weight[..., None] * partial).sum(1)
     return out.view(b, h, 1, d).to(q.dtype)

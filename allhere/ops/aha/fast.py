@@ -37,31 +37,40 @@ from ..sliding.blocked import sliding_window_attention
 
 def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
                        scale: float | None = None, chunk: int = 64, dense_above: float = 0.5,
-                       sparse_backward: bool | None = None) -> torch.Tensor:
-    """Same contract as ``aha_attention_naive``; computes in q's dtype.
+                       sparse_backward: bool | None = None, kv_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ``aha_attention_naive``, without a general mask; computes in q's dtype.
 
     chunk: global queries per full-attention call. dense_above: a (batch, head) whose share of global
     queries exceeds this runs plain causal SDPA over all its queries instead of gathering them.
     sparse_backward: training only; None = True off CUDA, False on CUDA (see the module docstring).
+    kv_start: optional int [batch]: keys before ``kv_start[i]`` are padding (a left-padded batch; see
+    ``allhere.masks.padding_starts``); queries before it get zero. Each sequence then runs on its own
+    real part (one-token decode steps stay batched in the Triton kernel).
     """
-    _, h, _, d, hkv, _ = check_qkv(q, k, v)
+    b, h, lq, d, hkv, lk = check_qkv(q, k, v)
     check_gate(gate, q)
     check_window(window)
     scale = default_scale(d, scale)
     hard = hard_gate(gate)
     training = gate.dtype != torch.bool and gate.requires_grad
     needs_grad = training or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    decode_kernel = not needs_grad and lq == 1 and _triton_shape(q, k)
+    if kv_start is not None and not bool(kv_start.any()):
+        kv_start = None  # no left padding (right padding changes nothing for a real query)
+    if kv_start is not None and not decode_kernel:
+        return _per_sequence(q, k, v, gate, window, scale, kv_start,
+                             dict(chunk=chunk, dense_above=dense_above, sparse_backward=sparse_backward))
     if _triton_shape(q, k):
-        if needs_grad and q.shape[2] == k.shape[2]:
+        if needs_grad and lq == lk:
             from ...kernels.aha_train import aha_train_triton
 
             out, a_local = aha_train_triton(q, k, v, hard, window, scale)
             return _straight_through(out, gate, q, k, v, a_local, scale) if training else out
         if not needs_grad:
-            if q.shape[2] == 1:
+            if lq == 1:
                 from ...kernels.aha_decode import aha_decode_triton
 
-                return aha_decode_triton(q, k, v, hard[..., 0], window, scale)
+                return aha_decode_triton(q, k, v, hard[..., 0], window, scale, kv_start=kv_start)
             from ...kernels.aha_prefill import aha_prefill_triton
 
             return aha_prefill_triton(q, k, v, hard, window, scale)
@@ -72,6 +81,24 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
         return combine_gated(hard, gate, causal_attention(q, k, v, scale=scale), a_local)
     out = _scatter_global(q, k, v, hard, a_local, scale, chunk, dense_above)
     return _straight_through(out, gate, q, k, v, a_local, scale) if training else out
+
+
+def _per_sequence(q, k, v, gate, window, scale, kv_start, options):
+    """A padded batch, one sequence at a time over its real keys (from kv_start on) and the queries among
+    them; queries before kv_start (padding) get zero."""
+    b, h, lq, d = q.shape
+    off = k.shape[2] - lq
+    outs = []
+    for i, start in enumerate(kv_start.tolist()):
+        first = min(lq, max(0, start - off))  # the first query at or after the first real key
+        pad = q.new_zeros(1, h, first, d)
+        if first == lq:
+            outs.append(pad)
+            continue
+        o = aha_attention_fast(q[i:i + 1, :, first:], k[i:i + 1, :, start:], v[i:i + 1, :, start:],
+                               gate[i:i + 1, :, first:], window, scale, **options)
+        outs.append(torch.cat([pad, o], dim=2))
+    return torch.cat(outs, dim=0)
 
 
 def _straight_through(out, gate, q, k, v, a_local, scale):
