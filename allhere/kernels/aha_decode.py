@@ -21,7 +21,7 @@ def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, sm_scale, T, H, G, W,
     bh = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
     kh = h // G
     is_global = tl.load(GATE + bh) != 0

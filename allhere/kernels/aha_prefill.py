@@ -40,7 +40,7 @@ def _sliding_kernel(Q, K, V, O, LSE, sm_scale, N, H, G, W,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
     kh = h // G
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -73,7 +73,7 @@ def _global_kernel(Q, K, V, O, LSE, ROWS, BLK_BH, BLK_START, BLK_COUNT, sm_scale
     bh = tl.load(BLK_BH + pid)
     first = tl.load(BLK_START + pid)
     count = tl.load(BLK_COUNT + pid)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
     kh = h // G
     i = tl.arange(0, BLOCK_M)

@@ -42,7 +42,7 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, sm_scale, N, H, G, W,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
     kh = h // G
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -78,7 +78,7 @@ def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, BLK_BH, BLK_START, BLK_
     bh = tl.load(BLK_BH + pid)
     first = tl.load(BLK_START + pid)
     count = tl.load(BLK_COUNT + pid)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
     kh = h // G
     i = tl.arange(0, BLOCK_M)
@@ -111,7 +111,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, BLK_START, BLK_COU
     pid_n = tl.program_id(0)
     bkh = tl.program_id(1)  # batch * kv_heads + kv head
     hkv = H // G
-    b = bkh // hkv
+    b = (bkh // hkv).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     kh = bkh % hkv
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
