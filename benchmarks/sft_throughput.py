@@ -47,7 +47,7 @@ def run(name, model, args, vocab):
         return ids, mask
 
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=3e-5, beta2=0.95, warmup_ratio=0.03,
-                      ckpt_every=10**9, log_every=10**9, device=args.device)
+                      ckpt_every=10**9, log_every=10, device=args.device)
     with tempfile.TemporaryDirectory() as d:
         state = train(HFCausalLM(model), batches, cfg, os.path.join(d, "c.safetensors"), progress=False)
     if args.device.startswith("cuda"):
@@ -67,23 +67,28 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--window", type=int, default=256)
+    p.add_argument("--router-init", nargs="+", default=["global", "local"], choices=["global", "local", "neutral"],
+                   help="AHA runs, one per router start: global (every gate open, as allhere sft starts: the "
+                        "original model's function, mu_f ~1) and local (every gate closed, mu_f ~0)")
     a = p.parse_args(argv)
     if a.warmup >= a.steps - 1:
         sys.exit("--warmup must be smaller than --steps - 1")
     base = build(a.tiny).to(a.device)
     vocab = base.config.vocab_size
     params = sum(t.numel() for t in base.parameters())
-    aha = build(a.tiny).to(a.device)
-    convert(aha, AHAConfig(window=a.window))
     print(f"# {params / 1e6:.0f}M parameters, batch {a.batch_size} x {a.seq_len} tokens, w={a.window}, "
           f"{a.steps} steps ({a.warmup} warm-up), device {a.device}, torch {torch.__version__}")
     sdpa_tps, _ = run("sdpa", base, a, vocab)
-    aha_tps, state = run("aha", aha, a, vocab)
-    print("| model | tokens/s | ratio to SDPA |")
-    print("|---|---|---|")
-    print(f"| plain SDPA | {sdpa_tps:,.0f} | 1.00x |")
-    print(f"| AHA (SFT path) | {aha_tps:,.0f} | {aha_tps / sdpa_tps:.2f}x |")
-    print(f"# AHA mu_f at the last step: {state['history'][-1]['mu_f']:.3f}" if state["history"] else "")
+    rows = [f"| plain SDPA | - | {sdpa_tps:,.0f} | 1.00x |"]
+    for init in a.router_init:
+        aha = convert(build(a.tiny).to(a.device), AHAConfig(window=a.window, router_init=init))
+        aha_tps, state = run("aha", aha, a, vocab)
+        mu = [h["mu_f"] for h in state["history"]]
+        mu_text = f"{sum(mu) / len(mu):.3f}" if mu else "n/a"
+        rows.append(f"| AHA (SFT path), routers start {init} | {mu_text} | {aha_tps:,.0f} | {aha_tps / sdpa_tps:.2f}x |")
+    print("| model | mean mu_f (every 10th step) | tokens/s | ratio to SDPA |")
+    print("|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":
