@@ -14,11 +14,11 @@ FlexAttention): a smoke run of the script, not a measurement of the goals.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -165,23 +165,11 @@ def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
 
     dense_name, dense = fastest_dense(dense_step, cfg)
     aha = median_time(aha_step, cfg.repeats, device=cfg.device)
-    with _without_triton():  # the PyTorch path, for comparison (the same as aha_ms where triton is missing)
+    # The PyTorch path, for comparison (the same as aha_ms where triton is missing).
+    with mock.patch.dict(os.environ, {"ALLHERE_NO_TRITON": "1"}):
         torch_path = median_time(aha_step, cfg.repeats, device=cfg.device)
     return {"n": n, "pattern": pattern, "mu_asked": mu, "mu_f": gate.float().mean().item(), "dense_backend": dense_name,
             "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "torch_path_ms": 1e3 * torch_path, "overhead": aha / dense}
-
-
-@contextlib.contextmanager
-def _without_triton():
-    old = os.environ.get("ALLHERE_NO_TRITON")
-    os.environ["ALLHERE_NO_TRITON"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["ALLHERE_NO_TRITON"]
-        else:
-            os.environ["ALLHERE_NO_TRITON"] = old
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:

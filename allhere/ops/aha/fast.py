@@ -47,7 +47,7 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
     ``allhere.masks.padding_starts``); queries before it get zero. Each sequence then runs on its own
     real part (one-token decode steps stay batched in the Triton kernel).
     """
-    b, h, lq, d, hkv, lk = check_qkv(q, k, v)
+    _, _, lq, d, _, lk = check_qkv(q, k, v)
     check_gate(gate, q)
     check_window(window)
     scale = default_scale(d, scale)
@@ -86,7 +86,7 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
 def _per_sequence(q, k, v, gate, window, scale, kv_start, options):
     """A padded batch, one sequence at a time over its real keys (from kv_start on) and the queries among
     them; queries before kv_start (padding) get zero."""
-    b, h, lq, d = q.shape
+    _, h, lq, d = q.shape
     off = k.shape[2] - lq
     outs = []
     for i, start in enumerate(kv_start.tolist()):
