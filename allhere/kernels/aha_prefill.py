@@ -66,19 +66,24 @@ def _sliding_kernel(Q, K, V, O, LSE, sm_scale, N, H, G, W,
 
 
 @triton.jit
-def _global_kernel(Q, K, V, O, LSE, ROWS, BLK_BH, BLK_START, BLK_COUNT, sm_scale, N, H, G,
-                   sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.load(BLK_BH + pid)
-    first = tl.load(BLK_START + pid)
-    count = tl.load(BLK_COUNT + pid)
+def packed_block(ROWS, BLK_BH, BLK_START, BLK_COUNT, blk, H, G, BLOCK_M: tl.constexpr):
+    """Packed block ``blk`` of the global pairs: (b * h + h, b, h, kv head, row mask, positions)."""
+    bh = tl.load(BLK_BH + blk)
+    first = tl.load(BLK_START + blk)
+    count = tl.load(BLK_COUNT + blk)
     b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
-    kh = h // G
     i = tl.arange(0, BLOCK_M)
     rmask = i < count
     pos = tl.load(ROWS + first + i, mask=rmask, other=0)
+    return bh, b, h, h // G, rmask, pos
+
+
+@triton.jit
+def _global_kernel(Q, K, V, O, LSE, ROWS, BLK_BH, BLK_START, BLK_COUNT, sm_scale, N, H, G,
+                   sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr):
+    bh, b, h, kh, rmask, pos = packed_block(ROWS, BLK_BH, BLK_START, BLK_COUNT, tl.program_id(0), H, G, BLOCK_M)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :], mask=rmask[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

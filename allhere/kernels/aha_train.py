@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .aha_prefill import global_forward, pack_global, sliding_forward
+from .aha_prefill import packed_block, global_forward, pack_global, sliding_forward
 
 
 @triton.jit
@@ -34,6 +34,25 @@ def _grad_block(q, k, v, do, lse, delta, valid, sm_scale):
     p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v))
     return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _rows(Q, DO, LSE, DELTA, qo, lo, rmask):
+    """q, dO, log-sum-exp and delta of a tile of query rows: element offsets ``qo``, row offsets ``lo``."""
+    q = tl.load(Q + qo, mask=rmask[:, None], other=0.0)
+    do = tl.load(DO + qo, mask=rmask[:, None], other=0.0)
+    lse = tl.load(LSE + lo, mask=rmask, other=0.0)
+    delta = tl.load(DELTA + lo, mask=rmask, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale):
+    """A tile of rows added to a key block's dK (unscaled) and dV accumulators."""
+    p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
+    dv += tl.dot(tl.trans(p).to(do.dtype), do)
+    dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+    return dk, dv
 
 
 @triton.jit
@@ -49,10 +68,7 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, sm_scale, N, H, G, W,
     offs_d = tl.arange(0, D)
     mmask = offs_m < N
     qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
-    q = tl.load(Q + qo, mask=mmask[:, None], other=0.0)
-    do = tl.load(DO + qo, mask=mmask[:, None], other=0.0)
-    lse = tl.load(LSE + bh * N + offs_m, mask=mmask, other=0.0)
-    delta = tl.load(DELTA + bh * N + offs_m, mask=mmask, other=0.0)
+    q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + offs_m, mmask)
     local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     lo = tl.maximum(pid_m * BLOCK_M - W + 1, 0)
@@ -74,22 +90,10 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, sm_scale, N, H, G, W,
 def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, BLK_BH, BLK_START, BLK_COUNT, sm_scale, N, H, G,
                       sqb, sqh, sqn, skb, skh, skn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.load(BLK_BH + pid)
-    first = tl.load(BLK_START + pid)
-    count = tl.load(BLK_COUNT + pid)
-    b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
-    h = bh % H
-    kh = h // G
-    i = tl.arange(0, BLOCK_M)
-    rmask = i < count
-    pos = tl.load(ROWS + first + i, mask=rmask, other=0)
+    bh, b, h, kh, rmask, pos = packed_block(ROWS, BLK_BH, BLK_START, BLK_COUNT, tl.program_id(0), H, G, BLOCK_M)
     offs_d = tl.arange(0, D)
     qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
-    q = tl.load(Q + qo, mask=rmask[:, None], other=0.0)
-    do = tl.load(DO + qo, mask=rmask[:, None], other=0.0)
-    lse = tl.load(LSE + bh * N + pos, mask=rmask, other=0.0)
-    delta = tl.load(DELTA + bh * N + pos, mask=rmask, other=0.0)
+    q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + pos, rmask)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     last = tl.max(tl.where(rmask, pos, 0), 0)
     for start in range(0, last + 1, BLOCK_N):
@@ -133,16 +137,11 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, BLK_START, BLK_COU
             offs_m = start + i
             mmask = offs_m < N
             qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
-            q = tl.load(Q + qo, mask=mmask[:, None], other=0.0)
-            do = tl.load(DO + qo, mask=mmask[:, None], other=0.0)
-            lse = tl.load(LSE + bh * N + offs_m, mask=mmask, other=0.0)
-            delta = tl.load(DELTA + bh * N + offs_m, mask=mmask, other=0.0)
+            q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + offs_m, mmask)
             local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
             diff = offs_m[:, None] - offs_n[None, :]
             valid = (diff >= 0) & (diff < W) & local[:, None] & nmask[None, :]
-            p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
-            dv += tl.dot(tl.trans(p).to(do.dtype), do)
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+            dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
         # Packed global blocks of this head that reach the key block (the first one is looked up).
         for blk in range(tl.load(BLK_FROM + bh * tl.num_programs(0) + pid_n), tl.load(HEAD_END + bh)):
             first = tl.load(BLK_START + blk)
@@ -150,14 +149,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, BLK_START, BLK_COU
             rmask = i < count
             pos = tl.load(ROWS + first + i, mask=rmask, other=0)
             qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
-            q = tl.load(Q + qo, mask=rmask[:, None], other=0.0)
-            do = tl.load(DO + qo, mask=rmask[:, None], other=0.0)
-            lse = tl.load(LSE + bh * N + pos, mask=rmask, other=0.0)
-            delta = tl.load(DELTA + bh * N + pos, mask=rmask, other=0.0)
+            q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + pos, rmask)
             valid = (offs_n[None, :] <= pos[:, None]) & rmask[:, None] & nmask[None, :]
-            p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
-            dv += tl.dot(tl.trans(p).to(do.dtype), do)
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+            dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
     tl.store(DK + kv, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask[:, None])
     tl.store(DV + kv, dv.to(DV.dtype.element_ty), mask=nmask[:, None])
 
