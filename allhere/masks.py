@@ -69,26 +69,28 @@ def dense_mask(pred: MaskFn, q_len: int, kv_len: int, device=None, q_offset: int
     return pred(b, h, q, k).expand(batch, heads, q_len, kv_len)
 
 
-def padding_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
-    """If ``mask`` (bool [batch, 1, q_len, kv_len], True = may attend) is causal attention over one
-    contiguous run of real keys per sequence -- left and/or right padding, as Hugging Face builds for a
-    padded batch -- return the first real key of each sequence ([batch] int64); otherwise None.
+def segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """If ``mask`` (bool [batch, 1, q_len, kv_len], True = may attend), taken together with causality as
+    the attention ops take it, is causal attention within contiguous segments -- the sequences of a
+    padded batch, or the documents of packed sequences, as transformers builds them -- return, per
+    query, the first key of its segment ([batch, q_len] int64), -1 for a query that does not see itself;
+    otherwise None.
 
-    Rows of padding queries are not compared (their outputs are never read by a real token; transformers
-    may un-mask them entirely); a real query must see exactly the real keys up to itself. Queries are the
-    last q_len positions.
+    Checked: a query that sees itself sees exactly the keys from its segment's start to itself; a segment
+    starts at a query or before the first one; no such query sees the position of a query that does not
+    see itself (a padding query, whose output is therefore never read). Queries are the last q_len
+    positions.
     """
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (q_len, kv_len):
         return None
-    m = mask[:, 0]
     j = torch.arange(kv_len, device=mask.device)
     pos = torch.arange(q_len, device=mask.device) + (kv_len - q_len)
-    sees_future = (m & (j[None, None, :] > pos[None, :, None])).any(-1, keepdim=True)  # only padding rows may
-    real = (m & ~sees_future).any(1)  # [b, kv_len]: keys that some causal row sees
-    start = real.int().argmax(1)
-    end = start + real.sum(1)
-    if not bool(real.any(1).all()) or not torch.equal((j >= start[:, None]) & (j < end[:, None]), real):
+    m = mask[:, 0] & (j <= pos[:, None])  # what the ops use: the mask and causality
+    real = m[:, torch.arange(q_len, device=mask.device), pos]  # [b, q_len]: sees itself
+    first = m.int().argmax(-1)  # the first key each query sees
+    exact = ((m == ((j >= first[..., None]) & (j <= pos[:, None]))) | ~real[..., None]).all()
+    same_or_new = (first[:, 1:] == pos[1:]) | (real[:, :-1] & (first[:, 1:] == first[:, :-1])) | ~real[:, 1:]
+    seen = (m & real[..., None]).any(1)[:, kv_len - q_len:]  # [b, q_len]: positions some real query reads
+    if not bool(exact) or not bool(same_or_new.all()) or bool((seen & ~real).any()):
         return None
-    real_row = (pos >= start[:, None]) & (pos < end[:, None])  # [b, q_len]
-    want = (j[None, None, :] <= pos[None, :, None]) & real[:, None, :]
-    return start if bool(((m == want) | ~real_row[..., None]).all()) else None
+    return torch.where(real, first, -1)

@@ -21,7 +21,9 @@ from .model import Decoder
 
 # (step, micro-batch index, a generator seeded by both) -> token ids [batch, seq], or (ids, loss_mask) where
 # loss_mask [batch, seq] marks the target tokens that count in the loss
-BatchFn = Callable[[int, int, torch.Generator], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+# A batch: ids, or (ids, loss mask), or (ids, loss mask, position ids) -- position ids restarting inside a
+# row mark packed documents (passed to the model as ``position_ids``; allhere.hf models isolate them).
+BatchFn = Callable[[int, int, torch.Generator], "torch.Tensor | tuple[torch.Tensor, ...]"]
 EvalFn = Callable[[Decoder], dict]
 
 
@@ -30,8 +32,10 @@ def step_generator(seed: int, step: int, micro: int) -> torch.Generator:
 
 
 def _unpack(batch, device):
-    ids, mask = batch if isinstance(batch, tuple) else (batch, None)
-    return ids.to(device), None if mask is None else mask.to(device)
+    """(ids, loss mask or None, keyword arguments of the model call)."""
+    ids, mask, positions = (*batch, None, None)[:3] if isinstance(batch, tuple) else (batch, None, None)
+    kwargs = {} if positions is None else {"position_ids": positions.to(device)}
+    return ids.to(device), None if mask is None else mask.to(device), kwargs
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -114,9 +118,9 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
             group["lr"] = lr_at(cfg, step) * group["lr_mult"]
         sums = {"loss": 0.0, "lm": 0.0, "mu_f": 0.0}
         for micro in range(cfg.grad_accum):
-            ids, loss_mask = _unpack(batches(step, micro, step_generator(cfg.seed, step, micro)), cfg.device)
+            ids, loss_mask, kwargs = _unpack(batches(step, micro, step_generator(cfg.seed, step, micro)), cfg.device)
             with autocast:
-                out = model(ids)
+                out = model(ids, **kwargs)
             loss = aha_loss(out, ids, lam, loss_mask=loss_mask)
             (loss.total / cfg.grad_accum).backward()
             sums["loss"] += loss.total.item() / cfg.grad_accum

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from allhere.bench.gates import PATTERNS, flop_limit
 from allhere.bench.timing import median_time
+from allhere.masks import segment_starts
 from allhere.mechanisms.aha import straight_through
 from allhere.ops.aha import aha_attention_fast, aha_attention_naive
 
@@ -37,7 +38,7 @@ def main(argv=None) -> None:
                    help="time training forward + backward (straight-through gate) instead of inference")
     p.add_argument("--padded", action="store_true",
                    help="a left-padded batch (B = 4, padding 0, n/16, n/4, n/2): the padding mask through the "
-                        "dense reference against the fast op's kv_start")
+                        "dense reference against the fast op per segment (segment_starts)")
     a = p.parse_args(argv)
     if a.training:
         return training_table(a)
@@ -97,26 +98,28 @@ def training_table(a) -> None:
 
 def padded_table(a) -> None:
     """A left-padded batch, as a Hugging Face model gets it: the mask through the dense reference (what
-    every padded batch ran before) against the fast op on each sequence's real part (kv_start), and
-    dense SDPA under the same mask."""
+    every padded batch ran before) against the fast op on each sequence's real part (the segment starts
+    read from the mask), and dense SDPA under the same mask."""
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, heads={a.heads}, dim={a.dim}, "
           f"w={a.window}, mu_f ~{a.mu}, fp32, B=4 left-padded by 0, n/16, n/4, n/2")
-    print("| n | gates | dense SDPA + mask ms | AHA reference + mask ms | AHA fast (kv_start) ms | fast vs reference "
+    print("| n | gates | dense SDPA + mask ms | AHA reference + mask ms | AHA fast per segment ms | fast vs reference "
           "| max abs. diff. |")
     print("|---|---|---|---|---|---|---|")
     with torch.inference_mode():
         for n in a.lengths:
             q, k, v = (torch.randn(4, a.heads, n, a.dim) for _ in range(3))
-            starts = torch.tensor([0, n // 16, n // 4, n // 2])
             pos = torch.arange(n)
-            mask = torch.stack([(pos[None, :] <= pos[:, None]) & (pos[None, :] >= s) for s in starts])[:, None]
+            mask = torch.stack([(pos[None, :] <= pos[:, None]) & (pos[None, :] >= s) & (pos[:, None] >= s)
+                                for s in (0, n // 16, n // 4, n // 2)])[:, None]
+            starts = segment_starts(mask, n, n)
             t_sdpa = median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), a.repeats)
             for name in a.patterns:
                 gate = PATTERNS[name](4, a.heads, n, a.mu)
+                fast = lambda: aha_attention_fast(q, k, v, gate, a.window, row_start=starts)  # noqa: E731
                 ref = aha_attention_naive(q, k, v, gate, a.window, mask=mask)
-                err = (aha_attention_fast(q, k, v, gate, a.window, kv_start=starts) - ref).abs().max().item()
+                err = (fast() - ref).abs().max().item()
                 t_ref = median_time(lambda: aha_attention_naive(q, k, v, gate, a.window, mask=mask), a.repeats)
-                t_fast = median_time(lambda: aha_attention_fast(q, k, v, gate, a.window, kv_start=starts), a.repeats)
+                t_fast = median_time(fast, a.repeats)
                 print(f"| {n} | {name} | {t_sdpa * 1e3:.0f} | {t_ref * 1e3:.0f} | {t_fast * 1e3:.0f} | "
                       f"{t_ref / t_fast:.1f}x | {err:.1e} |", flush=True)
 

@@ -5,10 +5,12 @@
 #   tests  the CUDA tests: kernels compiled for real, bf16 against the fp32 reference (~1-2 min)
 #   tiles  benchmarks/kernel_tiles.py: block sizes / warps / stages / decode split of the Triton kernels
 #   bench  allhere bench: issue 6's prefill / decode / training table against the fastest dense SDPA
-#   sft    benchmarks/sft_throughput.py --device cuda: issue 4's SFT tokens/s, AHA vs SDPA
-# A device call has 10 minutes: run them as two calls, e.g.
+#   sft    benchmarks/sft_throughput.py --device cuda: issue 4's SFT tokens/s, AHA vs SDPA (one document
+#          per row, then packed documents of 512 tokens)
+# A device call has 10 minutes: run them as three calls (each part's time is a guess: never run on a GPU),
 #   bash benchmarks/gpu_session.sh tests tiles
-#   bash benchmarks/gpu_session.sh bench sft
+#   bash benchmarks/gpu_session.sh bench
+#   bash benchmarks/gpu_session.sh sft
 set -uo pipefail
 out="${OUT:-runs/gpu}"
 mkdir -p "$out"
@@ -24,6 +26,8 @@ for part in "${parts[@]}"; do
     tests) python3 -m pytest -q tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$out/tests.log" ;;
     tiles) python3 benchmarks/kernel_tiles.py 2>&1 | tee "$out/tiles.md" ;;
     bench) python3 -m allhere.cli bench --out "$out" 2>&1 | tee "$out/bench.log" ;;
-    sft) python3 benchmarks/sft_throughput.py --device cuda 2>&1 | tee "$out/sft_throughput.log" ;;
+    sft) { python3 benchmarks/sft_throughput.py --device cuda
+           python3 benchmarks/sft_throughput.py --device cuda --doc-len 512 --router-init local; } 2>&1 \
+           | tee "$out/sft_throughput.log" ;;
   esac
 done

@@ -1,6 +1,7 @@
 """SFT training throughput: a converted AHA model against the same model with plain SDPA, in one run.
 
     python benchmarks/sft_throughput.py --device cuda             # ~110M Llama-shaped model, bf16, 2048 tokens
+    python benchmarks/sft_throughput.py --device cuda --doc-len 512   # packed documents of 512 tokens
     python benchmarks/sft_throughput.py --device cpu --tiny       # a smoke test of the script
 
 Both models start from the same random weights and train with the SFT path of ``allhere.hf`` (packed
@@ -44,7 +45,10 @@ def run(name, model, args, vocab):
         times.append(time.perf_counter())
         ids = torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=g)
         mask = torch.rand(args.batch_size, args.seq_len, generator=g) < 0.5  # assistant share of the tokens
-        return ids, mask
+        if not args.doc_len:
+            return ids, mask
+        positions = (torch.arange(args.seq_len) % args.doc_len).expand(args.batch_size, -1)
+        return ids, mask, positions  # packed documents, as allhere sft packs conversations
 
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=3e-5, beta2=0.95, warmup_ratio=0.03,
                       ckpt_every=10**9, log_every=10, device=args.device)
@@ -67,6 +71,9 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--window", type=int, default=256)
+    p.add_argument("--doc-len", type=int, default=0,
+                   help="pack documents of this many tokens into each row (position ids restart, as allhere sft "
+                        "does with conversations; each document attends only to itself); 0 = one per row")
     p.add_argument("--router-init", nargs="+", default=["global", "local"], choices=["global", "local", "neutral"],
                    help="AHA runs, one per router start: global (every gate open, as allhere sft starts: the "
                         "original model's function, mu_f ~1) and local (every gate closed, mu_f ~0)")
@@ -76,7 +83,8 @@ def main(argv=None):
     base = build(a.tiny).to(a.device)
     vocab = base.config.vocab_size
     params = sum(t.numel() for t in base.parameters())
-    print(f"# {params / 1e6:.0f}M parameters, batch {a.batch_size} x {a.seq_len} tokens, w={a.window}, "
+    print(f"# {params / 1e6:.0f}M parameters, batch {a.batch_size} x {a.seq_len} tokens "
+          f"({f'documents of {a.doc_len}' if a.doc_len else 'one document per row'}), w={a.window}, "
           f"{a.steps} steps ({a.warmup} warm-up), device {a.device}, torch {torch.__version__}")
     sdpa_tps, _ = run("sdpa", base, a, vocab)
     rows = [f"| plain SDPA | - | {sdpa_tps:,.0f} | 1.00x |"]

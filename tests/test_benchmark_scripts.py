@@ -30,6 +30,10 @@ def test_sft_throughput_tiny():
     out = run_script("benchmarks/sft_throughput.py", "--device", "cpu", "--tiny", "--steps", "12", "--warmup", "2",
                      "--batch-size", "2", "--seq-len", "64", "--window", "8")
     assert "routers start global | 1.000" in out and "routers start local | 0.000" in out
+    out = run_script("benchmarks/sft_throughput.py", "--device", "cpu", "--tiny", "--steps", "4", "--warmup", "1",
+                     "--batch-size", "2", "--seq-len", "64", "--window", "8", "--doc-len", "16",
+                     "--router-init", "local")
+    assert "documents of 16" in out and "routers start local" in out
 
 
 def test_cpu_prefill_tables():

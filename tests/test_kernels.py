@@ -122,7 +122,7 @@ def test_decode_equals_reference(b, h, hkv, t, d, w, split):
     assert rel_err(out, aha_attention_naive(q, k, v, gate, w)) < TOL
 
 
-def test_decode_with_left_padding_equals_reference_with_the_mask():
+def test_decode_with_left_padding_equals_reference_with_the_mask(monkeypatch):
     q, k, v = inputs(3, 4, 2, 1, 90, 16)
     gate = torch.rand(3, 4, 1, generator=torch.Generator().manual_seed(4)) < 0.5
     gate[:, 0] = True
@@ -132,3 +132,8 @@ def test_decode_with_left_padding_equals_reference_with_the_mask():
               kv_start=starts.to(DEVICE))
     assert rel_err(out, aha_attention_naive(q, k, v, gate, 6, mask=mask)) < TOL
     assert out[2].abs().max() == 0
+    monkeypatch.setattr(fast, "_triton_shape", lambda q, k: True)  # the op maps segment starts to kv_start
+    with torch.no_grad():
+        via_op = aha_attention_fast(*(t.to(DEVICE) for t in (q, k, v)), gate.to(DEVICE), 6,
+                                    row_start=torch.tensor([[0], [37], [-1]], device=DEVICE))
+    assert rel_err(via_op.float().cpu(), out) < TOL

@@ -34,27 +34,39 @@ def _padded(lengths_left_right, kv_len, q_len=None):
     return torch.stack(rows)[:, None]
 
 
-def test_padding_starts_reads_left_and_right_padding():
-    from allhere.masks import padding_starts
+def test_segment_starts_of_padded_batches():
+    from allhere.masks import segment_starts
 
-    assert padding_starts(_padded([(0, 0), (3, 0), (1, 2)], 8), 8, 8).tolist() == [0, 3, 1]
-    assert padding_starts(_padded([(2, 0), (0, 0)], 8, q_len=1), 1, 8).tolist() == [2, 0]  # a decode step
+    starts = segment_starts(_padded([(0, 0), (3, 0), (1, 2)], 8), 8, 8)
+    assert starts.tolist() == [[0] * 8, [-1] * 3 + [3] * 5, [-1] + [1] * 5 + [-1] * 2]
+    assert segment_starts(_padded([(2, 0), (0, 0)], 8, q_len=1), 1, 8).tolist() == [[2], [0]]  # a decode step
     m = _padded([(3, 0)], 8)
-    m[0, 0, :3] = True  # rows of padding queries may hold anything (transformers un-masks them)
-    assert padding_starts(m, 8, 8).tolist() == [3]
+    m[0, 0, :3] = True  # transformers may un-mask the rows of padding queries: they see the padding
+    assert segment_starts(m, 8, 8).tolist() == [[0] * 3 + [3] * 5]
 
 
-def test_padding_starts_refuses_other_masks():
-    from allhere.masks import padding_starts
+def test_segment_starts_of_packed_documents():
+    from allhere.masks import segment_starts
+
+    same_doc = lambda b, h, q, k: (q < 3) == (k < 3)  # noqa: E731 -- documents [0, 3) and [3, 8)
+    m = dense_mask(and_masks(causal, same_doc), 8, 8)
+    assert segment_starts(m, 8, 8).tolist() == [[0, 0, 0, 3, 3, 3, 3, 3]]
+    chunk = dense_mask(and_masks(causal, same_doc), 4, 8)  # the last 4 queries of the 8 keys
+    assert segment_starts(chunk, 4, 8).tolist() == [[3, 3, 3, 3]]
+
+
+def test_segment_starts_refuses_other_masks():
+    from allhere.masks import segment_starts
 
     m = _padded([(0, 0)], 8)
-    docs = m & (dense_mask(lambda b, h, q, k: (q < 4) == (k < 4), 8, 8))  # two packed documents
-    assert padding_starts(docs, 8, 8) is None
-    assert padding_starts(dense_mask(sliding_window(3), 8, 8), 8, 8) is None
+    assert segment_starts(dense_mask(sliding_window(3), 8, 8), 8, 8) is None  # windows are not segments
     hole = _padded([(0, 0)], 8)
-    hole[..., 2] = False  # a padding key in the middle
-    assert padding_starts(hole, 8, 8) is None
-    assert padding_starts(m.expand(1, 2, 8, 8), 8, 8) is None  # per-head masks are not padding
-    assert padding_starts(m.float(), 8, 8) is None
-    assert padding_starts(torch.ones(1, 1, 8, 8, dtype=torch.bool), 8, 8) is None  # bidirectional
-    assert padding_starts(torch.zeros(1, 1, 8, 8, dtype=torch.bool), 8, 8) is None  # nothing real
+    hole[..., 2] = False  # a key in the middle that nobody sees
+    assert segment_starts(hole, 8, 8) is None
+    assert segment_starts(m.expand(1, 2, 8, 8), 8, 8) is None  # per-head masks
+    assert segment_starts(m.float(), 8, 8) is None
+    skip_self = _padded([(0, 0)], 8)
+    skip_self[0, 0, 4, 4] = False  # query 4 does not see itself, but later queries read its position
+    assert segment_starts(skip_self, 8, 8) is None
+    assert segment_starts(torch.ones(1, 1, 8, 8, dtype=torch.bool), 8, 8).tolist() == [[0] * 8]  # ANDed with causal
+    assert segment_starts(torch.zeros(1, 1, 8, 8, dtype=torch.bool), 8, 8).tolist() == [[-1] * 8]

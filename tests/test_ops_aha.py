@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from allhere.masks import segment_starts
 from allhere.ops.aha import aha_attention_fast, aha_attention_naive
 from allhere.ops.sliding import sliding_window_attention, sliding_window_attention_naive
 
@@ -99,20 +100,26 @@ def test_fast_gradients_equal_reference(shape, sparse_backward):
         assert rel_err(a, b) < 1e-4, name
 
 
-def padding_mask(starts, lq, lk):
-    """Causal over each sequence's keys from its start on (a left-padded batch), [b, 1, lq, lk]."""
+def segment_mask(b, lq, lk, boundaries, pad_left):
+    """Causal within documents (``boundaries``: starts of the documents after the first) after
+    ``pad_left[i]`` padding keys that no query sees, [b, 1, lq, lk]."""
     pos = torch.arange(lq)[:, None] + (lk - lq)
     j = torch.arange(lk)[None, :]
-    return torch.stack([(j <= pos) & (j >= s) for s in starts])[:, None]
+    doc = lambda t: sum((t >= x).long() for x in boundaries)  # noqa: E731
+    return torch.stack([(j <= pos) & (j >= p) & (pos >= p) & (doc(j) == doc(pos)) for p in pad_left])[:, None]
 
 
-@pytest.mark.parametrize("starts", [[0, 5], [3, 0], [29, 40]], ids=["left-pad", "first-padded", "all-pad-rows"])
+@pytest.mark.parametrize("layout", ["left-pad", "documents", "documents+pad", "nothing-real"])
 @pytest.mark.parametrize("lq", [40, 1, 9], ids=["prefill", "decode", "chunk"])
-def test_fast_with_left_padding_equals_reference_with_the_mask(starts, lq):
-    """kv_start: each sequence's real part alone, values and gradients (q, k, v, router scores) as the
-    reference under the padding mask; queries before the start give zero in both."""
+def test_fast_per_segment_equals_reference_with_the_mask(layout, lq):
+    """row_start from segment_starts: every run of one segment alone; values and gradients (q, k, v,
+    router scores) equal the reference under the mask; queries that see nothing give zero in both."""
+    boundaries, pad = {"left-pad": ([], [0, 5]), "documents": ([13, 31], [0, 0]),
+                       "documents+pad": ([13, 33], [0, 7]), "nothing-real": ([], [29, 40])}[layout]
     q, k, v, gate, w = make((2, 4, 2, lq, 40, 8, 5))
-    mask = padding_mask(starts, lq, 40)
+    mask = segment_mask(2, lq, 40, boundaries, pad)
+    starts = segment_starts(mask, lq, 40)
+    assert starts is not None
     s = torch.rand(gate.shape)
 
     def run(fn, **kw):
@@ -122,12 +129,12 @@ def test_fast_with_left_padding_equals_reference_with_the_mask(starts, lq):
         (out * torch.randn_like(out, generator=torch.Generator().manual_seed(1))).sum().backward()
         return [out] + [t.grad for t in leaves] + [st.grad]
 
-    got = run(aha_attention_fast, kv_start=torch.tensor(starts))
+    got = run(aha_attention_fast, row_start=starts)
     want = run(aha_attention_naive, mask=mask)
     for name, a, b in zip(["out", "q", "k", "v", "s"], got, want):
         assert rel_err(a, b) < 1e-4, name
     with torch.no_grad():
-        assert rel_err(aha_attention_fast(q, k, v, gate, w, kv_start=torch.tensor(starts)),
+        assert rel_err(aha_attention_fast(q, k, v, gate, w, row_start=starts),
                        aha_attention_naive(q, k, v, gate, w, mask=mask)) < 1e-5
 
 

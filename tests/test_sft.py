@@ -13,6 +13,8 @@ from allhere.data.corpus import DataError  # noqa: E402
 from allhere.hf import HFCausalLM, load_pretrained, sft  # noqa: E402
 from allhere.losses import aha_loss  # noqa: E402
 
+from helpers import rel_err  # noqa: E402
+
 WORDS = [f"w{i}" for i in range(60)]
 
 
@@ -64,14 +66,15 @@ def test_assistant_mask_covers_replies_only():
         if m["role"] == "assistant":
             expected += m["content"].split() + ["</s>"]
     assert trained == expected
-    packed_ids, packed_mask = pack([(ids, mask)] * 5, 16)
-    assert packed_ids.shape == packed_mask.shape == (len(ids) * 5 // 16, 16)
+    packed_ids, packed_mask, positions = pack([(ids, mask)] * 5, 16)
+    assert packed_ids.shape == packed_mask.shape == positions.shape == (len(ids) * 5 // 16, 16)
+    assert positions.flatten().tolist() == (list(range(len(ids))) * 5)[:positions.numel()]
 
 
 def test_non_assistant_targets_contribute_nothing(local_model):
     tok = make_tokenizer()
     tok.chat_template = FALLBACK_CHAT_TEMPLATE
-    ids, mask = pack([tokenize_conversation(tok, conversation(torch.Generator().manual_seed(s))) for s in range(8)], 32)
+    ids, mask, _ = pack([tokenize_conversation(tok, conversation(torch.Generator().manual_seed(s))) for s in range(8)], 32)
     from allhere import AHAConfig
     from allhere.hf import convert
 
@@ -84,6 +87,29 @@ def test_non_assistant_targets_contribute_nothing(local_model):
     b = aha_loss(out, changed, 3e-4, loss_mask=mask).lm
     assert torch.equal(a, b)
     assert not torch.equal(aha_loss(out, ids, 3e-4).lm, aha_loss(out, changed, 3e-4).lm)
+
+
+def test_packed_conversations_attend_only_to_themselves(local_model, monkeypatch):
+    """The position ids of pack() make transformers keep packed conversations apart; the AHA layers run
+    each one alone (the dense reference is made to fail): the same logits as each conversation alone."""
+    import allhere.mechanisms.aha as mech
+    from allhere import AHAConfig
+    from allhere.hf import convert
+
+    tok = make_tokenizer()
+    tok.chat_template = FALLBACK_CHAT_TEMPLATE
+    convs = [tokenize_conversation(tok, conversation(torch.Generator().manual_seed(s), turns=1)) for s in range(3)]
+    total = sum(len(c[0]) for c in convs)
+    ids, _, positions = pack(convs, total)
+    model = HFCausalLM(convert(transformers.AutoModelForCausalLM.from_pretrained(str(local_model / "base")),
+                               AHAConfig(window=4, router_init="neutral"))).eval()
+    with torch.no_grad():
+        alone = torch.cat([model(torch.tensor([c[0]])).logits for c in convs], dim=1)
+        monkeypatch.setattr(mech, "aha_attention_naive", lambda *a, **k: pytest.fail("the dense reference ran"))
+        packed = model(ids, position_ids=positions).logits
+        mixed = model(ids).logits  # without position ids: one long document
+    assert rel_err(packed, alone) < 1e-5
+    assert rel_err(mixed, alone) > 1e-3
 
 
 def test_sft_reduces_loss_and_trains_routers(local_model):

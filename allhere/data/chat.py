@@ -77,14 +77,16 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], l
     return ids, mask
 
 
-def pack(conversations: list[tuple[list[int], list[bool]]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate conversations and cut the stream into [n, seq_len] ids and assistant masks (the tail
-    that does not fill a sequence is dropped). Conversations are not isolated from each other inside a
-    sequence (no cross-document mask), as in common SFT packing."""
+def pack(conversations: list[tuple[list[int], list[bool]]], seq_len: int
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate conversations and cut the stream into [n, seq_len] ids, assistant masks and position
+    ids (the tail that does not fill a sequence is dropped). Position ids restart at 0 with every
+    conversation (one cut by a sequence boundary goes on counting in the next sequence), which is how
+    transformers recognises packed documents: each conversation then attends only to itself."""
     ids = [t for c in conversations for t in c[0]]
     mask = [m for c in conversations for m in c[1]]
+    positions = [p for c in conversations for p in range(len(c[0]))]
     n = len(ids) // seq_len
     if n == 0:
         raise DataError(f"the chat data holds {len(ids)} tokens, fewer than one sequence of {seq_len}")
-    return (torch.tensor(ids[: n * seq_len]).view(n, seq_len),
-            torch.tensor(mask[: n * seq_len]).view(n, seq_len))
+    return tuple(torch.tensor(x[: n * seq_len]).view(n, seq_len) for x in (ids, mask, positions))

@@ -41,8 +41,10 @@ class HFCausalLM(nn.Module):
         self.hf = model
         self.cfg = _ConfigView(model.config)
 
-    def forward(self, input_ids: torch.Tensor) -> DecoderOutput:
-        out = self.hf(input_ids=input_ids, use_cache=False)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> DecoderOutput:
+        """Position ids that restart inside a row mark packed documents: transformers then builds a mask
+        that keeps them apart (AHA runs each document alone, ``segment_starts``)."""
+        out = self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         converted = getattr(self.hf.config, "allhere_aha", None) is not None
         return DecoderOutput(out.logits, collect_routing(self.hf) if converted else None, None)
 
@@ -73,7 +75,7 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
         raise ConfigError(f"seq_len = {seq_len} is longer than the model's context ({context})")
     used_fallback = ensure_chat_template(tokenizer)
     rows = load_chat(data_path)
-    ids, mask = pack([tokenize_conversation(tokenizer, r["messages"]) for r in rows], seq_len)
+    ids, mask, positions = pack([tokenize_conversation(tokenizer, r["messages"]) for r in rows], seq_len)
     if d_down is None:
         convert(model, AHAConfig(window=window, tau=tau, lam=lam))
     else:
@@ -86,7 +88,7 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     def batches(step: int, micro: int, g: torch.Generator):
         first = (step * accum + micro) * batch_size
         idx = order[(first + torch.arange(batch_size)) % n]
-        return ids[idx], mask[idx]
+        return ids[idx], mask[idx], positions[idx]
 
     cfg = TrainConfig(steps=steps, batch_size=batch_size, grad_accum=accum, lr=lr, beta1=0.9, beta2=0.95,
                       warmup_ratio=0.03, weight_decay=0.0, lam=lam if d_down is None else 0.0,

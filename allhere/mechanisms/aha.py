@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..config import AHAConfig
-from ..masks import padding_starts
+from ..masks import segment_starts
 from ..ops.aha import aha_attention_fast, aha_attention_naive
 from ..routing import LayerRouting
 from .full import KVCache
@@ -84,9 +84,9 @@ class AHAAttention(nn.Module):
     def forward(self, q, k, v, x, cache=None, router_logits=None, scale=None, mask=None):
         """q [b, h, n, d], k/v [b, kv_heads, n, d] (new tokens), x [b, n, d_model] the block input.
 
-        mask: optional bool [b, 1 or h, n, kv_len] of keys each query may see at all. A padded batch's mask
-        (causal over one run of real keys per sequence, ``padding_starts``) runs the fast op sequence by
-        sequence; any other mask, or impl "naive", the dense reference.
+        mask: optional bool [b, 1 or h, n, kv_len] of keys each query may see at all. The mask of a padded
+        batch or of packed documents (causal within segments, ``segment_starts``) runs the fast op one
+        segment at a time; any other mask, or impl "naive", the dense reference.
         Returns (out [b, h, n, d], LayerRouting)."""
         s = self.scores(x, router_logits)
         hard = s > self.cfg.tau
@@ -100,11 +100,11 @@ class AHAAttention(nn.Module):
             gate = hard
         if cache is not None:
             k, v = cache.update(k, v)
-        starts = None if mask is None or self.impl != "fast" else padding_starts(mask, q.shape[2], k.shape[2])
+        starts = None if mask is None or self.impl != "fast" else segment_starts(mask, q.shape[2], k.shape[2])
         if mask is None:
             out = IMPLS[self.impl](q, k, v, gate, self.cfg.window, scale=scale)
         elif starts is not None:
-            out = aha_attention_fast(q, k, v, gate, self.cfg.window, scale=scale, kv_start=starts)
+            out = aha_attention_fast(q, k, v, gate, self.cfg.window, scale=scale, row_start=starts)
         else:
             out = aha_attention_naive(q, k, v, gate, self.cfg.window, scale=scale, mask=mask)
         return out, LayerRouting(scores=s, gates=hard)

@@ -37,15 +37,16 @@ from ..sliding.blocked import sliding_window_attention
 
 def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
                        scale: float | None = None, chunk: int = 64, dense_above: float = 0.5,
-                       sparse_backward: bool | None = None, kv_start: torch.Tensor | None = None) -> torch.Tensor:
+                       sparse_backward: bool | None = None, row_start: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``aha_attention_naive``, without a general mask; computes in q's dtype.
 
     chunk: global queries per full-attention call. dense_above: a (batch, head) whose share of global
     queries exceeds this runs plain causal SDPA over all its queries instead of gathering them.
     sparse_backward: training only; None = True off CUDA, False on CUDA (see the module docstring).
-    kv_start: optional int [batch]: keys before ``kv_start[i]`` are padding (a left-padded batch; see
-    ``allhere.masks.padding_starts``); queries before it get zero. Each sequence then runs on its own
-    real part (one-token decode steps stay batched in the Triton kernel).
+    row_start: optional int [batch, q_len] from ``allhere.masks.segment_starts``: each query sees only the
+    keys from ``row_start`` on (its segment: a sequence of a padded batch, a document of packed
+    sequences), -1 = no key at all (zero output). Each run of queries of one segment then runs alone over
+    its segment's keys (one-token decode steps stay batched in the Triton kernel).
     """
     _, _, lq, d, _, lk = check_qkv(q, k, v)
     check_gate(gate, q)
@@ -55,11 +56,11 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
     training = gate.dtype != torch.bool and gate.requires_grad
     needs_grad = training or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
     decode_kernel = not needs_grad and lq == 1 and _triton_shape(q, k)
-    if kv_start is not None and not bool(kv_start.any()):
-        kv_start = None  # no left padding (right padding changes nothing for a real query)
-    if kv_start is not None and not decode_kernel:
-        return _per_sequence(q, k, v, gate, window, scale, kv_start,
-                             dict(chunk=chunk, dense_above=dense_above, sparse_backward=sparse_backward))
+    if row_start is not None and not bool(row_start.any()):
+        row_start = None  # every query sees the whole prefix: plain causal
+    if row_start is not None and not decode_kernel:
+        return _per_segment(q, k, v, gate, window, scale, row_start,
+                            dict(chunk=chunk, dense_above=dense_above, sparse_backward=sparse_backward))
     if _triton_shape(q, k):
         if needs_grad and lq == lk:
             from ...kernels.aha_train import aha_train_triton
@@ -70,6 +71,7 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
             if lq == 1:
                 from ...kernels.aha_decode import aha_decode_triton
 
+                kv_start = None if row_start is None else torch.where(row_start[:, 0] < 0, lk, row_start[:, 0])
                 return aha_decode_triton(q, k, v, hard[..., 0], window, scale, kv_start=kv_start)
             from ...kernels.aha_prefill import aha_prefill_triton
 
@@ -83,22 +85,26 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
     return _straight_through(out, gate, q, k, v, a_local, scale) if training else out
 
 
-def _per_sequence(q, k, v, gate, window, scale, kv_start, options):
-    """A padded batch, one sequence at a time over its real keys (from kv_start on) and the queries among
-    them; queries before kv_start (padding) get zero."""
-    _, h, lq, d = q.shape
+def _per_segment(q, k, v, gate, window, scale, row_start, options):
+    """Every run of queries with the same segment start alone, over its segment's keys; queries that see
+    no key (row_start -1) get zero."""
+    b, h, lq, d = q.shape
     off = k.shape[2] - lq
-    outs = []
-    for i, start in enumerate(kv_start.tolist()):
-        first = min(lq, max(0, start - off))  # the first query at or after the first real key
-        pad = q.new_zeros(1, h, first, d)
-        if first == lq:
-            outs.append(pad)
-            continue
-        o = aha_attention_fast(q[i:i + 1, :, first:], k[i:i + 1, :, start:], v[i:i + 1, :, start:],
-                               gate[i:i + 1, :, first:], window, scale, **options)
-        outs.append(torch.cat([pad, o], dim=2))
-    return torch.cat(outs, dim=0)
+    rows = []
+    for i in range(b):
+        starts, counts = torch.unique_consecutive(row_start[i], return_counts=True)
+        pieces, r0 = [], 0
+        for start, count in zip(starts.tolist(), counts.tolist()):
+            r1 = r0 + count
+            if start < 0:
+                pieces.append(q.new_zeros(1, h, count, d))
+            else:
+                pieces.append(aha_attention_fast(q[i:i + 1, :, r0:r1], k[i:i + 1, :, start:off + r1],
+                                                 v[i:i + 1, :, start:off + r1], gate[i:i + 1, :, r0:r1], window,
+                                                 scale, **options))
+            r0 = r1
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows, dim=0)
 
 
 def _straight_through(out, gate, q, k, v, a_local, scale):
