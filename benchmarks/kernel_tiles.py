@@ -100,12 +100,13 @@ def main() -> None:
     sweep(f"Training forward + backward, n = {train_n}", tiles, train_step, device, repeats)
 
     for n in decode_ns:
-        q, k, v = qkv(8, heads, n, d, device, dtype)
+        _, k, v = qkv(8, heads, n, d, device, dtype)
+        q = qkv(8, heads, 1, d, device, dtype, seed=1)[0]
         gate = long_tailed(8, heads, 1, 0.07, generator=gen, device=device)[..., 0]
         gate[:, 0] = True  # as in allhere bench: one token per sequence, head 0 global
         with torch.no_grad():
             sweep(f"Decode, B = 8, n = {n}", decode_tiles,
-                  lambda s: [aha_decode_triton(q[:, :, -1:], k, v, gate, w, scale, *s)], device, repeats)
+                  lambda s: [aha_decode_triton(q, k, v, gate, w, scale, *s)], device, repeats)
 
 
 if __name__ == "__main__":
