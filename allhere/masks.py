@@ -83,14 +83,19 @@ def segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor 
     """
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (q_len, kv_len):
         return None
+    # Memory: one [b, q_len, kv_len] temporary besides the mask (it is checked at every layer call).
     j = torch.arange(kv_len, device=mask.device)
     pos = torch.arange(q_len, device=mask.device) + (kv_len - q_len)
     m = mask[:, 0] & (j <= pos[:, None])  # what the ops use: the mask and causality
     real = m[:, torch.arange(q_len, device=mask.device), pos]  # [b, q_len]: sees itself
-    first = m.int().argmax(-1)  # the first key each query sees
-    exact = ((m == ((j >= first[..., None]) & (j <= pos[:, None]))) | ~real[..., None]).all()
+    first = m.view(torch.uint8).argmax(-1)  # the first key each query sees (argmax: the first maximum)
+    exact = (m.sum(-1) == pos - first + 1) | ~real  # every key from the first to itself, and no other
+    del m
     same_or_new = (first[:, 1:] == pos[1:]) | (real[:, :-1] & (first[:, 1:] == first[:, :-1])) | ~real[:, 1:]
-    seen = (m & real[..., None]).any(1)[:, kv_len - q_len:]  # [b, q_len]: positions some real query reads
-    if not bool(exact) or not bool(same_or_new.all()) or bool((seen & ~real).any()):
+    # Positions some real query reads: each covers [first, itself]; summed as +1 / -1 steps.
+    steps = torch.zeros(mask.shape[0], kv_len + 1, device=mask.device, dtype=torch.int64)
+    steps.scatter_add_(1, first, real.long()).scatter_add_(1, pos.expand_as(first) + 1, -real.long())
+    seen = (steps.cumsum(1)[:, kv_len - q_len:kv_len] > 0)  # [b, q_len]
+    if not bool(exact.all()) or not bool(same_or_new.all()) or bool((seen & ~real).any()):
         return None
     return torch.where(real, first, -1)
