@@ -11,6 +11,7 @@ flash-attn ``window_size=(w - 1, 0)``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -69,6 +70,9 @@ def dense_mask(pred: MaskFn, q_len: int, kv_len: int, device=None, q_offset: int
     return pred(b, h, q, k).expand(batch, heads, q_len, kv_len)
 
 
+_last_segments: tuple = (None, -1, None, None)  # (weak reference to the mask, its version, sizes, result)
+
+
 def segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
     """If ``mask`` (bool [batch, 1, q_len, kv_len], True = may attend), taken together with causality as
     the attention ops take it, is causal attention within contiguous segments -- the sequences of a
@@ -80,7 +84,23 @@ def segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor 
     starts at a query or before the first one; no such query sees the position of a query that does not
     see itself (a padding query, whose output is therefore never read). Queries are the last q_len
     positions.
+
+    Every layer of a model gets the same mask tensor, so the last answer is kept for that very tensor (a
+    weak reference: a new tensor, or one changed in place, is read afresh; an inference-mode tensor has
+    no version counter and is always read afresh).
     """
+    global _last_segments
+    if mask.is_inference():
+        return _segment_starts(mask, q_len, kv_len)
+    ref, version, sizes, result = _last_segments
+    if ref is not None and ref() is mask and version == mask._version and sizes == (q_len, kv_len):
+        return result
+    result = _segment_starts(mask, q_len, kv_len)
+    _last_segments = (weakref.ref(mask), mask._version, (q_len, kv_len), result)
+    return result
+
+
+def _segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (q_len, kv_len):
         return None
     # Memory: one [b, q_len, kv_len] temporary besides the mask (it is checked at every layer call).

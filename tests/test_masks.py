@@ -70,3 +70,23 @@ def test_segment_starts_refuses_other_masks():
     assert segment_starts(skip_self, 8, 8) is None
     assert segment_starts(torch.ones(1, 1, 8, 8, dtype=torch.bool), 8, 8).tolist() == [[0] * 8]  # ANDed with causal
     assert segment_starts(torch.zeros(1, 1, 8, 8, dtype=torch.bool), 8, 8).tolist() == [[-1] * 8]
+
+
+def test_segment_starts_reads_a_new_or_changed_mask_afresh(monkeypatch):
+    import allhere.masks as masks
+
+    reads = []
+    real = masks._segment_starts
+    monkeypatch.setattr(masks, "_segment_starts", lambda *a: reads.append(1) or real(*a))
+    m = _padded([(2, 0)], 8)
+    assert masks.segment_starts(m, 8, 8).tolist() == [[-1] * 2 + [2] * 6]
+    assert masks.segment_starts(m, 8, 8).tolist() == [[-1] * 2 + [2] * 6]
+    assert len(reads) == 1  # the same tensor (the next layer): the kept answer
+    m[0, 0, 3, 2] = False  # changed in place: a hole, read afresh
+    assert masks.segment_starts(m, 8, 8) is None and len(reads) == 2
+    assert masks.segment_starts(_padded([(4, 0)], 8), 8, 8).tolist() == [[-1] * 4 + [4] * 4]
+    with torch.inference_mode():
+        frozen = _padded([(1, 0)], 8)
+        assert masks.segment_starts(frozen, 8, 8).tolist() == [[-1] + [1] * 7]
+        assert masks.segment_starts(frozen, 8, 8).tolist() == [[-1] + [1] * 7]
+    assert len(reads) == 5  # inference tensors: no version counter, always read
