@@ -35,24 +35,30 @@ def _online_block(q, k_ptrs, v_ptrs, kmask, valid, m_i, l_i, acc, sm_scale):
 
 
 @triton.jit
-def _sliding_kernel(Q, K, V, O, LSE, sm_scale, N, H, G, W,
-                    sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr):
+def window_block(N, H, G, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's query block (program ids: block, batch * heads + head): (b * h + h, b, h, kv head,
+    row offsets, and the key range [lo, hi) its windows reach, lo aligned to BLOCK_N)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
-    kh = h // G
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    lo = (tl.maximum(pid_m * BLOCK_M - W + 1, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, N)
+    return bh, b, h, h // G, offs_m, lo, hi
+
+
+@triton.jit
+def _sliding_kernel(Q, K, V, O, LSE, sm_scale, N, H, G, W,
+                    sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr):
+    bh, b, h, kh, offs_m, lo, hi = window_block(N, H, G, W, BLOCK_M, BLOCK_N)
     offs_d = tl.arange(0, D)
     qmask = offs_m[:, None] < N
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=qmask, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    lo = tl.maximum(pid_m * BLOCK_M - W + 1, 0)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, N)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]

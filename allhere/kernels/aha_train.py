@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .aha_prefill import packed_block, global_forward, pack_global, sliding_forward
+from .aha_prefill import global_forward, pack_global, packed_block, sliding_forward, window_block
 
 
 @triton.jit
@@ -59,21 +59,13 @@ def _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale):
 def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, sm_scale, N, H, G, W,
                      sqb, sqh, sqn, skb, skh, skn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
-    h = bh % H
-    kh = h // G
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, b, h, kh, offs_m, lo, hi = window_block(N, H, G, W, BLOCK_M, BLOCK_N)
     offs_d = tl.arange(0, D)
     mmask = offs_m < N
     qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + offs_m, mmask)
     local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    lo = tl.maximum(pid_m * BLOCK_M - W + 1, 0)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, N)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
