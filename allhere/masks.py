@@ -103,7 +103,7 @@ def segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor 
 def _segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (q_len, kv_len):
         return None
-    # Memory: one [b, q_len, kv_len] temporary besides the mask (it is checked at every layer call).
+    # Memory: one [b, q_len, kv_len] temporary besides the mask.
     j = torch.arange(kv_len, device=mask.device)
     pos = torch.arange(q_len, device=mask.device) + (kv_len - q_len)
     m = mask[:, 0] & (j <= pos[:, None])  # what the ops use: the mask and causality

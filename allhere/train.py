@@ -19,10 +19,10 @@ from .config import TrainConfig
 from .losses import aha_loss
 from .model import Decoder
 
-# (step, micro-batch index, a generator seeded by both) -> token ids [batch, seq], or (ids, loss_mask) where
-# loss_mask [batch, seq] marks the target tokens that count in the loss
-# A batch: ids, or (ids, loss mask), or (ids, loss mask, position ids) -- position ids restarting inside a
-# row mark packed documents (passed to the model as ``position_ids``; allhere.hf models isolate them).
+# (step, micro-batch index, a generator seeded by both) -> token ids [batch, seq], or (ids, loss_mask), or
+# (ids, loss_mask, position_ids): loss_mask [batch, seq] marks the target tokens that count in the loss;
+# position ids that restart inside a row mark packed documents (passed to the model as ``position_ids``;
+# allhere.hf models keep the documents apart).
 BatchFn = Callable[[int, int, torch.Generator], "torch.Tensor | tuple[torch.Tensor, ...]"]
 EvalFn = Callable[[Decoder], dict]
 

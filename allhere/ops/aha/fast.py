@@ -55,13 +55,13 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
     hard = hard_gate(gate)
     training = gate.dtype != torch.bool and gate.requires_grad
     needs_grad = training or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
-    decode_kernel = not needs_grad and lq == 1 and _triton_shape(q, k)
+    kernels = _triton_shape(q, k)
     if row_start is not None and not bool(row_start.any()):
         row_start = None  # every query sees the whole prefix: plain causal
-    if row_start is not None and not decode_kernel:
+    if row_start is not None and not (kernels and not needs_grad and lq == 1):  # decode steps stay batched
         return _per_segment(q, k, v, gate, window, scale, row_start,
                             dict(chunk=chunk, dense_above=dense_above, sparse_backward=sparse_backward))
-    if _triton_shape(q, k):
+    if kernels:
         if needs_grad and lq == lk:
             from ...kernels.aha_train import aha_train_triton
 
