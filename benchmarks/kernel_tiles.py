@@ -23,13 +23,7 @@ from allhere.bench.timing import median_time  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
-
-# (block_m, block_n, num_warps, num_stages); the first is the default.
-BLOCK_TILES = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3), (64, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3),
-               (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 2)]
-# (split, block_n, num_warps); the first is the default.
-DECODE_TILES = [(512, 64, 4)] + [(s, bn, w) for s in (256, 512, 1024, 2048) for bn in (32, 64, 128)
-                                 for w in (2, 4) if (s, bn, w) != (512, 64, 4)]
+from tile_settings import BLOCK_TILES, DECODE_TILES  # noqa: E402 -- benchmarks/tile_settings.py
 
 
 def qkv(b, h, n, d, device, dtype, grad=False, seed=0):

@@ -1,5 +1,6 @@
 """The benchmark scripts a GPU session relies on still run (tiny sizes on the CPU; they measure nothing here)."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -23,6 +24,38 @@ def test_kernel_tiles_smoke():
     pytest.importorskip("triton")
     out = run_script("benchmarks/kernel_tiles.py", "--smoke")
     assert out.count("## ") == 3 and "WRONG" not in out and "failed" not in out
+
+
+def test_kernels_compile_for_h100():
+    """Every kernel builds for sm_90 with Triton's real compiler (the other CPU tests use its interpreter),
+    and its default tiles fit an H100: shared memory and registers."""
+    pytest.importorskip("triton")
+    out = run_script("benchmarks/kernel_compile.py", "--default-only")
+    rows = [line for line in out.splitlines() if line.startswith("| _")]
+    kernels = {row.split("|")[1].strip() for row in rows}
+    assert kernels == {"_sliding_kernel", "_global_kernel", "_sliding_kernel +lse", "_global_kernel +lse",
+                       "_local_dq_kernel", "_global_dq_kernel", "_dkdv_kernel", "_decode_kernel"}, out
+    assert all(row.rstrip().endswith("| ok |") for row in rows), out
+
+
+def test_tile_lists_start_with_the_kernel_defaults():
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from tile_settings import BLOCK_TILES, DECODE_TILES
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from allhere.kernels.aha_decode import aha_decode_triton
+    from allhere.kernels.aha_prefill import aha_prefill_triton
+    from allhere.kernels.aha_train import aha_train_triton
+
+    def defaults(fn, names):
+        params = inspect.signature(fn).parameters
+        return tuple(params[name].default for name in names)
+
+    block = ("block_m", "block_n", "num_warps", "num_stages")
+    assert defaults(aha_prefill_triton, block) == defaults(aha_train_triton, block) == BLOCK_TILES[0]
+    assert defaults(aha_decode_triton, ("split", "block_n", "num_warps")) == DECODE_TILES[0]
 
 
 def test_sft_throughput_tiny():

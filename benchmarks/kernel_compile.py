@@ -1,0 +1,140 @@
+"""Compile every Triton kernel of the project for a GPU that is not here, and print what each tile
+setting costs it: registers per thread, bytes spilled to local memory, shared memory, whether Hopper's
+wgmma instructions are used, and whether the setting can launch at all on that GPU.
+
+    python benchmarks/kernel_compile.py                 # sm_90 (H100), every setting of tile_settings.py
+    python benchmarks/kernel_compile.py --default-only  # the kernels' default settings only (a test runs this)
+    python benchmarks/kernel_compile.py --arch 80       # A100
+
+No GPU is needed: Triton compiles through its own LLVM and the ptxas it ships with; only the launch is
+left out (a stand-in driver reports the target, and every launch becomes a compile-only warmup). This is
+the check that the kernels build for a real GPU with the Triton installed here (the CPU test suite runs
+them in Triton's interpreter, which is not the compiler). It measures no speed.
+
+Shapes follow issue 6: head dim 128, bf16, w = 256, GQA (8 query heads on 2 kv heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real, before triton is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from allhere.bench.gates import long_tailed  # noqa: E402
+from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
+from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
+from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
+from tile_settings import BLOCK_TILES, DECODE_TILES  # noqa: E402 -- benchmarks/tile_settings.py
+
+# Shared memory one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), per compute capability.
+MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+REGISTERS_PER_SM = 65536
+
+
+class TargetOnly:
+    """A stand-in for Triton's CUDA driver: names the target GPU; there is no device to launch on."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def compile_only(log: list):
+    """Make every kernel launch compile and skip the launch; each compiled kernel is appended to ``log``."""
+    launch = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        log.append((self.fn.__name__, kernel))
+        return kernel
+
+    JITFunction.run = run
+
+
+def resources(kernel) -> dict:
+    """Registers and local (spill) bytes from the cubin (the cuobjdump Triton ships), shared bytes and warps
+    from Triton's metadata, and whether the PTX uses wgmma."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    fields = dict(part.split(":", 1) for part in usage.split() if ":" in part and part.split(":")[0].isupper())
+    meta = kernel.metadata
+    return dict(regs=int(fields["REG"]), local=int(fields["LOCAL"]), stack=int(fields["STACK"]),
+                shared=meta.shared + int(fields["SHARED"]), warps=meta.num_warps,
+                wgmma="wgmma.mma_async" in kernel.asm["ptx"])
+
+
+def fits(r: dict, arch: int) -> str:
+    threads = 32 * r["warps"]
+    problems = []
+    if r["shared"] > MAX_SHARED.get(arch, MAX_SHARED[80]):
+        problems.append(f"shared {r['shared'] // 1024} KiB > {MAX_SHARED.get(arch, MAX_SHARED[80]) // 1024} KiB")
+    if r["regs"] * threads > REGISTERS_PER_SM:
+        problems.append("registers")
+    return "; ".join(problems) or "ok"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (default 90: H100)")
+    ap.add_argument("--default-only", action="store_true", help="only the kernels' default tile settings")
+    args = ap.parse_args()
+    driver.set_active(TargetOnly(args.arch))
+    log: list = []
+    compile_only(log)
+
+    b, h, hkv, n, d, w = 1, 8, 2, 1024, 128, 256
+    q = torch.randn(b, h, n, d, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, hkv, n, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    hard = long_tailed(b, h, n, 0.07, generator=torch.Generator().manual_seed(0))
+    decode_q = torch.randn(2, h, 1, d, dtype=torch.bfloat16)
+    gate = torch.ones(2, h, dtype=torch.bool)
+
+    rows = []
+    for tiles in BLOCK_TILES[:1] if args.default_only else BLOCK_TILES:
+        start = len(log)
+        with torch.no_grad():
+            aha_prefill_triton(q, k, v, hard, w, d ** -0.5, *tiles)
+        out, _ = aha_train_triton(q, k, v, hard, w, d ** -0.5, *tiles)  # forward: the prefill kernels + LSE
+        torch.autograd.grad(out.sum(), [q, k, v])  # the three backward kernels (values are meaningless)
+        names = {"_sliding_kernel": 0, "_global_kernel": 0}
+        for name, kernel in log[start:]:
+            label = name + (" +lse" if name in names and names[name] else "")
+            names[name] = names.get(name, 0) + 1
+            rows.append((label, tiles, resources(kernel)))
+    for tiles in DECODE_TILES[:1] if args.default_only else DECODE_TILES:
+        start = len(log)
+        aha_decode_triton(decode_q, k.detach(), v.detach(), gate, w, d ** -0.5, *tiles)
+        rows.extend(("_decode_kernel", tiles, resources(kernel)) for _, kernel in log[start:])
+
+    print(f"# Triton kernels compiled for sm_{args.arch} (triton {triton.__version__}, no GPU; head dim {d}, "
+          "bf16)\n\nTiles: (block_m, block_n, warps, stages); decode: (split, block_n, warps).\n")
+    print("| kernel | tiles | registers | spilled B | shared KiB | wgmma | launches |\n|---|---|---|---|---|---|---|")
+    for label, tiles, r in rows:
+        print(f"| {label} | {tiles} | {r['regs']} | {r['local'] + r['stack']} | {r['shared'] / 1024:.0f} "
+              f"| {'yes' if r['wgmma'] else 'no'} | {fits(r, args.arch)} |")
+
+
+if __name__ == "__main__":
+    main()

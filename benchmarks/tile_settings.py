@@ -1,0 +1,10 @@
+"""The tile settings the kernel benchmarks try (shared by kernel_tiles.py, which times them on a GPU, and
+kernel_compile.py, which compiles them for a GPU that is not here). The first of each list is the
+kernels' default."""
+
+# (block_m, block_n, num_warps, num_stages) of the prefill and training kernels.
+BLOCK_TILES = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3), (64, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3),
+               (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 2)]
+# (split, block_n, num_warps) of the decode kernel.
+DECODE_TILES = [(512, 64, 4)] + [(s, bn, w) for s in (256, 512, 1024, 2048) for bn in (32, 64, 128)
+                                 for w in (2, 4) if (s, bn, w) != (512, 64, 4)]
