@@ -7,7 +7,7 @@ pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's int
 
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton, pack_global  # noqa: E402
-from allhere.kernels.aha_train import _global_block_ranges, aha_train_triton  # noqa: E402
+from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
 from allhere.mechanisms.aha import straight_through  # noqa: E402
 from allhere.ops.aha import aha_attention_fast, aha_attention_naive, fast  # noqa: E402
 from allhere.ops.sliding import sliding_window_attention_naive  # noqa: E402
@@ -69,21 +69,6 @@ def test_training_kernels_give_the_reference_outputs_and_gradients(b, h, hkv, n,
         assert rel_err(got.float().cpu(), want) < TOL
 
 
-def test_dkdv_kernel_starts_at_the_first_packed_block_reaching_each_key_block():
-    gate = mixed_gate(2, 3, 100, 0.2)
-    gate[1, 1] = False  # a head with no global rows
-    packed = pack_global(gate, 8)
-    rows, bh, start, count = packed
-    blk_from, head_end = _global_block_ranges(*packed, 6, 100, 7, 16)
-    last = rows[(start + count - 1).long()]
-    for head in range(6):
-        mine = (bh == head).nonzero().flatten().tolist()
-        assert head_end[head] == (mine[-1] + 1 if mine else blk_from[head * 7])
-        for kb in range(7):
-            reach = [i for i in mine if last[i] >= kb * 16]
-            assert blk_from[head * 7 + kb] == (reach[0] if reach else head_end[head])
-
-
 def test_op_takes_the_training_kernels_and_the_router_gets_its_gradient(monkeypatch):
     """The op's own dispatch (forced onto the kernels here; on the GPU it picks them itself): q, k, v
     and the router scores get the dense reference's straight-through gradients."""
@@ -103,13 +88,14 @@ def test_op_takes_the_training_kernels_and_the_router_gets_its_gradient(monkeypa
         assert rel_err(got.float().cpu(), want.float().cpu()) < TOL
 
 
-def test_packing_has_one_block_per_started_block_m_of_each_head():
+def test_packing_lists_each_heads_global_positions_and_counts_them():
     gate = torch.zeros(1, 3, 40, dtype=torch.bool)
-    gate[0, 0, :35] = True  # 35 pairs: blocks of 16, 16, 3
-    gate[0, 2, [5, 9]] = True  # 2 pairs: one block of 2; head 1 has none
-    rows, bh, start, count = pack_global(gate, 16)
-    assert bh.tolist() == [0, 0, 0, 2] and start.tolist() == [0, 16, 32, 35] and count.tolist() == [16, 16, 3, 2]
-    assert rows[35:].tolist() == [5, 9]
+    gate[0, 0, :35] = True  # 35 pairs
+    gate[0, 2, [5, 9]] = True  # 2 pairs; head 1 has none
+    rows, cum = pack_global(gate)
+    assert rows.shape == (3, 41) and cum.shape == (3, 40) and rows.dtype == cum.dtype == torch.int32
+    assert rows[0, :35].tolist() == list(range(35)) and rows[2, :2].tolist() == [5, 9]
+    assert cum[:, -1].tolist() == [35, 0, 2] and cum[2, [4, 5, 8, 9, 39]].tolist() == [0, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("b,h,hkv,t,d,w,split", [(2, 4, 2, 150, 16, 7, 32), (1, 2, 1, 33, 32, 40, 64),

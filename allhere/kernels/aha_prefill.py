@@ -1,11 +1,15 @@
 """AHA prefill in Triton (inference, no grad): a sliding-window kernel for every query, then a kernel
 for the global (query, head) pairs only, packed per (batch, head) with their own count.
 
-Packing: the global pairs are listed in (batch, head, position) order and cut into blocks of BLOCK_M
-pairs of one (batch, head); each program of the global kernel takes one block (never padded to the
-busiest head: a head with 3 global queries gets one block of 3 rows), reads keys from 0 to the block's
-last position with a per-row causal mask, and writes its rows over the local result in place. The local
-result of a global query is computed and overwritten (a fraction mu_f of the local work).
+Packing, without a host sync: per (batch, head), the positions of its global queries in increasing
+order (``pack_global``: a cumulative count and a scatter on the device). The global kernel has one
+program per (block of BLOCK_M of those positions, batch * head) for every block a head could have
+(n / BLOCK_M); a program past its head's own count returns at once, so the work follows each head's count
+(never padded to the busiest head: a head with 3 global queries does one block of 3 rows) while the
+grid, known from the shapes alone, needs nothing read back from the GPU. A program reads keys from 0 to
+its block's last position with a per-row causal mask and writes its rows over the local result in place;
+the blocks of a head run last position first (the longest first). The local result of a global query is
+computed and overwritten (a fraction mu_f of the local work).
 
 Layout: q [b, h, n, d], k/v [b, kv_heads, n, d] (queries and keys over the same n positions), head dim
 a power of two >= 16. Online softmax in fp32, output in q's dtype.
@@ -72,24 +76,27 @@ def _sliding_kernel(Q, K, V, O, LSE, sm_scale, N, H, G, W,
 
 
 @triton.jit
-def packed_block(ROWS, BLK_BH, BLK_START, BLK_COUNT, blk, H, G, BLOCK_M: tl.constexpr):
-    """Packed block ``blk`` of the global pairs: (b * h + h, b, h, kv head, row mask, positions)."""
-    bh = tl.load(BLK_BH + blk)
-    first = tl.load(BLK_START + blk)
-    count = tl.load(BLK_COUNT + blk)
+def packed_block(ROWS, CUM, blk, bh, N, H, G, BLOCK_M: tl.constexpr):
+    """Block ``blk`` of the global queries of (batch * head) ``bh``: (rows in it -- 0 or less when the
+    head has fewer blocks --, b, h, kv head, row mask, positions)."""
+    count = tl.load(CUM + bh * N + N - 1) - blk * BLOCK_M
     b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
     i = tl.arange(0, BLOCK_M)
     rmask = i < count
-    pos = tl.load(ROWS + first + i, mask=rmask, other=0)
-    return bh, b, h, h // G, rmask, pos
+    pos = tl.load(ROWS + bh * (N + 1) + blk * BLOCK_M + i, mask=rmask, other=0)
+    return count, b, h, h // G, rmask, pos
 
 
 @triton.jit
-def _global_kernel(Q, K, V, O, LSE, ROWS, BLK_BH, BLK_START, BLK_COUNT, sm_scale, N, H, G,
+def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, sm_scale, N, H, G,
                    sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr):
-    bh, b, h, kh, rmask, pos = packed_block(ROWS, BLK_BH, BLK_START, BLK_COUNT, tl.program_id(0), H, G, BLOCK_M)
+    bh = tl.program_id(1)
+    blk = tl.num_programs(0) - 1 - tl.program_id(0)  # a head's last (longest) block first
+    count, b, h, kh, rmask, pos = packed_block(ROWS, CUM, blk, bh, N, H, G, BLOCK_M)
+    if count <= 0:
+        return
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :], mask=rmask[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -108,23 +115,17 @@ def _global_kernel(Q, K, V, O, LSE, ROWS, BLK_BH, BLK_START, BLK_COUNT, sm_scale
         tl.store(LSE + bh * N + pos, m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)), mask=rmask)
 
 
-def pack_global(hard: torch.Tensor, block_m: int):
-    """(rows, block bh, block start, block count) of the global pairs of a [b, h, n] bool gate, packed per
-    (batch, head) in blocks of at most ``block_m`` pairs. One host sync (the number of blocks)."""
+def pack_global(hard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cum) of a [b, h, n] bool gate, on its device and without a host sync. rows [b * h, n + 1]
+    int32: each (batch, head)'s global positions in increasing order, then unused entries; cum [b * h, n]
+    int32: how many of its queries up to each position are global (the last column is its count)."""
     b, h, n = hard.shape
     flat = hard.reshape(b * h, n)
-    idx = flat.nonzero()  # [P, 2] (bh, position), sorted
-    counts = flat.sum(1)
-    blocks = (counts + block_m - 1) // block_m
-    nblocks = int(blocks.sum())
-    blk_bh = torch.repeat_interleave(torch.arange(b * h, device=hard.device), blocks)
-    seg_start = torch.cumsum(counts, 0) - counts
-    blk_first = torch.cumsum(blocks, 0) - blocks
-    within = torch.arange(nblocks, device=hard.device) - blk_first[blk_bh]
-    start = seg_start[blk_bh] + within * block_m
-    count = torch.clamp(counts[blk_bh] - within * block_m, max=block_m)
-    as32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
-    return as32(idx[:, 1]), as32(blk_bh), as32(start), as32(count)
+    cum = flat.cumsum(1, dtype=torch.int32)
+    slot = torch.where(flat, cum - 1, n).long()  # local queries all go to the unused column n
+    positions = torch.arange(n, device=hard.device, dtype=torch.int32).expand(b * h, n)
+    rows = torch.zeros(b * h, n + 1, device=hard.device, dtype=torch.int32).scatter_(1, slot, positions)
+    return rows, cum
 
 
 def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
@@ -137,7 +138,7 @@ def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: 
     out = torch.empty_like(q)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     sliding_forward(q, k, v, out, None, window, scale, tiles)
-    global_forward(q, k, v, out, None, pack_global(hard, block_m), scale, tiles)
+    global_forward(q, k, v, out, None, pack_global(hard), scale, tiles)
     return out
 
 
@@ -153,13 +154,10 @@ def sliding_forward(q, k, v, out, lse, window, scale, tiles: dict) -> None:
 
 
 def global_forward(q, k, v, out, lse, packed, scale, tiles: dict) -> None:
-    """The global kernel over ``packed`` (from ``pack_global`` with block_m = tiles["BLOCK_M"]): overwrites
-    those rows of ``out`` (and of ``lse`` unless it is None) with full causal attention."""
-    rows, blk_bh, blk_start, blk_count = packed
-    if not blk_bh.numel():
-        return
+    """The global kernel over ``packed`` (from ``pack_global``): overwrites those rows of ``out`` (and of
+    ``lse`` unless it is None) with full causal attention."""
     b, h, n, d = q.shape
     strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
-    _global_kernel[(blk_bh.numel(),)](q, k, v, out, out if lse is None else lse, rows, blk_bh, blk_start,
-                                      blk_count, scale, n, h, h // k.shape[1], *strides, D=d,
-                                      STORE_LSE=lse is not None, **tiles)
+    _global_kernel[(triton.cdiv(n, tiles["BLOCK_M"]), b * h)](
+        q, k, v, out, out if lse is None else lse, *packed, scale, n, h, h // k.shape[1], *strides, D=d,
+        STORE_LSE=lse is not None, **tiles)

@@ -79,10 +79,14 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, sm_scale, N, H, G, W,
 
 
 @triton.jit
-def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, BLK_BH, BLK_START, BLK_COUNT, sm_scale, N, H, G,
+def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, sm_scale, N, H, G,
                       sqb, sqh, sqn, skb, skh, skn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    bh, b, h, kh, rmask, pos = packed_block(ROWS, BLK_BH, BLK_START, BLK_COUNT, tl.program_id(0), H, G, BLOCK_M)
+    bh = tl.program_id(1)
+    blk = tl.num_programs(0) - 1 - tl.program_id(0)  # a head's last (longest) block first
+    count, b, h, kh, rmask, pos = packed_block(ROWS, CUM, blk, bh, N, H, G, BLOCK_M)
+    if count <= 0:
+        return
     offs_d = tl.arange(0, D)
     qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + pos, rmask)
@@ -100,8 +104,7 @@ def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, BLK_BH, BLK_START, BLK_
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, BLK_START, BLK_COUNT, BLK_FROM, HEAD_END,
-                 sm_scale, N, H, G, W,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, sm_scale, N, H, G, W,
                  sqb, sqh, sqn, skb, skh, skn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -134,12 +137,13 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, BLK_START, BLK_COU
             diff = offs_m[:, None] - offs_n[None, :]
             valid = (diff >= 0) & (diff < W) & local[:, None] & nmask[None, :]
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
-        # Packed global blocks of this head that reach the key block (the first one is looked up).
-        for blk in range(tl.load(BLK_FROM + bh * tl.num_programs(0) + pid_n), tl.load(HEAD_END + bh)):
-            first = tl.load(BLK_START + blk)
-            count = tl.load(BLK_COUNT + blk)
-            rmask = i < count
-            pos = tl.load(ROWS + first + i, mask=rmask, other=0)
+        # Packed global blocks of this head that reach the key block: from the one holding its first
+        # global query at or after n0 (the count before n0, divided by BLOCK_M) to its last block.
+        total = tl.load(CUM + bh * N + N - 1)
+        before = tl.load(CUM + bh * N + n0 - 1, mask=n0 > 0, other=0)
+        for blk in range(before // BLOCK_M, tl.cdiv(total, BLOCK_M)):
+            rmask = i < total - blk * BLOCK_M
+            pos = tl.load(ROWS + bh * (N + 1) + blk * BLOCK_M + i, mask=rmask, other=0)
             qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
             q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + pos, rmask)
             valid = (offs_n[None, :] <= pos[:, None]) & rmask[:, None] & nmask[None, :]
@@ -157,7 +161,7 @@ class _AHATrain(torch.autograd.Function):
         lse = torch.empty(b * h, n, device=q.device, dtype=torch.float32)
         sliding_forward(q, k, v, a_local, lse, window, scale, tiles)
         out = a_local.clone()
-        packed = pack_global(hard, tiles["BLOCK_M"])
+        packed = pack_global(hard)
         global_forward(q, k, v, out, lse, packed, scale, tiles)
         ctx.save_for_backward(q, k, v, out, lse, hard, *packed)
         ctx.config = (window, scale, tiles)
@@ -166,7 +170,7 @@ class _AHATrain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _unused):
-        q, k, v, out, lse, hard, rows, blk_bh, blk_start, blk_count = ctx.saved_tensors
+        q, k, v, out, lse, hard, rows, cum = ctx.saved_tensors
         window, scale, tiles = ctx.config
         block_m, block_n = tiles["BLOCK_M"], tiles["BLOCK_N"]
         b, h, n, d = q.shape
@@ -178,27 +182,11 @@ class _AHATrain(torch.autograd.Function):
         strides = (*q.stride()[:3], *k.stride()[:3])
         _local_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, hard8, dq, scale, n, h,
                                                            h // hkv, window, *strides, D=d, **tiles)
-        if blk_bh.numel():
-            _global_dq_kernel[(blk_bh.numel(),)](q, k, v, dout, lse, delta, dq, rows, blk_bh, blk_start, blk_count,
-                                                 scale, n, h, h // hkv, *strides, D=d, **tiles)
-        nb = triton.cdiv(n, block_n)
-        blk_from, head_end = _global_block_ranges(rows, blk_bh, blk_start, blk_count, b * h, n, nb, block_n)
-        _dkdv_kernel[(nb, b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, blk_start, blk_count,
-                                    blk_from, head_end, scale, n, h, h // hkv, window, *strides, D=d, **tiles)
+        _global_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, dq, rows, cum, scale, n, h,
+                                                            h // hkv, *strides, D=d, **tiles)
+        _dkdv_kernel[(triton.cdiv(n, block_n), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum, scale,
+                                                         n, h, h // hkv, window, *strides, D=d, **tiles)
         return dq, dk, dv, None, None, None, None
-
-
-def _global_block_ranges(rows, blk_bh, blk_start, blk_count, bh_total, n, nb, block_n):
-    """For the dK/dV kernel: ``blk_from`` [bh_total * nb], the first packed block of each (batch * head,
-    key block) whose last row reaches the key block, and ``head_end`` [bh_total], one past each head's
-    last packed block. Blocks are sorted by (head, position), so both come from one searchsorted."""
-    bh = blk_bh.long()
-    last = bh * n + rows[(blk_start + blk_count - 1).long()].long()  # increasing over the packed blocks
-    key_start = torch.arange(bh_total, device=rows.device)[:, None] * n \
-        + torch.arange(nb, device=rows.device)[None, :] * block_n
-    blk_from = torch.searchsorted(last, key_start.reshape(-1)).to(torch.int32)
-    head_end = torch.searchsorted(bh, torch.arange(1, bh_total + 1, device=rows.device)).to(torch.int32)
-    return blk_from, head_end
 
 
 def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
