@@ -34,11 +34,19 @@ from allhere.bench.gates import long_tailed  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
+from allhere.masks import segment_starts  # noqa: E402
 from tile_settings import BLOCK_TILES, DECODE_TILES  # noqa: E402 -- benchmarks/tile_settings.py
 
 # Shared memory one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), per compute capability.
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 REGISTERS_PER_SM = 65536
+
+
+def segment_mask(n: int) -> torch.Tensor:
+    """[1, 1, n, n]: 16 padding positions, then documents of n // 4 tokens, causal within each."""
+    pos = torch.arange(n)
+    doc = torch.where(pos < 16, -1, pos // (n // 4))
+    return ((pos[None, :] <= pos[:, None]) & (doc[None, :] == doc[:, None]) & (doc[:, None] >= 0))[None, None]
 
 
 class TargetOnly:
@@ -111,22 +119,23 @@ def main() -> None:
     decode_q = torch.randn(2, h, 1, d, dtype=torch.bfloat16)
     gate = torch.ones(2, h, dtype=torch.bool)
 
+    segments = segment_starts(segment_mask(n), n, n)  # two padded rows of packed documents
     rows = []
     for tiles in BLOCK_TILES[:1] if args.default_only else BLOCK_TILES:
-        start = len(log)
-        with torch.no_grad():
-            aha_prefill_triton(q, k, v, hard, w, d ** -0.5, *tiles)
-        out, _ = aha_train_triton(q, k, v, hard, w, d ** -0.5, *tiles)  # forward: the prefill kernels + LSE
-        torch.autograd.grad(out.sum(), [q, k, v])  # the three backward kernels (values are meaningless)
-        names = {"_sliding_kernel": 0, "_global_kernel": 0}
-        for name, kernel in log[start:]:
-            label = name + (" +lse" if name in names and names[name] else "")
-            names[name] = names.get(name, 0) + 1
-            rows.append((label, tiles, resources(kernel)))
+        for starts in (None, segments):
+            seg = "" if starts is None else ", segments"
+            start = len(log)
+            with torch.no_grad():
+                aha_prefill_triton(q, k, v, hard, w, d ** -0.5, *tiles, row_start=starts)
+            rows.extend((f"{name} (prefill{seg})", tiles, resources(kernel)) for name, kernel in log[start:])
+            start = len(log)
+            out, _ = aha_train_triton(q, k, v, hard, w, d ** -0.5, *tiles, row_start=starts)
+            torch.autograd.grad(out.sum(), [q, k, v])  # the three backward kernels (values are meaningless)
+            rows.extend((f"{name} (training{seg})", tiles, resources(kernel)) for name, kernel in log[start:])
     for tiles in DECODE_TILES[:1] if args.default_only else DECODE_TILES:
         start = len(log)
         aha_decode_triton(decode_q, k.detach(), v.detach(), gate, w, d ** -0.5, *tiles)
-        rows.extend(("_decode_kernel", tiles, resources(kernel)) for _, kernel in log[start:])
+        rows.extend((f"{name} (decode)", tiles, resources(kernel)) for name, kernel in log[start:])
 
     print(f"# Triton kernels compiled for sm_{args.arch} (triton {triton.__version__}, no GPU; head dim {d}, "
           "bf16)\n\nTiles: (block_m, block_n, warps, stages); decode: (split, block_n, warps).\n")

@@ -27,3 +27,12 @@ def brute_force_aha(q, k, v, gate, window):
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def segment_mask(b, lq, lk, boundaries, pad_left):
+    """Causal within documents (``boundaries``: starts of the documents after the first) after
+    ``pad_left[i]`` padding keys that no query sees, [b, 1, lq, lk]."""
+    pos = torch.arange(lq)[:, None] + (lk - lq)
+    j = torch.arange(lk)[None, :]
+    doc = lambda t: sum((t >= x).long() for x in boundaries)  # noqa: E731
+    return torch.stack([(j <= pos) & (j >= p) & (pos >= p) & (doc(j) == doc(pos)) for p in pad_left])[:, None]

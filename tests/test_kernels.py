@@ -7,12 +7,14 @@ pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's int
 
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton, pack_global  # noqa: E402
-from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
+from allhere.kernels.aha_train import aha_train_triton, segment_end  # noqa: E402
 from allhere.mechanisms.aha import straight_through  # noqa: E402
 from allhere.ops.aha import aha_attention_fast, aha_attention_naive, fast  # noqa: E402
 from allhere.ops.sliding import sliding_window_attention_naive  # noqa: E402
 
-from helpers import rel_err  # noqa: E402
+from allhere.masks import segment_starts  # noqa: E402
+
+from helpers import rel_err, segment_mask  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE, TOL = (torch.bfloat16, 2e-2) if DEVICE == "cuda" else (torch.float32, 1e-5)
@@ -69,23 +71,68 @@ def test_training_kernels_give_the_reference_outputs_and_gradients(b, h, hkv, n,
         assert rel_err(got.float().cpu(), want) < TOL
 
 
-def test_op_takes_the_training_kernels_and_the_router_gets_its_gradient(monkeypatch):
-    """The op's own dispatch (forced onto the kernels here; on the GPU it picks them itself): q, k, v
-    and the router scores get the dense reference's straight-through gradients."""
+SEGMENTS = {"left-pad": ([], [0, 5]), "documents": ([13, 31, 32], [0, 0]), "documents+pad": ([21, 40], [0, 7]),
+            "nothing-real": ([], [19, 50])}
+
+
+@pytest.mark.parametrize("layout", SEGMENTS)
+@pytest.mark.parametrize("kernel", ["prefill", "training"])
+def test_kernels_with_segments_equal_the_reference_with_the_mask(layout, kernel):
+    """Padded sequences and packed documents in one launch (row_start): values and, for training, the
+    gradients of q, k, v equal the reference under the same mask; queries that see nothing give zero."""
+    b, h, hkv, n, d, w = 2, 4, 2, 50, 16, 6
+    q, k, v = inputs(b, h, hkv, n, n, d)
+    mask = segment_mask(b, n, n, *SEGMENTS[layout])
+    starts = segment_starts(mask, n, n)
+    gate = mixed_gate(b, h, n, 0.3)
+    if kernel == "prefill":
+        out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, block_m=16, block_n=16,
+                  row_start=starts.to(DEVICE))
+        assert rel_err(out, aha_attention_naive(q, k, v, gate, w, mask=mask)) < TOL
+        return
+    up = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(4))
+    leaves = [t.to(DEVICE, DTYPE).requires_grad_() for t in (q, k, v)]
+    out, _ = aha_train_triton(*leaves, gate.to(DEVICE), w, d ** -0.5, block_m=16, block_n=16,
+                              row_start=starts.to(DEVICE))
+    grads = torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = aha_attention_naive(*ref_leaves, gate, w, mask=mask)
+    ref_grads = torch.autograd.grad((ref * up).sum(), ref_leaves)
+    assert rel_err(out.float().cpu(), ref) < TOL
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got.float().cpu(), want) < TOL
+
+
+def test_segment_end_is_one_past_each_runs_last_query():
+    start = torch.tensor([[50, 50, 2, 2, 2, 5, 50], [0, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    assert segment_end(start).tolist() == [[2, 2, 5, 5, 5, 6, 7], [7] * 7]
+
+
+@pytest.mark.parametrize("layout", [None, "documents+pad"])
+def test_op_takes_the_kernels_and_the_router_gets_its_gradient(monkeypatch, layout):
+    """The op's own dispatch (forced onto the kernels here; on the GPU it picks them itself), without and
+    with segments (one launch, a_full from the prefill kernels): values, and q, k, v and the router
+    scores get the reference's straight-through gradients."""
     called = []
     monkeypatch.setattr(fast, "_triton_shape", lambda q, k: called.append(1) or True)
-    q, k, v = inputs(2, 4, 2, 40, 40, 16)
-    scores = torch.rand(2, 4, 40, generator=torch.Generator().manual_seed(3))
-    up = torch.randn(2, 4, 40, 16)
+    monkeypatch.setattr(fast, "_per_segment", None)  # the kernels must not need it
+    n = 50
+    q, k, v = inputs(2, 4, 2, n, n, 16)
+    scores = torch.rand(2, 4, n, generator=torch.Generator().manual_seed(3))
+    up = torch.randn(2, 4, n, 16)
+    mask = None if layout is None else segment_mask(2, n, n, *SEGMENTS[layout])
+    starts = None if mask is None else segment_starts(mask, n, n).to(DEVICE)
     results = []
-    for op in (aha_attention_fast, aha_attention_naive):
+    for op, extra in ((aha_attention_fast, dict(row_start=starts)), (aha_attention_naive, dict(mask=mask))):
         leaves = [t.clone().to(DEVICE, DTYPE if op is aha_attention_fast else torch.float32).requires_grad_()
                   for t in (q, k, v)] + [scores.clone().to(DEVICE).requires_grad_()]
-        out = op(*leaves[:3], straight_through(leaves[3], 0.5), 6)
-        results.append(torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves))
+        out = op(*leaves[:3], straight_through(leaves[3], 0.5), 6, **extra)
+        results.append([out.detach()] + list(torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves)))
+        with torch.no_grad():  # the prefill kernels
+            results[-1].append(op(*(t.detach() for t in leaves[:3]), leaves[3] > 0.5, 6, **extra))
     assert called
-    for got, want in zip(*results):
-        assert rel_err(got.float().cpu(), want.float().cpu()) < TOL
+    for name, got, want in zip(["out", "q", "k", "v", "scores", "no grad"], *results):
+        assert rel_err(got.float().cpu(), want.float().cpu()) < TOL, name
 
 
 def test_packing_lists_each_heads_global_positions_and_counts_them():

@@ -8,7 +8,7 @@ from allhere.masks import segment_starts
 from allhere.ops.aha import aha_attention_fast, aha_attention_naive
 from allhere.ops.sliding import sliding_window_attention, sliding_window_attention_naive
 
-from helpers import brute_force_aha, rel_err
+from helpers import brute_force_aha, rel_err, segment_mask
 
 # (batch, heads, kv_heads, q_len, kv_len, dim, window)
 SHAPES = [
@@ -98,15 +98,6 @@ def test_fast_gradients_equal_reference(shape, sparse_backward):
     assert rel_err(out_f, out_r) < 1e-5
     for name, a, b in zip("qkvs", g_f, g_r):
         assert rel_err(a, b) < 1e-4, name
-
-
-def segment_mask(b, lq, lk, boundaries, pad_left):
-    """Causal within documents (``boundaries``: starts of the documents after the first) after
-    ``pad_left[i]`` padding keys that no query sees, [b, 1, lq, lk]."""
-    pos = torch.arange(lq)[:, None] + (lk - lq)
-    j = torch.arange(lk)[None, :]
-    doc = lambda t: sum((t >= x).long() for x in boundaries)  # noqa: E731
-    return torch.stack([(j <= pos) & (j >= p) & (pos >= p) & (doc(j) == doc(pos)) for p in pad_left])[:, None]
 
 
 @pytest.mark.parametrize("layout", ["left-pad", "documents", "documents+pad", "nothing-real"])

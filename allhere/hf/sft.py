@@ -43,7 +43,7 @@ class HFCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> DecoderOutput:
         """Position ids that restart inside a row mark packed documents: transformers then builds a mask
-        that keeps them apart (AHA runs each document alone, ``segment_starts``)."""
+        that keeps them apart (AHA reads it with ``segment_starts``: each document sees only itself)."""
         out = self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         converted = getattr(self.hf.config, "allhere_aha", None) is not None
         return DecoderOutput(out.logits, collect_routing(self.hf) if converted else None, None)

@@ -53,12 +53,24 @@ def window_block(N, H, G, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _sliding_kernel(Q, K, V, O, LSE, sm_scale, N, H, G, W,
+def row_starts(START, b, N, rows, rmask, SEGMENTS: tl.constexpr):
+    """The first key each of ``rows`` may see: its segment's start (N: none at all) from START [b, N],
+    or 0 when there are no segments."""
+    if SEGMENTS:
+        return tl.load(START + b * N + rows, mask=rmask, other=N)
+    else:
+        return tl.zeros_like(rows)
+
+
+@triton.jit
+def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, N, H, G, W,
                     sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr,
+                    SEGMENTS: tl.constexpr):
     bh, b, h, kh, offs_m, lo, hi = window_block(N, H, G, W, BLOCK_M, BLOCK_N)
     offs_d = tl.arange(0, D)
     qmask = offs_m[:, None] < N
+    first = row_starts(START, b, N, offs_m, offs_m < N, SEGMENTS)
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=qmask, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -67,7 +79,7 @@ def _sliding_kernel(Q, K, V, O, LSE, sm_scale, N, H, G, W,
         offs_n = start + tl.arange(0, BLOCK_N)
         kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
         diff = offs_m[:, None] - offs_n[None, :]
-        valid = (diff >= 0) & (diff < W) & (offs_n[None, :] < N)
+        valid = (diff >= 0) & (diff < W) & (offs_n[None, :] < N) & (offs_n[None, :] >= first[:, None])
         m_i, l_i, acc = _online_block(q, K + kv, V + kv, offs_n[:, None] < N, valid, m_i, l_i, acc, sm_scale)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty), mask=qmask)
@@ -89,9 +101,19 @@ def packed_block(ROWS, CUM, blk, bh, N, H, G, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, sm_scale, N, H, G,
+def packed_keys(START, b, N, pos, rmask, SEGMENTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys a packed block reads: (each row's first key, the first key block's start, the last key):
+    from its earliest row's segment start (0 without segments) to its last row."""
+    first = row_starts(START, b, N, pos, rmask, SEGMENTS)
+    lo = (tl.min(tl.where(rmask, first, N), 0) // BLOCK_N) * BLOCK_N
+    return first, lo, tl.max(tl.where(rmask, pos, 0), 0)
+
+
+@triton.jit
+def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, START, sm_scale, N, H, G,
                    sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr,
+                   SEGMENTS: tl.constexpr):
     bh = tl.program_id(1)
     blk = tl.num_programs(0) - 1 - tl.program_id(0)  # a head's last (longest) block first
     count, b, h, kh, rmask, pos = packed_block(ROWS, CUM, blk, bh, N, H, G, BLOCK_M)
@@ -102,11 +124,11 @@ def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, sm_scale, N, H, G,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    last = tl.max(tl.where(rmask, pos, 0), 0)
-    for start in range(0, last + 1, BLOCK_N):
+    first, lo, last = packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
+    for start in range(lo, last + 1, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
-        valid = (offs_n[None, :] <= pos[:, None]) & rmask[:, None]
+        valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= first[:, None]) & rmask[:, None]
         m_i, l_i, acc = _online_block(q, K + kv, V + kv, offs_n[:, None] <= last, valid, m_i, l_i, acc, sm_scale)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + b * sob + h * soh + pos[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -130,34 +152,51 @@ def pack_global(hard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
                        scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                       num_stages: int = 3) -> torch.Tensor:
+                       num_stages: int = 3, row_start: torch.Tensor | None = None) -> torch.Tensor:
     """AHA forward for queries and keys over the same positions; ``hard`` [b, h, n] bool (True = global).
     block_m: query rows per program (and packed pairs per block); block_n: keys per step; num_warps,
-    num_stages: Triton's launch settings (``benchmarks/kernel_tiles.py`` times the choices)."""
+    num_stages: Triton's launch settings (``benchmarks/kernel_tiles.py`` times the choices). row_start:
+    optional int [b, n] from ``allhere.masks.segment_starts``: each query sees only the keys from its
+    segment's start on (-1: none, zero output), all segments in the same launch."""
     q, k, v = (t.contiguous() for t in (q, k, v))
     out = torch.empty_like(q)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
-    sliding_forward(q, k, v, out, None, window, scale, tiles)
-    global_forward(q, k, v, out, None, pack_global(hard), scale, tiles)
+    start = segment_start(row_start, q.shape[2])
+    sliding_forward(q, k, v, out, None, start, window, scale, tiles)
+    global_forward(q, k, v, out, None, start, pack_global(hard), scale, tiles)
     return out
 
 
-def sliding_forward(q, k, v, out, lse, window, scale, tiles: dict) -> None:
+def segment_start(row_start: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The kernels' START [b, n] int32 from ``row_start`` (-1, sees nothing, becomes n)."""
+    if row_start is None:
+        return None
+    return torch.where(row_start < 0, n, row_start).to(torch.int32).contiguous()
+
+
+def segment_args(start: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(START, SEGMENTS) for a kernel call: without segments a placeholder pointer that is never read."""
+    return (dummy, False) if start is None else (start, True)
+
+
+def sliding_forward(q, k, v, out, lse, start, window, scale, tiles: dict) -> None:
     """The sliding-window kernel: writes every query's local output into ``out`` and, unless ``lse`` is
-    None, its log-sum-exp (natural log of the scaled scores) into ``lse`` [b * h, n] fp32. ``tiles``:
-    BLOCK_M, BLOCK_N, num_warps, num_stages."""
+    None, its log-sum-exp (natural log of the scaled scores) into ``lse`` [b * h, n] fp32. ``start``:
+    None or ``segment_start``'s tensor. ``tiles``: BLOCK_M, BLOCK_N, num_warps, num_stages."""
     b, h, n, d = q.shape
     strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
+    start, segments = segment_args(start, out)
     _sliding_kernel[(triton.cdiv(n, tiles["BLOCK_M"]), b * h)](
-        q, k, v, out, out if lse is None else lse, scale, n, h, h // k.shape[1], window, *strides, D=d,
-        STORE_LSE=lse is not None, **tiles)
+        q, k, v, out, out if lse is None else lse, start, scale, n, h, h // k.shape[1], window, *strides, D=d,
+        STORE_LSE=lse is not None, SEGMENTS=segments, **tiles)
 
 
-def global_forward(q, k, v, out, lse, packed, scale, tiles: dict) -> None:
+def global_forward(q, k, v, out, lse, start, packed, scale, tiles: dict) -> None:
     """The global kernel over ``packed`` (from ``pack_global``): overwrites those rows of ``out`` (and of
-    ``lse`` unless it is None) with full causal attention."""
+    ``lse`` unless it is None) with full causal attention (within segments when ``start`` is given)."""
     b, h, n, d = q.shape
     strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
+    start, segments = segment_args(start, out)
     _global_kernel[(triton.cdiv(n, tiles["BLOCK_M"]), b * h)](
-        q, k, v, out, out if lse is None else lse, *packed, scale, n, h, h // k.shape[1], *strides, D=d,
-        STORE_LSE=lse is not None, **tiles)
+        q, k, v, out, out if lse is None else lse, *packed, start, scale, n, h, h // k.shape[1], *strides, D=d,
+        STORE_LSE=lse is not None, SEGMENTS=segments, **tiles)

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .aha_prefill import global_forward, pack_global, packed_block, sliding_forward, window_block
+from .aha_prefill import (global_forward, pack_global, packed_block, packed_keys, row_starts, segment_args, segment_start,
+                          sliding_forward, window_block)
 
 
 @triton.jit
@@ -56,15 +57,16 @@ def _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale):
 
 
 @triton.jit
-def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, sm_scale, N, H, G, W,
+def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, START, sm_scale, N, H, G, W,
                      sqb, sqh, sqn, skb, skh, skn,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
     bh, b, h, kh, offs_m, lo, hi = window_block(N, H, G, W, BLOCK_M, BLOCK_N)
     offs_d = tl.arange(0, D)
     mmask = offs_m < N
     qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + offs_m, mmask)
     local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
+    first = row_starts(START, b, N, offs_m, mmask, SEGMENTS)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -72,16 +74,16 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, sm_scale, N, H, G, W,
         k = tl.load(K + kv, mask=offs_n[:, None] < N, other=0.0)
         v = tl.load(V + kv, mask=offs_n[:, None] < N, other=0.0)
         diff = offs_m[:, None] - offs_n[None, :]
-        valid = (diff >= 0) & (diff < W) & local[:, None] & (offs_n[None, :] < N)
+        valid = (diff >= 0) & (diff < W) & local[:, None] & (offs_n[None, :] < N) & (offs_n[None, :] >= first[:, None])
         p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
         dq += tl.dot(ds.to(k.dtype), k)
     tl.store(DQ + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mmask[:, None])
 
 
 @triton.jit
-def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, sm_scale, N, H, G,
+def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, START, sm_scale, N, H, G,
                       sqb, sqh, sqn, skb, skh, skn,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
     bh = tl.program_id(1)
     blk = tl.num_programs(0) - 1 - tl.program_id(0)  # a head's last (longest) block first
     count, b, h, kh, rmask, pos = packed_block(ROWS, CUM, blk, bh, N, H, G, BLOCK_M)
@@ -91,22 +93,22 @@ def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, sm_scale, N, H, G,
     qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + pos, rmask)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    last = tl.max(tl.where(rmask, pos, 0), 0)
-    for start in range(0, last + 1, BLOCK_N):
+    first, lo, last = packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
+    for start in range(lo, last + 1, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
         k = tl.load(K + kv, mask=offs_n[:, None] <= last, other=0.0)
         v = tl.load(V + kv, mask=offs_n[:, None] <= last, other=0.0)
-        valid = (offs_n[None, :] <= pos[:, None]) & rmask[:, None]
+        valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= first[:, None]) & rmask[:, None]
         p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
         dq += tl.dot(ds.to(k.dtype), k)
     tl.store(DQ + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, sm_scale, N, H, G, W,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_END, sm_scale, N, H, G, W,
                  sqb, sqh, sqn, skb, skh, skn,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
     pid_n = tl.program_id(0)
     bkh = tl.program_id(1)  # batch * kv_heads + kv head
     hkv = H // G
@@ -124,6 +126,11 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, sm_scale, N, 
     lo = (n0 // BLOCK_M) * BLOCK_M
     hi = tl.minimum(n0 + BLOCK_N + W - 1, N)
     i = tl.arange(0, BLOCK_M)
+    # No query at or after ``stop`` sees a key of this block (the end of the last key's segment).
+    if SEGMENTS:
+        stop = tl.load(SEG_END + b * N + tl.minimum(n0 + BLOCK_N, N) - 1)
+    else:
+        stop = N
     for gi in range(0, G):
         h = kh * G + gi
         bh = b * H + h
@@ -134,19 +141,23 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, sm_scale, N, 
             qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
             q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + offs_m, mmask)
             local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
+            first = row_starts(START, b, N, offs_m, mmask, SEGMENTS)
             diff = offs_m[:, None] - offs_n[None, :]
-            valid = (diff >= 0) & (diff < W) & local[:, None] & nmask[None, :]
+            valid = (diff >= 0) & (diff < W) & local[:, None] & nmask[None, :] & (offs_n[None, :] >= first[:, None])
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
         # Packed global blocks of this head that reach the key block: from the one holding its first
-        # global query at or after n0 (the count before n0, divided by BLOCK_M) to its last block.
-        total = tl.load(CUM + bh * N + N - 1)
+        # global query at or after n0 (the count before n0, divided by BLOCK_M) to the one holding its
+        # last global query before ``stop``.
+        reach = tl.load(CUM + bh * N + stop - 1)
         before = tl.load(CUM + bh * N + n0 - 1, mask=n0 > 0, other=0)
-        for blk in range(before // BLOCK_M, tl.cdiv(total, BLOCK_M)):
-            rmask = i < total - blk * BLOCK_M
+        for blk in range(before // BLOCK_M, tl.cdiv(reach, BLOCK_M)):
+            rmask = i < reach - blk * BLOCK_M
             pos = tl.load(ROWS + bh * (N + 1) + blk * BLOCK_M + i, mask=rmask, other=0)
             qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
             q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + pos, rmask)
-            valid = (offs_n[None, :] <= pos[:, None]) & rmask[:, None] & nmask[None, :]
+            first = row_starts(START, b, N, pos, rmask, SEGMENTS)
+            valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= first[:, None]) & rmask[:, None] \
+                & nmask[None, :]
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
     tl.store(DK + kv, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask[:, None])
     tl.store(DV + kv, dv.to(DV.dtype.element_ty), mask=nmask[:, None])
@@ -154,23 +165,23 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, sm_scale, N, 
 
 class _AHATrain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, hard, window, scale, tiles):
+    def forward(ctx, q, k, v, hard, window, scale, tiles, start):
         b, h, n, _ = q.shape
         q, k, v = (t.contiguous() for t in (q, k, v))
         a_local = torch.empty_like(q)
         lse = torch.empty(b * h, n, device=q.device, dtype=torch.float32)
-        sliding_forward(q, k, v, a_local, lse, window, scale, tiles)
+        sliding_forward(q, k, v, a_local, lse, start, window, scale, tiles)
         out = a_local.clone()
         packed = pack_global(hard)
-        global_forward(q, k, v, out, lse, packed, scale, tiles)
-        ctx.save_for_backward(q, k, v, out, lse, hard, *packed)
+        global_forward(q, k, v, out, lse, start, packed, scale, tiles)
+        ctx.save_for_backward(q, k, v, out, lse, hard, start, *packed)
         ctx.config = (window, scale, tiles)
         ctx.mark_non_differentiable(a_local)
         return out, a_local
 
     @staticmethod
     def backward(ctx, dout, _unused):
-        q, k, v, out, lse, hard, rows, cum = ctx.saved_tensors
+        q, k, v, out, lse, hard, start, rows, cum = ctx.saved_tensors
         window, scale, tiles = ctx.config
         block_m, block_n = tiles["BLOCK_M"], tiles["BLOCK_N"]
         b, h, n, d = q.shape
@@ -180,21 +191,36 @@ class _AHATrain(torch.autograd.Function):
         hard8 = hard.reshape(b * h, n).to(torch.int8)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         strides = (*q.stride()[:3], *k.stride()[:3])
-        _local_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, hard8, dq, scale, n, h,
-                                                           h // hkv, window, *strides, D=d, **tiles)
-        _global_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, dq, rows, cum, scale, n, h,
-                                                            h // hkv, *strides, D=d, **tiles)
-        _dkdv_kernel[(triton.cdiv(n, block_n), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum, scale,
-                                                         n, h, h // hkv, window, *strides, D=d, **tiles)
-        return dq, dk, dv, None, None, None, None
+        seg_end = cum if start is None else segment_end(start)
+        start, segments = segment_args(start, cum)
+        shared = dict(D=d, SEGMENTS=segments, **tiles)
+        _local_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, hard8, dq, start, scale, n, h,
+                                                           h // hkv, window, *strides, **shared)
+        _global_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, dq, rows, cum, start, scale,
+                                                            n, h, h // hkv, *strides, **shared)
+        _dkdv_kernel[(triton.cdiv(n, block_n), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum, start,
+                                                         seg_end, scale, n, h, h // hkv, window, *strides, **shared)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def segment_end(start: torch.Tensor) -> torch.Tensor:
+    """For the dK / dV kernel: per position, one past the last query of its segment ([b, n] int32; runs
+    of equal ``start``: a segment, or queries that see nothing). Queries after it start later, so none
+    of them sees this key."""
+    b, n = start.shape
+    later = torch.arange(1, n, device=start.device, dtype=torch.int32)
+    new_run = torch.where(start[:, 1:] != start[:, :-1], later, n)  # [b, n - 1]: a run starts at 1..n-1
+    end = torch.full((b, n), n, device=start.device, dtype=torch.int32)
+    end[:, :-1] = new_run.flip(1).cummin(1).values.flip(1)
+    return end
 
 
 def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
                      scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_stages: int = 3, row_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, a_local): ``out`` is AHA's output under the hard gate [b, h, n] (True = global),
     differentiable in q, k, v through the used path only; ``a_local`` is every query's sliding-window
-    output, without gradient (for the straight-through term). Tiles as in ``aha_prefill_triton``, the
-    same for the forward and backward kernels."""
+    output, without gradient (for the straight-through term). Tiles and ``row_start`` (segments) as in
+    ``aha_prefill_triton``; the tiles are the same for the forward and backward kernels."""
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
-    return _AHATrain.apply(q, k, v, hard, window, scale, tiles)
+    return _AHATrain.apply(q, k, v, hard, window, scale, tiles, segment_start(row_start, q.shape[2]))

@@ -85,8 +85,8 @@ class AHAAttention(nn.Module):
         """q [b, h, n, d], k/v [b, kv_heads, n, d] (new tokens), x [b, n, d_model] the block input.
 
         mask: optional bool [b, 1 or h, n, kv_len] of keys each query may see at all. The mask of a padded
-        batch or of packed documents (causal within segments, ``segment_starts``) runs the fast op one
-        segment at a time; any other mask, or impl "naive", the dense reference.
+        batch or of packed documents (causal within segments, ``segment_starts``) runs the fast op with
+        each query's segment start; any other mask, or impl "naive", the dense reference.
         Returns (out [b, h, n, d], LayerRouting)."""
         s = self.scores(x, router_logits)
         hard = s > self.cfg.tau

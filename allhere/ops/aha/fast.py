@@ -45,8 +45,9 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
     sparse_backward: training only; None = True off CUDA, False on CUDA (see the module docstring).
     row_start: optional int [batch, q_len] from ``allhere.masks.segment_starts``: each query sees only the
     keys from ``row_start`` on (its segment: a sequence of a padded batch, a document of packed
-    sequences), -1 = no key at all (zero output). Each run of queries of one segment then runs alone over
-    its segment's keys (one-token decode steps stay batched in the Triton kernel).
+    sequences), -1 = no key at all (zero output). The Triton kernels take the segments in the same launch
+    (prefill, training, decode steps); on the PyTorch path each run of queries of one segment runs alone
+    over its segment's keys.
     """
     _, _, lq, d, _, lk = check_qkv(q, k, v)
     check_gate(gate, q)
@@ -56,33 +57,44 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
     training = gate.dtype != torch.bool and gate.requires_grad
     needs_grad = training or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
     kernels = _triton_shape(q, k)
-    if row_start is not None and not bool(row_start.any()):
+    # The kernels take segments themselves, all in one launch: prefill, training, and decode steps.
+    native = kernels and (lq == lk or not needs_grad)
+    if row_start is not None and not native:
+        if bool(row_start.any()):
+            return _per_segment(q, k, v, gate, window, scale, row_start,
+                                dict(chunk=chunk, dense_above=dense_above, sparse_backward=sparse_backward))
         row_start = None  # every query sees the whole prefix: plain causal
-    if row_start is not None and not (kernels and not needs_grad and lq == 1):  # decode steps stay batched
-        return _per_segment(q, k, v, gate, window, scale, row_start,
-                            dict(chunk=chunk, dense_above=dense_above, sparse_backward=sparse_backward))
-    if kernels:
-        if needs_grad and lq == lk:
+    if native:
+        if needs_grad:
             from ...kernels.aha_train import aha_train_triton
 
-            out, a_local = aha_train_triton(q, k, v, hard, window, scale)
-            return _straight_through(out, gate, q, k, v, a_local, scale) if training else out
-        if not needs_grad:
-            if lq == 1:
-                from ...kernels.aha_decode import aha_decode_triton
-
-                kv_start = None if row_start is None else torch.where(row_start[:, 0] < 0, lk, row_start[:, 0])
-                return aha_decode_triton(q, k, v, hard[..., 0], window, scale, kv_start=kv_start)
+            out, a_local = aha_train_triton(q, k, v, hard, window, scale, row_start=row_start)
+            if not training:
+                return out
+            if row_start is None:
+                return _straight_through(out, gate, a_local, lambda: causal_attention(q, k, v, scale=scale))
             from ...kernels.aha_prefill import aha_prefill_triton
 
-            return aha_prefill_triton(q, k, v, hard, window, scale)
+            # Full attention within the segments: the prefill kernels with every query global.
+            return _straight_through(out, gate, a_local, lambda: aha_prefill_triton(
+                q, k, v, torch.ones_like(hard), window, scale, row_start=row_start))
+        if lq == 1:
+            from ...kernels.aha_decode import aha_decode_triton
+
+            kv_start = None if row_start is None else torch.where(row_start[:, 0] < 0, lk, row_start[:, 0])
+            return aha_decode_triton(q, k, v, hard[..., 0], window, scale, kv_start=kv_start)
+        from ...kernels.aha_prefill import aha_prefill_triton
+
+        return aha_prefill_triton(q, k, v, hard, window, scale, row_start=row_start)
     if sparse_backward is None:
         sparse_backward = not q.is_cuda
     a_local = sliding_window_attention(q, k, v, window, scale=scale)
     if training and not sparse_backward:
         return combine_gated(hard, gate, causal_attention(q, k, v, scale=scale), a_local)
     out = _scatter_global(q, k, v, hard, a_local, scale, chunk, dense_above)
-    return _straight_through(out, gate, q, k, v, a_local, scale) if training else out
+    if not training:
+        return out
+    return _straight_through(out, gate, a_local, lambda: causal_attention(q, k, v, scale=scale))
 
 
 def _per_segment(q, k, v, gate, window, scale, row_start, options):
@@ -107,11 +119,11 @@ def _per_segment(q, k, v, gate, window, scale, row_start, options):
     return torch.cat(rows, dim=0)
 
 
-def _straight_through(out, gate, q, k, v, a_local, scale):
-    """Adds the straight-through term: zero in value, dL/dgate = sum dL/da (a_full - a_local). a_full is
-    a forward pass only (no autograd): the gradient of q, k, v came from the used outputs already."""
+def _straight_through(out, gate, a_local, full):
+    """Adds the straight-through term: zero in value, dL/dgate = sum dL/da (a_full - a_local). a_full =
+    full() is a forward pass only (no autograd): the gradient of q, k, v came from the used outputs."""
     with torch.no_grad():
-        diff = causal_attention(q, k, v, scale=scale) - a_local
+        diff = full() - a_local
     return out + (gate - gate.detach()).to(out.dtype)[..., None] * diff
 
 
