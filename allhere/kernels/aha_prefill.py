@@ -88,16 +88,19 @@ def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, N, H, G, W,
 
 
 @triton.jit
-def packed_block(ROWS, CUM, blk, bh, N, H, G, BLOCK_M: tl.constexpr):
-    """Block ``blk`` of the global queries of (batch * head) ``bh``: (rows in it -- 0 or less when the
-    head has fewer blocks --, b, h, kv head, row mask, positions)."""
+def packed_block(ROWS, CUM, N, H, G, BLOCK_M: tl.constexpr):
+    """This program's block of global queries (program ids: block of its head, counted from the last;
+    batch * heads + head): (rows in it -- 0 or less when the head has fewer blocks --, b * h + h, b, h,
+    kv head, row mask, positions). A head's last (longest) block runs first."""
+    bh = tl.program_id(1)
+    blk = tl.num_programs(0) - 1 - tl.program_id(0)
     count = tl.load(CUM + bh * N + N - 1) - blk * BLOCK_M
     b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
     i = tl.arange(0, BLOCK_M)
     rmask = i < count
     pos = tl.load(ROWS + bh * (N + 1) + blk * BLOCK_M + i, mask=rmask, other=0)
-    return count, b, h, h // G, rmask, pos
+    return count, bh, b, h, h // G, rmask, pos
 
 
 @triton.jit
@@ -114,9 +117,7 @@ def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, START, sm_scale, N, H, G,
                    sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr,
                    SEGMENTS: tl.constexpr):
-    bh = tl.program_id(1)
-    blk = tl.num_programs(0) - 1 - tl.program_id(0)  # a head's last (longest) block first
-    count, b, h, kh, rmask, pos = packed_block(ROWS, CUM, blk, bh, N, H, G, BLOCK_M)
+    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, N, H, G, BLOCK_M)
     if count <= 0:
         return
     offs_d = tl.arange(0, D)

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .aha_prefill import (global_forward, pack_global, packed_block, packed_keys, row_starts, segment_args, segment_start,
-                          sliding_forward, window_block)
+from .aha_prefill import (global_forward, pack_global, packed_block, packed_keys, row_starts, segment_args,
+                          segment_start, sliding_forward, window_block)
 
 
 @triton.jit
@@ -74,7 +74,8 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, START, sm_scale, N, H, G
         k = tl.load(K + kv, mask=offs_n[:, None] < N, other=0.0)
         v = tl.load(V + kv, mask=offs_n[:, None] < N, other=0.0)
         diff = offs_m[:, None] - offs_n[None, :]
-        valid = (diff >= 0) & (diff < W) & local[:, None] & (offs_n[None, :] < N) & (offs_n[None, :] >= first[:, None])
+        valid = (diff >= 0) & (diff < W) & local[:, None] & (offs_n[None, :] < N) \
+            & (offs_n[None, :] >= first[:, None])
         p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
         dq += tl.dot(ds.to(k.dtype), k)
     tl.store(DQ + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mmask[:, None])
@@ -84,9 +85,7 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, START, sm_scale, N, H, G
 def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, START, sm_scale, N, H, G,
                       sqb, sqh, sqn, skb, skh, skn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
-    bh = tl.program_id(1)
-    blk = tl.num_programs(0) - 1 - tl.program_id(0)  # a head's last (longest) block first
-    count, b, h, kh, rmask, pos = packed_block(ROWS, CUM, blk, bh, N, H, G, BLOCK_M)
+    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, N, H, G, BLOCK_M)
     if count <= 0:
         return
     offs_d = tl.arange(0, D)
@@ -143,7 +142,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
             first = row_starts(START, b, N, offs_m, mmask, SEGMENTS)
             diff = offs_m[:, None] - offs_n[None, :]
-            valid = (diff >= 0) & (diff < W) & local[:, None] & nmask[None, :] & (offs_n[None, :] >= first[:, None])
+            valid = (diff >= 0) & (diff < W) & local[:, None] & nmask[None, :] \
+                & (offs_n[None, :] >= first[:, None])
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
         # Packed global blocks of this head that reach the key block: from the one holding its first
         # global query at or after n0 (the count before n0, divided by BLOCK_M) to the one holding its
