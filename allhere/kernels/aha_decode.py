@@ -2,7 +2,7 @@
 keys, a global head the whole cache. The key range is split across programs (split-KV, as in flash
 decoding) so that a long cache of a global head is read by many thread blocks at once; a local head's
 range fits in its first split and its other programs return at once. Each program writes its partial
-output and log-sum-exp; the splits are merged in PyTorch (a few numbers per head).
+output and log-sum-exp; a second kernel merges the splits of every (sequence, head) by their weights.
 
 Layout: q [b, h, 1, d], k/v [b, kv_heads, t, d] (the cache, every sequence t long), gate [b, h] bool.
 """
@@ -17,7 +17,7 @@ import triton.language as tl
 @triton.jit
 def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, sm_scale, T, H, G, W,
                    sqb, sqh, skb, skh, skn,
-                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, HAS_START: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -25,8 +25,9 @@ def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, sm_scale, T, H, G, W,
     h = bh % H
     kh = h // G
     is_global = tl.load(GATE + bh) != 0
-    first = tl.load(KV_START + b)  # keys before it are padding
-    lo = tl.maximum(tl.where(is_global, 0, T - W), first)
+    lo = tl.where(is_global, 0, tl.maximum(T - W, 0))
+    if HAS_START:
+        lo = tl.maximum(lo, tl.load(KV_START + b))  # keys before it are padding
     start = lo + split * SPLIT
     end = tl.minimum(start + SPLIT, T)
     offs_d = tl.arange(0, D)
@@ -55,6 +56,29 @@ def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, sm_scale, T, H, G, W,
     tl.store(LSE + bh * nsplit + split, lse)
 
 
+@triton.jit
+def _merge_kernel(OP, LSE, O, NSPLIT, D: tl.constexpr, CHUNK: tl.constexpr):
+    """One (sequence, head): the splits' outputs weighted by exp(lse - max lse); zero if no key was seen."""
+    bh = tl.program_id(0)
+    offs_s = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, D)
+    m = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
+    for s0 in range(0, NSPLIT, CHUNK):
+        m = tl.maximum(m, tl.max(tl.load(LSE + bh * NSPLIT + s0 + offs_s, mask=s0 + offs_s < NSPLIT,
+                                         other=float("-inf")), 0))
+    m = tl.where(m == float("-inf"), 0.0, m)  # nothing seen: every weight below is 0
+    acc = tl.zeros([D], tl.float32)
+    total = tl.sum(tl.zeros([CHUNK], tl.float32), 0)
+    for s0 in range(0, NSPLIT, CHUNK):
+        smask = s0 + offs_s < NSPLIT
+        w = tl.exp(tl.load(LSE + bh * NSPLIT + s0 + offs_s, mask=smask, other=float("-inf")) - m)
+        part = tl.load(OP + (bh * NSPLIT + s0 + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None],
+                       other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+        total += tl.sum(w, 0)
+    tl.store(O + bh * D + offs_d, (acc / tl.where(total == 0.0, 1.0, total)).to(O.dtype.element_ty))
+
+
 def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
                       scale: float, split: int = 512, block_n: int = 64, num_warps: int = 4,
                       kv_start: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,11 +94,11 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
     partial = torch.empty(b * h, nsplit, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(b * h, nsplit, device=q.device, dtype=torch.float32)
     g = gate.reshape(b * h).to(torch.int8).contiguous()
-    first = torch.zeros(b, dtype=torch.int32, device=q.device) if kv_start is None else kv_start.to(torch.int32)
-    _decode_kernel[(b * h, nsplit)](q, k, v, g, first.contiguous(), partial, lse, scale, t, h, h // hkv, window,
+    first = lse if kv_start is None else kv_start.to(torch.int32).contiguous()
+    _decode_kernel[(b * h, nsplit)](q, k, v, g, first, partial, lse, scale, t, h, h // hkv, window,
                                     q.stride(0), q.stride(1), *k.stride()[:3],
-                                    SPLIT=split, BLOCK_N=block_n, D=d, num_warps=num_warps)
-    weight = torch.softmax(lse, dim=1)  # splits that saw no key have lse = -inf: weight 0
-    weight = torch.where(torch.isfinite(lse).any(1, keepdim=True), weight, 0.0)  # no key at all: zero
-    out = (weight[..., None] * partial).sum(1)
-    return out.view(b, h, 1, d).to(q.dtype)
+                                    SPLIT=split, BLOCK_N=block_n, D=d, HAS_START=kv_start is not None,
+                                    num_warps=num_warps)
+    out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
+    _merge_kernel[(b * h,)](partial, lse, out, nsplit, D=d, CHUNK=16)
+    return out
