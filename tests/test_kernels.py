@@ -77,10 +77,12 @@ SEGMENTS = {"left-pad": ([], [0, 5]), "documents": ([13, 31, 32], [0, 0]), "docu
 
 @pytest.mark.parametrize("layout", SEGMENTS)
 @pytest.mark.parametrize("kernel", ["prefill", "training"])
-def test_kernels_with_segments_equal_the_reference_with_the_mask(layout, kernel):
+@pytest.mark.parametrize("w", [6, 40])
+def test_kernels_with_segments_equal_the_reference_with_the_mask(layout, kernel, w):
     """Padded sequences and packed documents in one launch (row_start): values and, for training, the
-    gradients of q, k, v equal the reference under the same mask; queries that see nothing give zero."""
-    b, h, hkv, n, d, w = 2, 4, 2, 50, 16, 6
+    gradients of q, k, v equal the reference under the same mask; queries that see nothing give zero.
+    (w = 40 with blocks of 16: key blocks inside every row's window, which run without a mask.)"""
+    b, h, hkv, n, d = 2, 4, 2, 50, 16
     q, k, v = inputs(b, h, hkv, n, n, d)
     mask = segment_mask(b, n, n, *SEGMENTS[layout])
     starts = segment_starts(mask, n, n)

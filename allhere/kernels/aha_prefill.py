@@ -22,20 +22,59 @@ import triton
 import triton.language as tl
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
 @triton.jit
-def _online_block(q, k_ptrs, v_ptrs, kmask, valid, m_i, l_i, acc, sm_scale):
-    """One key block of an online softmax: returns the updated (m, l, acc)."""
-    k = tl.load(k_ptrs, mask=kmask, other=0.0)
-    v = tl.load(v_ptrs, mask=kmask, other=0.0)
-    s = tl.dot(q, tl.trans(k)) * sm_scale
-    s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+def _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, m_i, l_i, acc, qk_scale,
+            MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """The key blocks [lo, hi) of an online softmax in base 2 (``qk_scale`` = scale * log2 e) for the query
+    positions ``rows``: returns the updated (m, l, acc). MASKED applies causality, the window W, each
+    row's first key, the sequence end and the row mask; without it every key of the range must be valid
+    for every row (the inner blocks: no mask work, the cost of a dense block)."""
+    offs_d = tl.arange(0, D)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        ptrs = kbase + offs_n[:, None] * skn + offs_d[None, :]
+        if MASKED:
+            k = tl.load(K + ptrs, mask=offs_n[:, None] < N, other=0.0)
+            v = tl.load(V + ptrs, mask=offs_n[:, None] < N, other=0.0)
+            diff = rows[:, None] - offs_n[None, :]
+            valid = (diff >= 0) & (diff < W) & (offs_n[None, :] >= first[:, None]) & (offs_n[None, :] < N) \
+                & rmask[:, None]
+            s = tl.where(valid, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        else:
+            k = tl.load(K + ptrs)
+            v = tl.load(V + ptrs)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_rows(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, inner_lo, inner_hi, hi, sm_scale,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Attention of ``rows`` over the key blocks [lo, hi), masked on the edges and not inside
+    [inner_lo, inner_hi): (output [BLOCK_M, D] fp32, natural-log LSE; a row that saw nothing: 0, -inf)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    qk_scale = sm_scale * LOG2E
+    m_i, l_i, acc = _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, inner_lo, m_i, l_i, acc, qk_scale,
+                            True, BLOCK_N, D)
+    m_i, l_i, acc = _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, inner_lo, inner_hi, m_i, l_i, acc,
+                            qk_scale, False, BLOCK_N, D)
+    m_i, l_i, acc = _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, inner_hi, hi, m_i, l_i, acc, qk_scale,
+                            True, BLOCK_N, D)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    return acc / l_safe[:, None], (m_i + tl.log2(l_safe)) * LN2
 
 
 @triton.jit
@@ -69,22 +108,21 @@ def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, N, H, G, W,
                     SEGMENTS: tl.constexpr):
     bh, b, h, kh, offs_m, lo, hi = window_block(N, H, G, W, BLOCK_M, BLOCK_N)
     offs_d = tl.arange(0, D)
-    qmask = offs_m[:, None] < N
-    first = row_starts(START, b, N, offs_m, offs_m < N, SEGMENTS)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=qmask, other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
-        diff = offs_m[:, None] - offs_n[None, :]
-        valid = (diff >= 0) & (diff < W) & (offs_n[None, :] < N) & (offs_n[None, :] >= first[:, None])
-        m_i, l_i, acc = _online_block(q, K + kv, V + kv, offs_n[:, None] < N, valid, m_i, l_i, acc, sm_scale)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty), mask=qmask)
+    rmask = offs_m < N
+    first = row_starts(START, b, N, offs_m, rmask, SEGMENTS)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=rmask[:, None], other=0.0)
+    # Inner key blocks, valid for every row: from the last row's window start (and every row's segment
+    # start) to the first row.
+    m0 = tl.program_id(0) * BLOCK_M
+    inner_lo = tl.maximum(tl.minimum(m0 + BLOCK_M, N) - W, tl.max(tl.where(rmask, first, 0), 0))
+    inner_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(inner_lo, 0), BLOCK_N) * BLOCK_N, lo), hi)
+    inner_hi = tl.maximum(((m0 + 1) // BLOCK_N) * BLOCK_N, inner_lo)
+    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, skn, offs_m, first, rmask, N, W, lo, inner_lo, inner_hi,
+                            hi, sm_scale, BLOCK_M, BLOCK_N, D)
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=rmask[:, None])
     if STORE_LSE:
-        tl.store(LSE + bh * N + offs_m, m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)), mask=offs_m < N)
+        tl.store(LSE + bh * N + offs_m, lse, mask=rmask)
 
 
 @triton.jit
@@ -122,20 +160,17 @@ def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, START, sm_scale, N, H, G,
         return
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :], mask=rmask[:, None], other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
     first, lo, last = packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
-    for start in range(lo, last + 1, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
-        valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= first[:, None]) & rmask[:, None]
-        m_i, l_i, acc = _online_block(q, K + kv, V + kv, offs_n[:, None] <= last, valid, m_i, l_i, acc, sm_scale)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    # Inner key blocks, valid for every row: from every row's segment start to the earliest row.
+    inner_lo = tl.cdiv(tl.max(tl.where(rmask, first, 0), 0), BLOCK_N) * BLOCK_N
+    inner_lo = tl.minimum(tl.maximum(inner_lo, lo), last + 1)
+    inner_hi = tl.maximum(((tl.min(tl.where(rmask, pos, N), 0) + 1) // BLOCK_N) * BLOCK_N, inner_lo)
+    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, skn, pos, first, rmask, N, N, lo, inner_lo, inner_hi,
+                            last + 1, sm_scale, BLOCK_M, BLOCK_N, D)
     tl.store(O + b * sob + h * soh + pos[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None])
     if STORE_LSE:
-        tl.store(LSE + bh * N + pos, m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)), mask=rmask)
+        tl.store(LSE + bh * N + pos, lse, mask=rmask)
 
 
 def pack_global(hard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +187,7 @@ def pack_global(hard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
-                       scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                       scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 8,
                        num_stages: int = 3, row_start: torch.Tensor | None = None) -> torch.Tensor:
     """AHA forward for queries and keys over the same positions; ``hard`` [b, h, n] bool (True = global).
     block_m: query rows per program (and packed pairs per block); block_n: keys per step; num_warps,

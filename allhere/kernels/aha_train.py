@@ -216,7 +216,7 @@ def segment_end(start: torch.Tensor) -> torch.Tensor:
 
 
 def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
-                     scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                     scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 8,
                      num_stages: int = 3, row_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, a_local): ``out`` is AHA's output under the hard gate [b, h, n] (True = global),
     differentiable in q, k, v through the used path only; ``a_local`` is every query's sliding-window
