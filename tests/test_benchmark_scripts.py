@@ -12,11 +12,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(*args):
+def run_script(*args, ok=(0,)):
+    """The script's stdout, or its exit status when that is in ``ok`` but not 0."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    assert done.returncode in ok, done.stderr[-2000:]
+    return done.stdout if done.returncode == 0 else done.returncode
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke sizes are for the CPU interpreter")
@@ -30,7 +31,9 @@ def test_kernels_compile_for_h100():
     """Every kernel builds for sm_90 with Triton's real compiler (the other CPU tests use its interpreter),
     and its default tiles fit an H100: shared memory and registers."""
     pytest.importorskip("triton")
-    out = run_script("benchmarks/kernel_compile.py", "--default-only")
+    out = run_script("benchmarks/kernel_compile.py", "--default-only", ok=(0, 3))
+    if out == 3:
+        pytest.skip("this Triton's internals do not fit kernel_compile.py's stand-in driver")
     rows = [line for line in out.splitlines() if line.startswith("| _")]
     kernels = {row.split("|")[1].strip() for row in rows}
     training = ["_sliding_kernel", "_global_kernel", "_local_dq_kernel", "_global_dq_kernel", "_dkdv_kernel"]
