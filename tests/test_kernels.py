@@ -1,5 +1,7 @@
 """Triton kernels against the dense reference: compiled on a GPU, in Triton's interpreter on the CPU."""
 
+import random
+
 import pytest
 import torch
 
@@ -103,6 +105,32 @@ def test_kernels_with_segments_equal_the_reference_with_the_mask(layout, kernel,
     assert rel_err(out.float().cpu(), ref) < TOL
     for got, want in zip(grads, ref_grads):
         assert rel_err(got.float().cpu(), want) < TOL
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_kernels_on_random_shapes_windows_blocks_and_segments(seed):
+    """Random sizes, GQA, windows (1 to longer than the sequence), block sizes, gate densities, document
+    boundaries and left padding: prefill and training (values and gradients) equal the reference."""
+    rng = random.Random(seed)
+    b, hkv, n = rng.choice([1, 2]), rng.choice([1, 2]), rng.randint(5, 90)
+    h, w, bm, bn = hkv * rng.choice([1, 2]), rng.choice([1, 3, 17, 40, 100]), rng.choice([16, 32]), rng.choice([16, 32])
+    bounds = sorted(rng.sample(range(1, n), rng.randint(0, 3)))
+    mask = segment_mask(b, n, n, bounds, [rng.choice([0, rng.randint(0, n)]) for _ in range(b)])
+    q, k, v = inputs(b, h, hkv, n, n, 16, seed=seed)
+    gate = torch.rand(b, h, n, generator=torch.Generator().manual_seed(seed)) < rng.choice([0.0, 0.1, 0.5, 1.0])
+    starts = segment_starts(mask, n, n).to(DEVICE)
+    up = torch.randn(b, h, n, 16, generator=torch.Generator().manual_seed(seed))
+    leaves = [t.to(DEVICE, DTYPE).requires_grad_() for t in (q, k, v)]
+    out, _ = aha_train_triton(*leaves, gate.to(DEVICE), w, 0.25, bm, bn, row_start=starts)
+    got = [out] + list(torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves))
+    with torch.no_grad():
+        got.append(aha_prefill_triton(*(t.detach() for t in leaves), gate.to(DEVICE), w, 0.25, bm, bn,
+                                      row_start=starts))
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = aha_attention_naive(*ref_leaves, gate, w, mask=mask)
+    want = [ref] + list(torch.autograd.grad((ref * up).sum(), ref_leaves)) + [ref]
+    for name, a, r in zip(["out", "q", "k", "v", "prefill"], got, want):  # w = 1: dq = dk = 0, hence max(|r|, 1)
+        assert (a.float().cpu() - r).norm() / max(r.norm(), 1.0) < TOL, name
 
 
 def test_segment_end_is_one_past_each_runs_last_query():
