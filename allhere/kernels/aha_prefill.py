@@ -6,13 +6,19 @@ order (``pack_global``: a cumulative count and a scatter on the device). The glo
 program per (block of BLOCK_M of those positions, batch * head) for every block a head could have
 (n / BLOCK_M); a program past its head's own count returns at once, so the work follows each head's count
 (never padded to the busiest head: a head with 3 global queries does one block of 3 rows) while the
-grid, known from the shapes alone, needs nothing read back from the GPU. A program reads keys from 0 to
-its block's last position with a per-row causal mask and writes its rows over the local result in place;
-the blocks of a head run last position first (the longest first). The local result of a global query is
-computed and overwritten (a fraction mu_f of the local work).
+grid, known from the shapes alone, needs nothing read back from the GPU. A program reads keys from 0 (or
+its earliest row's segment start) to its block's last position with a per-row causal mask and writes its
+rows over the local result in place; the blocks of a head run last position first (the longest first).
+The local result of a global query is computed and overwritten (a fraction mu_f of the local work).
+
+Masks cost only on the edges: in both kernels the key blocks that every row of a block may see entirely
+(inside all windows, past all segment starts, before the first row) run without mask work.
+
+Segments (``row_start``: padded sequences, packed documents): each query sees keys from its segment's
+start on; all segments run in the same launch.
 
 Layout: q [b, h, n, d], k/v [b, kv_heads, n, d] (queries and keys over the same n positions), head dim
-a power of two >= 16. Online softmax in fp32, output in q's dtype.
+a power of two >= 16. Online softmax in fp32 (base 2), output in q's dtype.
 """
 
 from __future__ import annotations
