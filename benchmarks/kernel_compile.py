@@ -36,7 +36,7 @@ from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
 from allhere.masks import segment_starts  # noqa: E402
-from tile_settings import BLOCK_TILES, DECODE_TILES  # noqa: E402 -- benchmarks/tile_settings.py
+from tile_settings import BLOCK_TILES, DECODE_TILES, DKDV_TILES  # noqa: E402 -- benchmarks/tile_settings.py
 
 # Shared memory one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), per compute capability.
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -129,6 +129,15 @@ def main() -> None:
     gate = torch.ones(2, h, dtype=torch.bool)
 
     segments = segment_starts(segment_mask(n), n, n)  # two padded rows of packed documents
+    def train(tiles, starts, dkdv):
+        out, _ = aha_train_triton(q, k, v, hard, w, d ** -0.5, *tiles, row_start=starts, dkdv_rows=dkdv[0],
+                                  dkdv_warps=dkdv[1])
+        torch.autograd.grad(out.sum(), [q, k, v])  # the three backward kernels (values are meaningless)
+
+    def record(part, tiles, dkdv, start, only=None):  # the dK / dV kernel has its own (rows, warps)
+        rows.extend((f"{name} ({part})", dkdv + (tiles[1], tiles[3]) if name == "_dkdv_kernel" else tiles,
+                     resources(kernel)) for name, kernel in log[start:] if only in (None, name))
+
     rows = []
     for tiles in BLOCK_TILES[:1] if args.default_only else BLOCK_TILES:
         for starts in (None, segments):
@@ -136,18 +145,22 @@ def main() -> None:
             start = len(log)
             with torch.no_grad():
                 aha_prefill_triton(q, k, v, hard, w, d ** -0.5, *tiles, row_start=starts)
-            rows.extend((f"{name} (prefill{seg})", tiles, resources(kernel)) for name, kernel in log[start:])
+            record(f"prefill{seg}", tiles, DKDV_TILES[0], start)
             start = len(log)
-            out, _ = aha_train_triton(q, k, v, hard, w, d ** -0.5, *tiles, row_start=starts)
-            torch.autograd.grad(out.sum(), [q, k, v])  # the three backward kernels (values are meaningless)
-            rows.extend((f"{name} (training{seg})", tiles, resources(kernel)) for name, kernel in log[start:])
+            train(tiles, starts, DKDV_TILES[0])
+            record(f"training{seg}", tiles, DKDV_TILES[0], start)
+    for dkdv in [] if args.default_only else DKDV_TILES[1:]:
+        start = len(log)
+        train(BLOCK_TILES[0], None, dkdv)
+        record("training", BLOCK_TILES[0], dkdv, start, only="_dkdv_kernel")
     for tiles in DECODE_TILES[:1] if args.default_only else DECODE_TILES:
         start = len(log)
         aha_decode_triton(decode_q, k.detach(), v.detach(), gate, w, d ** -0.5, *tiles)
         rows.extend((f"{name} (decode)", tiles, resources(kernel)) for name, kernel in log[start:])
 
     print(f"# Triton kernels compiled for sm_{args.arch} (triton {triton.__version__}, no GPU; head dim {d}, "
-          "bf16)\n\nTiles: (block_m, block_n, warps, stages); decode: (split, block_n, warps).\n")
+          "bf16)\n\nTiles: (block_m, block_n, warps, stages); dK / dV: (rows, warps, block_n, stages); decode: "
+          "(split, block_n, warps).\n")
     print("| kernel | tiles | registers | spilled B | shared KiB | wgmma | launches |\n|---|---|---|---|---|---|---|")
     for label, tiles, r in rows:
         print(f"| {label} | {tiles} | {r['regs']} | {r['local'] + r['stack']} | {r['shared'] / 1024:.0f} "

@@ -23,7 +23,7 @@ from allhere.bench.timing import median_time  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
-from tile_settings import BLOCK_TILES, DECODE_TILES  # noqa: E402 -- benchmarks/tile_settings.py
+from tile_settings import BLOCK_TILES, DECODE_TILES, DKDV_TILES  # noqa: E402 -- benchmarks/tile_settings.py
 
 
 def qkv(b, h, n, d, device, dtype, grad=False, seed=0):
@@ -87,11 +87,15 @@ def main() -> None:
     hard = long_tailed(1, heads, train_n, 0.07, generator=gen, device=device)
     up = torch.randn_like(q)
 
-    def train_step(s):
-        out, _ = aha_train_triton(q, k, v, hard, w, scale, *s)
+    def train_step(s, dkdv=DKDV_TILES[0]):
+        out, _ = aha_train_triton(q, k, v, hard, w, scale, *s, dkdv_rows=dkdv[0], dkdv_warps=dkdv[1])
         return [out.detach(), *torch.autograd.grad((out * up).sum(), [q, k, v])]
 
     sweep(f"Training forward + backward, n = {train_n}", tiles, train_step, device, repeats)
+    # The dK / dV kernel's own (rows, warps), with the default block tiles.
+    dkdv_tiles = DKDV_TILES if not args.smoke else [(16, 4), (32, 4)]
+    sweep(f"Training forward + backward, n = {train_n}: dK / dV (rows, warps)", dkdv_tiles,
+          lambda s: train_step(tiles[0], s), device, repeats)
 
     for n in decode_ns:
         _, k, v = qkv(8, heads, n, d, device, dtype)

@@ -10,3 +10,5 @@ BLOCK_TILES = [(64, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 3), 
 # (split, block_n, num_warps) of the decode kernel.
 DECODE_TILES = [(512, 64, 4)] + [(s, bn, w) for s in (256, 512, 1024, 2048) for bn in (32, 64, 128)
                                  for w in (2, 4) if (s, bn, w) != (512, 64, 4)]
+# (rows, num_warps) of the dK / dV kernel (its block_n and stages are the block tiles').
+DKDV_TILES = [(32, 8), (32, 4), (16, 4), (64, 8), (64, 4)]

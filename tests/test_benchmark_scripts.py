@@ -24,7 +24,7 @@ def run_script(*args, ok=(0,)):
 def test_kernel_tiles_smoke():
     pytest.importorskip("triton")
     out = run_script("benchmarks/kernel_tiles.py", "--smoke")
-    assert out.count("## ") == 3 and "WRONG" not in out and "failed" not in out
+    assert out.count("## ") == 4 and "WRONG" not in out and "failed" not in out
 
 
 def test_kernels_compile_for_h100():
@@ -47,7 +47,7 @@ def test_tile_lists_start_with_the_kernel_defaults():
     pytest.importorskip("triton")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from tile_settings import BLOCK_TILES, DECODE_TILES
+        from tile_settings import BLOCK_TILES, DECODE_TILES, DKDV_TILES
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     from allhere.kernels.aha_decode import aha_decode_triton
@@ -61,6 +61,7 @@ def test_tile_lists_start_with_the_kernel_defaults():
     block = ("block_m", "block_n", "num_warps", "num_stages")
     assert defaults(aha_prefill_triton, block) == defaults(aha_train_triton, block) == BLOCK_TILES[0]
     assert defaults(aha_decode_triton, ("split", "block_n", "num_warps")) == DECODE_TILES[0]
+    assert defaults(aha_train_triton, ("dkdv_rows", "dkdv_warps")) == DKDV_TILES[0]
 
 
 def test_sft_throughput_tiny():

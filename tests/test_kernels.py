@@ -121,7 +121,8 @@ def test_kernels_on_random_shapes_windows_blocks_and_segments(seed):
     starts = segment_starts(mask, n, n).to(DEVICE)
     up = torch.randn(b, h, n, 16, generator=torch.Generator().manual_seed(seed))
     leaves = [t.to(DEVICE, DTYPE).requires_grad_() for t in (q, k, v)]
-    out, _ = aha_train_triton(*leaves, gate.to(DEVICE), w, 0.25, bm, bn, row_start=starts)
+    out, _ = aha_train_triton(*leaves, gate.to(DEVICE), w, 0.25, bm, bn, row_start=starts,
+                              dkdv_rows=rng.choice([16, 32, 64]))
     got = [out] + list(torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves))
     with torch.no_grad():
         got.append(aha_prefill_triton(*(t.detach() for t in leaves), gate.to(DEVICE), w, 0.25, bm, bn,

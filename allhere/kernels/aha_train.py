@@ -145,9 +145,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             valid = (diff >= 0) & (diff < W) & local[:, None] & nmask[None, :] \
                 & (offs_n[None, :] >= first[:, None])
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
-        # Packed global blocks of this head that reach the key block: from the one holding its first
-        # global query at or after n0 (the count before n0, divided by BLOCK_M) to the one holding its
-        # last global query before ``stop``.
+        # This head's global queries (its packed list, BLOCK_M at a time) that reach the key block: from
+        # the tile holding its first global query at or after n0 (the count before n0, divided by
+        # BLOCK_M) to the one holding its last global query before ``stop``.
         reach = tl.load(CUM + bh * N + stop - 1)
         before = tl.load(CUM + bh * N + n0 - 1, mask=n0 > 0, other=0)
         for blk in range(before // BLOCK_M, tl.cdiv(reach, BLOCK_M)):
@@ -165,7 +165,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
 
 class _AHATrain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, hard, window, scale, tiles, start):
+    def forward(ctx, q, k, v, hard, window, scale, tiles, dkdv, start):
         b, h, n, _ = q.shape
         q, k, v = (t.contiguous() for t in (q, k, v))
         a_local = torch.empty_like(q)
@@ -175,14 +175,14 @@ class _AHATrain(torch.autograd.Function):
         packed = pack_global(hard)
         global_forward(q, k, v, out, lse, start, packed, scale, tiles)
         ctx.save_for_backward(q, k, v, out, lse, hard, start, *packed)
-        ctx.config = (window, scale, tiles)
+        ctx.config = (window, scale, tiles, dkdv)
         ctx.mark_non_differentiable(a_local)
         return out, a_local
 
     @staticmethod
     def backward(ctx, dout, _unused):
         q, k, v, out, lse, hard, start, rows, cum = ctx.saved_tensors
-        window, scale, tiles = ctx.config
+        window, scale, tiles, dkdv = ctx.config
         block_m, block_n = tiles["BLOCK_M"], tiles["BLOCK_N"]
         b, h, n, d = q.shape
         hkv = k.shape[1]
@@ -199,8 +199,9 @@ class _AHATrain(torch.autograd.Function):
         _global_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, dq, rows, cum, start, scale,
                                                             n, h, h // hkv, *strides, **shared)
         _dkdv_kernel[(triton.cdiv(n, block_n), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum, start,
-                                                         seg_end, scale, n, h, h // hkv, window, *strides, **shared)
-        return dq, dk, dv, None, None, None, None, None
+                                                         seg_end, scale, n, h, h // hkv, window, *strides,
+                                                         **{**shared, **dkdv})
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def segment_end(start: torch.Tensor) -> torch.Tensor:
@@ -217,10 +218,14 @@ def segment_end(start: torch.Tensor) -> torch.Tensor:
 
 def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
                      scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 8,
-                     num_stages: int = 3, row_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_stages: int = 3, row_start: torch.Tensor | None = None, dkdv_rows: int = 32,
+                     dkdv_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, a_local): ``out`` is AHA's output under the hard gate [b, h, n] (True = global),
     differentiable in q, k, v through the used path only; ``a_local`` is every query's sliding-window
     output, without gradient (for the straight-through term). Tiles and ``row_start`` (segments) as in
-    ``aha_prefill_triton``; the tiles are the same for the forward and backward kernels."""
+    ``aha_prefill_triton``, the same for the forward and the dQ kernels; the dK / dV kernel takes
+    ``dkdv_rows`` query rows at a time with ``dkdv_warps`` warps (its two [block_n, d] fp32 accumulators
+    leave fewer registers: with 64 rows it spills on sm_90, ``benchmarks/kernel_compile.py``)."""
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
-    return _AHATrain.apply(q, k, v, hard, window, scale, tiles, segment_start(row_start, q.shape[2]))
+    dkdv = dict(BLOCK_M=dkdv_rows, num_warps=dkdv_warps)
+    return _AHATrain.apply(q, k, v, hard, window, scale, tiles, dkdv, segment_start(row_start, q.shape[2]))
