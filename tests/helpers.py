@@ -29,10 +29,13 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def segment_mask(b, lq, lk, boundaries, pad_left):
-    """Causal within documents (``boundaries``: starts of the documents after the first) after
-    ``pad_left[i]`` padding keys that no query sees, [b, 1, lq, lk]."""
+def segment_mask(b, lq, lk, boundaries, pad_left, pad_right=None):
+    """Causal within documents (``boundaries``: starts of the documents after the first) between
+    ``pad_left[i]`` and ``pad_right[i]`` padding positions that no query sees (padding queries see
+    nothing), [b, 1, lq, lk]."""
     pos = torch.arange(lq)[:, None] + (lk - lq)
     j = torch.arange(lk)[None, :]
     doc = lambda t: sum((t >= x).long() for x in boundaries)  # noqa: E731
-    return torch.stack([(j <= pos) & (j >= p) & (pos >= p) & (doc(j) == doc(pos)) for p in pad_left])[:, None]
+    real = lambda t, p, r: (t >= p) & (t < lk - r)  # noqa: E731
+    return torch.stack([(j <= pos) & real(j, p, r) & real(pos, p, r) & (doc(j) == doc(pos))
+                        for p, r in zip(pad_left, pad_right or [0] * b)])[:, None]

@@ -73,7 +73,7 @@ def test_training_kernels_give_the_reference_outputs_and_gradients(b, h, hkv, n,
         assert rel_err(got.float().cpu(), want) < TOL
 
 
-SEGMENTS = {"left-pad": ([], [0, 5]), "documents": ([13, 31, 32], [0, 0]), "documents+pad": ([21, 40], [0, 7]),
+SEGMENTS = {"left-pad": ([], [0, 5]), "right-pad": ([], [0, 0], [3, 0]), "documents": ([13, 31, 32], [0, 0]), "documents+pad": ([21, 40], [0, 7]),
             "nothing-real": ([], [19, 50])}
 
 
@@ -110,12 +110,13 @@ def test_kernels_with_segments_equal_the_reference_with_the_mask(layout, kernel,
 @pytest.mark.parametrize("seed", range(12))
 def test_kernels_on_random_shapes_windows_blocks_and_segments(seed):
     """Random sizes, GQA, windows (1 to longer than the sequence), block sizes, gate densities, document
-    boundaries and left padding: prefill and training (values and gradients) equal the reference."""
+    boundaries and left or right padding: prefill and training (values and gradients) equal the reference."""
     rng = random.Random(seed)
     b, hkv, n = rng.choice([1, 2]), rng.choice([1, 2]), rng.randint(5, 90)
     h, w, bm, bn = hkv * rng.choice([1, 2]), rng.choice([1, 3, 17, 40, 100]), rng.choice([16, 32]), rng.choice([16, 32])
     bounds = sorted(rng.sample(range(1, n), rng.randint(0, 3)))
-    mask = segment_mask(b, n, n, bounds, [rng.choice([0, rng.randint(0, n)]) for _ in range(b)])
+    pads = [rng.choice([(0, 0), (rng.randint(0, n), 0), (0, rng.randint(0, n))]) for _ in range(b)]
+    mask = segment_mask(b, n, n, bounds, *zip(*pads))  # left or right padding or none
     q, k, v = inputs(b, h, hkv, n, n, 16, seed=seed)
     gate = torch.rand(b, h, n, generator=torch.Generator().manual_seed(seed)) < rng.choice([0.0, 0.1, 0.5, 1.0])
     starts = segment_starts(mask, n, n).to(DEVICE)
