@@ -125,6 +125,31 @@ def test_left_padded_batched_generation_equals_one_by_one(monkeypatch):
     assert torch.equal(batched[0], alone[0]) and torch.equal(batched[1], alone[1])
 
 
+def test_padded_batch_and_generation_on_the_kernels_equal_one_by_one(monkeypatch):
+    """The Triton kernels (forced here; Triton's interpreter on the CPU) take a padded batch in one launch
+    per layer: prefill and each cached decode step equal every prompt alone, with no per-segment path."""
+    pytest.importorskip("triton")
+    from allhere.ops.aha import fast
+
+    model = convert(build("qwen2"), AHAConfig(window=3, router_init="neutral"))
+    a, b = torch.randint(3, 97, (1, 10)), torch.randint(3, 97, (1, 6))
+    ids = torch.full((2, 10), 2)
+    ids[0], ids[1, 4:] = a[0], b[0]
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        alone = [model.generate(p, **kw)[0, p.shape[1]:] for p in (a, b)]
+        logits = [model(p).logits[0] for p in (a, b)]
+        no_dense_reference(monkeypatch)
+        monkeypatch.setattr(fast, "_triton_shape", lambda q, k: True)
+        monkeypatch.setattr(fast, "_per_segment", None)  # the kernels must take the segments themselves
+        batched_logits = model(ids, attention_mask=mask).logits
+        batched = model.generate(ids, attention_mask=mask, **kw)[:, 10:]
+    assert rel_err(batched_logits[0], logits[0]) < 1e-5 and rel_err(batched_logits[1, 4:], logits[1]) < 1e-5
+    assert torch.equal(batched[0], alone[0]) and torch.equal(batched[1], alone[1])
+
+
 def test_unsupported_architecture_and_bad_window():
     gpt2 = transformers.AutoModelForCausalLM.from_config(
         transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2, n_positions=64))
