@@ -103,11 +103,12 @@ def resources(kernel) -> dict:
 
 
 def fits(r: dict, arch: int) -> str:
-    threads = 32 * r["warps"]
+    """"ok", or why this kernel cannot launch on that GPU."""
+    limit = MAX_SHARED.get(arch, MAX_SHARED[80])
     problems = []
-    if r["shared"] > MAX_SHARED.get(arch, MAX_SHARED[80]):
-        problems.append(f"shared {r['shared'] // 1024} KiB > {MAX_SHARED.get(arch, MAX_SHARED[80]) // 1024} KiB")
-    if r["regs"] * threads > REGISTERS_PER_SM:
+    if r["shared"] > limit:
+        problems.append(f"shared {r['shared'] // 1024} KiB > {limit // 1024} KiB")
+    if r["regs"] * 32 * r["warps"] > REGISTERS_PER_SM:
         problems.append("registers")
     return "; ".join(problems) or "ok"
 
@@ -128,7 +129,8 @@ def main() -> None:
     decode_q = torch.randn(2, h, 1, d, dtype=torch.bfloat16)
     gate = torch.ones(2, h, dtype=torch.bool)
 
-    segments = segment_starts(segment_mask(n), n, n)  # two padded rows of packed documents
+    segments = segment_starts(segment_mask(n), n, n)  # 16 padding positions, then packed documents
+
     def train(tiles, starts, dkdv):
         out, _ = aha_train_triton(q, k, v, hard, w, d ** -0.5, *tiles, row_start=starts, dkdv_rows=dkdv[0],
                                   dkdv_warps=dkdv[1])
@@ -156,7 +158,7 @@ def main() -> None:
     for tiles in DECODE_TILES[:1] if args.default_only else DECODE_TILES:
         start = len(log)
         aha_decode_triton(decode_q, k.detach(), v.detach(), gate, w, d ** -0.5, *tiles)
-        rows.extend((f"{name} (decode)", tiles, resources(kernel)) for name, kernel in log[start:])
+        record("decode", tiles, None, start)
 
     print(f"# Triton kernels compiled for sm_{args.arch} (triton {triton.__version__}, no GPU; head dim {d}, "
           "bf16)\n\nTiles: (block_m, block_n, warps, stages); dK / dV: (rows, warps, block_n, stages); decode: "
