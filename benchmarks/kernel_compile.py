@@ -32,6 +32,7 @@ from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from allhere.bench.gates import long_tailed  # noqa: E402
+from allhere.kernels import stages_for  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
@@ -141,7 +142,8 @@ def main() -> None:
                      resources(kernel)) for name, kernel in log[start:] if only in (None, name))
 
     rows = []
-    for tiles in BLOCK_TILES[:1] if args.default_only else BLOCK_TILES:
+    default = (*BLOCK_TILES[0][:3], stages_for(MAX_SHARED.get(args.arch, MAX_SHARED[80])))  # as on that GPU
+    for tiles in [default] if args.default_only else BLOCK_TILES:
         for starts in (None, segments):
             seg = "" if starts is None else ", segments"
             start = len(log)
@@ -153,8 +155,8 @@ def main() -> None:
             record(f"training{seg}", tiles, DKDV_TILES[0], start)
     for dkdv in [] if args.default_only else DKDV_TILES[1:]:
         start = len(log)
-        train(BLOCK_TILES[0], None, dkdv)
-        record("training", BLOCK_TILES[0], dkdv, start, only="_dkdv_kernel")
+        train(default, None, dkdv)
+        record("training", default, dkdv, start, only="_dkdv_kernel")
     for tiles in DECODE_TILES[:1] if args.default_only else DECODE_TILES:
         start = len(log)
         aha_decode_triton(decode_q, k.detach(), v.detach(), gate, w, d ** -0.5, *tiles)

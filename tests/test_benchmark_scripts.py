@@ -50,6 +50,7 @@ def test_tile_lists_start_with_the_kernel_defaults():
         from tile_settings import BLOCK_TILES, DECODE_TILES, DKDV_TILES
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    from allhere.kernels import stages_for
     from allhere.kernels.aha_decode import aha_decode_triton
     from allhere.kernels.aha_prefill import aha_prefill_triton
     from allhere.kernels.aha_train import aha_train_triton
@@ -59,9 +60,18 @@ def test_tile_lists_start_with_the_kernel_defaults():
         return tuple(params[name].default for name in names)
 
     block = ("block_m", "block_n", "num_warps", "num_stages")
-    assert defaults(aha_prefill_triton, block) == defaults(aha_train_triton, block) == BLOCK_TILES[0]
+    assert defaults(aha_prefill_triton, block) == defaults(aha_train_triton, block) == (*BLOCK_TILES[0][:3], None)
+    assert stages_for(232448) == BLOCK_TILES[0][3]  # num_stages None: from the GPU, here an H100's 227 KiB
     assert defaults(aha_decode_triton, ("split", "block_n", "num_warps")) == DECODE_TILES[0]
     assert defaults(aha_train_triton, ("dkdv_rows", "dkdv_warps")) == DKDV_TILES[0]
+
+
+def test_pipeline_stages_follow_the_gpus_shared_memory():
+    from allhere.kernels import pipeline_stages, stages_for
+
+    # H100, A100: 3; RTX 4090 / L40S / A10 (99 KiB: the dQ kernels need 104 KiB with 3 stages): 2; T4: 1.
+    assert [stages_for(kib * 1024) for kib in (227, 163, 99, 64)] == [3, 3, 2, 1]
+    assert pipeline_stages(torch.device("cpu")) == 3
 
 
 def test_sft_throughput_tiny():

@@ -22,3 +22,22 @@ def use_triton(t: torch.Tensor) -> bool:
     """Whether the ops should take the Triton kernels for tensors like ``t``: on CUDA with triton
     installed (``ALLHERE_NO_TRITON=1`` turns them off, e.g. to compare with the PyTorch path)."""
     return t.is_cuda and triton_available() and os.environ.get("ALLHERE_NO_TRITON") != "1"
+
+
+def pipeline_stages(device: torch.device) -> int:
+    """Triton's pipelining depth (num_stages) for the prefill and training kernels on ``device``: from the
+    shared memory one block may use there (``stages_for``). Off CUDA (Triton's interpreter) it does not
+    matter: 3."""
+    if device.type != "cuda":
+        return 3
+    from triton.runtime import driver
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return stages_for(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def stages_for(shared_bytes: int) -> int:
+    """3 stages where a block may use >= 160 KiB of shared memory (A100, H100), 2 where >= 96 KiB
+    (sm_86 / sm_89 allow 99 KiB; with 3 stages the dQ kernels need 104 KiB there), else 1
+    (``benchmarks/kernel_compile.py --arch 89`` shows the sizes)."""
+    return 3 if shared_bytes >= 160 * 1024 else 2 if shared_bytes >= 96 * 1024 else 1

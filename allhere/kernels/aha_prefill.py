@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pipeline_stages
+
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -194,15 +196,17 @@ def pack_global(hard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
                        scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 8,
-                       num_stages: int = 3, row_start: torch.Tensor | None = None) -> torch.Tensor:
+                       num_stages: int | None = None, row_start: torch.Tensor | None = None) -> torch.Tensor:
     """AHA forward for queries and keys over the same positions; ``hard`` [b, h, n] bool (True = global).
     block_m: query rows per program (and packed pairs per block); block_n: keys per step; num_warps,
-    num_stages: Triton's launch settings (``benchmarks/kernel_tiles.py`` times the choices). row_start:
+    num_stages: Triton's launch settings (``benchmarks/kernel_tiles.py`` times the choices; num_stages
+    None: ``allhere.kernels.pipeline_stages``, from the GPU's shared memory). row_start:
     optional int [b, n] from ``allhere.masks.segment_starts``: each query sees only the keys from its
     segment's start on (-1: none, zero output), all segments in the same launch."""
     q, k, v = (t.contiguous() for t in (q, k, v))
     out = torch.empty_like(q)
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                 num_stages=num_stages or pipeline_stages(q.device))
     start = segment_start(row_start, q.shape[2])
     sliding_forward(q, k, v, out, None, start, window, scale, tiles)
     global_forward(q, k, v, out, None, start, pack_global(hard), scale, tiles)

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pipeline_stages
 from .aha_prefill import (global_forward, pack_global, packed_block, packed_keys, row_starts, segment_args,
                           segment_start, sliding_forward, window_block)
 
@@ -218,7 +219,7 @@ def segment_end(start: torch.Tensor) -> torch.Tensor:
 
 def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
                      scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 8,
-                     num_stages: int = 3, row_start: torch.Tensor | None = None, dkdv_rows: int = 32,
+                     num_stages: int | None = None, row_start: torch.Tensor | None = None, dkdv_rows: int = 32,
                      dkdv_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, a_local): ``out`` is AHA's output under the hard gate [b, h, n] (True = global),
     differentiable in q, k, v through the used path only; ``a_local`` is every query's sliding-window
@@ -226,6 +227,7 @@ def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: to
     ``aha_prefill_triton``, the same for the forward and the dQ kernels; the dK / dV kernel takes
     ``dkdv_rows`` query rows at a time with ``dkdv_warps`` warps (its two [block_n, d] fp32 accumulators
     leave fewer registers: with 64 rows it spills on sm_90, ``benchmarks/kernel_compile.py``)."""
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                 num_stages=num_stages or pipeline_stages(q.device))
     dkdv = dict(BLOCK_M=dkdv_rows, num_warps=dkdv_warps)
     return _AHATrain.apply(q, k, v, hard, window, scale, tiles, dkdv, segment_start(row_start, q.shape[2]))
