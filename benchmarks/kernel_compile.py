@@ -5,13 +5,14 @@ wgmma instructions are used, and whether the setting can launch at all on that G
     python benchmarks/kernel_compile.py                 # sm_90 (H100), every setting of tile_settings.py
     python benchmarks/kernel_compile.py --default-only  # the kernels' default settings only (a test runs this)
     python benchmarks/kernel_compile.py --arch 80       # A100
+    python benchmarks/kernel_compile.py --default-only --arch 89 --head-dim 64 --dtype float16
 
 No GPU is needed: Triton compiles through its own LLVM and the ptxas it ships with; only the launch is
 left out (a stand-in driver reports the target, and every launch becomes a compile-only warmup). This is
 the check that the kernels build for a real GPU with the Triton installed here (the CPU test suite runs
 them in Triton's interpreter, which is not the compiler). It measures no speed.
 
-Shapes follow issue 6: head dim 128, bf16, w = 256, GQA (8 query heads on 2 kv heads).
+Shapes follow issue 6 unless told otherwise: head dim 128, bf16, w = 256, GQA (8 query heads on 2 kv heads).
 """
 
 from __future__ import annotations
@@ -118,16 +119,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (default 90: H100)")
     ap.add_argument("--default-only", action="store_true", help="only the kernels' default tile settings")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim (a power of two >= 16; default 128)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     log: list = []
     compile_only(log)
     driver.set_active(TargetOnly(args.arch))
 
-    b, h, hkv, n, d, w = 1, 8, 2, 1024, 128, 256
-    q = torch.randn(b, h, n, d, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(b, hkv, n, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    b, h, hkv, n, d, w = 1, 8, 2, 1024, args.head_dim, 256
+    q = torch.randn(b, h, n, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, hkv, n, d, dtype=dtype, requires_grad=True) for _ in range(2))
     hard = long_tailed(b, h, n, 0.07, generator=torch.Generator().manual_seed(0))
-    decode_q = torch.randn(2, h, 1, d, dtype=torch.bfloat16)
+    decode_q = torch.randn(2, h, 1, d, dtype=dtype)
     gate = torch.ones(2, h, dtype=torch.bool)
 
     segments = segment_starts(segment_mask(n), n, n)  # 16 padding positions, then packed documents
@@ -163,7 +167,7 @@ def main() -> None:
         record("decode", tiles, None, start)
 
     print(f"# Triton kernels compiled for sm_{args.arch} (triton {triton.__version__}, no GPU; head dim {d}, "
-          "bf16)\n\nTiles: (block_m, block_n, warps, stages); dK / dV: (rows, warps, block_n, stages); decode: "
+          f"{args.dtype})\n\nTiles: (block_m, block_n, warps, stages); dK / dV: (rows, warps, block_n, stages); decode: "
           "(split, block_n, warps).\n")
     print("| kernel | tiles | registers | spilled B | shared KiB | wgmma | launches |\n|---|---|---|---|---|---|---|")
     for label, tiles, r in rows:

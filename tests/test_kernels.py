@@ -167,6 +167,16 @@ def test_op_takes_the_kernels_and_the_router_gets_its_gradient(monkeypatch, layo
         assert rel_err(got.float().cpu(), want.float().cpu()) < TOL, name
 
 
+def test_the_op_takes_the_kernels_for_head_dims_16_to_128_only(monkeypatch):
+    import allhere.kernels
+
+    monkeypatch.setattr(allhere.kernels, "use_triton", lambda t: True)  # as on a GPU with triton
+    takes = {d: fast._triton_shape(torch.zeros(1, 2, 8, d, dtype=torch.bfloat16), torch.zeros(1, 2, 8, d))
+             for d in (8, 16, 64, 80, 128, 256)}
+    assert takes == {8: False, 16: True, 64: True, 80: False, 128: True, 256: False}
+    assert not fast._triton_shape(torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64))  # fp32 stays in PyTorch
+
+
 def test_packing_lists_each_heads_global_positions_and_counts_them():
     gate = torch.zeros(1, 3, 40, dtype=torch.bool)
     gate[0, 0, :35] = True  # 35 pairs

@@ -18,7 +18,8 @@ Segments (``row_start``: padded sequences, packed documents): each query sees ke
 start on; all segments run in the same launch.
 
 Layout: q [b, h, n, d], k/v [b, kv_heads, n, d] (queries and keys over the same n positions), head dim
-a power of two >= 16. Online softmax in fp32 (base 2), output in q's dtype.
+a power of two >= 16 (the op sends 16 to 128 here: at 256 the default tiles need more shared memory than
+a GPU gives a block). Online softmax in fp32 (base 2), output in q's dtype.
 """
 
 from __future__ import annotations

@@ -129,13 +129,15 @@ def _straight_through(out, gate, a_local, full):
 
 def _triton_shape(q, k) -> bool:
     """The Triton kernels (``allhere.kernels``) take this call: CUDA, triton installed, fp16 / bf16 (fp32
-    stays on the PyTorch path: Triton's dots would round it to tf32), head dim a power of two >= 16, and
-    a prefill over the whole sequence or a one-token decode step."""
-    from ...kernels import use_triton
+    stays on the PyTorch path: Triton's dots would round it to tf32), head dim a power of two from 16 to
+    128 (at 256 the default tiles need more shared memory than an H100 gives a block:
+    ``benchmarks/kernel_compile.py --head-dim 256``), and a prefill over the whole sequence or a one-token
+    decode step."""
+    from ... import kernels
 
     d, lq, lk = q.shape[-1], q.shape[2], k.shape[2]
-    return (use_triton(q) and q.dtype in (torch.float16, torch.bfloat16) and d >= 16 and d & (d - 1) == 0
-            and (lq == lk or lq == 1))
+    return (kernels.use_triton(q) and q.dtype in (torch.float16, torch.bfloat16) and 16 <= d <= 128
+            and d & (d - 1) == 0 and (lq == lk or lq == 1))
 
 
 def _scatter_global(q, k, v, hard, out, scale, chunk, dense_above):
