@@ -8,6 +8,7 @@ against the dense reference (slowly, at small sizes).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -30,9 +31,13 @@ def pipeline_stages(device: torch.device) -> int:
     matter: 3."""
     if device.type != "cuda":
         return 3
+    return _cuda_stages(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_stages(index: int) -> int:  # asked once per GPU
     from triton.runtime import driver
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
     return stages_for(driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
