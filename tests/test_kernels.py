@@ -51,6 +51,19 @@ def mixed_gate(b, h, n, p, seed=1):
     return gate
 
 
+def train_and_reference(q, k, v, gate, w, mask=None, **kernel_args):
+    """([out, dq, dk, dv] of the training kernels, the same of the fp32 reference under ``mask``, the
+    kernels' a_local), for one random upstream gradient."""
+    up = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
+    leaves = [t.to(DEVICE, DTYPE).requires_grad_() for t in (q, k, v)]
+    out, a_local = aha_train_triton(*leaves, gate.to(DEVICE), w, q.shape[-1] ** -0.5, **kernel_args)
+    got = [out, *torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves)]
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = aha_attention_naive(*ref_leaves, gate, w, mask=mask)
+    want = [ref, *torch.autograd.grad((ref * up).sum(), ref_leaves)]
+    return [t.float().cpu() for t in got], want, a_local.float().cpu()
+
+
 @pytest.mark.parametrize("b,h,hkv,n,d,w,gates,bm,bn", [
     (2, 4, 2, 50, 16, 7, "mixed", 16, 16), (1, 2, 1, 33, 32, 40, "mixed", 16, 32),
     (1, 4, 4, 70, 16, 1, "one head", 32, 16), (1, 4, 1, 45, 16, 3, "all-global", 16, 16),
@@ -60,21 +73,15 @@ def test_training_kernels_give_the_reference_outputs_and_gradients(b, h, hkv, n,
     gate = {"mixed": lambda: mixed_gate(b, h, n, 0.3), "one head": lambda: mixed_gate(b, h, n, 0.0),
             "all-global": lambda: torch.ones(b, h, n, dtype=torch.bool),
             "all-local": lambda: torch.zeros(b, h, n, dtype=torch.bool)}[gates]()
-    up = torch.randn(b, h, n, d)
-    leaves = [t.to(DEVICE, DTYPE).requires_grad_() for t in (q, k, v)]
-    out, a_local = aha_train_triton(*leaves, gate.to(DEVICE), w, d ** -0.5, block_m=bm, block_n=bn)
-    grads = torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves)
-    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = aha_attention_naive(*ref_leaves, gate, w)
-    ref_grads = torch.autograd.grad((ref * up).sum(), ref_leaves)
-    assert rel_err(out.float().cpu(), ref) < TOL
-    assert rel_err(a_local.float().cpu(), sliding_window_attention_naive(q, k, v, w)) < TOL
-    for got, want in zip(grads, ref_grads):
-        assert rel_err(got.float().cpu(), want) < TOL
+    got, want, a_local = train_and_reference(q, k, v, gate, w, block_m=bm, block_n=bn)
+    assert rel_err(a_local, sliding_window_attention_naive(q, k, v, w)) < TOL
+    for name, a, r in zip(["out", "q", "k", "v"], got, want):
+        assert rel_err(a, r) < TOL, name
 
 
-SEGMENTS = {"left-pad": ([], [0, 5]), "right-pad": ([], [0, 0], [3, 0]), "documents": ([13, 31, 32], [0, 0]), "documents+pad": ([21, 40], [0, 7]),
-            "nothing-real": ([], [19, 50])}
+# (document boundaries, left padding per sequence[, right padding per sequence])
+SEGMENTS = {"left-pad": ([], [0, 5]), "right-pad": ([], [0, 0], [3, 0]), "documents": ([13, 31, 32], [0, 0]),
+            "documents+pad": ([21, 40], [0, 7]), "nothing-real": ([], [19, 50])}
 
 
 @pytest.mark.parametrize("layout", SEGMENTS)
@@ -94,17 +101,9 @@ def test_kernels_with_segments_equal_the_reference_with_the_mask(layout, kernel,
                   row_start=starts.to(DEVICE))
         assert rel_err(out, aha_attention_naive(q, k, v, gate, w, mask=mask)) < TOL
         return
-    up = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(4))
-    leaves = [t.to(DEVICE, DTYPE).requires_grad_() for t in (q, k, v)]
-    out, _ = aha_train_triton(*leaves, gate.to(DEVICE), w, d ** -0.5, block_m=16, block_n=16,
-                              row_start=starts.to(DEVICE))
-    grads = torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves)
-    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = aha_attention_naive(*ref_leaves, gate, w, mask=mask)
-    ref_grads = torch.autograd.grad((ref * up).sum(), ref_leaves)
-    assert rel_err(out.float().cpu(), ref) < TOL
-    for got, want in zip(grads, ref_grads):
-        assert rel_err(got.float().cpu(), want) < TOL
+    got, want, _ = train_and_reference(q, k, v, gate, w, mask, block_m=16, block_n=16, row_start=starts.to(DEVICE))
+    for name, a, r in zip(["out", "q", "k", "v"], got, want):
+        assert rel_err(a, r) < TOL, name
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -120,19 +119,12 @@ def test_kernels_on_random_shapes_windows_blocks_and_segments(seed):
     q, k, v = inputs(b, h, hkv, n, n, 16, seed=seed)
     gate = torch.rand(b, h, n, generator=torch.Generator().manual_seed(seed)) < rng.choice([0.0, 0.1, 0.5, 1.0])
     starts = segment_starts(mask, n, n).to(DEVICE)
-    up = torch.randn(b, h, n, 16, generator=torch.Generator().manual_seed(seed))
-    leaves = [t.to(DEVICE, DTYPE).requires_grad_() for t in (q, k, v)]
-    out, _ = aha_train_triton(*leaves, gate.to(DEVICE), w, 0.25, bm, bn, row_start=starts,
-                              dkdv_rows=rng.choice([16, 32, 64]))
-    got = [out] + list(torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves))
-    with torch.no_grad():
-        got.append(aha_prefill_triton(*(t.detach() for t in leaves), gate.to(DEVICE), w, 0.25, bm, bn,
-                                      row_start=starts))
-    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = aha_attention_naive(*ref_leaves, gate, w, mask=mask)
-    want = [ref] + list(torch.autograd.grad((ref * up).sum(), ref_leaves)) + [ref]
+    got, want, _ = train_and_reference(q, k, v, gate, w, mask, block_m=bm, block_n=bn, row_start=starts,
+                                       dkdv_rows=rng.choice([16, 32, 64]))
+    got.append(run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, 0.25, bm, bn, row_start=starts))
+    want.append(want[0])
     for name, a, r in zip(["out", "q", "k", "v", "prefill"], got, want):  # w = 1: dq = dk = 0, hence max(|r|, 1)
-        assert (a.float().cpu() - r).norm() / max(r.norm(), 1.0) < TOL, name
+        assert (a - r).norm() / max(r.norm(), 1.0) < TOL, name
 
 
 def test_segment_end_is_one_past_each_runs_last_query():
