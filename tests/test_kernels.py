@@ -180,7 +180,8 @@ def test_packing_lists_each_heads_global_positions_and_counts_them():
 
 
 @pytest.mark.parametrize("b,h,hkv,t,d,w,split", [(2, 4, 2, 150, 16, 7, 32), (1, 2, 1, 33, 32, 40, 64),
-                                                  (3, 4, 4, 100, 16, 1, 16), (2, 2, 1, 150, 16, 5, 8)])
+                                                  (3, 4, 4, 100, 16, 1, 16), (2, 2, 1, 150, 16, 5, 8),
+                                                  (2, 4, 2, 150, 16, 40, 16)])  # a window over 3 splits
 def test_decode_equals_reference(b, h, hkv, t, d, w, split):
     q, k, v = inputs(b, h, hkv, 1, t, d)
     gate = torch.rand(b, h, 1, generator=torch.Generator().manual_seed(2)) < 0.5

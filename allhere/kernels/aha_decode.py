@@ -1,8 +1,10 @@
 """AHA decode in Triton: one new query per sequence and head; a local head reads only the last w cached
 keys, a global head the whole cache. The key range is split across programs (split-KV, as in flash
 decoding) so that a long cache of a global head is read by many thread blocks at once; a local head's
-range fits in its first split and its other programs return at once. Each program writes its partial
-output and log-sum-exp; a second kernel merges the splits of every (sequence, head) by their weights.
+range fits in its first split (``cdiv(w, split)`` splits when w is larger) and its other programs return
+at once without writing anything. Each program that has keys writes its partial output and log-sum-exp; a
+second kernel merges the splits of every (sequence, head) by their weights, reading only the splits that
+had keys (so a local head costs its window's bytes, not one partial per split of the whole cache).
 
 Layout: q [b, h, 1, d], k/v [b, kv_heads, t, d] (the cache, every sequence t long), gate [b, h] bool.
 """
@@ -15,6 +17,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _first_key(GATE, KV_START, bh, b, T, W, HAS_START: tl.constexpr):
+    """The first key (sequence, head) ``bh`` reads: 0 for a global head, T - W for a local one, never
+    before the sequence's first real key."""
+    lo = tl.where(tl.load(GATE + bh) != 0, 0, tl.maximum(T - W, 0))
+    if HAS_START:
+        lo = tl.maximum(lo, tl.load(KV_START + b))  # keys before it are padding
+    return lo
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, sm_scale, T, H, G, W,
                    sqb, sqh, skb, skh, skn,
                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, HAS_START: tl.constexpr):
@@ -24,12 +36,10 @@ def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, sm_scale, T, H, G, W,
     b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
     kh = h // G
-    is_global = tl.load(GATE + bh) != 0
-    lo = tl.where(is_global, 0, tl.maximum(T - W, 0))
-    if HAS_START:
-        lo = tl.maximum(lo, tl.load(KV_START + b))  # keys before it are padding
-    start = lo + split * SPLIT
+    start = _first_key(GATE, KV_START, bh, b, T, W, HAS_START) + split * SPLIT
     end = tl.minimum(start + SPLIT, T)
+    if start >= end:  # past this head's keys: the merge does not read this split
+        return
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b * sqb + h * sqh + offs_d).to(tl.float32)
     m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)  # fp32 scalars carried by the loop
@@ -49,28 +59,27 @@ def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, sm_scale, T, H, G, W,
         l_i = l_i * alpha + tl.sum(p, 0)
         acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         m_i = m_new
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    tl.store(OP + (bh * nsplit + split) * D + offs_d, out)
-    tl.store(LSE + bh * nsplit + split, lse)
+    tl.store(OP + (bh * nsplit + split) * D + offs_d, acc / l_i)  # l_i >= 1: the split has keys
+    tl.store(LSE + bh * nsplit + split, m_i + tl.log(l_i))
 
 
 @triton.jit
-def _merge_kernel(OP, LSE, O, NSPLIT, D: tl.constexpr, CHUNK: tl.constexpr):
-    """One (sequence, head): the splits' outputs weighted by exp(lse - max lse); zero if no key was seen."""
+def _merge_kernel(OP, LSE, O, GATE, KV_START, NSPLIT, T, H, W, SPLIT: tl.constexpr, D: tl.constexpr,
+                  CHUNK: tl.constexpr, HAS_START: tl.constexpr):
+    """One (sequence, head): the outputs of the splits that had keys, weighted by exp(lse - max lse);
+    zero if there was no key at all."""
     bh = tl.program_id(0)
+    live = tl.cdiv(T - _first_key(GATE, KV_START, bh, bh // H, T, W, HAS_START), SPLIT)  # splits with keys
     offs_s = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, D)
     m = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
-    for s0 in range(0, NSPLIT, CHUNK):
-        m = tl.maximum(m, tl.max(tl.load(LSE + bh * NSPLIT + s0 + offs_s, mask=s0 + offs_s < NSPLIT,
+    for s0 in range(0, live, CHUNK):
+        m = tl.maximum(m, tl.max(tl.load(LSE + bh * NSPLIT + s0 + offs_s, mask=s0 + offs_s < live,
                                          other=float("-inf")), 0))
-    m = tl.where(m == float("-inf"), 0.0, m)  # nothing seen: every weight below is 0
     acc = tl.zeros([D], tl.float32)
     total = tl.sum(tl.zeros([CHUNK], tl.float32), 0)
-    for s0 in range(0, NSPLIT, CHUNK):
-        smask = s0 + offs_s < NSPLIT
+    for s0 in range(0, live, CHUNK):
+        smask = s0 + offs_s < live
         w = tl.exp(tl.load(LSE + bh * NSPLIT + s0 + offs_s, mask=smask, other=float("-inf")) - m)
         part = tl.load(OP + (bh * NSPLIT + s0 + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None],
                        other=0.0)
@@ -95,10 +104,11 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
     lse = torch.empty(b * h, nsplit, device=q.device, dtype=torch.float32)
     g = gate.reshape(b * h).to(torch.int8).contiguous()
     first = lse if kv_start is None else kv_start.to(torch.int32).contiguous()
+    has_start = kv_start is not None
     _decode_kernel[(b * h, nsplit)](q, k, v, g, first, partial, lse, scale, t, h, h // hkv, window,
                                     q.stride(0), q.stride(1), *k.stride()[:3],
-                                    SPLIT=split, BLOCK_N=block_n, D=d, HAS_START=kv_start is not None,
-                                    num_warps=num_warps)
+                                    SPLIT=split, BLOCK_N=block_n, D=d, HAS_START=has_start, num_warps=num_warps)
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
-    _merge_kernel[(b * h,)](partial, lse, out, nsplit, D=d, CHUNK=16)
+    _merge_kernel[(b * h,)](partial, lse, out, g, first, nsplit, t, h, window, SPLIT=split, D=d, CHUNK=16,
+                            HAS_START=has_start)
     return out
