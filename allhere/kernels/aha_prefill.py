@@ -36,6 +36,26 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def edge_mask(rows, offs_n, first, rmask, N, W):
+    """[rows, keys] of a tile that may be seen: causal, inside the window W, from each row's first key on,
+    before the sequence end, real rows only."""
+    diff = rows[:, None] - offs_n[None, :]
+    return (diff >= 0) & (diff < W) & (offs_n[None, :] >= first[:, None]) & (offs_n[None, :] < N) & rmask[:, None]
+
+
+@triton.jit
+def inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N: tl.constexpr):
+    """(inner_lo, inner_hi): the key blocks of [lo, hi) that every real row of ``rows`` sees entirely --
+    inside the latest row's window, past every row's first key, up to the earliest row -- where no mask is
+    needed (lo aligned to BLOCK_N, hi the end of the range)."""
+    latest = tl.max(tl.where(rmask, rows, 0), 0)
+    earliest = tl.min(tl.where(rmask, rows, N), 0)
+    inner_lo = tl.maximum(tl.maximum(latest - W + 1, tl.max(tl.where(rmask, first, 0), 0)), 0)
+    inner_lo = tl.minimum(tl.maximum(tl.cdiv(inner_lo, BLOCK_N) * BLOCK_N, lo), hi)
+    return inner_lo, tl.maximum(((earliest + 1) // BLOCK_N) * BLOCK_N, inner_lo)
+
+
+@triton.jit
 def _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, m_i, l_i, acc, qk_scale,
             MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """The key blocks [lo, hi) of an online softmax in base 2 (``qk_scale`` = scale * log2 e) for the query
@@ -49,9 +69,7 @@ def _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, m_i, l_i, acc
         if MASKED:
             k = tl.load(K + ptrs, mask=offs_n[:, None] < N, other=0.0)
             v = tl.load(V + ptrs, mask=offs_n[:, None] < N, other=0.0)
-            diff = rows[:, None] - offs_n[None, :]
-            valid = (diff >= 0) & (diff < W) & (offs_n[None, :] >= first[:, None]) & (offs_n[None, :] < N) \
-                & rmask[:, None]
+            valid = edge_mask(rows, offs_n, first, rmask, N, W)
             s = tl.where(valid, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
         else:
             k = tl.load(K + ptrs)
@@ -68,10 +86,11 @@ def _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, m_i, l_i, acc
 
 
 @triton.jit
-def _attend_rows(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, inner_lo, inner_hi, hi, sm_scale,
+def _attend_rows(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """Attention of ``rows`` over the key blocks [lo, hi), masked on the edges and not inside
-    [inner_lo, inner_hi): (output [BLOCK_M, D] fp32, natural-log LSE; a row that saw nothing: 0, -inf)."""
+    """Attention of ``rows`` over the key blocks [lo, hi), masked on the edges only (``inner_blocks``):
+    (output [BLOCK_M, D] fp32, natural-log LSE; a row that saw nothing: 0, -inf)."""
+    inner_lo, inner_hi = inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -120,14 +139,8 @@ def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, N, H, G, W,
     rmask = offs_m < N
     first = row_starts(START, b, N, offs_m, rmask, SEGMENTS)
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=rmask[:, None], other=0.0)
-    # Inner key blocks, valid for every row: from the last row's window start (and every row's segment
-    # start) to the first row.
-    m0 = tl.program_id(0) * BLOCK_M
-    inner_lo = tl.maximum(tl.minimum(m0 + BLOCK_M, N) - W, tl.max(tl.where(rmask, first, 0), 0))
-    inner_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(inner_lo, 0), BLOCK_N) * BLOCK_N, lo), hi)
-    inner_hi = tl.maximum(((m0 + 1) // BLOCK_N) * BLOCK_N, inner_lo)
-    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, skn, offs_m, first, rmask, N, W, lo, inner_lo, inner_hi,
-                            hi, sm_scale, BLOCK_M, BLOCK_N, D)
+    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, skn, offs_m, first, rmask, N, W, lo, hi, sm_scale,
+                            BLOCK_M, BLOCK_N, D)
     tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None])
     if STORE_LSE:
@@ -170,12 +183,8 @@ def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, START, sm_scale, N, H, G,
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :], mask=rmask[:, None], other=0.0)
     first, lo, last = packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
-    # Inner key blocks, valid for every row: from every row's segment start to the earliest row.
-    inner_lo = tl.cdiv(tl.max(tl.where(rmask, first, 0), 0), BLOCK_N) * BLOCK_N
-    inner_lo = tl.minimum(tl.maximum(inner_lo, lo), last + 1)
-    inner_hi = tl.maximum(((tl.min(tl.where(rmask, pos, N), 0) + 1) // BLOCK_N) * BLOCK_N, inner_lo)
-    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, skn, pos, first, rmask, N, N, lo, inner_lo, inner_hi,
-                            last + 1, sm_scale, BLOCK_M, BLOCK_N, D)
+    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, skn, pos, first, rmask, N, N, lo, last + 1, sm_scale,
+                            BLOCK_M, BLOCK_N, D)
     tl.store(O + b * sob + h * soh + pos[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None])
     if STORE_LSE:

@@ -6,9 +6,10 @@ router's gradient needs ``a_full - a_local``.
 
 Backward (FlashAttention-2 style: probabilities recomputed from the saved log-sum-exp). A gradient flows
 only into the output that was used, so each row is differentiated through its own pattern:
-  - dQ: local rows over their window (one program per query block), then global rows over their prefix
-    (one program per packed block, as in the forward), written in place over the zero rows the first
-    kernel left for them;
+  - dQ: every row over its window (one program per query block; no gate test per pair), then the global
+    rows over their prefix (one program per packed block, as in the forward), written in place over the
+    window gradient the first kernel computed for them; both mask only the edge key blocks, as the
+    forward does;
   - dK / dV: one program per key block and kv head, looping over the query heads that share it: the
     local rows whose window covers the block, then the packed global blocks of those heads that reach
     it (rows are sorted by position, so a packed block ending before the key block is skipped).
@@ -25,17 +26,53 @@ import triton
 import triton.language as tl
 
 from . import pipeline_stages
-from .aha_prefill import (global_forward, pack_global, packed_block, packed_keys, row_starts, segment_args,
-                          segment_start, sliding_forward, window_block)
+from .aha_prefill import (edge_mask, global_forward, inner_blocks, pack_global, packed_block, packed_keys,
+                          row_starts, segment_args, segment_start, sliding_forward, window_block)
 
 
 @triton.jit
-def _grad_block(q, k, v, do, lse, delta, valid, sm_scale):
-    """Probabilities p and score gradients ds (d loss / d scaled score) of one [rows, keys] tile."""
-    s = tl.dot(q, tl.trans(k)) * sm_scale
-    p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+def _grad_block(q, k, v, do, lse, delta, valid, sm_scale, MASKED: tl.constexpr = True):
+    """Probabilities p and score gradients ds (d loss / d scaled score) of one [rows, keys] tile; without
+    MASKED every pair of the tile counts (``valid`` is not read)."""
+    p = tl.exp(tl.dot(q, tl.trans(k)) * sm_scale - lse[:, None])
+    if MASKED:
+        p = tl.where(valid, p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, dq, sm_scale,
+               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """``dq`` (unscaled) plus the key blocks [lo, hi) of ``rows``; MASKED as in ``aha_prefill._attend``."""
+    offs_d = tl.arange(0, D)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        ptrs = kbase + offs_n[:, None] * skn + offs_d[None, :]
+        if MASKED:
+            k = tl.load(K + ptrs, mask=offs_n[:, None] < N, other=0.0)
+            v = tl.load(V + ptrs, mask=offs_n[:, None] < N, other=0.0)
+            p, ds = _grad_block(q, k, v, do, lse, delta, edge_mask(rows, offs_n, first, rmask, N, W), sm_scale)
+        else:
+            k = tl.load(K + ptrs)
+            v = tl.load(V + ptrs)
+            p, ds = _grad_block(q, k, v, do, lse, delta, rmask, sm_scale, False)
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _dq_rows(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """dQ (unscaled, fp32) of ``rows`` over the key blocks [lo, hi), masked on the edges only."""
+    inner_lo, inner_hi = inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    dq = _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo, inner_lo, dq, sm_scale,
+                    True, BLOCK_N, D)
+    dq = _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, inner_lo, inner_hi, dq,
+                    sm_scale, False, BLOCK_N, D)
+    return _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, inner_hi, hi, dq, sm_scale,
+                      True, BLOCK_N, D)
 
 
 @triton.jit
@@ -58,7 +95,7 @@ def _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale):
 
 
 @triton.jit
-def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, START, sm_scale, N, H, G, W,
+def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, N, H, G, W,
                      sqb, sqh, sqn, skb, skh, skn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
     bh, b, h, kh, offs_m, lo, hi = window_block(N, H, G, W, BLOCK_M, BLOCK_N)
@@ -66,19 +103,10 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, HARD, DQ, START, sm_scale, N, H, G
     mmask = offs_m < N
     qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + offs_m, mmask)
-    local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
     first = row_starts(START, b, N, offs_m, mmask, SEGMENTS)
-    dq = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
-        k = tl.load(K + kv, mask=offs_n[:, None] < N, other=0.0)
-        v = tl.load(V + kv, mask=offs_n[:, None] < N, other=0.0)
-        diff = offs_m[:, None] - offs_n[None, :]
-        valid = (diff >= 0) & (diff < W) & local[:, None] & (offs_n[None, :] < N) \
-            & (offs_n[None, :] >= first[:, None])
-        p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
-        dq += tl.dot(ds.to(k.dtype), k)
+    # Every row, global ones too (no gate test per pair): the global dQ kernel overwrites those rows.
+    dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, skn, offs_m, first, mmask, N, W, lo, hi, sm_scale,
+                  BLOCK_M, BLOCK_N, D)
     tl.store(DQ + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mmask[:, None])
 
 
@@ -92,16 +120,9 @@ def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, START, sm_scale, N
     offs_d = tl.arange(0, D)
     qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + pos, rmask)
-    dq = tl.zeros([BLOCK_M, D], tl.float32)
     first, lo, last = packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
-    for start in range(lo, last + 1, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
-        k = tl.load(K + kv, mask=offs_n[:, None] <= last, other=0.0)
-        v = tl.load(V + kv, mask=offs_n[:, None] <= last, other=0.0)
-        valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= first[:, None]) & rmask[:, None]
-        p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale)
-        dq += tl.dot(ds.to(k.dtype), k)
+    dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, skn, pos, first, rmask, N, N, lo, last + 1, sm_scale,
+                  BLOCK_M, BLOCK_N, D)
     tl.store(DQ + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
 
 
@@ -195,7 +216,7 @@ class _AHATrain(torch.autograd.Function):
         seg_end = cum if start is None else segment_end(start)
         start, segments = segment_args(start, cum)
         shared = dict(D=d, SEGMENTS=segments, **tiles)
-        _local_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, hard8, dq, start, scale, n, h,
+        _local_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, dq, start, scale, n, h,
                                                            h // hkv, window, *strides, **shared)
         _global_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, dq, rows, cum, start, scale,
                                                             n, h, h // hkv, *strides, **shared)
