@@ -215,12 +215,31 @@ def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: 
     segment's start on (-1: none, zero output), all segments in the same launch."""
     q, k, v = (t.contiguous() for t in (q, k, v))
     out = torch.empty_like(q)
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-                 num_stages=num_stages or pipeline_stages(q.device))
+    tiles = launch_tiles(q, block_m, block_n, num_warps, num_stages)
     start = segment_start(row_start, q.shape[2])
     sliding_forward(q, k, v, out, None, start, window, scale, tiles)
     global_forward(q, k, v, out, None, start, pack_global(hard), scale, tiles)
     return out
+
+
+def causal_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, row_start: torch.Tensor,
+                  block_m: int = 64, block_n: int = 64, num_warps: int = 8,
+                  num_stages: int | None = None) -> torch.Tensor:
+    """Full causal attention within segments (each query over its segment's keys up to itself; -1 in
+    ``row_start``: zero): the global kernel alone with every query packed, for the router's ``a_full``
+    where dense SDPA would need a mask. Arguments as in ``aha_prefill_triton``."""
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    out = torch.empty_like(q)
+    everyone = torch.ones(q.shape[:3], dtype=torch.bool, device=q.device)
+    global_forward(q, k, v, out, None, segment_start(row_start, q.shape[2]), pack_global(everyone), scale,
+                   launch_tiles(q, block_m, block_n, num_warps, num_stages))
+    return out
+
+
+def launch_tiles(q: torch.Tensor, block_m: int, block_n: int, num_warps: int, num_stages: int | None) -> dict:
+    """The block kernels' tile settings for tensors like ``q`` (num_stages None: from the GPU)."""
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                num_stages=num_stages or pipeline_stages(q.device))
 
 
 def segment_start(row_start: torch.Tensor | None, n: int) -> torch.Tensor | None:

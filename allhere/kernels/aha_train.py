@@ -25,9 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pipeline_stages
-from .aha_prefill import (edge_mask, global_forward, inner_blocks, pack_global, packed_block, packed_keys,
-                          row_starts, segment_args, segment_start, sliding_forward, window_block)
+from .aha_prefill import (edge_mask, global_forward, inner_blocks, launch_tiles, pack_global, packed_block,
+                          packed_keys, row_starts, segment_args, segment_start, sliding_forward, window_block)
 
 
 @triton.jit
@@ -248,7 +247,6 @@ def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: to
     ``aha_prefill_triton``, the same for the forward and the dQ kernels; the dK / dV kernel takes
     ``dkdv_rows`` query rows at a time with ``dkdv_warps`` warps (its two [block_n, d] fp32 accumulators
     leave fewer registers: with 64 rows it spills on sm_90, ``benchmarks/kernel_compile.py``)."""
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-                 num_stages=num_stages or pipeline_stages(q.device))
+    tiles = launch_tiles(q, block_m, block_n, num_warps, num_stages)
     dkdv = dict(BLOCK_M=dkdv_rows, num_warps=dkdv_warps)
     return _AHATrain.apply(q, k, v, hard, window, scale, tiles, dkdv, segment_start(row_start, q.shape[2]))

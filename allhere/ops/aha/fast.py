@@ -73,11 +73,10 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
                 return out
             if row_start is None:
                 return _straight_through(out, gate, a_local, lambda: causal_attention(q, k, v, scale=scale))
-            from ...kernels.aha_prefill import aha_prefill_triton
+            from ...kernels.aha_prefill import causal_triton
 
-            # Full attention within the segments: the prefill kernels with every query global.
-            return _straight_through(out, gate, a_local, lambda: aha_prefill_triton(
-                q, k, v, torch.ones_like(hard), window, scale, row_start=row_start))
+            # Full attention within the segments (dense SDPA has no such mask without materialising it).
+            return _straight_through(out, gate, a_local, lambda: causal_triton(q, k, v, scale, row_start))
         if lq == 1:
             from ...kernels.aha_decode import aha_decode_triton
 
