@@ -56,25 +56,30 @@ def inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def load_keys(K, V, kbase, skn, start, N, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """(positions, k, v) of the key block at ``start`` (``kbase``: the kv head's offset); MASKED: keys
+    past the sequence end N load as zeros, else every key of the block must exist."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    ptrs = kbase + offs_n[:, None] * skn + tl.arange(0, D)[None, :]
+    if MASKED:
+        return offs_n, tl.load(K + ptrs, mask=offs_n[:, None] < N, other=0.0), \
+            tl.load(V + ptrs, mask=offs_n[:, None] < N, other=0.0)
+    else:
+        return offs_n, tl.load(K + ptrs), tl.load(V + ptrs)
+
+
+@triton.jit
 def _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, m_i, l_i, acc, qk_scale,
             MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """The key blocks [lo, hi) of an online softmax in base 2 (``qk_scale`` = scale * log2 e) for the query
     positions ``rows``: returns the updated (m, l, acc). MASKED applies causality, the window W, each
     row's first key, the sequence end and the row mask; without it every key of the range must be valid
     for every row (the inner blocks: no mask work, the cost of a dense block)."""
-    offs_d = tl.arange(0, D)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        ptrs = kbase + offs_n[:, None] * skn + offs_d[None, :]
+        offs_n, k, v = load_keys(K, V, kbase, skn, start, N, MASKED, BLOCK_N, D)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
-            k = tl.load(K + ptrs, mask=offs_n[:, None] < N, other=0.0)
-            v = tl.load(V + ptrs, mask=offs_n[:, None] < N, other=0.0)
-            valid = edge_mask(rows, offs_n, first, rmask, N, W)
-            s = tl.where(valid, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-        else:
-            k = tl.load(K + ptrs)
-            v = tl.load(V + ptrs)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(edge_mask(rows, offs_n, first, rmask, N, W), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
         alpha = tl.exp2(m_i - m_safe)

@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .aha_prefill import (edge_mask, global_forward, inner_blocks, launch_tiles, pack_global, packed_block,
-                          packed_keys, row_starts, segment_args, segment_start, sliding_forward, window_block)
+from .aha_prefill import (edge_mask, global_forward, inner_blocks, launch_tiles, load_keys, pack_global,
+                          packed_block, packed_keys, row_starts, segment_args, segment_start, sliding_forward,
+                          window_block)
 
 
 @triton.jit
@@ -44,18 +45,13 @@ def _grad_block(q, k, v, do, lse, delta, valid, sm_scale, MASKED: tl.constexpr =
 def _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, dq, sm_scale,
                MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """``dq`` (unscaled) plus the key blocks [lo, hi) of ``rows``; MASKED as in ``aha_prefill._attend``."""
-    offs_d = tl.arange(0, D)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        ptrs = kbase + offs_n[:, None] * skn + offs_d[None, :]
+        offs_n, k, v = load_keys(K, V, kbase, skn, start, N, MASKED, BLOCK_N, D)
         if MASKED:
-            k = tl.load(K + ptrs, mask=offs_n[:, None] < N, other=0.0)
-            v = tl.load(V + ptrs, mask=offs_n[:, None] < N, other=0.0)
-            p, ds = _grad_block(q, k, v, do, lse, delta, edge_mask(rows, offs_n, first, rmask, N, W), sm_scale)
+            valid = edge_mask(rows, offs_n, first, rmask, N, W)
         else:
-            k = tl.load(K + ptrs)
-            v = tl.load(V + ptrs)
-            p, ds = _grad_block(q, k, v, do, lse, delta, rmask, sm_scale, False)
+            valid = rmask  # not read
+        p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale, MASKED)
         dq += tl.dot(ds.to(k.dtype), k)
     return dq
 
