@@ -11,7 +11,6 @@ flash-attn ``window_size=(w - 1, 0)``).
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
 import torch
@@ -70,37 +69,19 @@ def dense_mask(pred: MaskFn, q_len: int, kv_len: int, device=None, q_offset: int
     return pred(b, h, q, k).expand(batch, heads, q_len, kv_len)
 
 
-_last_segments: tuple = (None, -1, None, None)  # (weak reference to the mask, its version, sizes, result)
-
-
 def segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
-    """If ``mask`` (bool [batch, 1, q_len, kv_len], True = may attend), taken together with causality as
-    the attention ops take it, is causal attention within contiguous segments -- the sequences of a
-    padded batch, or the documents of packed sequences, as transformers builds them -- return, per
-    query, the first key of its segment ([batch, q_len] int64), -1 for a query that does not see itself;
-    otherwise None.
+    """Read segment starts off a dense mask, for masks built by others (Hugging Face builds one per
+    forward; ``allhere.hf`` converts it once, here). If ``mask`` (bool [batch, 1, q_len, kv_len], True =
+    may attend), taken together with causality as the attention ops take it, is causal attention within
+    contiguous segments -- the sequences of a padded batch, or the documents of packed sequences --
+    return, per query, the first key of its segment ([batch, q_len] int64), -1 for a query that does not
+    see itself; otherwise None.
 
     Checked: a query that sees itself sees exactly the keys from its segment's start to itself; a segment
     starts at a query or before the first one; no such query sees the position of a query that does not
     see itself (a padding query, whose output is therefore never read). Queries are the last q_len
-    positions.
-
-    Every layer of a model gets the same mask tensor, so the last answer is kept for that very tensor (a
-    weak reference: a new tensor, or one changed in place, is read afresh; an inference-mode tensor has
-    no version counter and is always read afresh).
+    positions. Code that knows its boundaries passes them directly (``starts_from``).
     """
-    global _last_segments
-    if mask.is_inference():
-        return _segment_starts(mask, q_len, kv_len)
-    ref, version, sizes, result = _last_segments
-    if ref is not None and ref() is mask and version == mask._version and sizes == (q_len, kv_len):
-        return result
-    result = _segment_starts(mask, q_len, kv_len)
-    _last_segments = (weakref.ref(mask), mask._version, (q_len, kv_len), result)
-    return result
-
-
-def _segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (q_len, kv_len):
         return None
     # Memory: one [b, q_len, kv_len] temporary besides the mask.
@@ -119,3 +100,34 @@ def _segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor
     if not bool(exact.all()) or not bool(same_or_new.all()) or bool((seen & ~real).any()):
         return None
     return torch.where(real, first, -1)
+
+
+def starts_from(padding_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Segment starts [batch, n] of a batch, from what the collator knows: ``padding_mask`` [batch, n]
+    (True = a real token; padding may sit on either side) and/or ``position_ids`` [batch, n] that restart
+    at 0 where a packed document starts. A real token's segment starts at its document's first token (and
+    not before its run of real tokens); a padding token gets -1. None when neither is given."""
+    if padding_mask is None and position_ids is None:
+        return None
+    ref = padding_mask if padding_mask is not None else position_ids
+    b, n = ref.shape
+    idx = torch.arange(n, device=ref.device).expand(b, n)
+    starts = torch.zeros(b, n, dtype=torch.long, device=ref.device)
+    if position_ids is not None:
+        starts = (idx - position_ids.long()).clamp_min(0)
+    if padding_mask is None:
+        return starts
+    real = padding_mask.bool()
+    run_start = torch.where(real & ~torch.cat([real.new_zeros(b, 1), real[:, :-1]], 1), idx, 0).cummax(1).values
+    return torch.where(real, torch.maximum(starts, run_start), -1)
+
+
+def within_segments(starts: torch.Tensor, q_offset: int = 0) -> MaskFn:
+    """Predicate of segment starts [batch, q_len] (``starts_from``): query i sees key j iff
+    starts[b, i] <= j, and nothing when starts is -1. AND it with a causal pattern."""
+
+    def pred(b, h, q_idx, kv_idx):
+        s = starts[b, q_idx - q_offset]
+        return (s >= 0) & (kv_idx >= s)
+
+    return pred

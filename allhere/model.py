@@ -8,15 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import AHAConfig, DARConfig, FullConfig, MechanismConfig, ModelConfig, SlidingConfig
-from .mechanisms.aha import AHAAttention
-from .mechanisms.dar import DARAttention
-from .mechanisms.full import FullAttention
-from .mechanisms.sliding import SlidingAttention
-from .routing import Routing
-
-MECHANISM_MODULES = {FullConfig: FullAttention, SlidingConfig: SlidingAttention, AHAConfig: AHAAttention,
-                     DARConfig: DARAttention}
+from . import registry
+from .config import ModelConfig
+from .mechanisms.base import AttentionCall, AttentionDims, mechanism_layers
+from .routing import Routing, routed_layers, set_forced_gate  # noqa: F401  (set_forced_gate: public here too)
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,36 +29,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, mech: MechanismConfig) -> None:
+    """The host layer: q/k/v/o projections and RoPE; the registered mechanism decides what each query reads."""
+
+    def __init__(self, cfg: ModelConfig, mech) -> None:
         super().__init__()
         self.h, self.hkv, self.hd, self.rope_theta = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.rope_theta
-        self.router_channels = cfg.n_heads if isinstance(mech, AHAConfig) and mech.router == "qproj" else 0
-        self.q_proj = nn.Linear(cfg.d_model, self.h * self.hd + self.router_channels, bias=False)
+        self.q_proj = nn.Linear(cfg.d_model, self.h * self.hd, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, self.hkv * self.hd, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, self.hkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.h * self.hd, cfg.d_model, bias=False)
-        self.mechanism = MECHANISM_MODULES[type(mech)](mech, cfg.d_model, cfg.n_heads)
+        self.mechanism = registry.build(mech, AttentionDims(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim))
 
-    def forward(self, x, cos, sin, cache=None):
+    def forward(self, x, cos, sin, cache=None, segment_starts=None):
         b, n, _ = x.shape
-        q = self.q_proj(x)
-        router_logits = None
-        if self.router_channels:
-            q, router_logits = q.split([self.h * self.hd, self.router_channels], dim=-1)
+        extra = self.mechanism.q_extra_rows
+        if extra is None:
+            q, q_extra = self.q_proj(x), None
+        else:  # the mechanism's rows ride along in one matmul
+            q, q_extra = F.linear(x, torch.cat([self.q_proj.weight, extra])).split([self.h * self.hd, extra.shape[0]], -1)
         q = apply_rope(q.view(b, n, self.h, self.hd).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_proj(x).view(b, n, self.hkv, self.hd).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, n, self.hkv, self.hd).transpose(1, 2)
-        extra = {}
-        if getattr(self.mechanism, "wants_kv_projection", False):
-            extra["kv_of"] = lambda h, positions=None, weights=None: self.project_kv(h, positions, cos, sin, weights)
-            extra["kv_weights"] = (self.k_proj.weight, self.v_proj.weight)
-        out, routing = self.mechanism(q, k, v, x, cache=cache, router_logits=router_logits, **extra)
+        call = AttentionCall(x=x, segment_starts=segment_starts, q_extra=q_extra,
+                             project_kv=lambda h, positions=None, weights=None: self.project_kv(h, positions, cos, sin, weights),
+                             kv_weights=(self.k_proj.weight, self.v_proj.weight))
+        out, routing = self.mechanism(q, k, v, call, cache=cache)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.h * self.hd)), routing
 
-
     def project_kv(self, h, positions=None, cos=None, sin=None, weights=None):
-        """The module's own K (with RoPE at ``positions``, or at cos/sin) and V of hidden states h; or of
-        other inputs through ``weights`` = (W_K', W_V') given in place of the module's own."""
+        """The layer's own K (with RoPE at ``positions``, or at cos/sin) and V of hidden states h; or of
+        other inputs through ``weights`` = (W_K', W_V') given in place of the layer's own."""
         b, n, _ = h.shape
         if positions is not None:
             cos, sin = rope_cos_sin(positions, self.hd, self.rope_theta)
@@ -73,7 +68,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mech: MechanismConfig) -> None:
+    def __init__(self, cfg: ModelConfig, mech) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg, mech)
@@ -81,8 +76,8 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
         self.down = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, cache=None):
-        a, routing = self.attn(self.attn_norm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache=None, segment_starts=None):
+        a, routing = self.attn(self.attn_norm(x), cos, sin, cache, segment_starts)
         x = x + a
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up), routing
@@ -91,7 +86,7 @@ class Block(nn.Module):
 @dataclass
 class DecoderOutput:
     logits: torch.Tensor  # [batch, tokens, vocab]
-    routing: Routing | None  # None when the model has no AHA layer
+    routing: Routing | None  # None when no layer routes
     cache: "DecoderCache | None"
 
 
@@ -120,22 +115,20 @@ class Decoder(nn.Module):
             if p.dim() == 2:
                 scale = (2 * self.cfg.n_layers) ** -0.5 if name.endswith(residual_out) else 1.0
                 nn.init.normal_(p, 0.0, std * scale)
-        reset_routers(self)
-        for blk in self.blocks:
-            if isinstance(blk.attn.mechanism, DARAttention):
-                blk.attn.mechanism.reset_parameters()
-
-    def aha_modules(self) -> list[tuple[int, AHAAttention]]:
-        return [(i, b.attn.mechanism) for i, b in enumerate(self.blocks) if isinstance(b.attn.mechanism, AHAAttention)]
+        for mech in mechanism_layers(self):  # the mechanisms' own weights as they define them
+            mech.reset_parameters()
 
     def new_cache(self) -> DecoderCache:
         return DecoderCache([b.attn.mechanism.new_cache() for b in self.blocks])
 
-    def forward(self, input_ids: torch.Tensor, cache: DecoderCache | None = None) -> DecoderOutput:
+    def forward(self, input_ids: torch.Tensor, cache: DecoderCache | None = None,
+                segment_starts: torch.Tensor | None = None) -> DecoderOutput:
         """input_ids [batch, tokens]. With ``cache`` the tokens continue the cached sequence.
 
-        Padding must be on the right (a causal model never lets a real token see a later pad); pass the
-        padding mask to the loss and to ``Routing`` statistics to exclude pads.
+        segment_starts: optional int64 [batch, tokens] (``allhere.masks.starts_from``): per token the
+        absolute position of its segment's first token -- a sequence of a padded batch (padding on either
+        side) or a document of packed sequences -- and -1 for padding. Each token then attends only within
+        its segment. Pass the padding mask to the loss and to ``Routing`` statistics to exclude pads.
         """
         n = input_ids.shape[1]
         start = 0 if cache is None else cache.seen
@@ -144,7 +137,7 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)
         layers, per_layer = [], []
         for i, blk in enumerate(self.blocks):
-            x, r = blk(x, cos, sin, None if cache is None else cache.layers[i])
+            x, r = blk(x, cos, sin, None if cache is None else cache.layers[i], segment_starts)
             if r is not None:
                 layers.append(i)
                 per_layer.append(r)
@@ -167,30 +160,12 @@ class Decoder(nn.Module):
         return torch.cat(tokens, dim=1)
 
 
-def reset_routers(model: Decoder) -> None:
-    """(Re-)initialise every router of the model as its AHAConfig says."""
-    for i, mech in model.aha_modules():
-        attn = model.blocks[i].attn
-        mech.reset_router(attn.q_proj.weight[-attn.router_channels:] if attn.router_channels else None)
+def swap_mechanism(model: Decoder, mechanism) -> Decoder:
+    """A new Decoder with the same weights and another attention mechanism (a registered config, or a
+    list of one per layer). Mechanism weights (routers, bottlenecks) the old model has under the same name
+    and shape are carried over; the others start as the mechanism initialises them.
 
-
-def set_forced_gate(model: Decoder, value: bool | None) -> None:
-    """Force every AHA gate to full (True) or local (False) attention; None restores routing."""
-    for _, mech in model.aha_modules():
-        mech.forced_gate = value
-
-
-def set_aha_impl(model: Decoder, impl: str) -> None:
-    """Pick the AHA op for every layer: "fast" or "naive" (dense reference)."""
-    for _, mech in model.aha_modules():
-        mech.impl = impl
-
-
-def swap_mechanism(model: Decoder, mechanism: MechanismConfig | list[MechanismConfig]) -> Decoder:
-    """A new Decoder with the same weights and another attention mechanism (routers freshly initialised).
-
-    Every pretrained weight is copied; the only parameters allowed to be new are the mechanism's own
-    (AHA routers, DAR's W_down / W_up).
+    Every weight of the host layers is copied; the only parameters allowed to be new are the mechanisms'.
     """
     if isinstance(mechanism, (list, tuple)):
         cfg = model.cfg.replace(layer_mechanisms=tuple(mechanism))
@@ -202,9 +177,6 @@ def swap_mechanism(model: Decoder, mechanism: MechanismConfig | list[MechanismCo
     for name, t in dst.items():
         if name in src and src[name].shape == t.shape:
             t.copy_(src[name])
-        elif name.endswith("q_proj.weight") and name in src:  # qproj router rows added or dropped
-            rows = min(t.shape[0], src[name].shape[0])
-            t[:rows].copy_(src[name][:rows])
-        elif ".mechanism." not in name:  # only the mechanism's own modules (routers, DAR bottleneck) are new
+        elif ".mechanism." not in name:  # only the mechanisms' own weights may be new
             raise ValueError(f"cannot carry weight {name!r} over to the new mechanism")
     return new

@@ -1,4 +1,4 @@
-"""What the AHA routers decided in one forward pass, and the statistics of seeds/003 Eqs. 7-8.
+"""What the routers decided in one forward pass, and the statistics of the AHA paper's Eqs. 7-8.
 
 A model returns a ``Routing`` (never global state): per AHA layer the router scores s and the hard gates
 g = 1[s > tau], each [batch, heads, tokens]. Padding positions (``padding_mask`` False) are excluded
@@ -51,3 +51,21 @@ class Routing:
         w = self._weights(padding_mask)
         n = (w.sum() * 1.0).clamp_min(1.0)
         return torch.stack([(r.gates.float() * w).sum(dim=(0, 2)) / n for r in self.per_layer])
+
+
+def routed_layers(model) -> list[tuple[int, "torch.nn.Module"]]:
+    """(layer index, mechanism module) of every layer whose mechanism routes (e.g. AHA), in our decoder
+    or in a converted Hugging Face model."""
+    from .mechanisms.base import mechanism_layers
+
+    return [(i, m) for i, m in enumerate(mechanism_layers(model)) if m.routed]
+
+
+def set_forced_gate(model, value) -> None:
+    """Force every routed gate to full (True) or local (False) attention, or per head (a bool tensor
+    [heads] for every layer); None restores routing. Works on our decoder and converted HF models."""
+    layers = routed_layers(model)
+    if not layers:
+        raise ValueError("this model has no routed layers (AHA); there is no gate to force")
+    for _, m in layers:
+        m.forced_gate = value

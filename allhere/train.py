@@ -1,4 +1,4 @@
-"""The training loop, for pretraining and fine-tuning alike: L = L_LM + lambda * L_reg (seeds/003 Eq. 6).
+"""The training loop, for pretraining and fine-tuning alike: L = L_LM + lambda * L_reg (AHA paper, Eq. 6).
 
 Reads top to bottom: set up the optimizer, resume if asked, then for every step draw the step's
 micro-batches (a pure function of the seed and the step, so a resumed run sees the same data), forward,
@@ -17,12 +17,14 @@ import torch
 from .checkpoint import CheckpointError, read_checkpoint, restore_model, restore_optimizer, save_checkpoint
 from .config import TrainConfig
 from .losses import aha_loss
+from .mechanisms.base import mechanism_layers
 from .model import Decoder
+from .routing import routed_layers
 
 # (step, micro-batch index, a generator seeded by both) -> token ids [batch, seq], or (ids, loss_mask), or
-# (ids, loss_mask, position_ids): loss_mask [batch, seq] marks the target tokens that count in the loss;
-# position ids that restart inside a row mark packed documents (passed to the model as ``position_ids``;
-# allhere.hf models keep the documents apart).
+# (ids, loss_mask, segment_starts): loss_mask [batch, seq] (or None) marks the target tokens that count in
+# the loss; segment_starts [batch, seq] (``allhere.masks.starts_from``) keeps packed documents and padding
+# apart (passed to the model as ``segment_starts``).
 BatchFn = Callable[[int, int, torch.Generator], "torch.Tensor | tuple[torch.Tensor, ...]"]
 EvalFn = Callable[[Decoder], dict]
 
@@ -31,10 +33,10 @@ def step_generator(seed: int, step: int, micro: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + micro)
 
 
-def _unpack(batch, device):
-    """(ids, loss mask or None, keyword arguments of the model call)."""
-    ids, mask, positions = (*batch, None, None)[:3] if isinstance(batch, tuple) else (batch, None, None)
-    kwargs = {} if positions is None else {"position_ids": positions.to(device)}
+def unpack_batch(batch, device):
+    """(ids, loss mask or None, keyword arguments of the model call) of what a ``BatchFn`` returned."""
+    ids, mask, starts = (*batch, None, None)[:3] if isinstance(batch, tuple) else (batch, None, None)
+    kwargs = {} if starts is None else {"segment_starts": starts.to(device)}
     return ids.to(device), None if mask is None else mask.to(device), kwargs
 
 
@@ -47,12 +49,15 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def make_optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with three groups: matrices with weight decay; norms, biases and embeddings without; the
+    mechanisms' router parameters without weight decay at lr * router_lr_mult."""
+    routers = {id(p) for m in mechanism_layers(model) for p in m.router_parameters()}
     groups = {"decay": [], "no_decay": [], "router": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if ".router" in name:
+        if id(p) in routers:
             groups["router"].append(p)
         elif p.dim() >= 2 and "embed" not in name:
             groups["decay"].append(p)
@@ -66,12 +71,13 @@ def make_optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
-def model_lam(model: Decoder, cfg: TrainConfig) -> float:
+def model_lam(model: torch.nn.Module, cfg: TrainConfig) -> float:
+    """lambda of L_reg: the training config's, else the one the routed layers' configs agree on, else 0."""
     if cfg.lam is not None:
         return cfg.lam
-    lams = {m.cfg.lam for _, m in model.aha_modules()}
+    lams = {m.cfg.lam for _, m in routed_layers(model) if hasattr(m.cfg, "lam")}
     if len(lams) > 1:
-        raise ValueError(f"AHA layers disagree on lam ({sorted(lams)}); set TrainConfig.lam")
+        raise ValueError(f"routed layers disagree on lam ({sorted(lams)}); set TrainConfig.lam")
     return lams.pop() if lams else 0.0
 
 
@@ -80,6 +86,7 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
           train_only: str | None = None) -> dict:
     """Train ``model`` in place; checkpoint to ``ckpt_path``; return the final state (history, metrics).
 
+    ``model``: our ``Decoder`` or anything with its call interface (``allhere.hf.HFCausalLM``).
     ``resume=True`` continues from ``ckpt_path`` exactly where it stopped; without it an existing
     checkpoint there is an error (nothing good is overwritten). ``train_only``: train only the parameters
     whose name contains it (e.g. ".mechanism." for a new bottleneck); the others stay frozen.
@@ -118,7 +125,7 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
             group["lr"] = lr_at(cfg, step) * group["lr_mult"]
         sums = {"loss": 0.0, "lm": 0.0, "mu_f": 0.0}
         for micro in range(cfg.grad_accum):
-            ids, loss_mask, kwargs = _unpack(batches(step, micro, step_generator(cfg.seed, step, micro)), cfg.device)
+            ids, loss_mask, kwargs = unpack_batch(batches(step, micro, step_generator(cfg.seed, step, micro)), cfg.device)
             with autocast:
                 out = model(ids, **kwargs)
             loss = aha_loss(out, ids, lam, loss_mask=loss_mask)

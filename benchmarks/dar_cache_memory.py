@@ -13,23 +13,7 @@ import argparse
 
 import torch
 
-from allhere.mechanisms.dar import DARCache
-from allhere.mechanisms.full import KVCache
-
-
-def cache_bytes(tokens: int, d_model: int, heads: int, kv_heads: int, d_down: int, window: int, dtype, chunk=4096):
-    hd = d_model // heads
-    dar, vanilla = DARCache(window), KVCache()
-    dar.absorbed = tuple(torch.zeros(kv_heads * hd, d_down, dtype=dtype) for _ in range(2))  # W_K W_up, W_V W_up
-    done = 0
-    while done < tokens:
-        n = min(chunk, tokens - done)
-        k = torch.zeros(1, kv_heads, n, hd, dtype=dtype)
-        dar.update(k, k.clone(), torch.zeros(1, n, d_down, dtype=dtype))
-        vanilla.update(k, k.clone())
-        done += n
-    vb = sum(t.numel() * t.element_size() for t in (vanilla.k, vanilla.v))
-    return dar.nbytes(), vb
+from allhere.mechanisms.dar import cache_bytes
 
 
 def main(argv=None):

@@ -1,8 +1,7 @@
-"""DAR (seeds/001): the reference op against a loop, equivalences, cached decoding, cache memory."""
+"""DAR (Dual Dimensionality for Local and Global Attention, arXiv:2606.18587): the reference op against a
+loop, equivalences, cached decoding, cache memory."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ from allhere.ops.dar import dar_attention, dar_attention_naive
 
 from helpers import rel_err
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
 
 def loop_dar(q, kn, vn, kf, vf, w):
@@ -115,7 +113,7 @@ def test_cached_decoding_equals_full_forward(w, d_down, kv_heads):
 
 
 def test_dar_cache_at_32k_is_at_most_15_percent_of_vanilla():
-    from dar_cache_memory import cache_bytes
+    from allhere.mechanisms.dar import cache_bytes
 
     dar, vanilla = cache_bytes(32768, 1024, 16, 16, 256, 128, torch.float16)
     assert dar / vanilla <= 0.15

@@ -6,7 +6,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from allhere import ConfigError, DARConfig  # noqa: E402
-from allhere.hf import convert, convert_dar, load_pretrained, save_pretrained  # noqa: E402
+from allhere.hf import convert, load_pretrained, save_pretrained  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
 from test_hf import FAMILIES, build  # noqa: E402
@@ -17,9 +17,9 @@ def test_no_bottleneck_or_wide_window_equals_original(name):
     ids = torch.randint(3, 97, (2, 24))
     with torch.no_grad():
         ref = build(name)(ids).logits
-        same = convert_dar(build(name), DARConfig(window=4, d_down=64))(ids).logits  # d_down = d: h' = h
-        wide = convert_dar(build(name), DARConfig(window=24, d_down=8))(ids).logits  # every key is near
-        dar = convert_dar(build(name), DARConfig(window=4, d_down=8))(ids).logits
+        same = convert(build(name), DARConfig(window=4, d_down=64))(ids).logits  # d_down = d: h' = h
+        wide = convert(build(name), DARConfig(window=24, d_down=8))(ids).logits  # every key is near
+        dar = convert(build(name), DARConfig(window=4, d_down=8))(ids).logits
     assert rel_err(same, ref) < 1e-5 and rel_err(wide, ref) < 1e-5
     assert rel_err(dar[:, :4], ref[:, :4]) < 1e-5  # the first w tokens see only near keys
     assert rel_err(dar, ref) > 1e-3
@@ -31,7 +31,7 @@ def fold_bottleneck(model, plain):
     from allhere.hf.convert import attention_modules
 
     for attn, target in zip(attention_modules(model), attention_modules(plain)):
-        fold = attn.dar.up.weight @ attn.dar.down.weight  # [d, d]: h -> h'
+        fold = attn.allhere.up.weight @ attn.allhere.down.weight  # [d, d]: h -> h'
         with torch.no_grad():
             if hasattr(target, "query_key_value"):  # GPT-NeoX: per head rows [q | k | v]
                 heads = model.config.num_attention_heads
@@ -44,9 +44,9 @@ def fold_bottleneck(model, plain):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_uniform_reduction_equals_transformers_with_folded_projections(name):
-    model = convert_dar(build(name), DARConfig(window=0, d_down=12))
+    model = convert(build(name), DARConfig(window=0, d_down=12))
     torch.manual_seed(1)
-    for attn_dar in (m for n, m in model.named_modules() if n.endswith(".dar")):
+    for attn_dar in (m for n, m in model.named_modules() if n.endswith(".allhere")):
         torch.nn.init.normal_(attn_dar.up.weight, std=0.2)  # not just the transpose of W_down
     oracle = build(name)
     fold_bottleneck(model, oracle)
@@ -56,17 +56,18 @@ def test_uniform_reduction_equals_transformers_with_folded_projections(name):
 
 
 def test_save_load_generate_and_padding(tmp_path):
-    model = convert_dar(build("qwen3"), DARConfig(window=3, d_down=16))
+    model = convert(build("qwen3"), DARConfig(window=3, d_down=16))
     save_pretrained(model, tmp_path / "m")
     again = load_pretrained(tmp_path / "m").eval()
     ids = torch.randint(3, 97, (2, 20))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
-        assert again.config.allhere_dar == model.config.allhere_dar
+        assert again.config.allhere_mechanism == model.config.allhere_mechanism
         out = again.generate(ids[:, :6], max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=2)
         assert out.shape == (2, 11)  # no cache by default after conversion
+        cached = again(ids, use_cache=True).past_key_values  # a prefill needs no cached keys...
         with pytest.raises(RuntimeError, match="use_cache=False"):
-            again(ids, use_cache=True)
+            again(ids[:, -1:], past_key_values=cached, use_cache=True)  # ...the next step would
         a, b = ids[:1, :12], ids[1:, :7]
         padded = torch.full((2, 12), 2)
         padded[0], padded[1, 5:] = a[0], b[0]  # left padding
@@ -78,9 +79,9 @@ def test_save_load_generate_and_padding(tmp_path):
 
 
 def test_bad_input():
-    with pytest.raises(ConfigError, match="d_down = 100 is larger than the model's hidden size"):
-        convert_dar(build("llama"), DARConfig(window=4, d_down=100))
+    with pytest.raises(ConfigError, match="DARConfig.d_down = 100 is invalid: expected <= d_model = 64"):
+        convert(build("llama"), DARConfig(window=4, d_down=100))
     with pytest.raises(ConfigError, match="larger than the model's context"):
-        convert_dar(build("llama"), DARConfig(window=1000, d_down=8))
+        convert(build("llama"), DARConfig(window=1000, d_down=8))
     with pytest.raises(ValueError, match="already converted"):
-        convert(convert_dar(build("llama"), DARConfig(window=4, d_down=8)), __import__("allhere").AHAConfig(window=4))
+        convert(convert(build("llama"), DARConfig(window=4, d_down=8)), __import__("allhere").AHAConfig(window=4))

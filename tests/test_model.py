@@ -1,8 +1,10 @@
 import pytest
 import torch
 
-from allhere import (AHAConfig, Decoder, FullConfig, ModelConfig, SlidingConfig, set_aha_impl, set_forced_gate,
-                     swap_mechanism)
+from allhere import (AHAConfig, DARConfig, Decoder, FullConfig, ModelConfig, SlidingConfig, TrainConfig,
+                     set_forced_gate, swap_mechanism, use_backend)
+from allhere.masks import starts_from
+from allhere.train import make_optimizer
 
 from helpers import rel_err
 
@@ -13,6 +15,7 @@ MECHS = {
     "aha-qproj": AHAConfig(window=3, router="qproj", router_init="neutral"),
     "aha-nobias": AHAConfig(window=4, router_bias=False, router_init="neutral"),
     "mixed": [FullConfig(), SlidingConfig(window=3), AHAConfig(window=2, router_init="neutral")],
+    "dar": DARConfig(window=4, d_down=8),
 }
 
 
@@ -61,15 +64,15 @@ def test_sliding_cache_stays_at_window():
     assert [len(c) for c in cache.layers] == [12, 12, 12]  # AHA keeps every key
 
 
-def test_fast_and_naive_model_paths_agree_in_training_mode():
+def test_torch_and_reference_backends_agree_in_training_mode():
     model = tiny(AHAConfig(window=3, router_init="neutral")).train()
     ids = torch.randint(0, 61, (2, 21))
     grads = []
-    for impl in ("fast", "naive"):
+    for backend in ("torch", "reference"):
         model.zero_grad()
-        set_aha_impl(model, impl)
-        out = model(ids)
-        (out.logits.square().mean() + out.routing.l_reg()).backward()
+        with use_backend(backend):
+            out = model(ids)
+            (out.logits.square().mean() + out.routing.l_reg()).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for n in grads[0]:
         assert rel_err(grads[0][n], grads[1][n]) < 1e-4, n
@@ -127,3 +130,77 @@ def test_per_head_forced_gates_fix_each_head():
     set_static_heads(model, None)
     routed = model(torch.randint(0, 61, (2, 16))).routing.per_layer[0]
     assert torch.equal(routed.gates, routed.scores > 0.5)  # the router decides again
+
+
+@pytest.mark.parametrize("name", MECHS)
+def test_packed_documents_and_padding_equal_each_sequence_alone(name):
+    """segment_starts keeps packed documents and padding (either side) apart, in every mechanism."""
+    model = tiny(MECHS[name])
+    docs = [torch.randint(0, 61, (n,)) for n in (7, 5, 9)]
+    alone = [model(d[None]).logits[0] for d in docs]
+    packed = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    out = model(packed, segment_starts=starts_from(position_ids=positions)).logits[0]
+    assert rel_err(out, torch.cat(alone)) < 1e-5
+    pad = 4  # left padding in row 0, right padding in row 1
+    batch = torch.stack([torch.cat([torch.zeros(pad, dtype=torch.long), docs[2]]),
+                         torch.cat([docs[2], torch.zeros(pad, dtype=torch.long)])])
+    real = batch != 0
+    real[0, :pad], real[1, -pad:], real[0, pad:], real[1, :-pad] = False, False, True, True
+    out = model(batch, segment_starts=starts_from(padding_mask=real)).logits
+    assert rel_err(out[0, pad:], alone[2]) < 1e-5 and rel_err(out[1, :-pad], alone[2]) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["sliding", "aha-linear", "dar", "mixed"])
+def test_left_padded_cached_decoding_equals_each_prompt_alone(name):
+    model = tiny(MECHS[name])
+    prompts = [torch.randint(1, 61, (n,)) for n in (9, 4)]
+    pad = 5
+    batch = torch.stack([prompts[0], torch.cat([torch.zeros(pad, dtype=torch.long), prompts[1]])])
+    real = torch.ones_like(batch, dtype=torch.bool)
+    real[1, :pad] = False
+    starts = starts_from(padding_mask=real)
+    cache = model.new_cache()
+    logits = [model(batch, cache=cache, segment_starts=starts).logits[:, -1]]
+    for t in range(6):  # feed fixed tokens; each step's queries keep their segment start
+        nxt = torch.full((2, 1), 3 + t)
+        logits.append(model(nxt, cache=cache, segment_starts=starts[:, -1:]).logits[:, -1])
+    for i, p in enumerate(prompts):
+        ids = torch.cat([p, torch.arange(3, 9)])
+        ref = model(ids[None]).logits[0, len(p) - 1:]
+        assert rel_err(torch.stack([step[i] for step in logits]), ref) < 1e-5
+
+
+def test_aha_gate_uses_the_configs_tau():
+    """tau = 0.7: scores in (0.5, 0.7] are local; outputs and gradients follow 1[s > 0.7]."""
+    model = tiny(AHAConfig(window=3, tau=0.7, router_init="neutral"), layers=1).train()
+    mech = model.blocks[0].attn.mechanism
+    with torch.no_grad():
+        mech.router.bias.fill_(0.8)  # logits near 0.8: scores near 0.69, on both sides of 0.7 and all above 0.5
+        mech.router.weight.normal_(0.0, 0.05)
+    ids = torch.randint(0, 61, (2, 20))
+    out = model(ids)
+    r = out.routing.per_layer[0]
+    assert torch.equal(r.gates, r.scores > 0.7)
+    assert bool(((r.scores > 0.5) & ~r.gates).any()) and bool(r.gates.any())
+    out.logits.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with use_backend("reference"):
+        ref = model(ids)
+        ref.logits.square().mean().backward()
+    assert rel_err(out.logits, ref.logits) < 1e-5
+    assert all(rel_err(grads[n], p.grad) < 1e-4 for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("router", ["linear", "qproj"])
+def test_router_parameters_get_the_router_lr_and_no_weight_decay(router):
+    model = tiny(AHAConfig(window=3, router=router))
+    opt = make_optimizer(model, TrainConfig(lr=1e-3, router_lr_mult=10.0, weight_decay=0.1))
+    router_group = next(g for g in opt.param_groups if g["lr_mult"] == 10.0)
+    mechs = [b.attn.mechanism for b in model.blocks]
+    expected = {id(p) for m in mechs for p in m.parameters()}
+    assert {id(p) for p in router_group["params"]} == expected and router_group["weight_decay"] == 0.0
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert not decayed & expected
+    assert all(b.attn.q_proj.weight.shape[0] == 32 for b in model.blocks)  # q_proj itself keeps its shape

@@ -66,9 +66,12 @@ def test_assistant_mask_covers_replies_only():
         if m["role"] == "assistant":
             expected += m["content"].split() + ["</s>"]
     assert trained == expected
-    packed_ids, packed_mask, positions = pack([(ids, mask)] * 5, 16)
-    assert packed_ids.shape == packed_mask.shape == positions.shape == (len(ids) * 5 // 16, 16)
-    assert positions.flatten().tolist() == (list(range(len(ids))) * 5)[:positions.numel()]
+    packed_ids, packed_mask, starts = pack([(ids, mask)] * 5, 16)
+    assert packed_ids.shape == packed_mask.shape == starts.shape == (len(ids) * 5 // 16, 16)
+    doc_starts = [c * len(ids) for c in range(5)]  # where each conversation starts in the stream
+    expected = [max(max(d for d in doc_starts if d <= t), 16 * (t // 16)) - 16 * (t // 16)
+                for t in range(starts.numel())]
+    assert starts.flatten().tolist() == expected
 
 
 def test_non_assistant_targets_contribute_nothing(local_model):
@@ -89,10 +92,9 @@ def test_non_assistant_targets_contribute_nothing(local_model):
     assert not torch.equal(aha_loss(out, ids, 3e-4).lm, aha_loss(out, changed, 3e-4).lm)
 
 
-def test_packed_conversations_attend_only_to_themselves(local_model, monkeypatch):
-    """The position ids of pack() make transformers keep packed conversations apart; the AHA layers run
-    each one alone (the dense reference is made to fail): the same logits as each conversation alone."""
-    import allhere.mechanisms.aha as mech
+def test_packed_conversations_attend_only_to_themselves(local_model):
+    """The segment starts of pack() keep packed conversations apart through transformers' mask: the same
+    logits as each conversation alone."""
     from allhere import AHAConfig
     from allhere.hf import convert
 
@@ -100,14 +102,13 @@ def test_packed_conversations_attend_only_to_themselves(local_model, monkeypatch
     tok.chat_template = FALLBACK_CHAT_TEMPLATE
     convs = [tokenize_conversation(tok, conversation(torch.Generator().manual_seed(s), turns=1)) for s in range(3)]
     total = sum(len(c[0]) for c in convs)
-    ids, _, positions = pack(convs, total)
+    ids, _, starts = pack(convs, total)
     model = HFCausalLM(convert(transformers.AutoModelForCausalLM.from_pretrained(str(local_model / "base")),
                                AHAConfig(window=4, router_init="neutral"))).eval()
     with torch.no_grad():
         alone = torch.cat([model(torch.tensor([c[0]])).logits for c in convs], dim=1)
-        monkeypatch.setattr(mech, "aha_attention_naive", lambda *a, **k: pytest.fail("the dense reference ran"))
-        packed = model(ids, position_ids=positions).logits
-        mixed = model(ids).logits  # without position ids: one long document
+        packed = model(ids, segment_starts=starts).logits
+        mixed = model(ids).logits  # without segments: one long document
     assert rel_err(packed, alone) < 1e-5
     assert rel_err(mixed, alone) > 1e-3
 
@@ -125,8 +126,8 @@ def test_sft_reduces_loss_and_trains_routers(local_model):
     from allhere.hf import convert
 
     fresh = convert(base, AHAConfig(window=4, lam=1e-2))
-    w_tuned = tuned.model.layers[0].self_attn.aha.router.weight
-    w_fresh = fresh.model.layers[0].self_attn.aha.router.weight
+    w_tuned = tuned.model.layers[0].self_attn.allhere.router.weight
+    w_fresh = fresh.model.layers[0].self_attn.allhere.router.weight
     assert (w_tuned - w_fresh).abs().max() > 1e-3  # routers were trained
     reg = [h["loss"] - h["lm"] for h in hist]  # lambda * L_reg: the mean router score went down
     assert reg[-1] < reg[0]
@@ -150,7 +151,7 @@ def test_cli_convert_and_sft(local_model, capsys):
 
     assert main(["convert", "--model", str(local_model / "base"), "--out", str(local_model / "conv"),
                  "--window", "4"]) == 0
-    assert load_pretrained(local_model / "conv").config.allhere_aha["window"] == 4
+    assert load_pretrained(local_model / "conv").config.allhere_mechanism["window"] == 4
     args = ["sft", "--model", str(local_model / "base"), "--data", str(local_model / "chat.jsonl"), "--window", "4",
             "--seq-len", "32", "--batch-size", "4", "--global-batch", "8", "--max-steps", "2", "--device", "cpu",
             "--no-progress", "--out", str(local_model / "sft")]
@@ -172,17 +173,17 @@ def test_dar_two_stage_sft(local_model):
                 global_batch=8, lr=3e-3, stage1_lr=1e-2, max_steps=15, progress=False, d_down=8)
     base = transformers.AutoModelForCausalLM.from_pretrained(str(local_model / "base")).state_dict()
     stage1, meta1 = read_checkpoint(out / "stage1.safetensors")
-    assert meta1["train_only"] == ".dar." and meta1["stage"] == 1 and state["stage"] == 2
-    dar_keys = [k for k in stage1 if ".dar." in k]
-    down = stage1["model.hf.model.layers.0.self_attn.dar.down.weight"]
-    up = stage1["model.hf.model.layers.0.self_attn.dar.up.weight"]
+    assert meta1["train_only"] == ".allhere." and meta1["stage"] == 1 and state["stage"] == 2
+    dar_keys = [k for k in stage1 if ".allhere." in k]
+    down = stage1["model.hf.model.layers.0.self_attn.allhere.down.weight"]
+    up = stage1["model.hf.model.layers.0.self_attn.allhere.up.weight"]
     assert (up - down.T).abs().max() > 1e-3  # stage 1 trained the bottleneck (it starts with W_up = W_down^T)
     kept = [k for k in base if "model.hf." + k in stage1]
     assert len(kept) == len(base)
     for key in kept:  # stage 1 leaves every pretrained weight untouched
         assert torch.equal(stage1["model.hf." + key], base[key]), key
     tuned = load_pretrained(out / "model")
-    assert tuned.config.allhere_dar == {"window": 4, "d_down": 8, "kind": "dar"}
+    assert tuned.config.allhere_mechanism == {"window": 4, "d_down": 8, "kind": "dar"}
     moved = [k for k, v in tuned.state_dict().items() if k in base and not torch.equal(v, base[k])]
     assert len(moved) > len(base) // 2  # stage 2 trains everything
     for k in dar_keys:  # the bottleneck trained in stage 1, and the final model holds the stage-2 weights
@@ -196,7 +197,7 @@ def test_cli_dar(local_model, capsys):
 
     base = ["--model", str(local_model / "base"), "--window", "4"]
     assert main(["convert", *base, "--mechanism", "dar", "--d-down", "8", "--out", str(local_model / "c")]) == 0
-    assert load_pretrained(local_model / "c").config.allhere_dar["d_down"] == 8
+    assert load_pretrained(local_model / "c").config.allhere_mechanism["d_down"] == 8
     assert main(["convert", *base, "--mechanism", "dar", "--out", str(local_model / "x")]) == 2
     assert "needs --d-down" in capsys.readouterr().err
     assert main(["convert", *base, "--d-down", "8", "--out", str(local_model / "x")]) == 2
@@ -244,4 +245,4 @@ def test_lm_eval_model_loads_dar_folders(local_model):
               for name in ("base", "same", "small")}
     assert scores["same"] == pytest.approx(scores["base"], rel=1e-5)
     assert abs(scores["small"] - scores["base"]) > 1e-2  # the bottleneck was loaded and used
-    assert AllhereLM(str(local_model / "small")).model.config.allhere_dar["d_down"] == 8
+    assert AllhereLM(str(local_model / "small")).model.config.allhere_mechanism["d_down"] == 8

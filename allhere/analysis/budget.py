@@ -8,6 +8,7 @@ import dataclasses
 import torch
 
 from ..model import Decoder
+from ..routing import routed_layers
 
 
 @torch.no_grad()
@@ -24,5 +25,5 @@ def calibrate_tau(model: Decoder, batches, target_mu: float, max_scores: int = 4
 
 
 def set_tau(model: Decoder, tau: float) -> None:
-    for _, mech in model.aha_modules():
+    for _, mech in routed_layers(model):
         mech.cfg = dataclasses.replace(mech.cfg, tau=tau)

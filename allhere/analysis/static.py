@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..model import Decoder
+from ..routing import routed_layers
 
 
 def top_k_heads(usage: torch.Tensor, k: int) -> torch.Tensor:
@@ -24,5 +25,5 @@ def static_budget_k(mu_f: float, n_heads_total: int) -> int:
 
 def set_static_heads(model: Decoder, heads: torch.Tensor | None) -> None:
     """Fix each AHA layer's heads to full (True) or local (False); None restores the router."""
-    for row, (_, mech) in enumerate(model.aha_modules()):
+    for row, (_, mech) in enumerate(routed_layers(model)):
         mech.forced_gate = None if heads is None else heads[row].clone()

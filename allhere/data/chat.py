@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ..masks import starts_from
+
 from .corpus import DataError
 
 # Used when the tokenizer has no chat template of its own: one header line per turn, EOS after each turn.
@@ -79,14 +81,15 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], l
 
 def pack(conversations: list[tuple[list[int], list[bool]]], seq_len: int
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenate conversations and cut the stream into [n, seq_len] ids, assistant masks and position
-    ids (the tail that does not fill a sequence is dropped). Position ids restart at 0 with every
-    conversation (one cut by a sequence boundary goes on counting in the next sequence), which is how
-    transformers recognises packed documents: each conversation then attends only to itself."""
+    """Concatenate conversations and cut the stream into [n, seq_len] ids, assistant masks and segment
+    starts (the tail that does not fill a sequence is dropped). Each token's segment start is the
+    position in its row where its conversation starts (0 for a conversation carried over from the
+    previous row), so each conversation attends only to itself (``allhere.masks.starts_from``)."""
     ids = [t for c in conversations for t in c[0]]
     mask = [m for c in conversations for m in c[1]]
     positions = [p for c in conversations for p in range(len(c[0]))]
     n = len(ids) // seq_len
     if n == 0:
         raise DataError(f"the chat data holds {len(ids)} tokens, fewer than one sequence of {seq_len}")
-    return tuple(torch.tensor(x[: n * seq_len]).view(n, seq_len) for x in (ids, mask, positions))
+    ids, mask, positions = (torch.tensor(x[: n * seq_len]).view(n, seq_len) for x in (ids, mask, positions))
+    return ids, mask, starts_from(position_ids=positions)

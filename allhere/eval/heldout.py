@@ -7,13 +7,14 @@ import math
 import torch
 
 from ..losses import lm_loss
+from ..mechanisms.base import mechanism_layers
 from ..model import Decoder
 
 
 @torch.no_grad()
 def evaluate_lm(model: Decoder, windows: torch.Tensor, batch_size: int = 16, device: str = "cpu") -> dict:
     """windows [k, seq] int64. Returns loss (nats/token), bits_per_token, mu_f (1.0 for a model without
-    routers: it always attends fully; 0.0 for pure sliding window) and usage [layers, heads] for AHA."""
+    routers: it always attends fully; 0.0 for pure sliding window) and usage [layers, heads] of the routed layers."""
     model.eval().to(device)
     total, count, gates, usage = 0.0, 0, 0.0, None
     for chunk in windows.split(batch_size):
@@ -35,7 +36,8 @@ def evaluate_lm(model: Decoder, windows: torch.Tensor, batch_size: int = 16, dev
 
 
 def static_mu_f(model: Decoder) -> float:
-    """Share of full attention of a model without routers: 1 per layer that reads every preceding token
-    (full, and DAR, whose distant tokens are compressed but still attended), 0 per sliding layer."""
-    kinds = [model.cfg.layer_mechanism(i).kind for i in range(model.cfg.n_layers)]
-    return sum(k in ("full", "dar") for k in kinds) / len(kinds)
+    """Share of full attention of a model without routers: 1 per layer whose mechanism reads every
+    preceding token (full; DAR, whose distant tokens are compressed but still attended), 0 per layer that
+    does not (sliding)."""
+    layers = mechanism_layers(model)
+    return sum(m.reads_all_keys for m in layers) / len(layers)

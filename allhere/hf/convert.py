@@ -1,20 +1,22 @@
-"""Convert a loaded ``transformers`` causal LM to AHA in place: every pretrained weight kept, a router added.
+"""Convert a loaded ``transformers`` causal LM to any registered mechanism, in place: every pretrained
+weight kept, the mechanism's own weights (routers, bottlenecks) added.
 
-Extension points only, no patched ``forward``: each attention module gets an ``aha`` submodule (the
-router and the AHA mechanism) and a forward pre-hook that hands the module's input X to the router; the
-model switches to the attention function and mask function registered under ``allhere_aha``.
+Extension points only, no patched ``forward``: each attention module gets the mechanism as its
+``allhere`` submodule and a forward pre-hook that hands it the call; the model switches to the attention
+function and mask function registered under ``allhere`` (``allhere.hf.attention``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from ..config import AHAConfig, ConfigError
-from ..mechanisms.aha import AHAAttention
-from ..routing import Routing
-from .attention import ATTN_NAME, register
+from .. import registry
+from ..mechanisms.base import AttentionDims, mechanism_layers
+from ..routing import Routing, routed_layers
+from ..validation import ConfigError
+from .attention import ATTN_NAME, SUBMODULE, register, stash_call
+
+CONFIG_KEY = "allhere_mechanism"  # config.json entry holding the mechanism's settings
 
 # model_type -> (path of the decoder layers, name of the attention module in a layer)
 SUPPORTED_MODEL_TYPES = {
@@ -25,29 +27,6 @@ SUPPORTED_MODEL_TYPES = {
     "olmo2": ("model.layers", "self_attn"),
     "gpt_neox": ("gpt_neox.layers", "attention"),
 }
-
-
-class HFAHAAttention(AHAAttention):
-    """AHA mechanism living inside a Hugging Face attention module."""
-
-    def __init__(self, cfg: AHAConfig, d_model: int, n_heads: int) -> None:
-        super().__init__(cfg, d_model, n_heads)
-        self._input: torch.Tensor | None = None
-        self.last_routing = None
-
-    def stash_input(self, x: torch.Tensor) -> None:
-        self._input = x
-
-    def pop_input(self) -> torch.Tensor:
-        x, self._input = self._input, None
-        if x is None:
-            raise RuntimeError("AHA attention called without its input: was the model converted with allhere.hf.convert?")
-        return x
-
-
-def _stash_input(module, args, kwargs):
-    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    module.aha.stash_input(x)
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -62,68 +41,70 @@ def attention_modules(model) -> list[torch.nn.Module]:
     return [getattr(layer, attr) for layer in layers]
 
 
-def check_window(model, window: int, field: str) -> None:
+def dims_of(config) -> AttentionDims:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return AttentionDims(config.hidden_size, heads, getattr(config, "num_key_value_heads", None) or heads, head_dim)
+
+
+def _check_window(model, cfg) -> None:
+    window = getattr(cfg, "window", None)
     context = getattr(model.config, "max_position_embeddings", None)
-    if context is not None and window > context:
-        raise ConfigError(f"{field} = {window} is larger than the model's context "
+    if window is not None and context is not None and window > context:
+        raise ConfigError(f"{type(cfg).__name__}.window = {window} is larger than the model's context "
                           f"(max_position_embeddings = {context})")
 
 
-def install(modules, name: str, build, pre_hook) -> None:
-    """Give every attention module a mechanism submodule ``name`` (``build()``, on the module's device
-    and dtype) and a forward pre-hook (with kwargs) that hands it the call."""
-    for attn in modules:
-        if hasattr(attn, "aha") or hasattr(attn, "dar"):
-            raise ValueError("this model is already converted (it has AHA or DAR layers)")
-    for attn in modules:
+def convert(model, cfg):
+    """Turn ``model`` (a transformers causal LM of a supported family) into its version with mechanism
+    ``cfg`` (any registered config: ``AHAConfig``, ``DARConfig``, ...), in place; returns the model.
+
+    The mechanism's own weights start as it initialises them: AHA's "global" router init (the default)
+    and DAR's orthonormal bottleneck with d_down = d make the converted model compute what the original
+    computed. A sliding window the original config may carry is switched off: the mechanism decides what
+    each query reads.
+    """
+    entry = registry.of(cfg)
+    modules = attention_modules(model)
+    if any(hasattr(attn, SUBMODULE) for attn in modules):
+        raise ValueError("this model is already converted (its attention modules hold allhere mechanisms)")
+    _check_window(model, cfg)
+    dims = dims_of(model.config)
+    built = [entry.module(cfg, dims) for _ in modules]
+    if not entry.module.hf_support or built[0].q_extra_rows is not None:
+        raise ConfigError(f"mechanism {cfg!r} cannot live in a Hugging Face attention module"
+                          + (" (router='qproj' would change q_proj's shape; use router='linear')"
+                             if built[0].q_extra_rows is not None else ""))
+    register()
+    for attn, mech in zip(modules, built):
         ref = next(attn.parameters())
-        setattr(attn, name, build().to(device=ref.device, dtype=ref.dtype))
-        attn.register_forward_pre_hook(pre_hook, with_kwargs=True)
-
-
-def drop_sliding_window(config) -> None:
-    """A converted model attends over the whole prefix: switch the family's own sliding window off."""
+        mech.to(device=ref.device, dtype=ref.dtype)
+        mech.hf_call = mech.hf_captured = mech.last_routing = None
+        attn.add_module(SUBMODULE, mech)
+        attn.register_forward_pre_hook(stash_call, with_kwargs=True)
+    config = model.config
     if getattr(config, "sliding_window", None) is not None:
         config.sliding_window = None
     if getattr(config, "use_sliding_window", False):
         config.use_sliding_window = False
-
-
-def convert(model, cfg: AHAConfig):
-    """Turn ``model`` (a transformers causal LM of a supported family) into its AHA version, in place.
-
-    The router starts as ``cfg.router_init`` says ("global" by default: the converted model computes
-    what the original computed). A sliding window the original config may carry is switched off: the
-    global path of AHA is full causal attention. Returns the model.
-    """
-    if cfg.router != "linear":
-        raise ConfigError("AHAConfig.router = 'qproj' is not supported for Hugging Face models (it would "
-                          "change q_proj's shape); use router='linear'")
-    modules = attention_modules(model)
-    check_window(model, cfg.window, "AHAConfig.window")
-    register()
-    hidden, heads = model.config.hidden_size, model.config.num_attention_heads
-    install(modules, "aha", lambda: HFAHAAttention(cfg, hidden, heads), _stash_input)
-    drop_sliding_window(model.config)
-    model.config.allhere_aha = dataclasses.asdict(cfg)
+    if not entry.module.hf_cache:  # decodes only with a cache transformers does not provide
+        config.use_cache = False
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.use_cache = False
+    setattr(config, CONFIG_KEY, registry.to_dict(cfg))
     model.set_attn_implementation(ATTN_NAME)
     return model
 
 
-def _mechanisms(model) -> list[HFAHAAttention]:
-    mechs = [attn.aha for attn in attention_modules(model) if hasattr(attn, "aha")]
-    if not mechs:
-        raise ValueError("this model has no AHA layers: convert it with allhere.hf.convert first")
-    return mechs
+def converted_mechanism(model):
+    """The mechanism config a converted model carries (its config.json settings), or None."""
+    settings = getattr(model.config, CONFIG_KEY, None)
+    return None if settings is None else registry.from_dict(settings)
 
 
 def collect_routing(model) -> Routing:
-    """The routing of the model's last forward pass (scores and gates of every layer)."""
-    mechs = _mechanisms(model)
-    return Routing(list(range(len(mechs))), [m.last_routing for m in mechs])
-
-
-def set_forced_gate(model, value: bool | None) -> None:
-    """Force every gate to full (True) or local (False) attention; None restores routing."""
-    for m in _mechanisms(model):
-        m.forced_gate = value
+    """The routing of the model's last forward pass (scores and gates of every routed layer)."""
+    layers = routed_layers(model)
+    if not layers or not mechanism_layers(model):
+        raise ValueError("this model has no routed layers: convert it with allhere.hf.convert and an AHAConfig")
+    return Routing([i for i, _ in layers], [m.last_routing for _, m in layers])

@@ -1,5 +1,6 @@
 """Save and load converted models: transformers' own safetensors files, the mechanism's settings in
-config.json (``allhere_aha`` or ``allhere_dar``).
+config.json (``allhere_mechanism``; models saved by earlier versions carry ``allhere_aha`` or
+``allhere_dar`` and load as well).
 
 ``load_pretrained`` needs no ``trust_remote_code``: transformers loads the pretrained weights with its
 own loader, allhere converts the model again and loads the added weights (routers or bottlenecks) from
@@ -13,24 +14,31 @@ from pathlib import Path
 
 import torch
 
+from .. import registry
 from ..checkpoint import CheckpointError
-from ..config import ConfigError, mechanism_from_dict
-from .convert import convert
-from .dar import convert_dar
+from ..validation import ConfigError
+from .attention import SUBMODULE
+from .convert import CONFIG_KEY, convert
 
-# config.json key -> (conversion, the submodule name of the weights it adds)
-CONVERSIONS = {"allhere_aha": (convert, "aha"), "allhere_dar": (convert_dar, "dar")}
+LEGACY_KEYS = {"allhere_aha": "aha", "allhere_dar": "dar"}  # config.json keys of earlier versions
 
 
-def _settings(config) -> tuple[str, dict] | None:
-    found = [(key, getattr(config, key)) for key in CONVERSIONS if getattr(config, key, None) is not None]
-    return found[0] if found else None
+def saved_mechanism(config):
+    """The mechanism config stored in a transformers config, or None."""
+    settings = getattr(config, CONFIG_KEY, None)
+    if settings is not None:
+        return registry.from_dict(settings)
+    for key, kind in LEGACY_KEYS.items():
+        legacy = getattr(config, key, None)
+        if legacy is not None:
+            return registry.from_dict({**legacy, "kind": kind})
+    return None
 
 
 def save_pretrained(model, path: str | Path, **kwargs) -> None:
     """``model.save_pretrained`` (safetensors); the settings travel in config.json."""
-    if _settings(model.config) is None:
-        raise ValueError("this model is not converted to AHA or DAR; save it with model.save_pretrained")
+    if saved_mechanism(model.config) is None:
+        raise ValueError("this model is not converted by allhere; save it with model.save_pretrained")
     model.save_pretrained(str(path), **kwargs)
 
 
@@ -54,12 +62,10 @@ def load_pretrained(path: str | Path, **kwargs):
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} is not a saved model folder (no config.json)")
     config = AutoConfig.from_pretrained(str(path))
-    found = _settings(config)
-    if found is None:
-        raise ConfigError(f"{path} holds no allhere settings ('allhere_aha' / 'allhere_dar' missing from "
-                          "config.json); load it with transformers and convert it with allhere.hf.convert")
-    key, settings = found
-    conversion, part = CONVERSIONS[key]
+    mech = saved_mechanism(config)
+    if mech is None:
+        raise ConfigError(f"{path} holds no allhere settings ('{CONFIG_KEY}' missing from config.json); load it "
+                          "with transformers and convert it with allhere.hf.convert")
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -68,12 +74,19 @@ def load_pretrained(path: str | Path, **kwargs):
         model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
     finally:
         hf_logging.set_verbosity(level)
-    conversion(model, mechanism_from_dict(settings))
-    wanted = {k for k in model.state_dict() if f".{part}." in k}
+    for key in LEGACY_KEYS:  # converted again below, under the current key
+        if hasattr(model.config, key):
+            delattr(model.config, key)
+    convert(model, mech)
+    wanted = {k for k in model.state_dict() if f".{SUBMODULE}." in k}
+    legacy = {k.replace(f".{SUBMODULE}.", f".{kind}."): k for k in wanted for kind in LEGACY_KEYS.values()}
     added: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as fh:
-            added.update({k: fh.get_tensor(k) for k in fh.keys() if k in wanted})
+            for k in fh.keys():
+                name = k if k in wanted else legacy.get(k)
+                if name is not None:
+                    added[name] = fh.get_tensor(k)
     missing = wanted - set(added)
     if missing:
         raise CheckpointError(f"{path} lacks the weights {sorted(missing)[:3]}...")
@@ -90,6 +103,6 @@ def load_local(model_path: str | Path):
     if not (p / "config.json").exists():
         raise ConfigError(f"model path {p} is not a saved transformers model (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    if _settings(AutoConfig.from_pretrained(str(p), local_files_only=True)) is not None:
+    if saved_mechanism(AutoConfig.from_pretrained(str(p), local_files_only=True)) is not None:
         return tokenizer, load_pretrained(p, local_files_only=True)
     return tokenizer, AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, attn_implementation="sdpa")

@@ -1,5 +1,5 @@
-"""Supervised fine-tuning of a converted Hugging Face model on chat data (seeds/003 section 3.1 for AHA,
-seeds/001 section 3 for DAR's two stages).
+"""Supervised fine-tuning of a converted Hugging Face model on chat data (section 3.1 of the AHA paper,
+"Learning When Not to Attend Globally"; section 3 of the DAR paper, arXiv:2606.18587, for DAR's two stages).
 
 Defaults are the papers': AdamW lr 3e-5, betas (0.9, 0.95), warmup ratio 0.03, global batch 128 (by
 gradient accumulation), lambda 3e-4, tau 0.5, one epoch; DAR's stage 1 at lr 3e-4. The loss counts
@@ -16,12 +16,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import AHAConfig, ConfigError, DARConfig, TrainConfig
+from ..config import TrainConfig
 from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversation
+from ..mechanisms import AHAConfig, DARConfig
 from ..model import DecoderOutput
+from ..routing import routed_layers
 from ..train import train
-from .convert import _mechanisms, collect_routing, convert
-from .dar import convert_dar
+from ..validation import ConfigError
+from .convert import collect_routing, convert
 from .io import load_local, save_pretrained
 
 
@@ -34,24 +36,31 @@ class _ConfigView:
 
 
 class HFCausalLM(nn.Module):
-    """Gives a converted transformers model the interface of ``allhere.Decoder`` that the training loop uses."""
+    """Gives a transformers causal LM (converted or plain) the call interface of ``allhere.Decoder``."""
 
     def __init__(self, model) -> None:
         super().__init__()
         self.hf = model
         self.cfg = _ConfigView(model.config)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> DecoderOutput:
-        """Position ids that restart inside a row mark packed documents: transformers then builds a mask
-        that keeps them apart (AHA reads it with ``segment_starts``: each document sees only itself)."""
-        out = self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        converted = getattr(self.hf.config, "allhere_aha", None) is not None
-        return DecoderOutput(out.logits, collect_routing(self.hf) if converted else None, None)
-
-    def aha_modules(self):
-        if getattr(self.hf.config, "allhere_aha", None) is None:
-            return []  # a plain model (e.g. the SDPA baseline of a benchmark)
-        return list(enumerate(_mechanisms(self.hf)))
+    def forward(self, input_ids: torch.Tensor, segment_starts: torch.Tensor | None = None) -> DecoderOutput:
+        """segment_starts [batch, tokens] (``allhere.masks.starts_from``) become what transformers reads:
+        position ids that restart with every document, or a padding mask; transformers builds its mask
+        from them, and the converted layers read the segments back off it, once per forward.
+        (transformers recognises packed documents only without a padding mask, so a batch cannot have
+        both.)"""
+        kwargs = {}
+        if segment_starts is not None:
+            idx = torch.arange(input_ids.shape[1], device=input_ids.device)
+            kwargs["position_ids"] = (idx - segment_starts).clamp_min(0)
+            padding = segment_starts < 0
+            if bool(padding.any()):
+                first = torch.where(padding, input_ids.shape[1], segment_starts).min(1).values
+                if bool((padding.any(1) & (segment_starts.max(1).values > first)).any()):
+                    raise ValueError("a Hugging Face model takes padding or packed documents in one row, not both")
+                kwargs["attention_mask"] = (~padding).long()
+        out = self.hf(input_ids=input_ids, use_cache=False, **kwargs)
+        return DecoderOutput(out.logits, collect_routing(self.hf) if routed_layers(self.hf) else None, None)
 
 
 def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: int, seq_len: int = 2048,
@@ -61,8 +70,8 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     """Convert the model at ``model_path`` and fine-tune it on the chat data; the result is saved to
     ``out/model`` (``allhere.hf.load_pretrained`` reads it back). Returns the (last) training state.
 
-    Without ``d_down``: AHA (seeds/003), one run with L_LM + lam L_reg, checkpoint ``out/checkpoint.safetensors``.
-    With ``d_down``: DAR (seeds/001) in two stages of ``epochs`` each -- stage 1 trains only W_down / W_up
+    Without ``d_down``: AHA, one run with L_LM + lam L_reg, checkpoint ``out/checkpoint.safetensors``.
+    With ``d_down``: DAR in two stages of ``epochs`` each -- stage 1 trains only W_down / W_up
     at ``stage1_lr`` with the rest frozen (``out/stage1.safetensors``), stage 2 everything at ``lr``
     (``out/stage2.safetensors``).
     """
@@ -75,11 +84,8 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
         raise ConfigError(f"seq_len = {seq_len} is longer than the model's context ({context})")
     used_fallback = ensure_chat_template(tokenizer)
     rows = load_chat(data_path)
-    ids, mask, positions = pack([tokenize_conversation(tokenizer, r["messages"]) for r in rows], seq_len)
-    if d_down is None:
-        convert(model, AHAConfig(window=window, tau=tau, lam=lam))
-    else:
-        convert_dar(model, DARConfig(window=window, d_down=d_down))
+    ids, mask, starts = pack([tokenize_conversation(tokenizer, r["messages"]) for r in rows], seq_len)
+    convert(model, AHAConfig(window=window, tau=tau, lam=lam) if d_down is None else DARConfig(window=window, d_down=d_down))
     accum = global_batch // batch_size
     n = ids.shape[0]
     steps = max_steps or max(1, math.ceil(epochs * n / global_batch))
@@ -88,7 +94,7 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     def batches(step: int, micro: int, g: torch.Generator):
         first = (step * accum + micro) * batch_size
         idx = order[(first + torch.arange(batch_size)) % n]
-        return ids[idx], mask[idx], positions[idx]
+        return ids[idx], mask[idx], starts[idx]
 
     cfg = TrainConfig(steps=steps, batch_size=batch_size, grad_accum=accum, lr=lr, beta1=0.9, beta2=0.95,
                       warmup_ratio=0.03, weight_decay=0.0, lam=lam if d_down is None else 0.0,
@@ -100,7 +106,7 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
                       extra_state=extra)
     else:
         train(lm, batches, dataclasses.replace(cfg, lr=stage1_lr), out / "stage1.safetensors", resume=resume,
-              progress=progress, extra_state={**extra, "stage": 1}, train_only=".dar.")
+              progress=progress, extra_state={**extra, "stage": 1}, train_only=".allhere.")
         state = train(lm, batches, cfg, out / "stage2.safetensors", resume=resume, progress=progress,
                       extra_state={**extra, "stage": 2})
     save_pretrained(model, out / "model")

@@ -1,8 +1,9 @@
-"""All-or-Here attention (seeds/003): a router per layer picks full or windowed attention per (token, head).
+"""Mechanism ``aha``: All-or-Here attention, from "Learning When Not to Attend Globally" (Luo, Zhang, Yan).
 
-S = sigmoid(X W_router) on the attention block's input X (Eq. 1); g = 1[s > tau] (Eq. 2); the forward
-pass uses exactly g, the backward pass treats the threshold as the identity (straight-through, Eq. 3);
-a = full causal attention where g = 1, the ``window`` most recent keys where g = 0 (Eq. 4).
+A router per layer scores every (token, head): S = sigmoid(X W_router) on the attention block's input X
+(Eq. 1); the hard gate g = 1[s > tau] (Eq. 2) sends the head to full causal attention (g = 1) or to its
+``window`` most recent keys (g = 0, Eq. 4). The forward pass uses exactly g; the backward pass treats the
+threshold as the identity (straight-through, Eq. 3); training adds lambda * mean(S) to the loss (Eq. 6).
 
 Cache policy: every key is kept (any later token may go global); a local (token, head) reads only its
 window. Grouped-query attention: the gate is per *query* head; a kv head's whole cache is read when any
@@ -11,16 +12,60 @@ of the query heads sharing it is global, and only its window otherwise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
-from ..config import AHAConfig
-from ..masks import segment_starts
-from ..ops.aha import aha_attention_fast, aha_attention_naive
+from ..ops.aha import aha_attention
+from ..ops.ste import straight_through
+from ..registry import register
 from ..routing import LayerRouting
-from .full import KVCache
+from ..validation import check, check_int, is_number
+from .base import AttentionCall, AttentionDims, AttentionMechanism
 
-IMPLS = {"fast": aha_attention_fast, "naive": aha_attention_naive}
+ROUTER_KINDS = ("linear", "qproj")
+ROUTER_INITS = ("global", "neutral", "local")
+
+
+@dataclass(frozen=True)
+class AHAConfig:
+    """All-or-Here attention: per (token, head) a hard gate picks full or windowed attention.
+
+    Router initialisation (``router_init``):
+      - ``"global"``: W_router = 0 and bias = +``router_init_bias`` (default 3, score ~0.95 > tau), so every
+        gate starts open and a converted model computes exactly what the pretrained full-attention model
+        computed; the L1 penalty then closes the gates that the language-model loss does not defend. This
+        is the default because fine-tuning starts from the pretrained model's quality.
+      - ``"neutral"``: W_router ~ N(0, 0.02), bias 0: scores near 0.5, about half the gates open at random.
+      - ``"local"``: W_router = 0 and bias = -``router_init_bias``: starts as a sliding-window model and
+        opens gates only where the loss asks for it.
+    The paper's router has no bias (S = sigmoid(X W)); ``router_bias=False`` gives exactly that, and then
+    "global"/"local" initialise with W = 0 (scores 0.5, every gate closed since the gate is s > tau).
+    ``router="qproj"`` computes the same router as extra output rows of the host's query projection (one
+    fused matmul instead of two); the rows are the router's own parameters, trained like the linear one.
+    """
+
+    window: int = 256  # w: a local (token, head) sees its w most recent keys, itself included
+    tau: float = 0.5  # threshold of the hard gate g = 1[s > tau] (Eq. 2)
+    lam: float = 3e-4  # lambda, weight of L_reg = mean router score (Eqs. 6-7)
+    router: str = "linear"  # "linear": separate W_router (d x m); "qproj": m extra rows fused into q_proj
+    router_bias: bool = True  # add a learned bias to the router logits (not in the paper's Eq. 1)
+    router_init: str = "global"  # "global" | "neutral" | "local", see the class docstring
+    router_init_bias: float = 3.0  # magnitude of the initial bias for "global"/"local"
+
+    kind: str = field(default="aha", init=False)
+
+    def __post_init__(self) -> None:
+        c = "AHAConfig"
+        check_int(c, "window", self.window, 1)
+        check(is_number(self.tau) and 0.0 < self.tau < 1.0, c, "tau", self.tau, "a number strictly between 0 and 1")
+        check(is_number(self.lam) and self.lam >= 0.0, c, "lam", self.lam, "a finite number >= 0")
+        check(self.router in ROUTER_KINDS, c, "router", self.router, f"one of {ROUTER_KINDS}")
+        check(isinstance(self.router_bias, bool), c, "router_bias", self.router_bias, "True or False")
+        check(self.router_init in ROUTER_INITS, c, "router_init", self.router_init, f"one of {ROUTER_INITS}")
+        check(is_number(self.router_init_bias) and self.router_init_bias >= 0.0, c, "router_init_bias",
+              self.router_init_bias, "a finite number >= 0")
 
 
 def init_router_(weight: torch.Tensor, bias: torch.Tensor | None, cfg: AHAConfig) -> None:
@@ -35,76 +80,62 @@ def init_router_(weight: torch.Tensor, bias: torch.Tensor | None, cfg: AHAConfig
             bias.fill_(sign * cfg.router_init_bias)
 
 
-def straight_through(scores: torch.Tensor, tau: float) -> torch.Tensor:
-    """Value: the hard gate 1[s > tau] (as float); gradient: identity to the scores (Eq. 3)."""
-    hard = (scores > tau).to(scores.dtype)
-    return hard + (scores - scores.detach())
+@register(AHAConfig, summary="All-or-Here: a router picks full or windowed attention per (token, head)")
+class AHAAttention(AttentionMechanism):
+    """``forced_gate``: None routes normally; True / False forces every gate to full / local attention; a
+    bool tensor [heads] fixes each head (the static baseline)."""
 
+    routed = True
 
-class AHAAttention(nn.Module):
-    """Mechanism ``aha``.
-
-    ``forced_gate``: None routes normally; True / False forces every gate to full / local attention; a
-    bool tensor [heads] fixes each head (the static baseline). ``impl``: "fast" (default) or "naive".
-    """
-
-    def __init__(self, cfg: AHAConfig, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.n_heads = n_heads
+    def __init__(self, cfg: AHAConfig, dims: AttentionDims) -> None:
+        super().__init__(cfg, dims)
         self.forced_gate: bool | torch.Tensor | None = None
-        self.impl = "fast"
+        heads = dims.n_heads
         if cfg.router == "linear":
-            self.router = nn.Linear(d_model, n_heads, bias=cfg.router_bias)
-        else:  # "qproj": the logits arrive as extra q_proj channels; only the bias lives here
-            self.router_bias = nn.Parameter(torch.zeros(n_heads)) if cfg.router_bias else None
-        self.reset_router()
+            self.router = nn.Linear(dims.d_model, heads, bias=cfg.router_bias)
+        else:
+            self.q_router = nn.Parameter(torch.empty(heads, dims.d_model))
+            self.router_bias = nn.Parameter(torch.zeros(heads)) if cfg.router_bias else None
+        self.reset_parameters()
 
-    def reset_router(self, qproj_rows: torch.Tensor | None = None) -> None:
-        """Initialise the router as ``cfg.router_init`` says; for router="qproj" pass the q_proj rows."""
+    @property
+    def q_extra_rows(self) -> torch.Tensor | None:
+        return self.q_router if self.cfg.router == "qproj" else None
+
+    def reset_parameters(self) -> None:
         if self.cfg.router == "linear":
             init_router_(self.router.weight, self.router.bias, self.cfg)
         else:
-            rows = torch.empty(self.n_heads, 1) if qproj_rows is None else qproj_rows
-            init_router_(rows, self.router_bias, self.cfg)
+            init_router_(self.q_router, self.router_bias, self.cfg)
 
-    def new_cache(self) -> KVCache:
-        return KVCache()
+    def router_parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_parameters()]
 
-    def scores(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, x: torch.Tensor, q_extra: torch.Tensor | None = None) -> torch.Tensor:
         """Router scores s = sigmoid(X W_router) in fp32, [batch, heads, tokens]."""
         if self.cfg.router == "linear":
             logits = self.router(x)
         else:
-            if router_logits is None:
-                raise ValueError("router='qproj' needs the router logits split off the q projection")
-            logits = router_logits if self.router_bias is None else router_logits + self.router_bias
+            if q_extra is None:
+                raise ValueError("router='qproj' needs its logits from the host's fused query projection")
+            logits = q_extra if self.router_bias is None else q_extra + self.router_bias
         return torch.sigmoid(logits.float()).transpose(1, 2)
 
-    def forward(self, q, k, v, x, cache=None, router_logits=None, scale=None, mask=None):
-        """q [b, h, n, d], k/v [b, kv_heads, n, d] (new tokens), x [b, n, d_model] the block input.
-
-        mask: optional bool [b, 1 or h, n, kv_len] of keys each query may see at all. The mask of a padded
-        batch or of packed documents (causal within segments, ``segment_starts``) runs the fast op with
-        each query's segment start; any other mask, or impl "naive", the dense reference.
-        Returns (out [b, h, n, d], LayerRouting)."""
-        s = self.scores(x, router_logits)
+    def gate(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate for the op, hard bool gate): the straight-through gate while training the router."""
         hard = s > self.cfg.tau
         if self.forced_gate is not None:
             forced = torch.as_tensor(self.forced_gate, device=hard.device)
             hard = forced.view(1, -1, 1).expand_as(hard) if forced.dim() else torch.full_like(hard, bool(forced))
-            gate = hard
-        elif torch.is_grad_enabled() and s.requires_grad:
-            gate = straight_through(s, self.cfg.tau)
-        else:
-            gate = hard
+            return hard, hard
+        if torch.is_grad_enabled() and s.requires_grad:
+            return straight_through(s, self.cfg.tau), hard
+        return hard, hard
+
+    def forward(self, q, k, v, call: AttentionCall, cache=None):
+        s = self.scores(call.x, call.q_extra)
+        gate, hard = self.gate(s)
         if cache is not None:
             k, v = cache.update(k, v)
-        starts = None if mask is None or self.impl != "fast" else segment_starts(mask, q.shape[2], k.shape[2])
-        if mask is None:
-            out = IMPLS[self.impl](q, k, v, gate, self.cfg.window, scale=scale)
-        elif starts is not None:
-            out = aha_attention_fast(q, k, v, gate, self.cfg.window, scale=scale, row_start=starts)
-        else:
-            out = aha_attention_naive(q, k, v, gate, self.cfg.window, scale=scale, mask=mask)
+        out = aha_attention(q, k, v, gate, self.cfg.window, scale=call.scale, row_start=call.segment_starts)
         return out, LayerRouting(scores=s, gates=hard)

@@ -1,29 +1,61 @@
-"""Distance-adaptive representation (seeds/001): full-dimensional K/V near the query, K/V rebuilt from a
-d_down bottleneck far from it, one softmax over all preceding tokens.
+"""Mechanism ``dar``: Distance-Adaptive Representation, from "Dual Dimensionality for Local and Global
+Attention" (arXiv:2606.18587): full-dimensional K/V near the query, K/V rebuilt from a d_down bottleneck
+far from it, one softmax over all preceding tokens.
 
 For query i and key j <= i: K/V come from h_j when i - j < w and from h'_j = (h_j W_down) W_up otherwise,
 through the same W_K / W_V and RoPE (Eqs. 1-4). The attention runs in query blocks
 (``ops.dar.dar_attention``); ``ops.dar.dar_attention_naive`` is its dense reference.
 
-Inference cache (``DARCache``), which realises the memory saving sketched in seeds/001 section 5: the last
-``w`` tokens keep their full K/V in a rolling buffer; every token keeps only its d_down latent c = h W_down.
-W_up is absorbed into W_K / W_V once per cache (W_K' = W_K W_up, W_V' = W_V W_up: [kv_dim, d_down]), so a
-distant key is RoPE(c W_K'^T) and a distant value c W_V'^T. They are rebuilt from the latents on demand at
-every step. Trade-off: the cache holds d_down numbers per token instead of 2 x kv_heads x head_dim, and
-each step spends 2 x d_down x kv_dim multiply-adds per cached token where a plain cache only reads. RoPE
-rotates keys by their position after the projection, so rotated distant keys could only be cached by
-giving the memory saving back; values (no RoPE) could be cached at kv_dim per token, which would also
-give it back.
+Inference cache (``DARCache``), which realises the paper's KV-cache saving: the last ``w`` tokens keep
+their full K/V in a rolling buffer; every token keeps only its d_down latent c = h W_down. Distant K/V
+are rebuilt from the latents at every step. Where the host's K/V path is plain linear maps (our
+decoder), W_up is absorbed into W_K / W_V once per cache (W_K' = W_K W_up, W_V' = W_V W_up: [kv_dim,
+d_down]), so a distant key is RoPE(c W_K'^T) and a distant value c W_V'^T; elsewhere (Hugging Face
+families with q/k norms) the host's own K/V path runs on h' = c W_up. Trade-off: the cache holds d_down
+numbers per token instead of 2 x kv_heads x head_dim, and each step spends about 2 x d_down x kv_dim
+multiply-adds per cached token where a plain cache only reads. RoPE rotates keys by their position after
+the projection, so rotated distant keys could only be cached by giving the memory saving back.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
-from ..config import DARConfig
+from ..masks import causal
 from ..ops.dar import dar_attention
-from .sliding import RollingKVCache
+from ..ops.full import segment_pattern
+from ..registry import register
+from ..validation import ConfigError, check_int
+from .base import AttentionCall, AttentionDims, AttentionMechanism
+from .caches import KVCache, RollingKVCache
+
+
+@dataclass(frozen=True)
+class DARConfig:
+    """Distance-adaptive representation: keys/values of the ``window`` most recent tokens come from the
+    full hidden state h, those of older tokens from h' = (h W_down) W_up, one softmax over all.
+
+    window = 0 sends every token through the bottleneck (the "uniform reduction" baseline); d_down = d
+    keeps the modules but no bottleneck.
+    """
+
+    window: int = 128  # w: tokens j with i - j < w use full-dimensional K/V (the current token included)
+    d_down: int = 64  # bottleneck width of W_down (d x d_down) and W_up (d_down x d)
+
+    kind: str = field(default="dar", init=False)
+
+    def __post_init__(self) -> None:
+        check_int("DARConfig", "window", self.window, 0)
+        check_int("DARConfig", "d_down", self.d_down, 1)
+
+    def check_dims(self, d_model: int) -> None:
+        """The bottleneck cannot be wider than the hidden state it compresses."""
+        check_int("DARConfig", "d_down", self.d_down, 1)
+        if self.d_down > d_model:
+            raise ConfigError(f"DARConfig.d_down = {self.d_down} is invalid: expected <= d_model = {d_model}")
 
 
 class DARCache:
@@ -52,16 +84,32 @@ class DARCache:
         return k_near, v_near, self.latent
 
 
-class DARAttention(nn.Module):
-    """Mechanism ``dar``. Needs the attention module's own K/V projection (``kv_of``)."""
+def cache_bytes(tokens: int, d_model: int, heads: int, kv_heads: int, d_down: int, window: int, dtype,
+                chunk: int = 4096) -> tuple[int, int]:
+    """(DAR cache bytes, plain KV cache bytes) of one layer, batch 1, after ``tokens`` tokens: both caches
+    filled through their own ``update`` with tensors of the real shapes (no attention computed); the DAR
+    cache also holds the absorbed weights W_K W_up and W_V W_up (a constant per layer, counted)."""
+    hd = d_model // heads
+    dar, vanilla = DARCache(window), KVCache()
+    dar.absorbed = tuple(torch.zeros(kv_heads * hd, d_down, dtype=dtype) for _ in range(2))
+    for done in range(0, tokens, chunk):
+        k = torch.zeros(1, kv_heads, min(chunk, tokens - done), hd, dtype=dtype)
+        dar.update(k, k.clone(), torch.zeros(1, k.shape[2], d_down, dtype=dtype))
+        vanilla.update(k, k.clone())
+    return dar.nbytes(), vanilla.nbytes()
 
-    wants_kv_projection = True
 
-    def __init__(self, cfg: DARConfig, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.down = nn.Linear(d_model, cfg.d_down, bias=False)
-        self.up = nn.Linear(cfg.d_down, d_model, bias=False)
+@register(DARConfig, summary="full K/V near the query, a d_down bottleneck far from it")
+class DARAttention(AttentionMechanism):
+    """Needs the host's K/V path (``call.project_kv``) for the distant keys and values."""
+
+    hf_cache = False  # its compressed cache is not one of transformers' caches: HF models run uncached
+
+    def __init__(self, cfg: DARConfig, dims: AttentionDims) -> None:
+        super().__init__(cfg, dims)
+        cfg.check_dims(dims.d_model)
+        self.down = nn.Linear(dims.d_model, cfg.d_down, bias=False)
+        self.up = nn.Linear(cfg.d_down, dims.d_model, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -74,21 +122,31 @@ class DARAttention(nn.Module):
     def new_cache(self) -> DARCache:
         return DARCache(self.cfg.window)
 
-    def forward(self, q, k, v, x, cache=None, router_logits=None, kv_of=None, kv_weights=None, mask=None,
-                scale=None):
-        """kv_of(h, positions=None, weights=None) -> (k, v) projects inputs like the model's own K/V (RoPE
-        at ``positions``, by default the new tokens'; through ``weights`` instead of W_K / W_V if given);
-        kv_weights = (W_K, W_V), needed with a cache to absorb W_up. mask: optional bool [b, 1, q, k]
-        (padding); scale: softmax scale (default 1 / sqrt(head_dim))."""
-        latent = self.down(x)
+    def forward(self, q, k, v, call: AttentionCall, cache=None):
+        if call.project_kv is None:
+            raise ValueError("DAR needs the host's K/V projection (AttentionCall.project_kv)")
+        latent = self.down(call.x)
+        if cache is None and k.shape[2] != q.shape[2]:
+            raise RuntimeError("DAR decodes only with its own compressed cache (DARCache), not with keys cached by "
+                               "the host: call a converted Hugging Face model with use_cache=False")
         if cache is None:
-            k_far, v_far = kv_of(self.up(latent))
-            return dar_attention(q, k, v, k_far, v_far, self.cfg.window, scale, mask), None
-        if cache.absorbed is None:
-            cache.absorbed = tuple(w @ self.up.weight for w in kv_weights)
+            k_far, v_far = call.project_kv(self.up(latent))
+            return dar_attention(q, k, v, k_far, v_far, self.cfg.window, call.scale, self._mask(call, q, k)), None
         k_near, v_near, latents = cache.update(k, v, latent)
-        total = latents.shape[1]
-        k_far, v_far = kv_of(latents, torch.arange(total, device=x.device), weights=cache.absorbed)
-        pad = total - k_near.shape[2]  # positions whose full K/V are gone: never near for these queries
+        positions = torch.arange(latents.shape[1], device=latents.device)
+        if call.kv_weights is not None:  # plain linear K/V: absorb W_up once, project the latents directly
+            if cache.absorbed is None:
+                cache.absorbed = tuple(w @ self.up.weight for w in call.kv_weights)
+            k_far, v_far = call.project_kv(latents, positions, weights=cache.absorbed)
+        else:
+            k_far, v_far = call.project_kv(self.up(latents), positions)
+        pad = k_far.shape[2] - k_near.shape[2]  # positions whose full K/V are gone: never near for these queries
         k_near, v_near = (torch.nn.functional.pad(t, (0, 0, pad, 0)) for t in (k_near, v_near))
-        return dar_attention(q, k_near, v_near, k_far, v_far, self.cfg.window, scale, mask), None
+        return dar_attention(q, k_near, v_near, k_far, v_far, self.cfg.window, call.scale,
+                             self._mask(call, q, k_far)), None
+
+    @staticmethod
+    def _mask(call: AttentionCall, q, k):
+        if call.segment_starts is None:
+            return None
+        return segment_pattern(causal, call.segment_starts, q.shape[2], k.shape[2])

@@ -1,43 +1,30 @@
-"""Full causal attention and the growing KV cache it (and AHA) decodes with."""
+"""Mechanism ``full``: ordinary causal attention over the whole prefix."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from dataclasses import dataclass, field
 
-from ..config import FullConfig
-from ..ops.full import causal_attention
-
-
-class KVCache:
-    """Keeps every key and value seen so far: [batch, kv_heads, tokens, dim]."""
-
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens' k, v and return all keys and values to attend to."""
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
+from ..masks import causal
+from ..ops.full import causal_attention, masked_attention, segment_pattern
+from ..registry import register
+from .base import AttentionCall, AttentionMechanism
 
 
-class FullAttention(nn.Module):
-    """Mechanism ``full``: every query attends to the whole prefix."""
+@dataclass(frozen=True)
+class FullConfig:
+    """Ordinary causal attention over the whole prefix."""
 
-    def __init__(self, cfg: FullConfig, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.cfg = cfg
+    kind: str = field(default="full", init=False)
 
-    def new_cache(self) -> KVCache:
-        return KVCache()
 
-    def forward(self, q, k, v, x, cache=None, router_logits=None):
-        """q [b, h, n, d], k/v [b, kv_heads, n, d] of the new tokens; returns (out [b, h, n, d], None)."""
+@register(FullConfig, summary="causal attention over the whole prefix")
+class FullAttention(AttentionMechanism):
+    """Every query attends to every preceding key (and itself)."""
+
+    def forward(self, q, k, v, call: AttentionCall, cache=None):
         if cache is not None:
             k, v = cache.update(k, v)
-        return causal_attention(q, k, v), None
+        if call.segment_starts is None:
+            return causal_attention(q, k, v, scale=call.scale), None
+        mask = segment_pattern(causal, call.segment_starts, q.shape[2], k.shape[2])
+        return masked_attention(q, k, v, mask, call.scale), None

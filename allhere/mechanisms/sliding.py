@@ -1,44 +1,43 @@
-"""Sliding-window attention and its rolling KV cache (memory bounded by the window, seeds/004)."""
+"""Mechanism ``sliding``: each query sees its ``window`` most recent keys, itself included; the rolling KV
+cache keeps only those, so memory stays bounded however long generation runs."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from dataclasses import dataclass, field
 
-from ..config import SlidingConfig
+from ..masks import sliding_window
+from ..ops.full import masked_attention, segment_pattern
 from ..ops.sliding import sliding_window_attention
+from ..registry import register
+from ..validation import check_int
+from .base import AttentionCall, AttentionMechanism
+from .caches import RollingKVCache
 
 
-class RollingKVCache:
-    """Keeps only the ``window`` most recent keys and values: what any later query may still read."""
+@dataclass(frozen=True)
+class SlidingConfig:
+    """Sliding-window attention: query i sees keys j with 0 <= i - j < window (itself included)."""
 
-    def __init__(self, window: int) -> None:
-        self.window = window
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+    window: int = 256  # number of most recent keys each query sees, the current token included
 
-    def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+    kind: str = field(default="sliding", init=False)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the kept keys followed by the new ones (contiguous positions), then keep the last ``window``."""
-        k_all = k if self.k is None else torch.cat([self.k, k], dim=2)
-        v_all = v if self.v is None else torch.cat([self.v, v], dim=2)
-        self.k, self.v = k_all[:, :, -self.window:], v_all[:, :, -self.window:]
-        return k_all, v_all
+    def __post_init__(self) -> None:
+        check_int("SlidingConfig", "window", self.window, 1)
 
 
-class SlidingAttention(nn.Module):
-    """Mechanism ``sliding``: each query sees its ``window`` most recent keys, itself included."""
-
-    def __init__(self, cfg: SlidingConfig, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.cfg = cfg
+@register(SlidingConfig, summary="the w most recent keys, the current one included")
+class SlidingAttention(AttentionMechanism):
+    reads_all_keys = False
 
     def new_cache(self) -> RollingKVCache:
         return RollingKVCache(self.cfg.window)
 
-    def forward(self, q, k, v, x, cache=None, router_logits=None):
+    def forward(self, q, k, v, call: AttentionCall, cache=None):
+        offset = 0 if cache is None else cache.dropped  # absolute position of the first key returned
         if cache is not None:
             k, v = cache.update(k, v)
-        return sliding_window_attention(q, k, v, self.cfg.window), None
+        if call.segment_starts is None:
+            return sliding_window_attention(q, k, v, self.cfg.window, scale=call.scale), None
+        mask = segment_pattern(sliding_window(self.cfg.window), call.segment_starts, q.shape[2], k.shape[2], offset)
+        return masked_attention(q, k, v, mask, call.scale), None

@@ -1,0 +1,89 @@
+"""The interface every attention mechanism implements, and what the host layer hands it.
+
+A host attention layer (``allhere.model.Attention`` in our decoder, or a Hugging Face attention module
+converted by ``allhere.hf.convert``) projects q, k, v and applies its rotary embedding; the mechanism
+decides which keys each query reads and returns the attention output. Everything else a mechanism may
+need travels in one ``AttentionCall``. A mechanism brings:
+
+- its config dataclass (frozen, validated, with a ``kind``) and its module class, registered together
+  with ``allhere.registry.register``;
+- ``new_cache()``: the KV cache it decodes with (``allhere.mechanisms.caches`` has the common ones);
+- ``reset_parameters()``: (re-)initialises what it adds to a pretrained full-attention layer (routers,
+  bottlenecks; the constructor calls it); every other weight is the host's and is copied on conversion;
+- ``router_parameters()``: parameters trained with the router learning rate and no weight decay;
+- ``q_extra_rows``: optional rows appended to the host's query projection (one fused matmul), whose
+  outputs arrive as ``call.q_extra``;
+- ``routed``: True when it returns per-token routing (``LayerRouting``) and honours ``forced_gate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """Sizes of the host attention layer."""
+
+    d_model: int  # width of the block input x
+    n_heads: int  # query heads
+    kv_heads: int  # key/value heads (grouped-query attention when fewer than n_heads)
+    head_dim: int  # channels per head
+
+
+@dataclass
+class AttentionCall:
+    """What the host hands its mechanism besides q [b, h, n, d] and k, v [b, kv_heads, n, d]."""
+
+    x: torch.Tensor  # [b, n, d_model] the attention block's input (after the block's norm)
+    segment_starts: torch.Tensor | None = None  # [b, n] first key of each query's segment, -1 = sees nothing
+    scale: float | None = None  # softmax scale; None = 1 / sqrt(head_dim)
+    q_extra: torch.Tensor | None = None  # [b, n, rows] outputs of the mechanism's ``q_extra_rows``
+    # project_kv(h, positions=None) -> (k, v): other inputs through the host's own K/V path (projection,
+    # norms, rotary at ``positions``, by default the new tokens'); None where the host cannot offer it.
+    project_kv: Callable | None = None
+    kv_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # (W_K, W_V) where the host's K/V are plain linear maps
+
+
+class AttentionMechanism(nn.Module):
+    """Base class of every mechanism module. Subclasses set ``routed``, override ``forward`` and, where
+    they add weights or keep a special cache, ``reset_parameters`` / ``router_parameters`` / ``new_cache``."""
+
+    routed = False  # returns LayerRouting and honours ``forced_gate``
+    reads_all_keys = True  # without routing: whether every query reads every preceding token (mu_f 1 or 0)
+    hf_support = True  # whether ``allhere.hf.convert`` may install it in a Hugging Face attention module
+    hf_cache = True  # whether it decodes with transformers' own KV cache (every key kept) on HF models
+
+    def __init__(self, cfg, dims: AttentionDims) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dims = dims
+
+    @property
+    def q_extra_rows(self) -> torch.Tensor | None:
+        return None
+
+    def reset_parameters(self) -> None:
+        """(Re-)initialise the mechanism's own weights; nothing by default."""
+
+    def router_parameters(self) -> list[nn.Parameter]:
+        return []
+
+    def new_cache(self):
+        from .caches import KVCache
+
+        return KVCache()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, cache=None):
+        """Returns (out [b, h, n, d], LayerRouting or None). With ``cache`` the new k, v are added to it
+        first and the queries are the last n positions of everything cached."""
+        raise NotImplementedError
+
+
+def mechanism_layers(model: nn.Module) -> list[AttentionMechanism]:
+    """Every mechanism module of a model (our decoder or a converted Hugging Face model), in layer order."""
+    return [m for m in model.modules() if isinstance(m, AttentionMechanism)]
