@@ -1,4 +1,5 @@
-"""Training objective of seeds/003 Eq. 6: L = L_LM + lambda * L_reg."""
+"""The training objective: L = L_LM + lambda * L_reg (Eq. 6 of the AHA paper, "Learning When Not to Attend
+Globally"); without routed layers L = L_LM."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from .model import DecoderOutput
 class Loss:
     total: torch.Tensor  # L_LM + lambda * L_reg (what to backpropagate)
     lm: torch.Tensor  # next-token cross-entropy, nats per token
-    l_reg: torch.Tensor | None  # mean router score (None without AHA layers)
-    mu_f: torch.Tensor | None  # mean hard gate (None without AHA layers)
+    l_reg: torch.Tensor | None  # mean router score (None without routed layers)
+    mu_f: torch.Tensor | None  # mean hard gate (None without routed layers)
 
 
 def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
@@ -35,7 +36,7 @@ def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, padding_mask: torch.T
     return (ce * keep.flatten()).sum() / keep.sum().clamp_min(1)
 
 
-def aha_loss(out: DecoderOutput, input_ids: torch.Tensor, lam: float, padding_mask: torch.Tensor | None = None,
+def training_loss(out: DecoderOutput, input_ids: torch.Tensor, lam: float, padding_mask: torch.Tensor | None = None,
              loss_mask: torch.Tensor | None = None) -> Loss:
     lm = lm_loss(out.logits, input_ids, padding_mask, loss_mask)
     if out.routing is None:

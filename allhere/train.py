@@ -16,7 +16,7 @@ import torch
 
 from .checkpoint import CheckpointError, read_checkpoint, restore_model, restore_optimizer, save_checkpoint
 from .config import TrainConfig
-from .losses import aha_loss
+from .losses import training_loss
 from .mechanisms.base import mechanism_layers
 from .model import Decoder
 from .routing import routed_layers
@@ -128,7 +128,7 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
             ids, loss_mask, kwargs = unpack_batch(batches(step, micro, step_generator(cfg.seed, step, micro)), cfg.device)
             with autocast:
                 out = model(ids, **kwargs)
-            loss = aha_loss(out, ids, lam, loss_mask=loss_mask)
+            loss = training_loss(out, ids, lam, loss_mask=loss_mask)
             (loss.total / cfg.grad_accum).backward()
             sums["loss"] += loss.total.item() / cfg.grad_accum
             sums["lm"] += loss.lm.item() / cfg.grad_accum

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from allhere import AHAConfig, Decoder, ModelConfig
+from allhere import AHAConfig, Decoder, ModelConfig, routed_layers
 from allhere.analysis.budget import calibrate_tau, set_tau
 
 
@@ -14,6 +14,6 @@ def test_calibrated_tau_hits_the_requested_share_on_the_same_data():
     with torch.no_grad():
         mu = sum(model(b).routing.mu_f().item() for b in batches) / 3
     assert mu == pytest.approx(0.2, abs=0.01)
-    assert all(m.cfg.tau == tau for _, m in model.aha_modules())
+    assert all(m.cfg.tau == tau for _, m in routed_layers(model))
     with pytest.raises(ValueError):
         calibrate_tau(model, batches, 1.5)

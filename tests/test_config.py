@@ -1,7 +1,8 @@
 import pytest
 
-from allhere.config import (AHAConfig, ConfigError, FullConfig, ModelConfig, SlidingConfig, mechanism_from_dict,
-                            mechanism_to_dict)
+from allhere import AHAConfig, ConfigError, FullConfig, ModelConfig, SlidingConfig, TrainConfig
+from allhere.registry import from_dict as mechanism_from_dict
+from allhere.registry import to_dict as mechanism_to_dict
 
 BAD = [
     (SlidingConfig, {"window": 0}, "window"),
@@ -53,3 +54,14 @@ def test_mechanism_from_dict_rejects_unknown_kind_and_field():
         mechanism_from_dict({"kind": "sliding", "wndow": 3})
     with pytest.raises(ConfigError, match="window"):
         mechanism_from_dict({"kind": "sliding", "window": -3})
+
+
+@pytest.mark.parametrize("field,value", [("lr", float("inf")), ("lr", float("nan")), ("lr", 0.0), ("lr", "1e-3"),
+                                         ("clip", float("inf")), ("weight_decay", -0.1), ("lam", float("nan")),
+                                         ("router_lr_mult", 0.0), ("warmup_ratio", 1.0), ("beta2", 1.0),
+                                         ("steps", 0), ("batch_size", 1.5), ("seed", -1), ("device", "tpu"),
+                                         ("device", None)])
+def test_train_config_refuses_bad_values_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=rf"TrainConfig\.{field} = "):
+        TrainConfig(**{field: value})
+    assert TrainConfig(lam=None).lam is None and TrainConfig(clip=0).clip == 0

@@ -5,8 +5,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from allhere import AHAConfig, ConfigError  # noqa: E402
-from allhere.hf import collect_routing, convert, load_pretrained, save_pretrained, set_forced_gate  # noqa: E402
+from allhere import AHAConfig, ConfigError, set_forced_gate  # noqa: E402  (the one set_forced_gate, for HF models too)
+from allhere.hf import collect_routing, convert, load_pretrained, save_pretrained  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
 

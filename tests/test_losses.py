@@ -3,7 +3,7 @@ import math
 import torch
 
 from allhere import AHAConfig, Decoder, ModelConfig
-from allhere.losses import aha_loss, lm_loss
+from allhere.losses import training_loss, lm_loss
 
 
 def test_lm_loss_ignores_padding_and_masked_targets():
@@ -26,6 +26,6 @@ def test_aha_loss_adds_lambda_times_l_reg():
     pad = torch.ones(2, 9, dtype=torch.bool)
     pad[1, 6:] = False
     out = model(ids)
-    loss = aha_loss(out, ids, lam=0.1, padding_mask=pad)
+    loss = training_loss(out, ids, lam=0.1, padding_mask=pad)
     assert torch.allclose(loss.total, loss.lm + 0.1 * out.routing.l_reg(pad))
     assert torch.allclose(loss.mu_f, out.routing.mu_f(pad))

@@ -1,5 +1,9 @@
-"""lm-evaluation-harness integration: ``lm_eval --model allhere --model_args pretrained=PATH`` (after
-``import allhere.eval.harness``) or ``allhere eval``, with mu_f reported next to each task's metrics.
+"""lm-evaluation-harness integration, with mu_f reported next to each task's metrics.
+
+From the shell: ``allhere eval --model PATH --tasks ...`` (lm-eval's own ``lm_eval`` command cannot load
+allhere: it has no plugin entry point for models). From Python: ``import allhere.eval.harness`` registers
+the model name ``allhere`` with lm-eval, then ``lm_eval.simple_evaluate(model="allhere",
+model_args="pretrained=PATH", ...)`` works, or pass ``AllhereLM(PATH)`` as the model.
 
 ``pretrained`` is an allhere checkpoint (``*.safetensors``, byte-level tokens) or a folder with a
 transformers model (converted by allhere to AHA or DAR, or plain). Requests are scored one sequence at a time.
@@ -20,6 +24,7 @@ require("lm_eval", "eval")
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
+from ..routing import routed_layers  # noqa: E402
 from .perplexity import rolling_windows  # noqa: E402
 
 
@@ -66,7 +71,7 @@ class AllhereLM(LM):
             if self.hf:
                 logits = self.model(input_ids=x).logits
                 routing = None
-                if getattr(self.model.config, "allhere_aha", None) is not None:
+                if routed_layers(self.model):
                     from ..hf import collect_routing
 
                     routing = collect_routing(self.model)
