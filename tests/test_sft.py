@@ -11,7 +11,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from allhere.data.chat import FALLBACK_CHAT_TEMPLATE, load_chat, pack, tokenize_conversation  # noqa: E402
 from allhere.data.corpus import DataError  # noqa: E402
 from allhere.hf import HFCausalLM, load_pretrained, sft  # noqa: E402
-from allhere.losses import aha_loss  # noqa: E402
+from allhere.losses import training_loss  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
 
@@ -86,10 +86,10 @@ def test_non_assistant_targets_contribute_nothing(local_model):
     out = model(ids)
     changed = ids.clone()
     changed[~mask] = 7  # every non-assistant target replaced
-    a = aha_loss(out, ids, 3e-4, loss_mask=mask).lm
-    b = aha_loss(out, changed, 3e-4, loss_mask=mask).lm
+    a = training_loss(out, ids, 3e-4, loss_mask=mask).lm
+    b = training_loss(out, changed, 3e-4, loss_mask=mask).lm
     assert torch.equal(a, b)
-    assert not torch.equal(aha_loss(out, ids, 3e-4).lm, aha_loss(out, changed, 3e-4).lm)
+    assert not torch.equal(training_loss(out, ids, 3e-4).lm, training_loss(out, changed, 3e-4).lm)
 
 
 def test_packed_conversations_attend_only_to_themselves(local_model):
