@@ -5,7 +5,7 @@ pattern. Indices are absolute token positions. Predicates work on broadcastable 
 they are written with tensor operators (``&``, ``|``), never ``and``/``or``.
 
 The one window definition of the project: window ``w`` = the ``w`` most recent keys including the
-current token, i.e. ``0 <= q_idx - kv_idx < w`` (seeds/003 Eq. 4; Hugging Face ``sliding_window=w``;
+current token, i.e. ``0 <= q_idx - kv_idx < w`` (Eq. 4 of the AHA paper; Hugging Face ``sliding_window=w``;
 flash-attn ``window_size=(w - 1, 0)``).
 """
 

@@ -4,8 +4,8 @@
 # to $OUT (the device tool's folder) or runs/gpu. Parts, in order (default: all of them):
 #   tests  the CUDA tests: kernels compiled for real, bf16 against the fp32 reference (~1-2 min)
 #   tiles  benchmarks/kernel_tiles.py: block sizes / warps / stages / decode split of the Triton kernels
-#   bench  allhere bench: issue 6's prefill / decode / training table against the fastest dense SDPA
-#   sft    benchmarks/sft_throughput.py --device cuda: issue 4's SFT tokens/s, AHA vs SDPA (one document
+#   bench  allhere bench: the prefill / decode / training table against the fastest dense SDPA
+#   sft    benchmarks/sft_throughput.py --device cuda: SFT tokens/s, AHA vs SDPA (one document
 #          per row, then packed documents of 512 tokens)
 # A device call has 10 minutes: run them as three calls (each part's time is a guess: never run on a GPU),
 #   bash benchmarks/gpu_session.sh tests tiles

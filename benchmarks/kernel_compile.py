@@ -12,7 +12,7 @@ left out (a stand-in driver reports the target, and every launch becomes a compi
 the check that the kernels build for a real GPU with the Triton installed here (the CPU test suite runs
 them in Triton's interpreter, which is not the compiler). It measures no speed.
 
-Shapes follow issue 6 unless told otherwise: head dim 128, bf16, w = 256, GQA (8 query heads on 2 kv heads).
+Shapes follow the speed goals unless told otherwise: head dim 128, bf16, w = 256, GQA (8 query heads on 2 kv heads).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A token-level HTML page (seeds/003 Fig. 1): each token coloured by how many heads went global on it."""
+"""A token-level HTML page (Fig. 1 of the AHA paper): each token coloured by how many heads went global on it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Layer x head heatmaps of mu_f (seeds/003 Fig. 3)."""
+"""Layer x head heatmaps of mu_f (Fig. 3 of the AHA paper)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def usage_heatmaps(panels: dict[str, list[list[float]]], path: str | Path, layer
 
 
 def sorted_usage_curve(curves: dict[str, list[float]], path: str | Path) -> Path:
-    """mu_f of every head, busiest first (seeds/003 Fig. 4); one line per entry."""
+    """mu_f of every head, busiest first (Fig. 4 of the AHA paper); one line per entry."""
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
     for name, values in curves.items():

@@ -1,4 +1,4 @@
-"""The static baseline of seeds/003 Table 5: rank heads by mu_f, fix the top k to full attention and the
+"""The static baseline of the AHA paper's Table 5: rank heads by mu_f, fix the top k to full attention and the
 rest to the window, with the same weights; compare with the dynamic router at the same budget."""
 
 from __future__ import annotations

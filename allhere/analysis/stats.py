@@ -1,4 +1,4 @@
-"""Routing statistics over a dataset (seeds/003 section 3.3): mu_f per layer x head (Fig. 3), the average
+"""Routing statistics over a dataset (section 3.3 of the AHA paper): mu_f per layer x head (Fig. 3), the average
 gap between consecutive full-attention calls of each head (Table 3), heads sorted by usage (Fig. 4) and
 the share of all full-attention use taken by the busiest heads.
 """

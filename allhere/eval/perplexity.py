@@ -3,7 +3,7 @@
 Each document is read in windows of ``seq_len`` tokens that advance by ``stride``: the first window
 scores all its tokens, every later window scores only the tokens no earlier window scored, each with at
 least ``seq_len - stride`` tokens of context. Documents are scored separately (no context crosses a
-document boundary). ``min_len`` skips documents shorter than it (seeds/003 drops samples shorter than
+document boundary). ``min_len`` skips documents shorter than it (the AHA paper drops samples shorter than
 the window, so that the window is really in force).
 """
 

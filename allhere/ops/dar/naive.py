@@ -1,4 +1,4 @@
-"""Dense reference of DAR attention (seeds/001 Eqs. 1-4): one softmax over near and far keys."""
+"""Dense reference of DAR attention (Eqs. 1-4 of the DAR paper, arXiv:2606.18587): one softmax over near and far keys."""
 
 from __future__ import annotations
 
