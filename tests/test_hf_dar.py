@@ -1,4 +1,6 @@
-"""DAR on Hugging Face models, offline: tiny random-weight configs (the families of test_hf), no downloads."""
+"""DAR on Hugging Face models, offline: tiny random-weight configs (the families of test_hf), no downloads.
+The compressed KV cache (rolling full K/V + latents, inside transformers' Cache API) is checked against
+uncached forwards and generations."""
 
 import pytest
 import torch
@@ -6,7 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from allhere import ConfigError, DARConfig  # noqa: E402
-from allhere.hf import convert, load_pretrained, save_pretrained  # noqa: E402
+from allhere.hf import cache_nbytes, convert, load_pretrained, new_cache, save_pretrained  # noqa: E402
+from allhere.hf.cache import DARCacheLayer  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
 from test_hf import FAMILIES, build  # noqa: E402
@@ -55,19 +58,94 @@ def test_uniform_reduction_equals_transformers_with_folded_projections(name):
         assert rel_err(model(ids).logits, oracle(ids).logits) < 1e-5
 
 
+GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=2)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "olmo2", "gpt_neox"])  # k norms; partial rotary, fused qkv
+def test_cached_greedy_generation_equals_uncached(name):
+    model = convert(build(name), DARConfig(window=3, d_down=12))
+    prompt = torch.randint(3, 97, (2, 7))
+    with torch.no_grad():
+        uncached = model.generate(prompt, use_cache=False, **GREEDY)
+        out = model.generate(prompt, return_dict_in_generate=True, **GREEDY)  # the cache by default
+        given = model.generate(prompt, past_key_values=new_cache(model), **GREEDY)
+    assert torch.equal(out.sequences, uncached) and torch.equal(given, uncached)
+    cache = out.past_key_values
+    assert all(isinstance(layer, DARCacheLayer) for layer in cache.layers)  # generate's cache, adopted
+    assert cache.get_seq_length() == 16 and cache.layers[0].keys.shape[2] == 3  # 7 + 10 - 1 tokens
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("window", [0, 4, 30])
+def test_chunked_prefill_and_decode_equal_full_forward(name, window):
+    model = convert(build(name), DARConfig(window=window, d_down=12))
+    ids = torch.randint(3, 97, (2, 20))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        first = model(ids[:, :7], use_cache=True)  # a cache transformers built, adopted on this call
+        parts, cache = [first.logits], first.past_key_values
+        parts.append(model(ids[:, 7:12], past_key_values=cache).logits)
+        parts += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(12, 20)]
+        own = new_cache(model)  # built up front
+        again = torch.cat([model(ids[:, :9], past_key_values=own).logits, model(ids[:, 9:], past_key_values=own).logits], 1)
+    assert rel_err(torch.cat(parts, 1), full) < 1e-5 and rel_err(again, full) < 1e-5
+    assert cache.get_seq_length() == own.get_seq_length() == 20
+
+
+def test_cache_holds_window_full_kv_and_latents_only():
+    """Exactly w tokens' full K/V + every token's latent (and int32 position) per layer, counted as storage
+    bytes, against the every-key DynamicCache the original model fills."""
+    w, d_down, b, t = 4, 8, 2, 64
+    model = convert(build("llama"), DARConfig(window=w, d_down=d_down))
+    ids = torch.randint(3, 97, (b, t))
+    with torch.no_grad():
+        dynamic = build("llama")(ids, use_cache=True).past_key_values
+        cache = new_cache(model)
+        model(ids[:, :40], past_key_values=cache)
+        for i in range(40, t):
+            model(ids[:, i:i + 1], past_key_values=cache)
+    layers, kv_dim, f32 = 2, 2 * 16, 4  # 2 kv heads x head_dim 16
+    assert cache_nbytes(dynamic) == layers * 2 * b * t * kv_dim * f32
+    assert cache_nbytes(cache) == layers * (2 * b * w * kv_dim * f32 + b * t * (d_down * f32 + 4))
+    assert cache_nbytes(cache) / cache_nbytes(dynamic) < 0.25  # per further token: 36 bytes instead of 256
+    layer = cache.layers[0]
+    assert layer.keys.shape == (b, 2, w, 16) and layer.latent.shape == (b, t, d_down)
+
+
+def test_left_padded_batch_with_the_cache_equals_each_prompt_alone():
+    model = convert(build("qwen3"), DARConfig(window=3, d_down=12))
+    a, b = torch.randint(3, 97, (1, 10)), torch.randint(3, 97, (1, 6))
+    ids = torch.full((2, 10), 2)
+    ids[0], ids[1, 4:] = a[0], b[0]  # left padding: rotary positions of row 1 start after it
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        alone = [model.generate(p, **GREEDY)[0, p.shape[1]:] for p in (a, b)]
+        batched = model.generate(ids, attention_mask=mask, **GREEDY)[:, 10:]
+        uncached = model.generate(ids, attention_mask=mask, use_cache=False, **GREEDY)[:, 10:]
+    assert torch.equal(batched[0], alone[0]) and torch.equal(batched[1], alone[1])
+    assert torch.equal(batched, uncached)
+
+
+def test_beam_search_reorders_the_cache():
+    model = convert(build("llama"), DARConfig(window=3, d_down=12))
+    prompt = torch.randint(3, 97, (2, 6))
+    kw = dict(GREEDY, num_beams=3)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, **kw), model.generate(prompt, use_cache=False, **kw))
+
+
 def test_save_load_generate_and_padding(tmp_path):
     model = convert(build("qwen3"), DARConfig(window=3, d_down=16))
+    assert model.config.use_cache and model.generation_config.use_cache  # not switched off any more
     save_pretrained(model, tmp_path / "m")
     again = load_pretrained(tmp_path / "m").eval()
     ids = torch.randint(3, 97, (2, 20))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
         assert again.config.allhere_mechanism == model.config.allhere_mechanism
-        out = again.generate(ids[:, :6], max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=2)
-        assert out.shape == (2, 11)  # no cache by default after conversion
-        cached = again(ids, use_cache=True).past_key_values  # a prefill needs no cached keys...
-        with pytest.raises(RuntimeError, match="use_cache=False"):
-            again(ids[:, -1:], past_key_values=cached, use_cache=True)  # ...the next step would
+        kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=2)
+        assert torch.equal(again.generate(ids[:, :6], **kw), model.generate(ids[:, :6], use_cache=False, **kw))
         a, b = ids[:1, :12], ids[1:, :7]
         padded = torch.full((2, 12), 2)
         padded[0], padded[1, 5:] = a[0], b[0]  # left padding
@@ -76,6 +154,20 @@ def test_save_load_generate_and_padding(tmp_path):
         batched = model(padded, attention_mask=mask).logits
         assert rel_err(batched[0], model(a).logits[0]) < 1e-5
         assert rel_err(batched[1, 5:], model(b).logits[0]) < 1e-5
+
+
+def test_a_cache_holding_every_key_is_refused():
+    model = convert(build("llama"), DARConfig(window=3, d_down=16))
+    ids = torch.randint(3, 97, (2, 12))
+    with torch.no_grad():
+        full = build("llama")(ids[:, :-1], use_cache=True).past_key_values  # a DynamicCache with every key
+        with pytest.raises(RuntimeError, match="own compressed cache.*DynamicCache holding every key"):
+            model(ids[:, -1:], past_key_values=full)
+        empty = transformers.DynamicCache()  # an empty one is fine: it becomes the compressed cache
+        model(ids, past_key_values=empty)
+        assert isinstance(empty.layers[0], DARCacheLayer)
+    with pytest.raises(ValueError, match="no allhere mechanisms"):
+        new_cache(build("llama"))
 
 
 def test_bad_input():

@@ -9,9 +9,10 @@ from .._optional import require
 require("transformers", "hf")
 
 from ..routing import set_forced_gate  # noqa: E402
+from .cache import cache_nbytes, new_cache  # noqa: E402
 from .convert import SUPPORTED_MODEL_TYPES, collect_routing, convert, converted_mechanism  # noqa: E402
 from .io import load_pretrained, save_pretrained  # noqa: E402
 from .sft import HFCausalLM, sft  # noqa: E402
 
-__all__ = ["HFCausalLM", "SUPPORTED_MODEL_TYPES", "collect_routing", "convert", "converted_mechanism",
-           "load_pretrained", "save_pretrained", "set_forced_gate", "sft"]
+__all__ = ["HFCausalLM", "SUPPORTED_MODEL_TYPES", "cache_nbytes", "collect_routing", "convert", "converted_mechanism",
+           "load_pretrained", "new_cache", "save_pretrained", "set_forced_gate", "sft"]

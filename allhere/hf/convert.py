@@ -8,6 +8,8 @@ function and mask function registered under ``allhere`` (``allhere.hf.attention`
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from .. import registry
@@ -29,16 +31,25 @@ SUPPORTED_MODEL_TYPES = {
 }
 
 
+def _at(model, path: str):
+    for part in path.split("."):
+        model = getattr(model, part)
+    return model
+
+
 def attention_modules(model) -> list[torch.nn.Module]:
     model_type = getattr(model.config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"unsupported architecture {model_type!r}: allhere converts "
                           f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
     path, attr = SUPPORTED_MODEL_TYPES[model_type]
-    layers = model
-    for part in path.split("."):
-        layers = getattr(layers, part)
-    return [getattr(layer, attr) for layer in layers]
+    return [getattr(layer, attr) for layer in _at(model, path)]
+
+
+def rotary_module(model):
+    """The model's rotary embedding module (``rotary_emb`` beside the decoder layers), or None."""
+    path = SUPPORTED_MODEL_TYPES[model.config.model_type][0]
+    return getattr(_at(model, path.rpartition(".")[0]), "rotary_emb", None)
 
 
 def dims_of(config) -> AttentionDims:
@@ -63,6 +74,11 @@ def convert(model, cfg):
     and DAR's orthonormal bottleneck with d_down = d make the converted model compute what the original
     computed. A sliding window the original config may carry is switched off: the mechanism decides what
     each query reads.
+
+    KV cache: transformers' own (every key kept) for mechanisms that decode with it; a mechanism with its
+    own cache layer (``new_hf_cache_layer``: DAR's compressed cache) gets it inside transformers' Cache
+    (``allhere.hf.cache``), ``generate`` included; ``use_cache`` is switched off only for a mechanism
+    that has neither.
     """
     entry = registry.of(cfg)
     modules = attention_modules(model)
@@ -76,18 +92,19 @@ def convert(model, cfg):
                           + (" (router='qproj' would change q_proj's shape; use router='linear')"
                              if built[0].q_extra_rows is not None else ""))
     register()
+    hook = partial(stash_call, rotary=rotary_module(model))  # K/V at other positions need the model's rotary
     for attn, mech in zip(modules, built):
         ref = next(attn.parameters())
         mech.to(device=ref.device, dtype=ref.dtype)
         mech.hf_call = mech.hf_captured = mech.last_routing = None
         attn.add_module(SUBMODULE, mech)
-        attn.register_forward_pre_hook(stash_call, with_kwargs=True)
+        attn.register_forward_pre_hook(hook, with_kwargs=True)
     config = model.config
     if getattr(config, "sliding_window", None) is not None:
         config.sliding_window = None
     if getattr(config, "use_sliding_window", False):
         config.use_sliding_window = False
-    if not entry.module.hf_cache:  # decodes only with a cache transformers does not provide
+    if not entry.module.hf_cache and not hasattr(entry.module, "new_hf_cache_layer"):  # no cache it could use
         config.use_cache = False
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.use_cache = False

@@ -13,7 +13,9 @@ need travels in one ``AttentionCall``. A mechanism brings:
 - ``router_parameters()``: parameters trained with the router learning rate and no weight decay;
 - ``q_extra_rows``: optional rows appended to the host's query projection (one fused matmul), whose
   outputs arrive as ``call.q_extra``;
-- ``routed``: True when it returns per-token routing (``LayerRouting``) and honours ``forced_gate``.
+- ``routed``: True when it returns per-token routing (``LayerRouting``) and honours ``forced_gate``;
+- on Hugging Face models, either transformers' own KV cache (``hf_cache = True``: every key kept) or,
+  optionally, its own transformers cache layer (``new_hf_cache_layer()``, as DAR's compressed cache).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class AttentionCall:
     scale: float | None = None  # softmax scale; None = 1 / sqrt(head_dim)
     q_extra: torch.Tensor | None = None  # [b, n, rows] outputs of the mechanism's ``q_extra_rows``
     # project_kv(h, positions=None) -> (k, v): other inputs through the host's own K/V path (projection,
-    # norms, rotary at ``positions``, by default the new tokens'); None where the host cannot offer it.
+    # norms, rotary at ``positions``, by default the new tokens'), in our decoder and on HF models alike.
     project_kv: Callable | None = None
     kv_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # (W_K, W_V) where the host's K/V are plain linear maps
 

@@ -16,7 +16,8 @@ class KVCache:
         return 0 if self.k is None else self.k.shape[2]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+        """Bytes of the storage the cache keeps alive."""
+        return sum(t.untyped_storage().nbytes() for t in (self.k, self.v) if t is not None)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tokens' k, v and return all keys and values to attend to."""
@@ -37,6 +38,8 @@ class RollingKVCache(KVCache):
         """Return the kept keys followed by the new ones (contiguous positions), then keep the last ``window``."""
         k_all = k if self.k is None else torch.cat([self.k, k], dim=2)
         v_all = v if self.v is None else torch.cat([self.v, v], dim=2)
-        self.dropped += max(0, k_all.shape[2] - self.window)
-        self.k, self.v = k_all[:, :, -self.window:], v_all[:, :, -self.window:]
+        over = k_all.shape[2] - self.window
+        self.dropped += max(0, over)
+        # A slice would keep the whole longer tensor (e.g. a prefill's) alive: keep a copy of the window.
+        self.k, self.v = (t[:, :, -self.window:].clone() if over > 0 else t for t in (k_all, v_all))
         return k_all, v_all

@@ -15,6 +15,11 @@ families with q/k norms) the host's own K/V path runs on h' = c W_up. Trade-off:
 numbers per token instead of 2 x kv_heads x head_dim, and each step spends about 2 x d_down x kv_dim
 multiply-adds per cached token where a plain cache only reads. RoPE rotates keys by their position after
 the projection, so rotated distant keys could only be cached by giving the memory saving back.
+
+On Hugging Face models the same cache lives in transformers' Cache API: ``new_hf_cache_layer()`` gives
+the layer (``allhere.hf.cache.DARCacheLayer``: rolling full K/V the attention module updates itself,
+the latent and position of every token), and the distant K/V of cached tokens are rebuilt through the
+module's own K/V path at their own positions (``AttentionCall.project_kv(h, positions)``).
 """
 
 from __future__ import annotations
@@ -83,6 +88,10 @@ class DARCache:
         k_near, v_near = (k, v) if self.near is None else self.near.update(k, v)
         return k_near, v_near, self.latent
 
+    def positions(self) -> torch.Tensor:
+        """[tokens] the position of every cached latent, as the host's ``project_kv`` takes them."""
+        return torch.arange(len(self), device=self.latent.device)
+
 
 def cache_bytes(tokens: int, d_model: int, heads: int, kv_heads: int, d_down: int, window: int, dtype,
                 chunk: int = 4096) -> tuple[int, int]:
@@ -101,9 +110,11 @@ def cache_bytes(tokens: int, d_model: int, heads: int, kv_heads: int, d_down: in
 
 @register(DARConfig, summary="full K/V near the query, a d_down bottleneck far from it")
 class DARAttention(AttentionMechanism):
-    """Needs the host's K/V path (``call.project_kv``) for the distant keys and values."""
+    """Needs the host's K/V path (``call.project_kv``) for the distant keys and values. Decodes with a
+    ``cache`` offering ``DARCache``'s interface (``update(k, v, latent)``, ``positions()``, ``absorbed``):
+    a ``DARCache``, or on Hugging Face models a call's view of ``allhere.hf.cache.DARCacheLayer``."""
 
-    hf_cache = False  # its compressed cache is not one of transformers' caches: HF models run uncached
+    hf_cache = False  # not transformers' own every-key cache: it brings its layer (``new_hf_cache_layer``)
 
     def __init__(self, cfg: DARConfig, dims: AttentionDims) -> None:
         super().__init__(cfg, dims)
@@ -122,18 +133,24 @@ class DARAttention(AttentionMechanism):
     def new_cache(self) -> DARCache:
         return DARCache(self.cfg.window)
 
+    def new_hf_cache_layer(self):
+        """The same compressed cache as a transformers cache layer, for converted Hugging Face models."""
+        from ..hf.cache import DARCacheLayer
+
+        return DARCacheLayer(self.cfg.window)
+
     def forward(self, q, k, v, call: AttentionCall, cache=None):
         if call.project_kv is None:
             raise ValueError("DAR needs the host's K/V projection (AttentionCall.project_kv)")
         latent = self.down(call.x)
         if cache is None and k.shape[2] != q.shape[2]:
-            raise RuntimeError("DAR decodes only with its own compressed cache (DARCache), not with keys cached by "
-                               "the host: call a converted Hugging Face model with use_cache=False")
+            raise RuntimeError("DAR decodes only with its own compressed cache (DARCache; on Hugging Face models "
+                               "the layers of allhere.hf.new_cache), not with every key cached by the host")
         if cache is None:
             k_far, v_far = call.project_kv(self.up(latent))
             return dar_attention(q, k, v, k_far, v_far, self.cfg.window, call.scale, self._mask(call, q, k)), None
         k_near, v_near, latents = cache.update(k, v, latent)
-        positions = torch.arange(latents.shape[1], device=latents.device)
+        positions = cache.positions()
         if call.kv_weights is not None:  # plain linear K/V: absorb W_up once, project the latents directly
             if cache.absorbed is None:
                 cache.absorbed = tuple(w @ self.up.weight for w in call.kv_weights)

@@ -1,0 +1,168 @@
+"""Mechanisms with their own KV cache on Hugging Face models, through transformers' Cache API.
+
+A mechanism whose cache is not transformers' every-key ``DynamicLayer`` (DAR keeps full K/V of the last
+``window`` tokens and a d_down latent per token) defines ``new_hf_cache_layer()``: a transformers cache
+layer (``CacheLayerMixin``) that the attention module updates itself (``past_key_values.update``, before
+the attention function) and whose ``for_call(position_ids)`` gives what the mechanism decodes with
+(its ``forward(..., cache=)``).
+
+Where such layers come from:
+
+- ``generate`` and a forward with ``use_cache=True`` build transformers' own ``DynamicCache``; each of
+  its layers that was empty before the call is replaced by the mechanism's layer on the first forward
+  (``own_layer``), so the cache a converted model returns, and decodes with, is the compressed one. No
+  ``generate`` or ``forward`` is patched; the one transient cost: the prompt's full K/V of one layer
+  stay alive until that layer's attention function runs.
+- ``new_cache(model)`` builds the cache up front (pass it as ``past_key_values=``).
+
+A cache that already holds every key of earlier calls (a ``DynamicCache`` filled by another model) is
+refused with an error: its keys carry no latents to rebuild distant K/V from.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..mechanisms.base import mechanism_layers
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    """Bytes of the storage behind ``t`` (a view holding a larger tensor alive counts it all)."""
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+class DARCacheLayer(DynamicLayer):
+    """One DAR layer's cache: ``keys`` / ``values`` hold the full K/V of the last ``window`` tokens (a rolling
+    buffer), ``latent`` [b, tokens, d_down] and ``positions`` [b, tokens] (int32, the rotary position of
+    each token, per row: left padding shifts them) of every token.
+
+    Trade-off: per token d_down numbers (+ one int32) instead of 2 x kv_heads x head_dim. In exchange, at
+    every call the distant K/V of every cached token are rebuilt, one layer at a time: h' = c W_up
+    (d_down x d multiply-adds per token), then the attention module runs whole on h' at the tokens' own
+    positions (its q/k norms, partial rotary, biases included; its query and output projections too,
+    since the module is called as it is), where a full cache only reads. Absorbing W_up into W_K / W_V,
+    as ``DARCache`` does for our own decoder, is not possible through a module with k norms."""
+
+    is_croppable = False  # dropped full K/V cannot come back
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+        self.cumulative_length = 0  # tokens seen (zeroed by ``reset``)
+        self.latent: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Return the kept keys/values followed by the new ones (contiguous positions, the last ones), then
+        keep (copies of) the last ``window``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        start = keys.shape[-2] - min(self.window, keys.shape[-2])
+        self.keys, self.values = keys[..., start:, :].clone(), values[..., start:, :].clone()
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def add_latents(self, latent: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Append this call's latents [b, n, d_down] at ``position_ids`` ([1 or b, n]; None: after the
+        cached tokens); return every latent."""
+        b, n, _ = latent.shape
+        if position_ids is None:
+            seen = 0 if self.latent is None else self.latent.shape[1]
+            position_ids = torch.arange(seen, seen + n, device=latent.device)
+        pos = position_ids.to(torch.int32).reshape(-1, n).expand(b, n)
+        self.latent = latent if self.latent is None else torch.cat([self.latent, latent], dim=1)
+        self.positions = pos.contiguous() if self.positions is None else torch.cat([self.positions, pos], dim=1)
+        return self.latent
+
+    def for_call(self, position_ids: torch.Tensor | None) -> DARCall:
+        return DARCall(self, position_ids)
+
+    def nbytes(self) -> int:
+        return sum(nbytes(t) for t in (self.keys, self.values, self.latent, self.positions))
+
+    def _per_row(self, pick) -> None:
+        """Apply ``pick`` to the batch dimension of every tensor held (beam search, batch selection)."""
+        if self.is_initialized:
+            self.keys, self.values = pick(self.keys), pick(self.values)
+        if self.latent is not None:
+            self.latent, self.positions = pick(self.latent), pick(self.positions)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._per_row(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._per_row(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._per_row(lambda t: t[indices, ...])
+
+    def reset(self) -> None:
+        self.latent = self.positions = None
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError("a DAR cache cannot be cropped: the full K/V it dropped cannot come back")
+
+
+class DARCall:
+    """What ``DARAttention`` decodes with for one call on a Hugging Face model (the interface of
+    ``DARCache``): the attention module already put this call's K/V into the layer, ``update`` adds the
+    latents."""
+
+    def __init__(self, layer: DARCacheLayer, position_ids: torch.Tensor | None) -> None:
+        self.layer, self.position_ids = layer, position_ids
+        self.absorbed = None  # W_up is never absorbed here: the host's K/V path runs on h' = c W_up
+
+    def update(self, k, v, latent):
+        """k, v: what the layer's ``update`` returned (kept + new); returns (k, v, all latents)."""
+        return k, v, self.layer.add_latents(latent, self.position_ids)
+
+    def positions(self) -> torch.Tensor:
+        return self.layer.positions
+
+
+def own_layer(cache: Cache, layer_idx: int, mech, new_tokens: int, key: torch.Tensor, value: torch.Tensor):
+    """The mechanism's own layer of ``cache`` at ``layer_idx``, or None when the mechanism decodes with
+    transformers' own layers. The attention module has just updated the layer with this call's
+    ``new_tokens`` tokens and handed over ``key``, ``value``: an ordinary layer that was empty before
+    this call (then ``key``, ``value`` are the new tokens') is replaced by the mechanism's, holding the
+    same tokens; one holding earlier keys is refused."""
+    make = getattr(mech, "new_hf_cache_layer", None)
+    if make is None:
+        return None
+    layer = cache.layers[layer_idx]
+    if hasattr(layer, "for_call"):
+        return layer
+    if not isinstance(layer, DynamicLayer) or layer.get_seq_length() != new_tokens:
+        raise RuntimeError(f"{type(mech).__name__} decodes with its own compressed cache, not with a "
+                           f"{type(cache).__name__} holding every key ({type(layer).__name__}, "
+                           f"{layer.get_seq_length() - new_tokens} earlier tokens): start from past_key_values="
+                           "None, an empty DynamicCache or allhere.hf.new_cache(model)")
+    fresh = make()
+    fresh.update(key, value)
+    cache.layers[layer_idx] = fresh
+    return fresh
+
+
+def new_cache(model) -> Cache:
+    """An empty transformers ``Cache`` for a converted model: each layer the mechanism's own
+    (``new_hf_cache_layer``) or transformers' ``DynamicLayer``. Pass it as ``past_key_values=`` to
+    ``generate`` or ``forward``; ``generate`` builds an equivalent one by itself."""
+    mechs = mechanism_layers(model)
+    if not mechs:
+        raise ValueError("this model has no allhere mechanisms: convert it with allhere.hf.convert first")
+    make = [getattr(m, "new_hf_cache_layer", DynamicLayer) for m in mechs]
+    return Cache(layers=[m() for m in make])
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes held by a transformers cache: storage of every layer's tensors."""
+    return sum(layer.nbytes() if hasattr(layer, "nbytes") else nbytes(layer.keys) + nbytes(layer.values)
+               for layer in cache.layers)
