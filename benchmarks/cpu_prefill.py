@@ -2,8 +2,8 @@
 
     python benchmarks/cpu_prefill.py            # 16 heads x 64 dims, w = 256, mu_f ~ 7%, n in {2k, 8k}
 
-Prints, per sequence length and gate pattern: dense SDPA time, AHA fast-path time, the speed-up and the
-FLOP limit 1 / (mu + 2 (1 - mu) w / n). Each time is the median of --repeats runs after one warm-up.
+Prints, per sequence length and gate pattern: dense SDPA time, AHA time (``aha_attention`` on backend
+"torch", the PyTorch path), the speed-up and the FLOP limit 1 / (mu + 2 (1 - mu) w / n). Each time is the median of --repeats runs after one warm-up.
 Before timing, the fast path is checked against the dense reference at the smallest length.
 
     python benchmarks/cpu_prefill.py --training --lengths 2048 4096   # forward + backward instead
@@ -18,11 +18,16 @@ import platform
 import torch
 import torch.nn.functional as F
 
-from allhere.bench.gates import PATTERNS, flop_limit
-from allhere.bench.timing import median_time
+from allhere.experiments.gates import PATTERNS, flop_limit
+from allhere.experiments.timing import median_time
 from allhere.masks import segment_starts
-from allhere.mechanisms.aha import straight_through
-from allhere.ops.aha import aha_attention_fast, aha_attention_naive
+from allhere.ops.aha import aha_attention, aha_attention_naive
+from allhere.ops.aha.fast import aha_attention_torch
+from allhere.ops.ste import straight_through
+
+
+def fast(q, k, v, gate, window, **kw):
+    return aha_attention(q, k, v, gate, window, backend="torch", **kw)
 
 
 def main(argv=None) -> None:
@@ -51,7 +56,7 @@ def main(argv=None) -> None:
     n0 = min(a.lengths)  # correctness before speed
     q, k, v = (torch.randn(1, a.heads, n0, a.dim) for _ in range(3))
     gate = PATTERNS[a.patterns[0]](1, a.heads, n0, a.mu)
-    err = (aha_attention_fast(q, k, v, gate, a.window) - aha_attention_naive(q, k, v, gate, a.window)).abs().max()
+    err = (fast(q, k, v, gate, a.window) - aha_attention_naive(q, k, v, gate, a.window)).abs().max()
     print(f"# check at n={n0}: max |fast - reference| = {err.item():.2e}")
     if err > 1e-4:
         raise SystemExit("fast path disagrees with the reference")
@@ -65,14 +70,15 @@ def main(argv=None) -> None:
             for name in a.patterns:
                 gate = PATTERNS[name](1, a.heads, n, a.mu)
                 mu = gate.float().mean().item()
-                t_aha = median_time(lambda: aha_attention_fast(q, k, v, gate, a.window), a.repeats)
+                t_aha = median_time(lambda: fast(q, k, v, gate, a.window), a.repeats)
                 print(f"| {n} | {name} | {mu:.3f} | {t_dense * 1e3:.1f} | {t_aha * 1e3:.1f} | "
                       f"{t_dense / t_aha:.2f}x | {flop_limit(mu, a.window, n):.1f}x |", flush=True)
 
 
 def training_table(a) -> None:
-    """Forward + backward: dense causal SDPA against AHA with the straight-through gate, its backward
-    dense (both outputs with autograd) and sparse (autograd only through the outputs used)."""
+    """Forward + backward: dense causal SDPA against AHA with the straight-through gate on the PyTorch
+    path, its backward dense (both outputs with autograd; what it picks on CUDA) and sparse (autograd only
+    through the outputs used; what it picks off CUDA)."""
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, heads={a.heads}, dim={a.dim}, "
           f"w={a.window}, fp32, B=1, forward + backward")
     print("| n | gates | mu_f | dense SDPA ms | AHA dense backward ms | AHA sparse backward ms | dense / sparse |")
@@ -89,8 +95,9 @@ def training_table(a) -> None:
             gate = PATTERNS[name](1, a.heads, n, a.mu)
             s = (gate.float() * 0.5 + 0.25).requires_grad_()  # s > 0.5 exactly where the gate is global
             ste = lambda: straight_through(s, 0.5)  # noqa: E731
-            times = [median_time(lambda: step(lambda: aha_attention_fast(q, k, v, ste(), a.window,
-                                                                          sparse_backward=sb), s), a.repeats)
+            scale = a.dim ** -0.5
+            times = [median_time(lambda: step(lambda: aha_attention_torch(q, k, v, ste(), a.window, scale,
+                                                                           sparse_backward=sb), s), a.repeats)
                      for sb in (False, True)]
             print(f"| {n} | {name} | {gate.float().mean().item():.3f} | {t_dense * 1e3:.1f} | {times[0] * 1e3:.1f} | "
                   f"{times[1] * 1e3:.1f} | {t_dense / times[1]:.2f}x |", flush=True)
@@ -115,11 +122,11 @@ def padded_table(a) -> None:
             t_sdpa = median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), a.repeats)
             for name in a.patterns:
                 gate = PATTERNS[name](4, a.heads, n, a.mu)
-                fast = lambda: aha_attention_fast(q, k, v, gate, a.window, row_start=starts)  # noqa: E731
+                per_segment = lambda: fast(q, k, v, gate, a.window, row_start=starts)  # noqa: E731
                 ref = aha_attention_naive(q, k, v, gate, a.window, mask=mask)
-                err = (fast() - ref).abs().max().item()
+                err = (per_segment() - ref).abs().max().item()
                 t_ref = median_time(lambda: aha_attention_naive(q, k, v, gate, a.window, mask=mask), a.repeats)
-                t_fast = median_time(fast, a.repeats)
+                t_fast = median_time(per_segment, a.repeats)
                 print(f"| {n} | {name} | {t_sdpa * 1e3:.0f} | {t_ref * 1e3:.0f} | {t_fast * 1e3:.0f} | "
                       f"{t_ref / t_fast:.1f}x | {err:.1e} |", flush=True)
 

@@ -1,11 +1,14 @@
 """Tile settings of the Triton kernels, timed side by side: which block sizes, warps and stages (and the
-decode split) should be the defaults on this GPU. Each setting's result is first checked against the
-default setting's; a setting the GPU cannot run (shared memory, registers) is listed as failed.
+decode split) should be the defaults on this GPU. Each setting's results (prefill and decode outputs;
+training output and dQ, dK, dV) are first checked against the dense fp32 reference
+(``aha_attention_naive`` on fp32 copies of the same inputs) by relative error: a setting over the
+tolerance (bf16: 2e-2, as tests/test_gpu.py; fp32 in the interpreter: 1e-4) is marked WRONG, one the
+GPU cannot run (shared memory, registers) failed.
 
     python benchmarks/kernel_tiles.py            # CUDA: prefill n = 32k, training n = 16k, decode B = 8
     python benchmarks/kernel_tiles.py --smoke    # no GPU: tiny sizes in Triton's interpreter (checks the script)
 
-Shapes follow issue 6: 16 heads, head dim 128, bf16, w = 256, long-tailed gates at mu_f = 7%.
+Shapes: 16 heads, head dim 128, bf16, w = 256, long-tailed gates at mu_f = 7%.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from allhere.bench.gates import long_tailed  # noqa: E402
-from allhere.bench.timing import median_time  # noqa: E402
+from allhere.experiments.gates import long_tailed  # noqa: E402
+from allhere.experiments.timing import median_time  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
-from tile_settings import BLOCK_TILES, DECODE_TILES, DKDV_TILES  # noqa: E402 -- benchmarks/tile_settings.py
+from allhere.ops.aha import aha_attention_naive  # noqa: E402
+from allhere.kernels.tiles import BLOCK_TILES, DECODE_TILES, DKDV_TILES  # noqa: E402
 
 
 def qkv(b, h, n, d, device, dtype, grad=False, seed=0):
@@ -35,27 +39,50 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def sweep(name, settings, call, device, repeats):
-    """call(setting) -> list of tensors. Times each setting; checks it against the first one."""
-    ref = [t.detach().clone() for t in call(settings[0])]
+def reference(q, k, v, gate, w, scale, up=None, rows=1024):
+    """The dense fp32 reference on fp32 copies: [out], or with ``up`` [out, dq, dk, dv] of sum(out * up).
+    One sequence and ``rows`` query rows at a time (rows r0..r1 over keys 0..r1: whole-sequence score
+    matrices would not fit at n = 32k); summed over the pieces, the gradients are the whole batch's."""
+    q, k, v = (t.detach().float().requires_grad_(up is not None) for t in (q, k, v))
+    b, n, off = q.shape[0], q.shape[2], k.shape[2] - q.shape[2]
+    outs = []
+    for i in range(b):
+        row = []
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            piece, keys = slice(i, i + 1), slice(0, off + r1)
+            with torch.set_grad_enabled(up is not None):
+                out = aha_attention_naive(q[piece, :, r0:r1], k[piece, :, keys], v[piece, :, keys],
+                                          gate[piece, :, r0:r1], w, scale)
+                if up is not None:
+                    (out * up[piece, :, r0:r1].float()).sum().backward()
+            row.append(out.detach())
+        outs.append(torch.cat(row, 2))
+    return [torch.cat(outs, 0)] + ([] if up is None else [q.grad, k.grad, v.grad])
+
+
+def sweep(name, settings, call, ref, tol, device, repeats):
+    """call(setting) -> list of tensors, checked against ``ref`` (the fp32 reference's) by relative error;
+    then timed."""
     rows = []
     for s in settings:
         try:
             err = max(rel(a, b) for a, b in zip(call(s), ref))
             ms = 1e3 * median_time(lambda: call(s), repeats, device=device)
         except Exception as e:  # noqa: BLE001 -- a setting the GPU cannot compile is reported, not fatal
-            rows.append((s, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"))
+            rows.append((s, None, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"))
             continue
-        rows.append((s, ms, "ok" if err < 2e-2 else f"WRONG (rel. err. {err:.1e})"))
-    best = min((r for r in rows if r[1] is not None and r[2] == "ok"), key=lambda r: r[1])
-    print(f"\n## {name}\n\n| setting | ms | vs default | check |\n|---|---|---|---|")
+        rows.append((s, ms, err, "ok" if err < tol else "WRONG"))
+    best = min((r for r in rows if r[3] == "ok"), key=lambda r: r[1], default=None)
+    print(f"\n## {name}\n\n| setting | ms | vs default | rel. err. vs fp32 reference | check (tolerance {tol:g}) |"
+          f"\n|---|---|---|---|---|")
     default = rows[0][1]
-    for s, ms, note in sorted(rows, key=lambda r: (r[1] is None, r[1] or 0)):
-        tags = [t for t, on in (("default", s == settings[0]), ("best", s == best[0])) if on]
+    for s, ms, err, note in sorted(rows, key=lambda r: (r[1] is None, r[1] or 0)):
+        tags = [t for t, on in (("default", s == settings[0]), ("best", best is not None and s == best[0])) if on]
         mark = f" ({', '.join(tags)})" if tags else ""
         cell = "n/a" if ms is None else f"{ms:.3f}"
         ratio = "n/a" if ms is None or default is None else f"{default / ms:.2f}x"
-        print(f"| {s}{mark} | {cell} | {ratio} | {note} |")
+        print(f"| {s}{mark} | {cell} | {ratio} | {'n/a' if err is None else f'{err:.1e}'} | {note} |")
 
 
 def main() -> None:
@@ -72,6 +99,7 @@ def main() -> None:
     tiles = BLOCK_TILES if not args.smoke else [(32, 32, 4, 3), (16, 16, 4, 3)]
     decode_tiles = DECODE_TILES if not args.smoke else [(64, 32, 4), (32, 16, 2)]
     repeats = args.repeats if not args.smoke else 1
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     scale = d ** -0.5
     gen = torch.Generator(device=device).manual_seed(1)
     print(f"# Triton tile settings ({torch.cuda.get_device_name() if cuda else 'CPU interpreter'}, "
@@ -79,9 +107,10 @@ def main() -> None:
 
     q, k, v = qkv(1, heads, prefill_n, d, device, dtype)
     hard = long_tailed(1, heads, prefill_n, 0.07, generator=gen, device=device)
+    ref = reference(q, k, v, hard, w, scale)
     with torch.no_grad():
         sweep(f"Prefill, n = {prefill_n}", tiles,
-              lambda s: [aha_prefill_triton(q, k, v, hard, w, scale, *s)], device, repeats)
+              lambda s: [aha_prefill_triton(q, k, v, hard, w, scale, *s)], ref, tol, device, repeats)
 
     q, k, v = qkv(1, heads, train_n, d, device, dtype, grad=True)
     hard = long_tailed(1, heads, train_n, 0.07, generator=gen, device=device)
@@ -91,20 +120,23 @@ def main() -> None:
         out, _ = aha_train_triton(q, k, v, hard, w, scale, *s, dkdv_rows=dkdv[0], dkdv_warps=dkdv[1])
         return [out.detach(), *torch.autograd.grad((out * up).sum(), [q, k, v])]
 
-    sweep(f"Training forward + backward, n = {train_n}", tiles, train_step, device, repeats)
+    ref = reference(q, k, v, hard, w, scale, up)
+    sweep(f"Training forward + backward, n = {train_n}", tiles, train_step, ref, tol, device, repeats)
     # The dK / dV kernel's own (rows, warps), with the default block tiles.
     dkdv_tiles = DKDV_TILES if not args.smoke else [(16, 4), (32, 4)]
     sweep(f"Training forward + backward, n = {train_n}: dK / dV (rows, warps)", dkdv_tiles,
-          lambda s: train_step(tiles[0], s), device, repeats)
+          lambda s: train_step(tiles[0], s), ref, tol, device, repeats)
+    del ref
 
     for n in decode_ns:
         _, k, v = qkv(8, heads, n, d, device, dtype)
         q = qkv(8, heads, 1, d, device, dtype, seed=1)[0]
         gate = long_tailed(8, heads, 1, 0.07, generator=gen, device=device)[..., 0]
         gate[:, 0] = True  # as in allhere bench: one token per sequence, head 0 global
+        ref = reference(q, k, v, gate[..., None], w, scale)
         with torch.no_grad():
             sweep(f"Decode, B = 8, n = {n}", decode_tiles,
-                  lambda s: [aha_decode_triton(q, k, v, gate, w, scale, *s)], device, repeats)
+                  lambda s: [aha_decode_triton(q, k, v, gate, w, scale, *s)], ref, tol, device, repeats)
 
 
 if __name__ == "__main__":

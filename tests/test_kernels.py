@@ -10,8 +10,8 @@ pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's int
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton, pack_global  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton, segment_end  # noqa: E402
-from allhere.mechanisms.aha import straight_through  # noqa: E402
-from allhere.ops.aha import aha_attention_fast, aha_attention_naive, fast  # noqa: E402
+from allhere.ops.aha import aha_attention, aha_attention_naive, dispatch, fast, triton_path  # noqa: E402
+from allhere.ops.ste import straight_through  # noqa: E402
 from allhere.ops.sliding import sliding_window_attention_naive  # noqa: E402
 
 from allhere.masks import segment_starts  # noqa: E402
@@ -134,39 +134,38 @@ def test_segment_end_is_one_past_each_runs_last_query():
 
 @pytest.mark.parametrize("layout", [None, "documents+pad"])
 def test_op_takes_the_kernels_and_the_router_gets_its_gradient(monkeypatch, layout):
-    """The op's own dispatch (forced onto the kernels here; on the GPU it picks them itself), without and
-    with segments (one launch, a_full from the prefill kernels): values, and q, k, v and the router
-    scores get the reference's straight-through gradients."""
+    """aha_attention with backend "triton" (on the CPU: Triton's interpreter), without and with segments
+    (one launch, a_full from the prefill kernels): values, and q, k, v and the router scores get the
+    reference's straight-through gradients."""
     called = []
-    monkeypatch.setattr(fast, "_triton_shape", lambda q, k: called.append(1) or True)
+    real = dispatch.aha_attention_triton
+    monkeypatch.setattr(dispatch, "aha_attention_triton", lambda *a, **kw: called.append(1) or real(*a, **kw))
     monkeypatch.setattr(fast, "_per_segment", None)  # the kernels must not need it
     n = 50
     q, k, v = inputs(2, 4, 2, n, n, 16)
     scores = torch.rand(2, 4, n, generator=torch.Generator().manual_seed(3))
     up = torch.randn(2, 4, n, 16)
     mask = None if layout is None else segment_mask(2, n, n, *SEGMENTS[layout])
-    starts = None if mask is None else segment_starts(mask, n, n).to(DEVICE)
+    starts = None if mask is None else segment_starts(mask, n, n)
     results = []
-    for op, extra in ((aha_attention_fast, dict(row_start=starts)), (aha_attention_naive, dict(mask=mask))):
-        leaves = [t.clone().to(DEVICE, DTYPE if op is aha_attention_fast else torch.float32).requires_grad_()
-                  for t in (q, k, v)] + [scores.clone().to(DEVICE).requires_grad_()]
-        out = op(*leaves[:3], straight_through(leaves[3], 0.5), 6, **extra)
-        results.append([out.detach()] + list(torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves)))
+    for backend, dtype, dev in (("triton", DTYPE, DEVICE), ("reference", torch.float32, "cpu")):
+        leaves = [t.clone().to(dev, dtype).requires_grad_() for t in (q, k, v)] + [scores.clone().to(dev).requires_grad_()]
+        rs = None if starts is None else starts.to(dev)
+        out = aha_attention(*leaves[:3], straight_through(leaves[3], 0.5), 6, row_start=rs, backend=backend)
+        results.append([out.detach()] + list(torch.autograd.grad((out.float() * up.to(dev)).sum(), leaves)))
         with torch.no_grad():  # the prefill kernels
-            results[-1].append(op(*(t.detach() for t in leaves[:3]), leaves[3] > 0.5, 6, **extra))
-    assert called
+            results[-1].append(aha_attention(*(t.detach() for t in leaves[:3]), leaves[3] > 0.5, 6, row_start=rs,
+                                             backend=backend))
+    assert len(called) == 2
     for name, got, want in zip(["out", "q", "k", "v", "scores", "no grad"], *results):
         assert rel_err(got.float().cpu(), want.float().cpu()) < TOL, name
 
 
-def test_the_op_takes_the_kernels_for_head_dims_16_to_128_only(monkeypatch):
-    import allhere.kernels
-
-    monkeypatch.setattr(allhere.kernels, "use_triton", lambda t: True)  # as on a GPU with triton
-    takes = {d: fast._triton_shape(torch.zeros(1, 2, 8, d, dtype=torch.bfloat16), torch.zeros(1, 2, 8, d))
+def test_the_kernels_take_head_dims_16_to_128_only():
+    takes = {d: triton_path.triton_refusal(*(torch.zeros(1, 2, 8, d, dtype=torch.bfloat16, device=DEVICE)
+                                             for _ in range(3)), torch.zeros(1, 2, 8, dtype=torch.bool)) is None
              for d in (8, 16, 64, 80, 128, 256)}
     assert takes == {8: False, 16: True, 64: True, 80: False, 128: True, 256: False}
-    assert not fast._triton_shape(torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64))  # fp32 stays in PyTorch
 
 
 def test_packing_lists_each_heads_global_positions_and_counts_them():
@@ -190,7 +189,7 @@ def test_decode_equals_reference(b, h, hkv, t, d, w, split):
     assert rel_err(out, aha_attention_naive(q, k, v, gate, w)) < TOL
 
 
-def test_decode_with_left_padding_equals_reference_with_the_mask(monkeypatch):
+def test_decode_with_left_padding_equals_reference_with_the_mask():
     q, k, v = inputs(3, 4, 2, 1, 90, 16)
     gate = torch.rand(3, 4, 1, generator=torch.Generator().manual_seed(4)) < 0.5
     gate[:, 0] = True
@@ -200,8 +199,7 @@ def test_decode_with_left_padding_equals_reference_with_the_mask(monkeypatch):
               kv_start=starts.to(DEVICE))
     assert rel_err(out, aha_attention_naive(q, k, v, gate, 6, mask=mask)) < TOL
     assert out[2].abs().max() == 0
-    monkeypatch.setattr(fast, "_triton_shape", lambda q, k: True)  # the op maps segment starts to kv_start
-    with torch.no_grad():
-        via_op = aha_attention_fast(*(t.to(DEVICE) for t in (q, k, v)), gate.to(DEVICE), 6,
-                                    row_start=torch.tensor([[0], [37], [-1]], device=DEVICE))
+    with torch.no_grad():  # the op maps segment starts to kv_start
+        via_op = aha_attention(*(t.to(DEVICE, DTYPE) for t in (q, k, v)), gate.to(DEVICE), 6,
+                               row_start=torch.tensor([[0], [37], [-1]], device=DEVICE), backend="triton")
     assert rel_err(via_op.float().cpu(), out) < TOL

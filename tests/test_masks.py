@@ -1,6 +1,14 @@
+"""Mask predicates, segment starts read off masks, and the dense AHA reference under segment masks."""
+
+import pytest
 import torch
 
-from allhere.masks import and_masks, causal, dense_mask, or_masks, sliding_window
+from allhere.masks import and_masks, causal, dense_mask, or_masks, segment_starts, sliding_window
+from allhere.ops.aha import aha_attention_naive
+from allhere.ops.common import segment_mask
+
+from helpers import brute_force_aha, rel_err
+from helpers import segment_mask as mask_of_layout
 
 
 def test_window_counts_current_token():
@@ -35,8 +43,6 @@ def _padded(lengths_left_right, kv_len, q_len=None):
 
 
 def test_segment_starts_of_padded_batches():
-    from allhere.masks import segment_starts
-
     starts = segment_starts(_padded([(0, 0), (3, 0), (1, 2)], 8), 8, 8)
     assert starts.tolist() == [[0] * 8, [-1] * 3 + [3] * 5, [-1] + [1] * 5 + [-1] * 2]
     assert segment_starts(_padded([(2, 0), (0, 0)], 8, q_len=1), 1, 8).tolist() == [[2], [0]]  # a decode step
@@ -46,8 +52,6 @@ def test_segment_starts_of_padded_batches():
 
 
 def test_segment_starts_of_packed_documents():
-    from allhere.masks import segment_starts
-
     same_doc = lambda b, h, q, k: (q < 3) == (k < 3)  # noqa: E731 -- documents [0, 3) and [3, 8)
     m = dense_mask(and_masks(causal, same_doc), 8, 8)
     assert segment_starts(m, 8, 8).tolist() == [[0, 0, 0, 3, 3, 3, 3, 3]]
@@ -56,8 +60,6 @@ def test_segment_starts_of_packed_documents():
 
 
 def test_segment_starts_refuses_other_masks():
-    from allhere.masks import segment_starts
-
     m = _padded([(0, 0)], 8)
     assert segment_starts(dense_mask(sliding_window(3), 8, 8), 8, 8) is None  # windows are not segments
     hole = _padded([(0, 0)], 8)
@@ -72,21 +74,47 @@ def test_segment_starts_refuses_other_masks():
     assert segment_starts(torch.zeros(1, 1, 8, 8, dtype=torch.bool), 8, 8).tolist() == [[-1] * 8]
 
 
-def test_segment_starts_reads_a_new_or_changed_mask_afresh(monkeypatch):
-    import allhere.masks as masks
+# (document boundaries, left padding per sequence, right padding per sequence)
+LAYOUTS = {"left-pad": ([], [0, 5], [0, 0]), "right-pad": ([], [0, 0], [6, 0]), "documents": ([7, 16], [0, 0], [0, 0]),
+           "documents+pads": ([11], [3, 0], [0, 4]), "nothing-real": ([], [0, 20], [0, 0])}
 
-    reads = []
-    real = masks._segment_starts
-    monkeypatch.setattr(masks, "_segment_starts", lambda *a: reads.append(1) or real(*a))
-    m = _padded([(2, 0)], 8)
-    assert masks.segment_starts(m, 8, 8).tolist() == [[-1] * 2 + [2] * 6]
-    assert masks.segment_starts(m, 8, 8).tolist() == [[-1] * 2 + [2] * 6]
-    assert len(reads) == 1  # the same tensor (the next layer): the kept answer
-    m[0, 0, 3, 2] = False  # changed in place: a hole, read afresh
-    assert masks.segment_starts(m, 8, 8) is None and len(reads) == 2
-    assert masks.segment_starts(_padded([(4, 0)], 8), 8, 8).tolist() == [[-1] * 4 + [4] * 4]
-    with torch.inference_mode():
-        frozen = _padded([(1, 0)], 8)
-        assert masks.segment_starts(frozen, 8, 8).tolist() == [[-1] + [1] * 7]
-        assert masks.segment_starts(frozen, 8, 8).tolist() == [[-1] + [1] * 7]
-    assert len(reads) == 5  # inference tensors: no version counter, always read
+
+def brute_force_segments(q, k, v, gate, window, row_start):
+    """One (batch, query) at a time, the segment rule applied directly: the query at position p sees keys
+    row_start..p only (nothing for -1), and within them the window / full rule (``brute_force_aha`` over
+    every head, in float64)."""
+    b, h, lq, d = q.shape
+    off = k.shape[2] - lq
+    out = torch.zeros(b, h, lq, d, dtype=torch.float64)
+    for bi in range(b):
+        for i in range(lq):
+            start, pos = int(row_start[bi, i]), off + i
+            if start >= 0:
+                keys = slice(start, pos + 1)
+                out[bi, :, i] = brute_force_aha(q[bi:bi + 1, :, i:i + 1], k[bi:bi + 1, :, keys], v[bi:bi + 1, :, keys],
+                                                gate[bi:bi + 1, :, i:i + 1], window)[0, :, 0]
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("lq", [20, 7, 1], ids=["prefill", "chunk", "decode"])
+def test_segment_mask_is_the_layouts_mask(layout, lq):
+    mask = mask_of_layout(2, lq, 20, *LAYOUTS[layout])
+    assert torch.equal(segment_mask(segment_starts(mask, lq, 20), lq, 20), mask)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("lq", [20, 7, 1], ids=["prefill", "chunk", "decode"])
+@pytest.mark.parametrize("window", [1, 4, 30])
+def test_reference_under_segments_equals_brute_force(layout, lq, window):
+    """The dense reference with row_start (and with the same segments as a bool mask) equals the segment
+    rule applied query by query; a query that sees nothing gives zero."""
+    q, k, v = torch.randn(2, 4, lq, 8), torch.randn(2, 2, 20, 8), torch.randn(2, 2, 20, 8)
+    gate = torch.rand(2, 4, lq) < 0.4
+    mask = mask_of_layout(2, lq, 20, *LAYOUTS[layout])
+    starts = segment_starts(mask, lq, 20)
+    want = brute_force_segments(q, k, v, gate, window, starts)
+    assert rel_err(aha_attention_naive(q, k, v, gate, window, row_start=starts), want) < 1e-6
+    assert rel_err(aha_attention_naive(q, k, v, gate, window, mask=mask), want) < 1e-6
+    out = aha_attention_naive(q, k, v, gate, window, row_start=starts)
+    assert torch.all(out.transpose(1, 2)[starts < 0] == 0)

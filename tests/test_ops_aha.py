@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 from allhere.masks import segment_starts
 from allhere.ops.aha import aha_attention_fast, aha_attention_naive
+from allhere.ops.aha.fast import aha_attention_torch
+from allhere.ops.ste import straight_through
 from allhere.ops.sliding import sliding_window_attention, sliding_window_attention_naive
 
 from helpers import brute_force_aha, rel_err, segment_mask
@@ -81,19 +83,20 @@ def test_fast_with_long_tailed_heads_and_float_gate():
 @pytest.mark.parametrize("sparse_backward", [True, False], ids=["sparse-backward", "dense-backward"])
 @pytest.mark.parametrize("shape", SHAPES[:5], ids=IDS[:5])
 def test_fast_gradients_equal_reference(shape, sparse_backward):
+    """Both backwards of the PyTorch path (an internal choice: sparse off CUDA, dense on CUDA)."""
     q, k, v, gate, w = make(shape)
     s = torch.rand(gate.shape)
 
     def grads(fn):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         st = s.clone().requires_grad_()
-        gate = (st > 0.5).float() + st - st.detach()
-        out = fn(*leaves, gate, w)
+        out = fn(*leaves, straight_through(st, 0.5), w)
         torch.manual_seed(1)
         (out * torch.randn_like(out)).sum().backward()
         return out, [t.grad for t in leaves] + [st.grad]
 
-    out_f, g_f = grads(lambda *a: aha_attention_fast(*a, chunk=3, sparse_backward=sparse_backward))
+    scale = q.shape[-1] ** -0.5
+    out_f, g_f = grads(lambda *a: aha_attention_torch(*a, scale, chunk=3, sparse_backward=sparse_backward))
     out_r, g_r = grads(aha_attention_naive)
     assert rel_err(out_f, out_r) < 1e-5
     for name, a, b in zip("qkvs", g_f, g_r):
@@ -116,7 +119,7 @@ def test_fast_per_segment_equals_reference_with_the_mask(layout, lq):
     def run(fn, **kw):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         st = s.clone().requires_grad_()
-        out = fn(*leaves, (st > 0.5).float() + st - st.detach(), w, **kw)
+        out = fn(*leaves, straight_through(st, 0.5), w, **kw)
         (out * torch.randn_like(out, generator=torch.Generator().manual_seed(1))).sum().backward()
         return [out] + [t.grad for t in leaves] + [st.grad]
 
@@ -146,7 +149,7 @@ def test_straight_through_gradient(fn):
     q, k, v, _, w = make((2, 4, 2, 24, 24, 8, 4))
     s = torch.rand(2, 4, 24, requires_grad=True)
     hard = s.detach() > 0.5
-    gate = hard.float() + s - s.detach()
+    gate = straight_through(s, 0.5)
     out = fn(q, k, v, gate, w)
     a_full = fn(q, k, v, torch.ones_like(hard), w)
     a_local = fn(q, k, v, torch.zeros_like(hard), w)

@@ -10,7 +10,8 @@ from allhere import ConfigError, Decoder, ModelConfig, register
 from allhere.checkpoint import load_model, save_checkpoint
 from allhere.masks import and_masks, causal, starts_from
 from allhere.mechanisms import AttentionCall, AttentionDims, AttentionMechanism
-from allhere.ops.full import masked_attention, segment_pattern
+from allhere.ops.common import segment_mask
+from allhere.ops.full import masked_attention
 from allhere.registry import from_dict, get, kinds
 
 from helpers import rel_err
@@ -34,7 +35,7 @@ class EveryOther(AttentionMechanism):
             k, v = cache.update(k, v)
         b, lq, lk = q.shape[0], q.shape[2], k.shape[2]
         starts = call.segment_starts if call.segment_starts is not None else torch.zeros(b, lq, dtype=torch.long)
-        mask = segment_pattern(and_masks(causal, every_other), starts, lq, lk)
+        mask = segment_mask(starts, lq, lk, and_masks(causal, every_other))
         return masked_attention(q, k, v, mask, call.scale), None
 
 

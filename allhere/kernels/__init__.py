@@ -1,28 +1,36 @@
 """Triton kernels for AHA on the GPU: prefill, decode and training (forward + backward).
 
-Needs the ``gpu`` extra (``pip install 'allhere[gpu]'``, i.e. triton). The ops pick these kernels on
-CUDA only. Without a GPU the kernels can still be called directly under Triton's interpreter
-(``TRITON_INTERPRET=1`` set before triton is imported): that is how the CPU test suite checks them
-against the dense reference (slowly, at small sizes).
+Needs the ``gpu`` extra (``pip install 'allhere[gpu]'``, i.e. triton). ``allhere.ops.aha.aha_attention``
+takes them with backend "triton", and with "auto" on CUDA where they take the call (``allhere.backend``;
+``allhere.ops.aha.triton_path`` says which calls). Without a GPU they still run under Triton's interpreter
+(``TRITON_INTERPRET=1`` set before triton is imported; then backend "triton" takes CPU tensors too): that
+is how the CPU test suite checks them against the dense reference (slowly, at small sizes). Nothing here
+reads the environment on a call.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 
 
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
+    """Whether triton is installed (looked up once)."""
     return importlib.util.find_spec("triton") is not None
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """Whether the ops should take the Triton kernels for tensors like ``t``: on CUDA with triton
-    installed (``ALLHERE_NO_TRITON=1`` turns them off, e.g. to compare with the PyTorch path)."""
-    return t.is_cuda and triton_available() and os.environ.get("ALLHERE_NO_TRITON") != "1"
+@functools.lru_cache(maxsize=None)
+def interpreted() -> bool:
+    """Whether the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when triton was
+    first imported), so that they run on CPU tensors. Imports the kernels; asked once."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .aha_prefill import _sliding_kernel
+
+    return isinstance(_sliding_kernel, InterpretedFunction)
 
 
 def pipeline_stages(device: torch.device) -> int:

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..masks import causal
 from ..ops.dar import dar_attention
-from ..ops.full import segment_pattern
+from ..ops.common import segment_mask
 from ..registry import register
 from ..validation import ConfigError, check_int
 from .base import AttentionCall, AttentionDims, AttentionMechanism
@@ -166,4 +165,4 @@ class DARAttention(AttentionMechanism):
     def _mask(call: AttentionCall, q, k):
         if call.segment_starts is None:
             return None
-        return segment_pattern(causal, call.segment_starts, q.shape[2], k.shape[2])
+        return segment_mask(call.segment_starts, q.shape[2], k.shape[2])

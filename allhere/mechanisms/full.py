@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..masks import causal
-from ..ops.full import causal_attention, masked_attention, segment_pattern
+from ..ops.common import segment_mask
+from ..ops.full import causal_attention, masked_attention
 from ..registry import register
 from .base import AttentionCall, AttentionMechanism
 
@@ -26,5 +26,5 @@ class FullAttention(AttentionMechanism):
             k, v = cache.update(k, v)
         if call.segment_starts is None:
             return causal_attention(q, k, v, scale=call.scale), None
-        mask = segment_pattern(causal, call.segment_starts, q.shape[2], k.shape[2])
+        mask = segment_mask(call.segment_starts, q.shape[2], k.shape[2])
         return masked_attention(q, k, v, mask, call.scale), None

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..masks import sliding_window
-from ..ops.full import masked_attention, segment_pattern
+from ..ops.common import segment_mask
+from ..ops.full import masked_attention
 from ..ops.sliding import sliding_window_attention
 from ..registry import register
 from ..validation import check_int
@@ -39,5 +40,5 @@ class SlidingAttention(AttentionMechanism):
             k, v = cache.update(k, v)
         if call.segment_starts is None:
             return sliding_window_attention(q, k, v, self.cfg.window, scale=call.scale), None
-        mask = segment_pattern(sliding_window(self.cfg.window), call.segment_starts, q.shape[2], k.shape[2], offset)
+        mask = segment_mask(call.segment_starts, q.shape[2], k.shape[2], sliding_window(self.cfg.window), offset)
         return masked_attention(q, k, v, mask, call.scale), None

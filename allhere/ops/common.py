@@ -1,10 +1,13 @@
-"""Shared helpers of the attention ops: shape checks, dense masked attention in fp32."""
+"""Shared helpers of the attention ops: argument checks, the gate contract, segment masks, dense masked
+attention in fp32."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from ..masks import MaskFn, and_masks, causal, within_segments
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -24,9 +27,63 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, i
     return b, h, lq, d, hkv, lk
 
 
-def check_gate(gate: torch.Tensor, q: torch.Tensor) -> None:
+def check_gate(gate: torch.Tensor, q: torch.Tensor, values: bool = True) -> None:
+    """The gate contract of the AHA ops: shape [batch, heads, q_len]; bool, or a float holding only 0 and
+    1 (``allhere.ops.ste.straight_through(scores, tau)``; the ops never re-threshold, so a gate of raw
+    scores is refused rather than cut at 0.5). ``values=False`` skips the value check (it reads the gate
+    back: a host sync on a GPU)."""
     if tuple(gate.shape) != tuple(q.shape[:3]):
         raise ValueError(f"gate must be [batch, heads, q_len] = {tuple(q.shape[:3])}, got {tuple(gate.shape)}")
+    if gate.dtype == torch.bool:
+        return
+    if not gate.is_floating_point():
+        raise ValueError(f"gate must be bool or a 0/1-valued float tensor, got dtype {gate.dtype}")
+    if values:
+        g = gate.detach()
+        other = g[(g != 0) & (g != 1)]
+        if other.numel():
+            raise ValueError(f"a float gate must hold only 0 and 1 (the hard gate 1[s > tau], e.g. from "
+                             f"allhere.ops.ste.straight_through(scores, tau)); got {other.numel()} other value(s), "
+                             f"e.g. {other[0].item()!r}: the ops do not threshold scores themselves")
+
+
+def hard_gate(gate: torch.Tensor) -> torch.Tensor:
+    """The bool gate of a gate that meets ``check_gate``'s contract (True = full attention)."""
+    return gate if gate.dtype == torch.bool else gate.detach() != 0
+
+
+def check_row_start(row_start: torch.Tensor | None, q: torch.Tensor) -> None:
+    if row_start is None:
+        return
+    if tuple(row_start.shape) != (q.shape[0], q.shape[2]) or row_start.is_floating_point() or row_start.dtype == torch.bool:
+        raise ValueError(f"row_start must be an integer tensor [batch, q_len] = {(q.shape[0], q.shape[2])}, got "
+                         f"{row_start.dtype} {tuple(row_start.shape)}")
+
+
+def segment_mask(row_start: torch.Tensor, q_len: int, kv_len: int, pattern: MaskFn = causal,
+                 key_offset: int = 0) -> torch.Tensor:
+    """bool [batch, 1, q_len, kv_len]: ``pattern`` (a predicate on absolute positions, causal by default)
+    within segments. ``row_start`` [batch, q_len]: per query the absolute position of the first key of
+    its segment (a sequence of a padded batch, a document of packed sequences; ``allhere.masks``), -1 =
+    no key at all. Queries are the last q_len of the kv_len keys; ``key_offset``: the absolute position
+    of the first key (a rolling cache that dropped older keys). With the causal pattern the query at
+    position p sees keys j with row_start <= j <= p."""
+    b, device = row_start.shape[0], row_start.device
+    q_first = key_offset + kv_len - q_len
+    pred = and_masks(pattern, within_segments(row_start, q_offset=q_first))
+    bi = torch.arange(b, device=device).view(-1, 1, 1, 1)
+    qi = torch.arange(q_len, device=device).view(1, 1, -1, 1) + q_first
+    ki = torch.arange(kv_len, device=device).view(1, 1, 1, -1) + key_offset
+    return pred(bi, 0, qi, ki).expand(b, 1, q_len, kv_len)
+
+
+def check_aha(q, k, v, gate, window, row_start=None, gate_values=True) -> tuple[int, int, int]:
+    """Every check of an AHA op's arguments; returns (q_len, kv_len, dim)."""
+    _, _, lq, d, _, lk = check_qkv(q, k, v)
+    check_gate(gate, q, gate_values)
+    check_window(window)
+    check_row_start(row_start, q)
+    return lq, lk, d
 
 
 def check_window(window: int) -> None:
@@ -51,21 +108,3 @@ def masked_attention_fp32(q, k, v, mask, scale):
     p = torch.softmax(s, dim=-1)
     p = torch.where(mask.any(-1, keepdim=True), p, 0.0)  # a query that may see no key (padding) gives 0
     return p @ repeat_kv(v, heads).float()
-
-
-def combine_gated(hard: torch.Tensor, gate: torch.Tensor, a_full: torch.Tensor, a_local: torch.Tensor):
-    """Per (batch, head, token): a_full where the hard gate is 1, else a_local.
-
-    If ``gate`` is a float tensor that requires grad (a straight-through gate), the value is unchanged
-    (``gate - gate.detach()`` is exactly zero) but d out / d gate = a_full - a_local, so
-    dL/dgate = sum over dim of dL/da * (a_full - a_local): seeds/003 Eq. 3.
-    """
-    out = torch.where(hard[..., None], a_full, a_local)
-    if gate.dtype != torch.bool and gate.requires_grad:
-        out = out + (gate - gate.detach()).to(out.dtype)[..., None] * (a_full - a_local)
-    return out
-
-
-def hard_gate(gate: torch.Tensor) -> torch.Tensor:
-    """bool gate from a bool or 0/1 (possibly straight-through float) gate."""
-    return gate if gate.dtype == torch.bool else gate.detach() > 0.5

@@ -1,9 +1,5 @@
-"""Fast All-or-Here attention (CPU and GPU): skip the full attention of local (token, head) pairs.
-
-On CUDA with triton installed and fp16 / bf16 inputs, ``allhere.kernels`` takes over: a one-token decode
-step and a whole-sequence prefill without gradients run the inference kernels (split-KV decode; packed
-global queries), a whole-sequence call that needs gradients runs the training kernels (the same forward,
-a backward through the used paths only). Everything else runs the PyTorch path below.
+"""The PyTorch path of All-or-Here attention (backend "torch"; CPU and GPU): skip the full attention of
+local (token, head) pairs.
 
 Inference (the gate needs no gradient):
   1. local attention for every query with the blocked sliding-window op (``block + w - 1`` keys each);
@@ -14,15 +10,17 @@ Inference (the gate needs no gradient):
   3. their outputs are scattered over the local result.
 The local result of a global query is computed and thrown away (a fraction mu_f of the local work).
 
-Training (a float gate that requires grad): the straight-through estimator needs the value of both
-outputs for every (token, head) -- dL/dgate = sum dL/da (a_full - a_local) -- but gradients flow only
-into the output that was used: the full path of global pairs and the local path of local pairs. So
-full attention runs for every query without autograd (a forward pass, only for that difference) and the
-differentiable part as in inference: the backward is as sparse as inference. That is what the Triton
-training kernels do and, on the PyTorch path, ``sparse_backward`` (the default off CUDA). With
-``sparse_backward=False`` (the PyTorch path's default on CUDA, where cuDNN's dense backward beats many
-small gathered calls) both outputs are computed densely with autograd and combined. All give the same
-gradients.
+Training (a straight-through gate, ``allhere.ops.ste``): the gate's gradient needs the value of both
+outputs for every (token, head) -- dL/dgate = sum dL/da (a_full - a_local) -- but q, k and v get
+gradients only through the output that was used. The backward is chosen here, not by the caller:
+  - sparse (off CUDA): full attention runs for every query without autograd (a forward pass, only for
+    that difference) and the differentiable part as in inference, so the backward is as sparse as
+    inference (the Triton training kernels do the same on the GPU);
+  - dense (on CUDA, where cuDNN's dense backward beats many small gathered calls): both outputs with
+    autograd, combined.
+Both give the same gradients (``tests/test_ops_aha.py``).
+
+Segments (``row_start``): each run of queries of one segment runs alone over its segment's keys.
 """
 
 from __future__ import annotations
@@ -30,70 +28,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..common import check_gate, check_qkv, check_window, combine_gated, default_scale, hard_gate
+from ..common import hard_gate
 from ..full import causal_attention
 from ..sliding.blocked import sliding_window_attention
+from ..ste import add_gate_gradient, trains_gate
 
 
-def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
-                       scale: float | None = None, chunk: int = 64, dense_above: float = 0.5,
-                       sparse_backward: bool | None = None, row_start: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as ``aha_attention_naive``, without a general mask; computes in q's dtype.
-
-    chunk: global queries per full-attention call. dense_above: a (batch, head) whose share of global
-    queries exceeds this runs plain causal SDPA over all its queries instead of gathering them.
-    sparse_backward: training only; None = True off CUDA, False on CUDA (see the module docstring).
-    row_start: optional int [batch, q_len] from ``allhere.masks.segment_starts``: each query sees only the
-    keys from ``row_start`` on (its segment: a sequence of a padded batch, a document of packed
-    sequences), -1 = no key at all (zero output). The Triton kernels take the segments in the same launch
-    (prefill, training, decode steps); on the PyTorch path each run of queries of one segment runs alone
-    over its segment's keys.
-    """
-    _, _, lq, d, _, lk = check_qkv(q, k, v)
-    check_gate(gate, q)
-    check_window(window)
-    scale = default_scale(d, scale)
-    hard = hard_gate(gate)
-    training = gate.dtype != torch.bool and gate.requires_grad
-    needs_grad = training or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
-    kernels = _triton_shape(q, k)
-    # The kernels take segments themselves, all in one launch: prefill, training, and decode steps.
-    native = kernels and (lq == lk or not needs_grad)
-    if row_start is not None and not native:
+def aha_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
+                        scale: float, row_start: torch.Tensor | None = None, chunk: int = 64,
+                        dense_above: float = 0.5, sparse_backward: bool | None = None) -> torch.Tensor:
+    """The "torch" backend of ``allhere.ops.aha.aha_attention`` (arguments checked there; ``scale`` given).
+    Computes in q's dtype. chunk: global queries per full-attention call. dense_above: a (batch, head)
+    whose share of global queries exceeds this runs plain causal SDPA over all its queries instead of
+    gathering them. sparse_backward: None = the module docstring's choice (True off CUDA); tests set it."""
+    if row_start is not None:
         if bool(row_start.any()):
             return _per_segment(q, k, v, gate, window, scale, row_start,
                                 dict(chunk=chunk, dense_above=dense_above, sparse_backward=sparse_backward))
-        row_start = None  # every query sees the whole prefix: plain causal
-    if native:
-        if needs_grad:
-            from ...kernels.aha_train import aha_train_triton
-
-            out, a_local = aha_train_triton(q, k, v, hard, window, scale, row_start=row_start)
-            if not training:
-                return out
-            if row_start is None:
-                return _straight_through(out, gate, a_local, lambda: causal_attention(q, k, v, scale=scale))
-            from ...kernels.aha_prefill import causal_triton
-
-            # Full attention within the segments (dense SDPA has no such mask without materialising it).
-            return _straight_through(out, gate, a_local, lambda: causal_triton(q, k, v, scale, row_start))
-        if lq == 1:
-            from ...kernels.aha_decode import aha_decode_triton
-
-            kv_start = None if row_start is None else torch.where(row_start[:, 0] < 0, lk, row_start[:, 0])
-            return aha_decode_triton(q, k, v, hard[..., 0], window, scale, kv_start=kv_start)
-        from ...kernels.aha_prefill import aha_prefill_triton
-
-        return aha_prefill_triton(q, k, v, hard, window, scale, row_start=row_start)
+        # every query sees the whole prefix: plain causal
+    hard = hard_gate(gate)
+    training = trains_gate(gate)
     if sparse_backward is None:
         sparse_backward = not q.is_cuda
     a_local = sliding_window_attention(q, k, v, window, scale=scale)
     if training and not sparse_backward:
-        return combine_gated(hard, gate, causal_attention(q, k, v, scale=scale), a_local)
+        a_full = causal_attention(q, k, v, scale=scale)
+        return add_gate_gradient(torch.where(hard[..., None], a_full, a_local), gate, a_full, a_local)
     out = _scatter_global(q, k, v, hard, a_local, scale, chunk, dense_above)
     if not training:
         return out
-    return _straight_through(out, gate, a_local, lambda: causal_attention(q, k, v, scale=scale))
+    with torch.no_grad():  # the difference only: q, k, v get their gradients from the outputs used
+        a_full = causal_attention(q, k, v, scale=scale)
+    return add_gate_gradient(out, gate, a_full, a_local)
 
 
 def _per_segment(q, k, v, gate, window, scale, row_start, options):
@@ -110,33 +76,12 @@ def _per_segment(q, k, v, gate, window, scale, row_start, options):
             if start < 0:
                 pieces.append(q.new_zeros(1, h, count, d))
             else:
-                pieces.append(aha_attention_fast(q[i:i + 1, :, r0:r1], k[i:i + 1, :, start:off + r1],
-                                                 v[i:i + 1, :, start:off + r1], gate[i:i + 1, :, r0:r1], window,
-                                                 scale, **options))
+                pieces.append(aha_attention_torch(q[i:i + 1, :, r0:r1], k[i:i + 1, :, start:off + r1],
+                                                  v[i:i + 1, :, start:off + r1], gate[i:i + 1, :, r0:r1], window,
+                                                  scale, **options))
             r0 = r1
         rows.append(torch.cat(pieces, dim=2))
     return torch.cat(rows, dim=0)
-
-
-def _straight_through(out, gate, a_local, full):
-    """Adds the straight-through term: zero in value, dL/dgate = sum dL/da (a_full - a_local). a_full =
-    full() is a forward pass only (no autograd): the gradient of q, k, v came from the used outputs."""
-    with torch.no_grad():
-        diff = full() - a_local
-    return out + (gate - gate.detach()).to(out.dtype)[..., None] * diff
-
-
-def _triton_shape(q, k) -> bool:
-    """The Triton kernels (``allhere.kernels``) take this call: CUDA, triton installed, fp16 / bf16 (fp32
-    stays on the PyTorch path: Triton's dots would round it to tf32), head dim a power of two from 16 to
-    128 (at 256 the default tiles need more shared memory than an H100 gives a block:
-    ``benchmarks/kernel_compile.py --head-dim 256``), and a prefill over the whole sequence or a one-token
-    decode step."""
-    from ... import kernels
-
-    d, lq, lk = q.shape[-1], q.shape[2], k.shape[2]
-    return (kernels.use_triton(q) and q.dtype in (torch.float16, torch.bfloat16) and 16 <= d <= 128
-            and d & (d - 1) == 0 and (lq == lk or lq == 1))
 
 
 def _scatter_global(q, k, v, hard, out, scale, chunk, dense_above):
