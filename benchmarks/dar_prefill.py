@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from allhere.bench.timing import median_time
+from allhere.experiments.timing import median_time
 from allhere.ops.dar import dar_attention, dar_attention_naive
 
 

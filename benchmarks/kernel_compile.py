@@ -2,7 +2,7 @@
 setting costs it: registers per thread, bytes spilled to local memory, shared memory, whether Hopper's
 wgmma instructions are used, and whether the setting can launch at all on that GPU.
 
-    python benchmarks/kernel_compile.py                 # sm_90 (H100), every setting of tile_settings.py
+    python benchmarks/kernel_compile.py                 # sm_90 (H100), every setting of allhere/kernels/tiles.py
     python benchmarks/kernel_compile.py --default-only  # the kernels' default settings only (a test runs this)
     python benchmarks/kernel_compile.py --arch 80       # A100
     python benchmarks/kernel_compile.py --default-only --arch 89 --head-dim 64 --dtype float16
@@ -32,13 +32,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from allhere.bench.gates import long_tailed  # noqa: E402
+from allhere.experiments.gates import long_tailed  # noqa: E402
 from allhere.kernels import stages_for  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
+from allhere.kernels.tiles import BLOCK_TILES, DECODE_TILES, DKDV_TILES  # noqa: E402
 from allhere.masks import segment_starts  # noqa: E402
-from tile_settings import BLOCK_TILES, DECODE_TILES, DKDV_TILES  # noqa: E402 -- benchmarks/tile_settings.py
 
 # Shared memory one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), per compute capability.
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}

@@ -16,7 +16,15 @@ def test_bench_smoke_run_on_cpu(tmp_path, capsys):
     report = json.loads((out / "bench.json").read_text())
     assert all(v < 1e-4 for v in report["check"].values())  # every path against the fp32 reference
     assert len(report["prefill"]) == len(report["decode"]) == 4 and len(report["training"]) == 4
-    assert all(r["speedup"] > 0 and r["limit"] >= 1 for r in report["prefill"] + report["decode"])
+    w = report["config"]["window"]
+    for r in report["prefill"] + report["decode"]:
+        assert r["speedup"] == pytest.approx(r["dense_ms"] / r["aha_ms"])
+    for r in report["prefill"]:  # FLOPs: a share mu_f of the queries reads about n / 2 keys, the rest w
+        assert r["limit"] == pytest.approx(1 / (r["mu_f"] + 2 * (1 - r["mu_f"]) * w / r["n"]))
+    for r in report["decode"]:  # bytes: a global query reads the n cached keys, a local one w of them
+        assert r["limit"] == pytest.approx(1 / (r["mu_f"] + (1 - r["mu_f"]) * min(1, w / r["n"])))
+    for r in report["training"]:
+        assert r["overhead"] == pytest.approx(r["aha_ms"] / r["dense_ms"])
     assert "## Decode" in (out / "bench.md").read_text() and "speed-up" in capsys.readouterr().out
 
 

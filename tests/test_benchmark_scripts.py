@@ -45,15 +45,11 @@ def test_kernels_compile_for_h100():
 
 def test_tile_lists_start_with_the_kernel_defaults():
     pytest.importorskip("triton")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from tile_settings import BLOCK_TILES, DECODE_TILES, DKDV_TILES
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     from allhere.kernels import stages_for
     from allhere.kernels.aha_decode import aha_decode_triton
     from allhere.kernels.aha_prefill import aha_prefill_triton
     from allhere.kernels.aha_train import aha_train_triton
+    from allhere.kernels.tiles import BLOCK_TILES, DECODE_TILES, DKDV_TILES
 
     def defaults(fn, names):
         params = inspect.signature(fn).parameters

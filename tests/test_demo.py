@@ -1,17 +1,50 @@
 """The main job end to end on the tiny preset, and its handling of bad input."""
 
 import json
+import math
 
 import pytest
+import torch
+import torch.nn.functional as F
 
+from allhere.checkpoint import load_model
 from allhere.cli import main
+from allhere.data.corpus import eval_windows, stdlib_corpus, text_corpus
+from allhere.eval.perplexity import rolling_perplexity
 
 
 def run(*args):
     return main(["demo", "--preset", "tiny", "--device", "cpu", "--no-progress", *args])
 
 
-def test_tiny_demo_writes_report_and_reuses_its_run(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def corpus():
+    """The stdlib corpus (loaded once for the module)."""
+    return stdlib_corpus()
+
+
+def own_texts(folder):
+    """A small corpus of the user's own text: 30 files of a few lines (short held-out documents)."""
+    folder.mkdir()
+    for i in range(30):
+        (folder / f"f{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 10)
+    return folder
+
+
+@torch.no_grad()
+def heldout_loss_and_gates(ckpt, settings, stdlib):
+    """Loss (nats/token) and mean hard gate of a saved model on the stdlib task's held-out windows,
+    computed here from the checkpoint and the run's settings.json (not through the evaluation code)."""
+    plan = json.loads(settings.read_text())["plan"]
+    windows = eval_windows(stdlib.val, plan["seq_len"], plan["eval_sequences"])
+    model, _ = load_model(ckpt)
+    out = model.eval()(windows)
+    loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), windows[:, 1:].flatten()).item()
+    gates = torch.stack([r.gates.float().mean() for r in out.routing.per_layer]).mean().item()
+    return loss, gates
+
+
+def test_tiny_demo_writes_report_and_reuses_its_run(tmp_path, capsys, corpus):
     out = tmp_path / "demo"
     assert run("--out", str(out)) == 0
     printed = capsys.readouterr().out
@@ -22,7 +55,11 @@ def test_tiny_demo_writes_report_and_reuses_its_run(tmp_path, capsys):
                            "full (pretrained + the same fine-tuning steps, control)"}
     assert stdlib["full (pretrained)"]["retain_percent"] == pytest.approx(100.0)
     assert stdlib["full (pretrained)"]["mu_f"] == 1.0 and stdlib["sliding w=8 (pretrained, no fine-tuning)"]["mu_f"] == 0.0
-    assert 0.0 <= stdlib["AHA w=8 (fine-tuned)"]["mu_f"] <= 1.0
+    aha = stdlib["AHA w=8 (fine-tuned)"]
+    loss, gates = heldout_loss_and_gates(out / "stdlib" / "aha" / "checkpoint.safetensors",
+                                         out / "stdlib" / "settings.json", corpus)
+    assert aha["loss"] == pytest.approx(loss, rel=1e-5) and aha["mu_f"] == pytest.approx(gates, abs=1e-6)
+    assert report["tasks"]["stdlib"]["aha_layers"] == [0, 1]
     recall = report["tasks"]["recall"]["rows"]["AHA w=8 (fine-tuned)"]
     assert {"accuracy", "mu_f_retrieval", "mu_f_other"} <= set(recall)
     assert (out / "report.md").read_text().startswith("# allhere demo report")
@@ -46,10 +83,7 @@ def test_other_settings_in_same_run_directory_are_refused(tmp_path, capsys):
 
 
 def test_own_text_data(tmp_path):
-    data = tmp_path / "texts"
-    data.mkdir()
-    for i in range(30):
-        (data / f"f{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 10)
+    data = own_texts(tmp_path / "texts")
     assert run("--out", str(tmp_path / "own"), "--task", "stdlib", "--data", str(data)) == 0
     report = json.loads((tmp_path / "own" / "report.json").read_text())
     assert str(data) in report["tasks"]["stdlib"]["data"]
@@ -107,19 +141,31 @@ def test_perplexity_command(tmp_path, capsys):
     assert run("--out", str(out), "--task", "stdlib") == 0
     capsys.readouterr()
     ckpt = out / "stdlib" / "aha" / "checkpoint.safetensors"
-    assert main(["perplexity", "--checkpoint", str(ckpt), "--max-docs", "3", "--seq-len", "48"]) == 0
-    assert "perplexity" in capsys.readouterr().out
+    data = own_texts(tmp_path / "texts")
+    assert main(["perplexity", "--checkpoint", str(ckpt), "--data", str(data), "--max-docs", "3",
+                 "--seq-len", "48"]) == 0
+    printed = capsys.readouterr().out
+    again = rolling_perplexity(load_model(ckpt)[0], text_corpus(data).val_docs[:3], 48)
+    assert f"{again['tokens']:,} tokens in 3 documents (0 skipped)" in printed
+    assert f"perplexity {again['perplexity']:.3f}," in printed
     assert main(["perplexity", "--checkpoint", str(tmp_path / "none.safetensors")]) == 2
 
 
-def test_sweep_tiny_is_resumable(tmp_path, capsys):
+def test_sweep_tiny_is_resumable(tmp_path, capsys, corpus):
     args = ["sweep", "--preset", "tiny", "--device", "cpu", "--no-progress", "--out", str(tmp_path / "sw"),
             "--windows", "4", "8", "64", "--lams", "0.01", "0.1"]
     assert main(args) == 0
     res = json.loads((tmp_path / "sw" / "sweep.json").read_text())
     rows = res["tasks"]["stdlib"]["rows"]
     assert [r.get("skipped") is None for r in rows] == [True, True, False, True, True]  # 64 >= seq_len 48
-    assert all(0.0 <= r["mu_f"] <= 1.0 for r in rows if "skipped" not in r)
+    for r in (r for r in rows if "skipped" not in r):  # each its own checkpoint, with its window and lambda
+        ckpt = tmp_path / "sw" / "stdlib" / f"w{r['window']}-lam{r['lam']:g}" / "checkpoint.safetensors"
+        mech = load_model(ckpt)[0].cfg.mechanism
+        assert (mech.window, mech.lam) == (r["window"], r["lam"])
+        loss, gates = heldout_loss_and_gates(ckpt, tmp_path / "sw" / "stdlib" / "settings.json", corpus)
+        assert r["bits_per_token"] == pytest.approx(loss / math.log(2), rel=1e-5)
+        assert r["mu_f"] == pytest.approx(gates, abs=1e-6)
+        assert r["retain_percent"] == pytest.approx(100 * res["tasks"]["stdlib"]["full"] / r["bits_per_token"])
     md = (tmp_path / "sw" / "sweep.md").read_text()
     assert "Window sweep" in md and "Lambda sweep" in md and "n/a" in md
     ckpt = tmp_path / "sw" / "stdlib" / "w4-lam0.01" / "checkpoint.safetensors"
@@ -130,13 +176,21 @@ def test_sweep_tiny_is_resumable(tmp_path, capsys):
 
 
 def test_dar_demo_tiny(tmp_path, capsys):
-    out = tmp_path / "dar"
-    assert run("--out", str(out), "--mechanism", "dar", "--windows", "4", "16", "--from-scratch") == 0
+    out, data = tmp_path / "dar", own_texts(tmp_path / "texts")  # short held-out documents: fast perplexity
+    assert run("--out", str(out), "--mechanism", "dar", "--windows", "4", "16", "--from-scratch",
+               "--data", str(data)) == 0
     assert "uniform reduction d/4" in capsys.readouterr().out
     rep = json.loads((out / "dar_report.json").read_text())
     assert {"vanilla (pretrained)", "vanilla (+ stage-2 steps, control)", "DAR w=16 d/4",
             "uniform reduction d/4"} <= set(rep["rows"])
-    assert all(r["perplexity"] > 1 for r in rep["rows"].values())
+    for r in list(rep["rows"].values()) + list(rep["scratch_rows"].values()):
+        assert r["perplexity"] == pytest.approx(math.exp(r["loss"]))
+    # a row recomputed from its saved checkpoint: stage 2 of DAR w=16, on the same held-out documents
+    model, _ = load_model(out / "stdlib" / "dar" / "w16-d8" / "stage2.safetensors")
+    again = rolling_perplexity(model, text_corpus(data).val_docs[: rep["docs"]], 48, 24, min_len=rep["min_len"])
+    assert rep["rows"]["DAR w=16 d/4"]["perplexity"] == pytest.approx(again["perplexity"], rel=1e-5)
+    assert rep["rows"]["DAR w=16 d/4"]["rel_percent"] == pytest.approx(
+        100 * again["perplexity"] / rep["rows"]["vanilla (+ stage-2 steps, control)"]["perplexity"], rel=1e-5)
     assert set(rep["scratch_rows"]) == {"vanilla", "DAR w=32 d/4", "uniform reduction d/4"}
     assert rep["scratch_rows"]["vanilla"]["perplexity"] == rep["rows"]["vanilla (pretrained)"]["perplexity"]
     assert rep["scratch_rows"]["vanilla"]["rel_percent"] == 100.0
@@ -168,3 +222,27 @@ def test_flags_of_the_other_demo_are_errors(tmp_path, capsys):
     assert main(["demo", "--out", str(out), "--mechanism", "dar", "--lam", "0.1"]) == 2
     assert "--lam is for `allhere demo --mechanism aha`" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_every_option_says_what_it_does_and_its_default():
+    from allhere.cli import COMMANDS
+
+    class Recorder:  # stands in for an argument parser: records every option a command adds
+        def __init__(self):
+            self.options = []
+
+        def add_argument(self, *flags, **kw):
+            self.options.append((flags, kw))
+
+        def add_mutually_exclusive_group(self, required=False):
+            return self
+
+    assert [c.name for c in COMMANDS] == ["demo", "analyze", "sweep", "perplexity", "eval", "bench", "convert", "sft"]
+    for command in COMMANDS:
+        rec = Recorder()
+        command.add_arguments(rec)
+        assert rec.options, command.name
+        for flags, kw in rec.options:
+            text = kw.get("help") or ""
+            assert len(text) > 10, (command.name, flags)
+            assert "default" in text or kw.get("required") or "this or --" in text, (command.name, flags, text)

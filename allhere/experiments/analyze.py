@@ -1,35 +1,37 @@
-"""Where global attention goes in a finished demo run: statistics, figures and the static baseline.
+"""``allhere analyze``: where global attention goes in a finished demo run -- statistics, figures and
+the static baseline.
 
 For each task of the run: routing statistics of the fine-tuned AHA model on the held-out data (mu_f
 per layer x head, mean gap between global calls per head, the top-10% heads' share), the sorted-usage
 curve, and the static baseline (the busiest heads fixed global, the rest local, same weights, a budget
-at least the dynamic one) against the dynamic router. Writes analysis.md, analysis.json and PNGs.
+at least the dynamic one) against the dynamic router. Writes analysis.md, analysis.json and figures into
+``<run>/analysis``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointError, atomic_write, load_model
-from ..config import ConfigError
+from ..analysis.budget import calibrate_tau, set_tau
+from ..analysis.html import byte_tokens, token_page
+from ..analysis.static import set_static_heads, static_budget_k, top_k_heads
+from ..analysis.stats import StatsAccumulator
+from ..checkpoint import CheckpointError, load_model
 from ..data.recall import RecallTask
-from ..demo import plan_from_dict, task_data
-from .budget import calibrate_tau, set_tau
-from .html import byte_tokens, token_page
-from .stats import StatsAccumulator
-from .static import set_static_heads, static_budget_k, top_k_heads
+from ..routing import routed_layers
+from .plans import TASKS, plan_from_dict
+from .report import goal_lines, percent, write_report
+from .rundir import read_settings
+from .tasks import task_data
 
 
 @torch.no_grad()
 def analyze_task(run: Path, name: str, target_mu: float | None = None) -> dict:
-    settings_path = run / name / "settings.json"
-    if not settings_path.exists():
-        raise ConfigError(f"{run / name} holds no finished demo task (no settings.json); run allhere demo first")
-    settings = json.loads(settings_path.read_text())
+    """The statistics, static baseline (and, with ``target_mu``, the budget control) of one task."""
+    settings = read_settings(run / name)
     model, _ = load_model(run / name / "aha" / "checkpoint.safetensors")
     model.eval()
     plan = plan_from_dict(settings["plan"])
@@ -52,13 +54,13 @@ def analyze_task(run: Path, name: str, target_mu: float | None = None) -> dict:
               "static": {**static, "mu_f": k / stats.usage.numel(), "heads": k,
                          "global_heads": [[stats.layers[i], h] for i, h in heads.nonzero().tolist()]}}
     if target_mu is not None:
-        result["budget"] = _budget(model, batches, quality, target_mu)
-    result["page"] = str(_token_page(model, name, settings, batches[0][0], run / "analysis"))
+        result["budget"] = budget_control(model, batches, quality, target_mu)
+    result["page"] = str(token_heat_page(model, name, settings, batches[0][0], run / "analysis"))
     return result
 
 
-def _token_page(model, name: str, settings: dict, ids: torch.Tensor, folder: Path) -> Path:
-    """Figure 1 of seeds/003 for one held-out sequence."""
+def token_heat_page(model, name: str, settings: dict, ids: torch.Tensor, folder: Path) -> Path:
+    """The AHA paper's Figure 1 for one held-out sequence: each token shaded by its global heads."""
     routing = model(ids[None]).routing
     counts = torch.stack([r.gates[0] for r in routing.per_layer]).sum(dim=(0, 1)).tolist()  # per token
     total = len(routing.per_layer) * routing.per_layer[0].gates.shape[1]
@@ -74,11 +76,11 @@ def _token_page(model, name: str, settings: dict, ids: torch.Tensor, folder: Pat
                       folder / f"tokens_{name}.html", note)
 
 
-def _budget(model, batches, quality, target_mu: float) -> dict:
+def budget_control(model, batches, quality, target_mu: float) -> dict:
     """Calibrate tau on the first half of the held-out batches, measure mu_f on the second half."""
     half = max(1, len(batches) // 2)
     tau = calibrate_tau(model, batches[:half], target_mu)
-    original = model.aha_modules()[0][1].cfg.tau
+    original = routed_layers(model)[0][1].cfg.tau
     set_tau(model, tau)
     acc = StatsAccumulator()
     for ids in batches[half:] or batches:
@@ -93,43 +95,44 @@ def _fmt_gap(x) -> str:
 
 
 def render(results: dict) -> str:
+    """analysis.md: per task the busiest and quietest heads, dynamic against static, the budget control."""
     out = ["# Where global attention goes", ""]
     for name, r in results.items():
         s, dyn, sta = r["stats"], r["dynamic"], r["static"]
         metric = next(k for k in dyn if k != "mu_f")
-        out += [f"## {name}", "", f"mu_f {100 * s['mu_f']:.1f}% over {s['tokens']:,} held-out tokens; the busiest "
+        out += [f"## {name}", "", f"mu_f {percent(s['mu_f'])} over {s['tokens']:,} held-out tokens; the busiest "
                 f"10% of heads make {100 * s['top10_share']:.0f}% of all full-attention calls.", "",
                 "Busiest and quietest heads (mean gap = tokens between consecutive full-attention calls, "
-                "seeds/003 Table 3):", "", "| layer | head | mu_f | mean gap |", "|---|---|---|---|"]
+                "the AHA paper's Table 3):", "", "| layer | head | mu_f | mean gap |", "|---|---|---|---|"]
         ranked = s["sorted_usage"]
         for layer, head, u in ranked[:3] + ranked[-2:]:
             row = s["layers"].index(layer)
-            out.append(f"| {layer} | {head} | {100 * u:.1f}% | {_fmt_gap(s['mean_gap'][row][head])} |")
+            out.append(f"| {layer} | {head} | {percent(u)} | {_fmt_gap(s['mean_gap'][row][head])} |")
         better = (dyn[metric] < sta[metric]) if metric == "bits_per_byte" else (dyn[metric] > sta[metric])
-        out += ["", "Dynamic router against the static baseline (seeds/003 Table 5; same weights):", "",
+        out += ["", "Dynamic router against the static baseline (the AHA paper's Table 5; same weights):", "",
                 f"| routing | {metric} | mu_f |", "|---|---|---|",
-                f"| dynamic router | {dyn[metric]:.4f} | {100 * dyn['mu_f']:.1f}% |",
-                f"| static: top {sta['heads']} heads global | {sta[metric]:.4f} | {100 * sta['mu_f']:.1f}% |", "",
-                f"- [{'x' if better else ' '}] at an equal or smaller budget the dynamic router beats the static heads",
-                ""]
+                f"| dynamic router | {dyn[metric]:.4f} | {percent(dyn['mu_f'])} |",
+                f"| static: top {sta['heads']} heads global | {sta[metric]:.4f} | {percent(sta['mu_f'])} |", ""]
+        out += goal_lines({"at an equal or smaller budget the dynamic router beats the static heads": better})
+        out.append("")
         if "budget" in r:
             b = r["budget"]
-            out += [f"Budget control: asked for mu_f {100 * b['target_mu_f']:.1f}%, tau calibrated to {b['tau']:.4f} "
-                    f"on half of the held-out data; on the other half mu_f is {100 * b['mu_f']:.1f}% "
+            out += [f"Budget control: asked for mu_f {percent(b['target_mu_f'])}, tau calibrated to {b['tau']:.4f} "
+                    f"on half of the held-out data; on the other half mu_f is {percent(b['mu_f'])} "
                     f"({metric} {b[metric]:.4f} on all of it).", ""]
     return "\n".join(out) + "\n"
 
 
-def analyze_run(run: str | Path, tasks: tuple[str, ...] = ("stdlib", "recall"), target_mu: float | None = None) -> dict:
+def analyze_run(run: str | Path, tasks: tuple[str, ...] = TASKS, target_mu: float | None = None) -> dict:
+    """Analyse every task of ``tasks`` that ``run`` holds a fine-tuned AHA model of; write the results."""
     run = Path(run)
     present = [t for t in tasks if (run / t / "aha" / "checkpoint.safetensors").exists()]
     if not present:
         raise CheckpointError(f"{run} holds no fine-tuned AHA checkpoint of {', '.join(tasks)}; run allhere demo first")
     results = {t: analyze_task(run, t, target_mu) for t in present}
     out = run / "analysis"
-    atomic_write(out / "analysis.json", lambda tmp: tmp.write_text(json.dumps(results, indent=1) + "\n"))
-    atomic_write(out / "analysis.md", lambda tmp: tmp.write_text(render(results)))
-    from .plots import sorted_usage_curve
+    write_report(out, "analysis", results, render(results))
+    from ..analysis.plots import sorted_usage_curve
 
     sorted_usage_curve({t: [u for _, _, u in r["stats"]["sorted_usage"]] for t, r in results.items()},
                        out / "sorted_usage.png")

@@ -3,10 +3,10 @@
 Every ratio is against the fastest dense SDPA backend measured in the same run (cuDNN, flash and
 memory-efficient are each tried; those that refuse the shape are left out), prefill also against
 FlexAttention's sliding window (what local-only attention costs), with the FLOP (prefill) or byte
-(decode) limit of shared/ANCHORS.md next to it. Before timing, each AHA path is checked against the
-fp32 dense reference at a small size. Default settings are issue 6's table: B = 1, 16 heads, head dim
+(decode) limit next to it (``gates.flop_limit``, ``gates.byte_limit``). Before timing, each AHA path is
+checked against the fp32 dense reference at a small size. Default settings: B = 1, 16 heads, head dim
 128, bf16, w = 256, long-tailed and uniform gates at mu_f 7% and 25%, prefill n in 4k..64k, decode
-B = 8 at n in 8k, 32k, 128k, training forward + backward at n = 16k.
+B = 8 at n in 8k, 32k, 128k, training forward + backward at n = 16k. Writes bench.md and bench.json.
 
 On the CPU (``--device cpu``) it runs the same code through the PyTorch paths (no Triton, no
 FlexAttention): a smoke run of the script, not a measurement of the goals.
@@ -15,18 +15,19 @@ FlexAttention): a smoke run of the script, not a measurement of the goals.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..mechanisms.aha import straight_through
+from ..backend import use_backend
+from ..config import ConfigError
+from ..kernels import triton_available
 from ..ops.aha import aha_attention_fast, aha_attention_naive
-from .gates import PATTERNS, flop_limit
+from ..ops.ste import straight_through
+from .gates import PATTERNS, byte_limit, flop_limit
+from .report import write_report
 from .timing import median_time
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -35,6 +36,9 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
 
 @dataclasses.dataclass
 class BenchConfig:
+    """What ``allhere bench`` measures: shapes (B = 1 prefill and training, ``decode_batch`` decode),
+    window, gate patterns and their mu_f, lengths, timing repeats, and the length of the correctness check."""
+
     device: str = "cuda"
     heads: int = 16
     dim: int = 128
@@ -51,6 +55,19 @@ class BenchConfig:
     @property
     def dtype(self):
         return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+
+
+def bench_config(device: str | None = None, **sizes) -> BenchConfig:
+    """The ``BenchConfig`` of ``allhere bench``: ``sizes`` are its fields, None leaves a default. Without a
+    ``device``, the first GPU -- and a ConfigError where there is none (on the CPU the bench is only a
+    smoke run of the script, which must be asked for: device "cpu")."""
+    if device is None:
+        if not torch.cuda.is_available():
+            raise ConfigError("allhere bench measures the GPU kernels and found no CUDA device; pass "
+                              "--device cpu for a smoke run of the script (its numbers are not the goals)")
+        device = "cuda"
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in sizes.items() if v is not None}
+    return BenchConfig(device=device, **given)
 
 
 def fastest_dense(fn, cfg: BenchConfig) -> tuple[str, float]:
@@ -129,8 +146,8 @@ def bench_prefill(cfg: BenchConfig, n: int, pattern: str, mu: float) -> dict:
         flex = median_time(flex_fn, cfg.repeats, device=cfg.device) if flex_fn else None
         aha = median_time(lambda: aha_attention_fast(q, k, v, gate, cfg.window), cfg.repeats, device=cfg.device)
     mu_real = gate.float().mean().item()
-    return {"n": n, "pattern": pattern, "mu_asked": mu, "mu_f": mu_real, "dense_backend": dense_name, "dense_ms": 1e3 * dense,
-            "flex_sliding_ms": None if flex is None else 1e3 * flex, "aha_ms": 1e3 * aha,
+    return {"n": n, "pattern": pattern, "mu_asked": mu, "mu_f": mu_real, "dense_backend": dense_name,
+            "dense_ms": 1e3 * dense, "flex_sliding_ms": None if flex is None else 1e3 * flex, "aha_ms": 1e3 * aha,
             "speedup": dense / aha, "limit": flop_limit(mu_real, cfg.window, n)}
 
 
@@ -144,9 +161,9 @@ def bench_decode(cfg: BenchConfig, n: int, pattern: str, mu: float) -> dict:
         dense_name, dense = fastest_dense(lambda: F.scaled_dot_product_attention(q, k, v), cfg)
         aha = median_time(lambda: aha_attention_fast(q, k, v, gate, cfg.window), cfg.repeats, device=cfg.device)
     mu_real = gate.float().mean().item()
-    limit = 1.0 / (mu_real + (1.0 - mu_real) * min(1.0, cfg.window / n))
     return {"n": n, "batch": b, "pattern": pattern, "mu_asked": mu, "mu_f": mu_real, "dense_backend": dense_name,
-            "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "speedup": dense / aha, "limit": limit}
+            "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "speedup": dense / aha,
+            "limit": byte_limit(mu_real, cfg.window, n)}
 
 
 def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
@@ -166,18 +183,18 @@ def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
     dense_name, dense = fastest_dense(dense_step, cfg)
     aha = median_time(aha_step, cfg.repeats, device=cfg.device)
     # The PyTorch path, for comparison (the same as aha_ms where triton is missing).
-    with mock.patch.dict(os.environ, {"ALLHERE_NO_TRITON": "1"}):
+    with use_backend("torch"):
         torch_path = median_time(aha_step, cfg.repeats, device=cfg.device)
     return {"n": n, "pattern": pattern, "mu_asked": mu, "mu_f": gate.float().mean().item(), "dense_backend": dense_name,
             "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "torch_path_ms": 1e3 * torch_path, "overhead": aha / dense}
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
+    """The correctness check, then every prefill, decode and training row of ``cfg``; ``progress`` gets a
+    line per row."""
     report = {"config": dataclasses.asdict(cfg), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"}
-    from ..kernels import use_triton
-
-    report["aha_path"] = "Triton kernels" if use_triton(torch.empty(0, device=cfg.device)) else \
+    report["aha_path"] = "Triton kernels" if cfg.device.startswith("cuda") and triton_available() else \
         "PyTorch path (no CUDA or no triton: pip install 'allhere[gpu]')"
     progress(f"AHA runs the {report['aha_path']}")
     report["check"] = check_paths(cfg)
@@ -201,6 +218,7 @@ def _mu(row: dict) -> str:
 
 
 def render(report: dict) -> str:
+    """bench.md: the check and one table per part (prefill, decode, training)."""
     c = report["config"]
     out = [f"# AHA kernels vs dense attention ({report['device_name']}, torch {report['torch']})", "",
            f"heads {c['heads']}, head dim {c['dim']}, w = {c['window']}; ratios against the fastest dense SDPA "
@@ -215,7 +233,8 @@ def render(report: dict) -> str:
         out.append(f"| {r['n']} | {r['pattern']} | {_mu(r)} | {r['dense_ms']:.2f} ms ({r['dense_backend']}) "
                    f"| {flex} | {r['aha_ms']:.2f} ms | {r['speedup']:.2f}x | {r['limit']:.1f}x |")
     out += ["", f"## Decode (B = {c['decode_batch']}, one query per sequence)", "",
-            "| n | gates | mu_f asked (drawn) | dense (backend) | AHA | speed-up | byte limit |", "|---|---|---|---|---|---|---|"]
+            "| n | gates | mu_f asked (drawn) | dense (backend) | AHA | speed-up | byte limit |",
+            "|---|---|---|---|---|---|---|"]
     for r in report["decode"]:
         out.append(f"| {r['n']} | {r['pattern']} | {_mu(r)} | {r['dense_ms']:.3f} ms ({r['dense_backend']}) "
                    f"| {r['aha_ms']:.3f} ms | {r['speedup']:.2f}x | {r['limit']:.1f}x |")
@@ -228,10 +247,6 @@ def render(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_report(report: dict, out: str | Path) -> None:
-    from ..checkpoint import atomic_write
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "bench.json", lambda tmp: tmp.write_text(json.dumps(report, indent=1) + "\n"))
-    atomic_write(out / "bench.md", lambda tmp: tmp.write_text(render(report)))
+def write_bench(report: dict, out: str | Path) -> dict[str, Path]:
+    """bench.json and bench.md in ``out``."""
+    return write_report(out, "bench", report, render(report))

@@ -1,5 +1,6 @@
-"""Window and lambda sweeps in the form of seeds/003 Tables 1, 2 and 4: one pretrained full model per
-task, one AHA fine-tune per (window, lambda), quality, Retain % and mu_f per task and on average.
+"""``allhere sweep``: window and lambda sweeps in the form of the AHA paper's ("Learning When Not to
+Attend Globally") Tables 1, 2 and 4: one pretrained full model per task, one AHA fine-tune per
+(window, lambda), quality, Retain % and mu_f per task and on average.
 
 Resumable: every fine-tune keeps its checkpoint and its ``result.json`` in its own folder; a second
 call reuses what is finished. Windows not shorter than a task's sequence length are skipped for that
@@ -12,30 +13,31 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..checkpoint import atomic_write
-from ..demo import _check_run_settings, _plan_dict, finetune, plans, pretrain, task_data
+from .plans import TASKS, plans
+from .report import percent, write_report
+from .rundir import write_json
+from .tasks import finetune, start_task
 
 DEFAULT_WINDOWS = (16, 32, 64, 128, 256)
 DEFAULT_LAMS = (1e-4, 3e-4, 1e-3)
 
 
-def _retain(metric: str, base: float, value: float) -> float:
+def retain(metric: str, base: float, value: float) -> float:
     """Quality kept, in percent: loss ratio for losses, accuracy ratio for accuracies."""
     return 100.0 * (base / value if metric != "accuracy" else value / base)
 
 
 def run_sweep(out: str | Path = "runs/sweep", preset: str = "cpu", windows=DEFAULT_WINDOWS, lams=DEFAULT_LAMS,
-              lam_window: int | None = None, tasks=("stdlib", "recall"), data_path: str | None = None,
+              lam_window: int | None = None, tasks=TASKS, data_path: str | None = None,
               device: str = "cpu", progress: bool = True) -> dict:
+    """Run (or resume) the sweeps in ``out``; write sweep.md, sweep.json and mu_f_vs_window.png there.
+    ``lam_window``: the window of the lambda sweep (default the preset's)."""
     out = Path(out)
     results = {"preset": preset, "windows": list(windows), "lams": list(lams), "tasks": {}}
     for name in tasks:
-        plan = plans(preset, device)[name]
-        run = out / name
-        _check_run_settings(run, {"plan": _plan_dict(plan), "data_path": data_path})
-        data = task_data(name, plan, data_path)
-        full, _ = pretrain(run, plan, data, progress)
-        base = data.evaluate(full)[data.metric]
+        task = start_task(out, name, plans(preset, device)[name], data_path, progress)
+        plan, data = task.plan, task.data
+        base = data.evaluate(task.full)[data.metric]
         w_lam = lam_window or plan.aha.window
         configs = [("window", w, plan.aha.lam) for w in windows] + [("lambda", w_lam, lam) for lam in lams]
         rows = []
@@ -43,24 +45,23 @@ def run_sweep(out: str | Path = "runs/sweep", preset: str = "cpu", windows=DEFAU
             if w >= plan.seq_len:
                 rows.append({"sweep": kind, "window": w, "lam": lam, "skipped": f"window >= seq_len {plan.seq_len}"})
                 continue
-            folder = run / f"w{w}-lam{lam:g}"
+            folder = task.run / f"w{w}-lam{lam:g}"
             done = folder / "result.json"
             if done.exists():
                 r = json.loads(done.read_text())
             else:
                 mech = dataclasses.replace(plan.aha, window=w, lam=lam)
-                model, _ = finetune(folder / "checkpoint.safetensors", full, mech, plan, data, progress)
+                model, _ = finetune(task, folder / "checkpoint.safetensors", mech, progress)
                 ev = data.evaluate(model)
                 r = {"window": w, "lam": lam, data.metric: ev[data.metric], "mu_f": ev["mu_f"],
-                     "retain_percent": _retain(data.metric, base, ev[data.metric])}
-                atomic_write(done, lambda tmp: tmp.write_text(json.dumps(r) + "\n"))
+                     "retain_percent": retain(data.metric, base, ev[data.metric])}
+                write_json(done, r, indent=None)
             rows.append({"sweep": kind, **r})
         results["tasks"][name] = {"metric": data.metric, "full": base, "seq_len": plan.seq_len, "rows": rows,
                                   "finetune_steps": plan.finetune.steps, "lam_window": w_lam,
                                   "default_lam": plan.aha.lam}
-    atomic_write(out / "sweep.json", lambda tmp: tmp.write_text(json.dumps(results, indent=1) + "\n"))
-    atomic_write(out / "sweep.md", lambda tmp: tmp.write_text(render(results)))
-    _plot(results, out / "mu_f_vs_window.png")
+    write_report(out, "sweep", results, render(results))
+    plot(results, out / "mu_f_vs_window.png")
     return results
 
 
@@ -72,9 +73,9 @@ def _cell(rows, kind, key, value, field, fmt):
 
 
 def render(results: dict) -> str:
+    """sweep.md: the window sweep and the lambda sweep, one table each."""
     tasks = results["tasks"]
     names = list(tasks)
-    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
     out = ["# AHA sweeps", "", "Quality per task (" + ", ".join(f"{n}: {tasks[n]['metric']}" for n in names)
            + "), Retain % against the pretrained full model, and mu_f.", ""]
 
@@ -88,10 +89,10 @@ def render(results: dict) -> str:
             rows = {n: tasks[n]["rows"] for n in names}
             quality = [_cell(rows[n], kind, key, v, tasks[n]["metric"], lambda x: f"{x:.4f}") for n in names]
             kept = [r for n in names for r in rows[n] if r["sweep"] == kind and r[key] == v and "skipped" not in r]
-            retain = f"{sum(r['retain_percent'] for r in kept) / len(kept):.1f}%" if kept else "n/a"
-            mus = [_cell(rows[n], kind, key, v, "mu_f", pct) for n in names]
-            avg = pct(sum(r["mu_f"] for r in kept) / len(kept)) if kept else "n/a"
-            lines.append(f"| {label} = {v:g} | " + " | ".join(quality) + f" | {retain} | " + " | ".join(mus)
+            kept_avg = f"{sum(r['retain_percent'] for r in kept) / len(kept):.1f}%" if kept else "n/a"
+            mus = [_cell(rows[n], kind, key, v, "mu_f", percent) for n in names]
+            avg = percent(sum(r["mu_f"] for r in kept) / len(kept)) if kept else "n/a"
+            lines.append(f"| {label} = {v:g} | " + " | ".join(quality) + f" | {kept_avg} | " + " | ".join(mus)
                          + f" | {avg} |")
         return lines
 
@@ -106,8 +107,9 @@ def render(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _plot(results: dict, path: Path) -> None:
-    from .plots import require_matplotlib
+def plot(results: dict, path: Path) -> None:
+    """mu_f against the window, one line per task (log2 x axis)."""
+    from ..analysis.plots import require_matplotlib
 
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(5.5, 3.4))

@@ -1,4 +1,4 @@
-"""Median wall time of a callable, with CUDA events on a GPU and perf_counter on the CPU."""
+"""Median wall time of a callable, with CUDA events on a GPU and perf_counter on the CPU (for benchmarks)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Gate patterns for benchmarks: long-tailed across heads (seeds/003 Fig. 4) and uniform random."""
+"""Gate patterns of the benchmarks -- long-tailed across heads (the AHA paper's Figure 4) and uniform
+random -- and the FLOP limit of AHA prefill against dense causal attention."""
 
 import torch
 
@@ -12,6 +13,7 @@ def long_tailed(batch: int, heads: int, n: int, mu: float, generator=None, devic
 
 
 def uniform(batch: int, heads: int, n: int, mu: float, generator=None, device="cpu") -> torch.Tensor:
+    """Every (token, head) global with probability mu."""
     return torch.rand(batch, heads, n, generator=generator, device=device) < mu
 
 
@@ -19,5 +21,12 @@ PATTERNS = {"long-tailed": long_tailed, "uniform": uniform}
 
 
 def flop_limit(mu: float, window: int, n: int) -> float:
-    """Prefill speed-up limit over dense causal: 1 / (mu + 2 (1 - mu) w / n) (shared/ANCHORS.md)."""
+    """Prefill speed-up limit over dense causal attention, from the FLOPs alone: 1 / (mu + 2 (1 - mu) w / n)
+    (a share mu of the queries attends to about n / 2 keys on average, the rest to w)."""
     return 1.0 / (mu + 2.0 * (1.0 - mu) * window / n)
+
+
+def byte_limit(mu: float, window: int, n: int) -> float:
+    """Decode speed-up limit over dense attention, from the cache bytes read alone: 1 / (mu + (1 - mu)
+    min(1, w / n)) (a global query reads all n cached keys, a local one w of them)."""
+    return 1.0 / (mu + (1.0 - mu) * min(1.0, window / n))

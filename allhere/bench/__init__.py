@@ -1,1 +1,0 @@
-"""Benchmarks shipped with the package (``allhere bench``) and the gate patterns they use."""

@@ -1,0 +1,150 @@
+"""``allhere demo``: pretrain a full-attention model, swap in AHA, fine-tune, evaluate, report (the AHA
+paper, "Learning When Not to Attend Globally", Sections 3.1-3.2).
+
+For each task (the stdlib corpus, or the user's text; and the synthetic recall task):
+  1. pretrain a small full-attention decoder (reused from the run directory when already finished);
+  2. copy it into an AHA model whose routers start fully global (the copy computes what the pretrained
+     model computed);
+  3. fine-tune with L_LM + lambda * L_reg;
+  4. evaluate on held-out data: the pretrained full model, the fine-tuned AHA model and the pretrained
+     model run with sliding-window attention only at the same window;
+  5. write report.md, report.json and mu_f_heatmap.png into the run directory.
+Interrupted runs continue from their last checkpoint when the demo is started again with the same
+settings.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import FullConfig, SlidingConfig
+from ..data.recall import RecallTask
+from ..eval import evaluate_lm
+from ..model import swap_mechanism
+from ..routing import routed_layers
+from .plans import TASKS, plan_to_dict, plans
+from .report import goal_lines, percent, write_report
+from .tasks import Task, finetune, start_task
+
+
+def lm_task(task: Task, progress: bool) -> dict:
+    """The stdlib task: full, AHA, sliding window and a full model fine-tuned as long (the control)."""
+    plan, data, full = task.plan, task.data, task.full
+    aha, aha_curve = finetune(task, task.run / "aha" / "checkpoint.safetensors", plan.aha, progress)
+    # Control: the full model trained for the same extra steps, so that the gain of plain extra training
+    # is not credited to AHA.
+    control, _ = finetune(task, task.run / "full-finetuned" / "checkpoint.safetensors", FullConfig(), progress,
+                          periodic=False)
+    sliding = swap_mechanism(full, SlidingConfig(window=plan.aha.window))
+    rows = {"full (pretrained)": data.evaluate(full),
+            f"AHA w={plan.aha.window} (fine-tuned)": data.evaluate(aha),
+            f"sliding w={plan.aha.window} (pretrained, no fine-tuning)": data.evaluate(sliding),
+            "full (pretrained + the same fine-tuning steps, control)": data.evaluate(control)}
+    base = rows["full (pretrained)"]["loss"]
+    for r in rows.values():
+        r["retain_percent"] = 100.0 * base / r["loss"]
+    _, aha_row, slide_row, control_row = rows.values()
+    aha_row["retain_vs_control_percent"] = 100.0 * control_row["loss"] / aha_row["loss"]
+    goals = {
+        "AHA keeps >= 99% of the full model's held-out quality (loss ratio)": aha_row["retain_percent"] >= 99.0,
+        "AHA uses full attention on <= 25% of (token, head) pairs": aha_row["mu_f"] <= 0.25,
+        "sliding-window-only keeps less than AHA": slide_row["retain_percent"] < aha_row["retain_percent"],
+    }
+    return {"data": data.description, "seq_len": plan.seq_len, "eval_sequences": plan.eval_sequences,
+            "rows": rows, "goals": goals, "aha_layers": [i for i, _ in routed_layers(aha)],
+            "curves": {"pretrain": task.pretrain_curve, "aha": aha_curve}}
+
+
+def recall_task(task: Task, progress: bool) -> dict:
+    """The recall task: full, AHA and sliding window; AHA's usage per head on retrieval sequences."""
+    plan, data, full = task.plan, task.data, task.full
+    aha, aha_curve = finetune(task, task.run / "aha" / "checkpoint.safetensors", plan.aha, progress)
+    sliding = swap_mechanism(full, SlidingConfig(window=plan.aha.window))
+    rows = {"full (pretrained)": data.evaluate(full),
+            f"AHA w={plan.aha.window} (fine-tuned)": data.evaluate(aha),
+            f"sliding w={plan.aha.window} (pretrained, no fine-tuning)": data.evaluate(sliding)}
+    full_row, aha_row, slide_row = rows.values()
+    recall = RecallTask(seq_len=plan.seq_len)
+    aha_row["usage"] = evaluate_lm(aha, recall.batch(64, torch.Generator().manual_seed(7))[0],
+                                   device=plan.pretrain.device)["usage"]
+    goals = {
+        "full attention reaches >= 90% accuracy": full_row["accuracy"] >= 0.90,
+        "sliding-window-only stays near chance (< 2x chance)": slide_row["accuracy"] < 2 * full_row["chance"],
+        "AHA within 3 points of full attention": aha_row["accuracy"] >= full_row["accuracy"] - 0.03,
+        "AHA mu_f on other tokens <= 1/3 of mu_f on retrieval tokens":
+            aha_row["mu_f_other"] <= aha_row["mu_f_retrieval"] / 3,
+    }
+    return {"data": data.description, "rows": rows, "goals": goals,
+            "aha_layers": [i for i, _ in routed_layers(aha)],
+            "curves": {"pretrain": task.pretrain_curve, "aha": aha_curve}}
+
+
+def run_demo(out: str | Path = "runs/demo", preset: str = "cpu", tasks: tuple[str, ...] = TASKS,
+             data_path: str | None = None, device: str = "cpu", progress: bool = True, **overrides) -> dict:
+    """Run (or resume) the demo in ``out``; write its report there; return it. ``overrides``: window,
+    lam, pretrain_steps, finetune_steps (see ``plans.plans``)."""
+    task_plans = plans(preset, device, **overrides)
+    report = {"preset": preset, "device": device, "torch": torch.__version__, "tasks": {}}
+    t0 = time.time()
+    for name in tasks:
+        task = start_task(out, name, task_plans[name], data_path, progress)
+        res = lm_task(task, progress) if name == "stdlib" else recall_task(task, progress)
+        res["plan"] = plan_to_dict(task.plan)
+        report["tasks"][name] = res
+    report["seconds"] = round(time.time() - t0, 1)
+    write_demo_report(report, out)
+    return report
+
+
+def lm_table(res: dict) -> list[str]:
+    lines = ["| model | held-out bits/byte | Retain % | mu_f |", "|---|---|---|---|"]
+    for name, r in res["rows"].items():
+        lines.append(f"| {name} | {r['bits_per_token']:.4f} | {r['retain_percent']:.1f}% | {percent(r['mu_f'])} |")
+    return lines
+
+
+def recall_table(res: dict) -> list[str]:
+    lines = ["| model | accuracy | mu_f retrieval tokens | mu_f other tokens | mu_f all |", "|---|---|---|---|---|"]
+    for name, r in res["rows"].items():
+        lines.append(f"| {name} | {percent(r['accuracy'])} | {percent(r['mu_f_retrieval'])} "
+                     f"| {percent(r['mu_f_other'])} | {percent(r['mu_f'])} |")
+    chance = next(iter(res["rows"].values()))["chance"]
+    lines.append(f"\nChance accuracy: {percent(chance)}.")
+    return lines
+
+
+def render(report: dict) -> str:
+    """The demo's report.md: per task its table and goals."""
+    out = ["# allhere demo report", "",
+           f"Preset `{report['preset']}` on `{report['device']}`, torch {report['torch']}, "
+           f"{report['seconds']:.0f} s in all.", ""]
+    for name, res in report["tasks"].items():
+        out += [f"## {name}", "", f"Data: {res['data']}", ""]
+        out += lm_table(res) if name == "stdlib" else recall_table(res)
+        aha = next((r for r in res["rows"].values() if "retain_vs_control_percent" in r), None)
+        if aha is not None:
+            out += ["", f"Against the control trained for as many steps, AHA keeps "
+                        f"{aha['retain_vs_control_percent']:.1f}% (loss ratio)."]
+        out += ["", "Goals:"] + goal_lines(res["goals"]) + [""]
+    out.append("Retain % = held-out loss of the pretrained full model / loss of the row (higher is better); "
+               "mu_f = share of (token, head) pairs on full attention (the AHA paper's Eq. 8).")
+    return "\n".join(out) + "\n"
+
+
+def write_demo_report(report: dict, out: str | Path) -> dict[str, Path]:
+    """report.json, report.md and (where a row holds usage per head) mu_f_heatmap.png in ``out``."""
+    paths = write_report(out, "report", report, render(report))
+    panels, layers = {}, {}
+    for name, res in report["tasks"].items():
+        for row_name, r in res["rows"].items():
+            if "usage" in r:
+                title = f"{name}: {row_name}"
+                panels[title], layers[title] = r["usage"], res["aha_layers"]
+    if panels:
+        from ..analysis.plots import usage_heatmaps
+
+        paths["png"] = usage_heatmaps(panels, Path(out) / "mu_f_heatmap.png", layers)
+    return paths

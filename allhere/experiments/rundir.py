@@ -1,0 +1,41 @@
+"""Run directories: a folder belongs to one set of settings (``settings.json``); files written atomically."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..checkpoint import atomic_write
+from ..validation import ConfigError
+
+SETTINGS = "settings.json"
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a crash leaves the old file or none, never half of one)."""
+    atomic_write(Path(path), lambda tmp: tmp.write_text(text))
+
+
+def write_json(path: Path, data, indent: int | None = 1) -> None:
+    """Write ``data`` as json (one trailing newline) to ``path`` atomically."""
+    write_text(path, json.dumps(data, indent=indent) + "\n")
+
+
+def claim(run: Path, settings: dict) -> None:
+    """Reuse ``run`` for the same ``settings``, start it for new ones, refuse it (ConfigError, nothing
+    changed) when it holds a run with other settings."""
+    path = Path(run) / SETTINGS
+    text = json.dumps(settings, indent=1, sort_keys=True)
+    if path.exists():
+        if json.loads(path.read_text()) != json.loads(text):
+            raise ConfigError(f"{run} holds a run with other settings; choose another --out (nothing was changed)")
+        return
+    write_text(path, text + "\n")
+
+
+def read_settings(run: Path, job: str = "demo") -> dict:
+    """The settings a run directory was claimed with (ConfigError when it holds none)."""
+    path = Path(run) / SETTINGS
+    if not path.exists():
+        raise ConfigError(f"{run} holds no finished {job} task (no {SETTINGS}); run allhere {job} first")
+    return json.loads(path.read_text())

@@ -1,0 +1,109 @@
+"""The tasks of the experiments in a run directory: their data and evaluations (``TaskData``), the
+pretrained full model (``start_task``), pretraining and fine-tuning, each resumed from its checkpoint.
+
+Two tasks: "stdlib" (language modelling on the embedded stdlib corpus or the user's text) and "recall"
+(the synthetic key-value recall task). A task's folder is ``<out>/<task>``: settings.json, the
+pretrained model in pretrain/checkpoint.safetensors, every fine-tune in a folder of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import ModelConfig, TrainConfig
+from ..data.corpus import eval_windows, sample_batch, stdlib_corpus, text_corpus
+from ..data.recall import RecallTask
+from ..eval import evaluate_lm, evaluate_recall
+from ..model import Decoder, swap_mechanism
+from ..train import train
+from .plans import TaskPlan, run_settings
+from .rundir import claim
+
+
+@dataclass
+class TaskData:
+    """A task's batches and evaluations, shared by every experiment."""
+
+    description: str
+    pretrain_batches: Callable
+    finetune_batches: Callable
+    evaluate: Callable[[Decoder], dict]  # held-out evaluation of a model
+    periodic: Callable[[Decoder], dict]  # a cheaper one, during training
+    metric: str  # the quality metric in evaluate's result
+    higher_is_better: bool
+    heldout: list  # held-out token batches [b, seq] (for routing statistics)
+    docs: list  # held-out documents one by one (for rolling-window perplexity); empty for recall
+
+
+def task_data(name: str, plan: TaskPlan, data_path: str | None = None) -> TaskData:
+    """The data of task ``name`` ("stdlib": ``data_path`` or the stdlib corpus; "recall") for ``plan``."""
+    dev = plan.pretrain.device
+    if name == "stdlib":
+        corpus = stdlib_corpus() if data_path is None else text_corpus(data_path)
+        batches = lambda step, micro, g: sample_batch(corpus.train, plan.pretrain.batch_size, plan.seq_len, g)  # noqa: E731
+        windows = eval_windows(corpus.val, plan.seq_len, plan.eval_sequences)
+        return TaskData(corpus.describe(), batches, batches, lambda m: evaluate_lm(m, windows, device=dev),
+                        lambda m: _brief(evaluate_lm(m, windows[:16], device=dev), ("loss", "mu_f")),
+                        "bits_per_token", False, list(windows.split(16)), corpus.val_docs)
+    task = RecallTask(seq_len=plan.seq_len)
+    return TaskData(
+        f"recall task {dataclasses.asdict(task)} (min distance query->pair {task.min_distance} tokens)",
+        lambda step, micro, g: task.training_batch(plan.pretrain.batch_size, g, curriculum=True),
+        lambda step, micro, g: task.training_batch(plan.finetune.batch_size, g),
+        lambda m: evaluate_recall(m, task, plan.eval_sequences, device=dev),
+        lambda m: _brief(evaluate_recall(m, task, 128, device=dev), ("accuracy", "mu_f")),
+        "accuracy", True, list(task.batch(256, torch.Generator().manual_seed(99))[0].split(64)), [])
+
+
+def _brief(metrics: dict, keys: tuple[str, ...]) -> dict:
+    return {k: round(metrics[k], 5) for k in keys}
+
+
+@dataclass
+class Task:
+    """One task of a run directory, with its pretrained full-attention model."""
+
+    name: str
+    plan: TaskPlan
+    run: Path  # the task's folder
+    data: TaskData
+    full: Decoder  # the pretrained full-attention model
+    pretrain_curve: list  # its periodic evaluations
+
+
+def start_task(out: str | Path, name: str, plan: TaskPlan, data_path: str | None, progress: bool) -> Task:
+    """Claim ``out/name`` for ``plan`` and ``data_path`` (refused when it holds other settings), build
+    the task's data and pretrain its full model (reused when finished, resumed when interrupted)."""
+    run = Path(out) / name
+    claim(run, run_settings(plan, data_path))
+    data = task_data(name, plan, data_path)
+    full, curve = pretrain(run / "pretrain" / "checkpoint.safetensors", plan.model, plan, data, progress)
+    return Task(name, plan, run, data, full, curve)
+
+
+def pretrain(ckpt: Path, model: ModelConfig, plan: TaskPlan, data: TaskData, progress: bool) -> tuple[Decoder, list]:
+    """A ``model`` trained from the plan's seed on the pretraining batches with the plan's pretraining
+    settings (reused from ``ckpt`` when finished); and its periodic evaluations."""
+    torch.manual_seed(plan.pretrain.seed)
+    net = Decoder(model)
+    evals = train(net, data.pretrain_batches, plan.pretrain, ckpt, resume=True, eval_fn=data.periodic,
+                  progress=progress)["evals"]
+    return net, evals
+
+
+def finetune(task: Task, ckpt: Path, mechanism, progress: bool, base: Decoder | None = None,
+             cfg: TrainConfig | None = None, train_only: str | None = None,
+             periodic: bool = True) -> tuple[Decoder, list]:
+    """A copy of ``base`` (default the task's pretrained model) with ``mechanism`` swapped in, trained on
+    the fine-tuning batches with ``cfg`` (default the plan's fine-tuning), reused from ``ckpt`` when
+    finished; and its periodic evaluations (none when ``periodic`` is False). ``train_only``: see
+    ``allhere.train.train``."""
+    model = swap_mechanism(task.full if base is None else base, mechanism)
+    state = train(model, task.data.finetune_batches, cfg or task.plan.finetune, ckpt, resume=True,
+                  eval_fn=task.data.periodic if periodic else None, progress=progress, train_only=train_only)
+    return model, state["evals"]
