@@ -78,27 +78,40 @@ def _progress_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars (default: shown)")
 
 
-def _conversion_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mechanism", default="aha", choices=["aha", "dar"], help="aha (default) or dar")
+def _conversion_flags(p: argparse.ArgumentParser, kinds: tuple[str, ...]) -> None:
+    p.add_argument("--mechanism", default="aha", choices=kinds, help=f"{' or '.join(kinds)} (default aha)")
     p.add_argument("--window", type=_positive_or_zero, required=True,
                    help="window w (keys, the current one included); DAR also takes 0 (uniform reduction)")
-    p.add_argument("--tau", type=float, default=0.5, help="AHA gate threshold (default 0.5)")
-    p.add_argument("--lam", type=_nonnegative_float, default=3e-4, help="AHA lambda of L_reg (default 3e-4)")
+    p.add_argument("--tau", type=float, default=None, help="AHA gate threshold (default 0.5)")
+    p.add_argument("--lam", type=_nonnegative_float, default=None, help="AHA lambda of L_reg (default 3e-4)")
     p.add_argument("--d-down", type=_positive, default=None,
                    help="DAR bottleneck width (required with dar; no default)")
 
 
 def _mechanism(args):
-    """The AHAConfig or DARConfig the conversion flags ask for."""
-    from .config import AHAConfig, DARConfig
+    """The mechanism config the conversion flags ask for, from the registry: each flag sets the field of
+    the same name; a flag the mechanism has no field for is an error, not silently ignored."""
+    import dataclasses
 
-    if args.mechanism == "aha":
-        if args.d_down is not None:
-            raise ConfigError("--d-down is a DAR setting: use it with --mechanism dar")
-        return AHAConfig(window=args.window, tau=args.tau, lam=args.lam)
-    if args.d_down is None:
-        raise ConfigError("--mechanism dar needs --d-down (the bottleneck width, e.g. hidden size / 4)")
-    return DARConfig(window=args.window, d_down=args.d_down)
+    from . import registry
+
+    cls = registry.get(args.mechanism).config
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    given = {k: getattr(args, k) for k in ("window", "tau", "lam", "d_down") if getattr(args, k) is not None}
+    foreign = sorted(set(given) - fields)
+    if foreign:
+        flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
+        raise ConfigError(f"{flags} {'is not a setting' if len(foreign) == 1 else 'are not settings'} of "
+                          f"--mechanism {args.mechanism}")
+    if "d_down" in fields and "d_down" not in given:
+        raise ConfigError(f"--mechanism {args.mechanism} needs --d-down (the bottleneck width, e.g. hidden size / 4)")
+    return cls(**given)
+
+
+def _hf_kinds() -> tuple[str, ...]:
+    from . import registry
+
+    return tuple(k for k in registry.kinds() if registry.get(k).module.hf_support)
 
 
 # demo -------------------------------------------------------------------------------------------------
@@ -300,17 +313,17 @@ def bench(args) -> None:
 def convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="folder of a saved transformers causal LM")
     p.add_argument("--out", required=True, help="folder to save the converted model into")
-    _conversion_flags(p)
+    _conversion_flags(p, _hf_kinds())
 
 
 def convert(args) -> None:
-    from .hf import convert as convert_aha
-    from .hf import convert_dar, save_pretrained
+    from .hf import convert as hf_convert
+    from .hf import save_pretrained
     from .hf.io import load_local
 
     mech = _mechanism(args)
     tokenizer, model = load_local(args.model)
-    (convert_aha if args.mechanism == "aha" else convert_dar)(model, mech)
+    hf_convert(model, mech)
     save_pretrained(model, args.out)
     tokenizer.save_pretrained(args.out)
     print(f"{args.mechanism.upper()} model ({mech}) saved to {args.out}; load it with allhere.hf.load_pretrained")
@@ -320,7 +333,7 @@ def sft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="folder of a saved transformers causal LM")
     p.add_argument("--data", required=True, help="chat data: .jsonl/.json/.parquet with a 'messages' column")
     p.add_argument("--out", required=True, help="run folder: checkpoint(s) and the final model/")
-    _conversion_flags(p)
+    _conversion_flags(p, ("aha", "dar"))  # the fine-tuning recipes allhere.hf.sft knows
     p.add_argument("--seq-len", type=_positive, default=2048, help="packed sequence length (default 2048)")
     p.add_argument("--batch-size", type=_positive, default=4, help="sequences per micro-batch (default 4)")
     p.add_argument("--global-batch", type=_positive, default=128, help="sequences per optimizer step (default 128)")
@@ -342,7 +355,7 @@ def sft(args) -> None:
     mech = _mechanism(args)
     state = run_sft(args.model, args.data, args.out, window=args.window, seq_len=args.seq_len,
                     batch_size=args.batch_size, global_batch=args.global_batch, epochs=args.epochs, lr=args.lr,
-                    lam=args.lam, tau=args.tau, max_steps=args.max_steps, device=args.device, resume=args.resume,
+                    lam=getattr(mech, "lam", 3e-4), tau=getattr(mech, "tau", 0.5), max_steps=args.max_steps, device=args.device, resume=args.resume,
                     progress=not args.no_progress, d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr)
     last = state["history"][-1]
     mu = f", mu_f {last['mu_f']:.3f}" if last.get("mu_f") is not None else ""

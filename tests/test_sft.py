@@ -201,7 +201,10 @@ def test_cli_dar(local_model, capsys):
     assert main(["convert", *base, "--mechanism", "dar", "--out", str(local_model / "x")]) == 2
     assert "needs --d-down" in capsys.readouterr().err
     assert main(["convert", *base, "--d-down", "8", "--out", str(local_model / "x")]) == 2
-    assert "DAR setting" in capsys.readouterr().err
+    assert "--d-down is not a setting of --mechanism aha" in capsys.readouterr().err
+    assert main(["convert", *base, "--mechanism", "dar", "--d-down", "8", "--tau", "0.6", "--out",
+                 str(local_model / "x")]) == 2
+    assert "--tau is not a setting of --mechanism dar" in capsys.readouterr().err
     assert not (local_model / "x").exists()
     assert main(["sft", *base, "--mechanism", "dar", "--d-down", "8", "--data", str(local_model / "chat.jsonl"),
                  "--seq-len", "32", "--batch-size", "4", "--global-batch", "8", "--max-steps", "2", "--device",
