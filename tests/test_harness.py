@@ -79,3 +79,22 @@ def test_cli_eval(setup, capsys):
     assert main(["eval", "--model", str(ckpt), "--tasks", "allhere_tiny_choice", "--include-path", str(tasks_dir),
                  "--limit", "4"]) == 0
     assert "mu_f" in capsys.readouterr().out
+
+
+def test_generate_until_is_greedy_and_stops_at_the_stop_string(setup):
+    from allhere.eval.harness import AllhereLM
+    from lm_eval.api.instance import Instance
+
+    _, ckpt, model = setup
+    lm = AllhereLM(str(ckpt), max_gen_toks=12)
+    context = "x = 1\n"
+    ids = list(context.encode())
+    greedy = []
+    with torch.no_grad():  # greedy decoding by hand, one full forward per token
+        for _ in range(12):
+            greedy.append(int(model(torch.tensor([ids + greedy])).logits[0, -1].argmax()))
+    text = bytes(greedy).decode("utf-8", errors="replace")
+    req = lambda until: Instance("generate_until", {}, (context, {"until": until}), 0, ("t", 0, 1))  # noqa: E731
+    assert lm.generate_until([req([])]) == [text]
+    stop = text[3:5]  # a stop string that occurs in the greedy text: the answer ends before it
+    assert lm.generate_until([req([stop])]) == [text.split(stop)[0]]

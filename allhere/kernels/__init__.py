@@ -26,11 +26,9 @@ def triton_available() -> bool:
 def interpreted() -> bool:
     """Whether the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when triton was
     first imported), so that they run on CPU tensors. Imports the kernels; asked once."""
-    from triton.runtime.interpreter import InterpretedFunction
+    from .aha_prefill import built_for_interpreter
 
-    from .aha_prefill import _sliding_kernel
-
-    return isinstance(_sliding_kernel, InterpretedFunction)
+    return built_for_interpreter()
 
 
 def pipeline_stages(device: torch.device) -> int:

@@ -280,3 +280,10 @@ def global_forward(q, k, v, out, lse, start, packed, scale, tiles: dict) -> None
     _global_kernel[(triton.cdiv(n, tiles["BLOCK_M"]), b * h)](
         q, k, v, out, out if lse is None else lse, *packed, start, scale, n, h, h // k.shape[1], *strides, D=d,
         STORE_LSE=lse is not None, SEGMENTS=segments, **tiles)
+
+
+def built_for_interpreter() -> bool:
+    """Whether this module's kernels were built for Triton's interpreter (CPU tensors)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_sliding_kernel, InterpretedFunction)
