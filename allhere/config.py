@@ -12,11 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import registry
-from .mechanisms import AHAConfig, DARConfig, FullConfig, SlidingConfig  # noqa: F401  (kept importable from here)
-from .validation import ConfigError, check, check_int, is_number
-
-mechanism_from_dict = registry.from_dict
-mechanism_to_dict = registry.to_dict
+from .mechanisms.full import FullConfig
+from .validation import ConfigError, check, check_int, is_number  # noqa: F401  (ConfigError: importable from here)
 
 
 @dataclass(frozen=True)
@@ -81,9 +78,9 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["mechanism"] = mechanism_to_dict(self.mechanism)
+        d["mechanism"] = registry.to_dict(self.mechanism)
         if self.layer_mechanisms is not None:
-            d["layer_mechanisms"] = [mechanism_to_dict(m) for m in self.layer_mechanisms]
+            d["layer_mechanisms"] = [registry.to_dict(m) for m in self.layer_mechanisms]
         return d
 
     @classmethod
@@ -96,9 +93,9 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig has no field(s) {sorted(unknown)}")
         d = dict(d)
         if "mechanism" in d:
-            d["mechanism"] = mechanism_from_dict(d["mechanism"])
+            d["mechanism"] = registry.from_dict(d["mechanism"])
         if d.get("layer_mechanisms") is not None:
-            d["layer_mechanisms"] = tuple(mechanism_from_dict(m) for m in d["layer_mechanisms"])
+            d["layer_mechanisms"] = tuple(registry.from_dict(m) for m in d["layer_mechanisms"])
         return cls(**d)
 
 

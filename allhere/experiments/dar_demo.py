@@ -15,8 +15,9 @@ import dataclasses
 import time
 from pathlib import Path
 
-from ..config import DARConfig, FullConfig, TrainConfig
+from ..config import TrainConfig
 from ..eval.perplexity import rolling_perplexity
+from ..mechanisms import DARConfig, FullConfig
 from .plans import plans
 from .report import goal_lines, write_report
 from .tasks import finetune, pretrain, start_task

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import FullConfig, SlidingConfig
 from ..data.recall import RecallTask
 from ..eval import evaluate_lm
+from ..mechanisms import FullConfig, SlidingConfig
 from ..model import swap_mechanism
 from ..routing import routed_layers
 from .plans import TASKS, plan_to_dict, plans

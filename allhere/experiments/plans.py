@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..config import AHAConfig, ConfigError, ModelConfig, TrainConfig, mechanism_from_dict
+from .. import registry
+from ..config import ConfigError, ModelConfig, TrainConfig
 from ..data.corpus import VOCAB_SIZE
 from ..data.recall import RecallTask
+from ..mechanisms import AHAConfig
 
 PRESETS = ("cpu", "tiny", "gpu")
 TASKS = ("stdlib", "recall")
@@ -80,7 +82,7 @@ def plan_to_dict(plan: TaskPlan) -> dict:
 
 def plan_from_dict(d: dict) -> TaskPlan:
     """The inverse of ``plan_to_dict`` (a run's settings.json back into a plan)."""
-    return TaskPlan(ModelConfig.from_dict(d["model"]), mechanism_from_dict(d["aha"]), TrainConfig(**d["pretrain"]),
+    return TaskPlan(ModelConfig.from_dict(d["model"]), registry.from_dict(d["aha"]), TrainConfig(**d["pretrain"]),
                     TrainConfig(**d["finetune"]), d["seq_len"], d["eval_sequences"])
 
 
