@@ -321,7 +321,13 @@ def convert(args) -> None:
     from .hf import save_pretrained
     from .hf.io import load_local
 
+    from pathlib import Path
+
     mech = _mechanism(args)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never overwrite a model (or the input)
+        raise ConfigError(f"--out {out} already exists and is not an empty folder; choose a new folder "
+                          "(nothing was written)")
     tokenizer, model = load_local(args.model)
     hf_convert(model, mech)
     save_pretrained(model, args.out)

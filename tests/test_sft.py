@@ -206,6 +206,12 @@ def test_cli_dar(local_model, capsys):
                  str(local_model / "x")]) == 2
     assert "--tau is not a setting of --mechanism dar" in capsys.readouterr().err
     assert not (local_model / "x").exists()
+    before = sorted((local_model / "base").iterdir())
+    for out in (local_model / "base", local_model / "c"):  # the input model, an earlier output
+        assert main(["convert", *base, "--out", str(out)]) == 2
+        assert "already exists and is not an empty folder" in capsys.readouterr().err
+    assert sorted((local_model / "base").iterdir()) == before
+    assert load_pretrained(local_model / "c").config.allhere_mechanism["kind"] == "dar"  # still the DAR model
     assert main(["sft", *base, "--mechanism", "dar", "--d-down", "8", "--data", str(local_model / "chat.jsonl"),
                  "--seq-len", "32", "--batch-size", "4", "--global-batch", "8", "--max-steps", "2", "--device",
                  "cpu", "--no-progress", "--out", str(local_model / "s")]) == 0
