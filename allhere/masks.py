@@ -55,17 +55,18 @@ def or_masks(*preds: MaskFn) -> MaskFn:
 
 
 def dense_mask(pred: MaskFn, q_len: int, kv_len: int, device=None, q_offset: int | None = None,
-               batch: int = 1, heads: int = 1) -> torch.Tensor:
+               batch: int = 1, heads: int = 1, key_offset: int = 0) -> torch.Tensor:
     """Evaluate ``pred`` on a grid: bool tensor [batch, heads, q_len, kv_len].
 
-    Queries are the last ``q_len`` positions of the ``kv_len`` keys (bottom-right alignment, as in a KV
-    cache) unless ``q_offset`` says where the first query sits.
+    The keys sit at absolute positions ``key_offset`` .. ``key_offset + kv_len - 1`` (a rolling cache that
+    dropped older keys has ``key_offset`` > 0); the queries are the last ``q_len`` of them (bottom-right
+    alignment, as in a KV cache) unless ``q_offset`` says where the first query sits.
     """
-    off = kv_len - q_len if q_offset is None else q_offset
+    off = key_offset + kv_len - q_len if q_offset is None else q_offset
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
     q = torch.arange(q_len, device=device).view(1, 1, -1, 1) + off
-    k = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
+    k = torch.arange(kv_len, device=device).view(1, 1, 1, -1) + key_offset
     return pred(b, h, q, k).expand(batch, heads, q_len, kv_len)
 
 

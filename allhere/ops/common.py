@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..masks import MaskFn, and_masks, causal, within_segments
+from ..masks import MaskFn, and_masks, causal, dense_mask, within_segments
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -68,13 +68,9 @@ def segment_mask(row_start: torch.Tensor, q_len: int, kv_len: int, pattern: Mask
     no key at all. Queries are the last q_len of the kv_len keys; ``key_offset``: the absolute position
     of the first key (a rolling cache that dropped older keys). With the causal pattern the query at
     position p sees keys j with row_start <= j <= p."""
-    b, device = row_start.shape[0], row_start.device
     q_first = key_offset + kv_len - q_len
     pred = and_masks(pattern, within_segments(row_start, q_offset=q_first))
-    bi = torch.arange(b, device=device).view(-1, 1, 1, 1)
-    qi = torch.arange(q_len, device=device).view(1, 1, -1, 1) + q_first
-    ki = torch.arange(kv_len, device=device).view(1, 1, 1, -1) + key_offset
-    return pred(bi, 0, qi, ki).expand(b, 1, q_len, kv_len)
+    return dense_mask(pred, q_len, kv_len, row_start.device, batch=row_start.shape[0], key_offset=key_offset)
 
 
 def check_aha(q, k, v, gate, window, row_start=None, gate_values=True) -> tuple[int, int, int]:
