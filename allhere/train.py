@@ -19,6 +19,7 @@ from .config import TrainConfig
 from .losses import training_loss
 from .mechanisms.base import mechanism_layers
 from .model import Decoder
+from .progress import progress as progress_bar
 from .routing import routed_layers
 
 # (step, micro-batch index, a generator seeded by both) -> token ids [batch, seq], or (ids, loss_mask), or
@@ -91,8 +92,6 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     checkpoint there is an error (nothing good is overwritten). ``train_only``: train only the parameters
     whose name contains it (e.g. ".mechanism." for a new bottleneck); the others stay frozen.
     """
-    from tqdm.auto import tqdm
-
     ckpt_path = Path(ckpt_path)
     model.to(cfg.device)
     for name, p in model.named_parameters():  # stage-wise training (e.g. only a new bottleneck first)
@@ -117,8 +116,7 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
 
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg.device.startswith("cuda")
                 else contextlib.nullcontext())
-    bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress, desc=f"{ckpt_path.parent.parent.name}/{ckpt_path.parent.name}",
-               dynamic_ncols=True)
+    bar = progress_bar(cfg.steps, f"{ckpt_path.parent.parent.name}/{ckpt_path.parent.name}", state["step"], progress)
     model.train()
     for step in range(state["step"], cfg.steps):
         for group in opt.param_groups:

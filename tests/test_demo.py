@@ -90,7 +90,7 @@ def test_own_text_data(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--data", "/no/such/path"], "does not exist"),
+    (["--data", "/no/such/path"], "no such file or folder"),
     (["--window", "48"], "window = 48 must be smaller"),
 ])
 def test_bad_input_one_line_nonzero_exit(tmp_path, capsys, args, message):
@@ -111,9 +111,7 @@ def test_corrupt_checkpoint_in_run_directory(tmp_path, capsys):
 
 @pytest.mark.parametrize("args", [["--window", "0"], ["--lam", "-1"], ["--preset", "huge"], ["--device", "tpu"]])
 def test_out_of_range_flags_exit_nonzero(args, capsys):
-    with pytest.raises(SystemExit) as e:
-        run(*args)
-    assert e.value.code == 2
+    assert run(*args) == 2
     assert "error" in capsys.readouterr().err
 
 
@@ -222,27 +220,3 @@ def test_flags_of_the_other_demo_are_errors(tmp_path, capsys):
     assert main(["demo", "--out", str(out), "--mechanism", "dar", "--lam", "0.1"]) == 2
     assert "--lam is for `allhere demo --mechanism aha`" in capsys.readouterr().err
     assert not out.exists()
-
-
-def test_every_option_says_what_it_does_and_its_default():
-    from allhere.cli import COMMANDS
-
-    class Recorder:  # stands in for an argument parser: records every option a command adds
-        def __init__(self):
-            self.options = []
-
-        def add_argument(self, *flags, **kw):
-            self.options.append((flags, kw))
-
-        def add_mutually_exclusive_group(self, required=False):
-            return self
-
-    assert [c.name for c in COMMANDS] == ["demo", "analyze", "sweep", "perplexity", "eval", "bench", "convert", "sft"]
-    for command in COMMANDS:
-        rec = Recorder()
-        command.add_arguments(rec)
-        assert rec.options, command.name
-        for flags, kw in rec.options:
-            text = kw.get("help") or ""
-            assert len(text) > 10, (command.name, flags)
-            assert "default" in text or kw.get("required") or "this or --" in text, (command.name, flags, text)

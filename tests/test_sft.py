@@ -160,7 +160,7 @@ def test_cli_convert_and_sft(local_model, capsys):
     assert main(args) == 2  # the run folder holds a checkpoint: needs --resume
     assert "--resume" in capsys.readouterr().err
     assert main(["sft", "--model", str(local_model / "nope"), "--data", "x", "--window", "4", "--out", "y"]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert "argument --model: no such file or folder" in capsys.readouterr().err
     assert main(args[:-2] + ["--window", "999", "--out", str(local_model / "w")]) == 2
     assert "larger than the model's context" in capsys.readouterr().err
 
@@ -207,9 +207,10 @@ def test_cli_dar(local_model, capsys):
     assert "--tau is not a setting of --mechanism dar" in capsys.readouterr().err
     assert not (local_model / "x").exists()
     before = sorted((local_model / "base").iterdir())
-    for out in (local_model / "base", local_model / "c"):  # the input model, an earlier output
+    for out, message in ((local_model / "base", "is the input model's folder"),
+                         (local_model / "c", "already holds files")):  # the input model, an earlier output
         assert main(["convert", *base, "--out", str(out)]) == 2
-        assert "already exists and is not an empty folder" in capsys.readouterr().err
+        assert message in capsys.readouterr().err
     assert sorted((local_model / "base").iterdir()) == before
     assert load_pretrained(local_model / "c").config.allhere_mechanism["kind"] == "dar"  # still the DAR model
     assert main(["sft", *base, "--mechanism", "dar", "--d-down", "8", "--data", str(local_model / "chat.jsonl"),

@@ -40,6 +40,15 @@ def load_chat(path: str | Path):
                         "like {\"messages\": [{\"role\": \"user\", \"content\": ...}, ...]}")
     if len(ds) == 0:
         raise DataError(f"chat data {p} is empty")
+    for i, messages in enumerate(ds["messages"]):
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise DataError(f"chat data {p}, row {i}: 'messages' must be a non-empty list of {{'role': str, "
+                            f"'content': str}}, got {str(messages)[:80]}")
+    if not any(m["role"] == "assistant" for messages in ds["messages"] for m in messages):
+        raise DataError(f"chat data {p} has no assistant turn: there is nothing to learn from (the loss is "
+                        "taken on assistant replies)")
     return ds
 
 

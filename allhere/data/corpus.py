@@ -64,7 +64,7 @@ def stdlib_corpus(val_percent: int = 5) -> Corpus:
 
 
 def text_corpus(path: str | Path, val_percent: int = 5) -> Corpus:
-    """A text file (split into train/validation by line blocks), a folder of text files, or a
+    """A UTF-8 text file (split into train/validation by line blocks), a folder of text files, or a
     ``datasets`` dataset on disk (folder with ``dataset_info.json`` or ``dataset_dict.json``)."""
     p = Path(path)
     if not p.exists():
@@ -73,17 +73,34 @@ def text_corpus(path: str | Path, val_percent: int = 5) -> Corpus:
         return _datasets_corpus(p, val_percent)
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
-        docs = [(str(f.relative_to(p)), f.read_bytes()) for f in files]
+        docs = [(str(f.relative_to(p)), _text_bytes(f)) for f in files]
         docs = [(n, t) for n, t in docs if t.strip()]
         if not docs:
             raise DataError(f"data folder {p} holds no non-empty text files ({', '.join(TEXT_SUFFIXES)})")
         if len(docs) == 1:
             return _split_single(docs[0][1], val_percent, str(p))
         return _split(docs, val_percent, str(p))
-    text = p.read_bytes()
+    text = _text_bytes(p)
     if not text.strip():
         raise DataError(f"data file {p} is empty")
     return _split_single(text, val_percent, str(p))
+
+
+def _text_bytes(path: Path) -> bytes:
+    """The bytes of a text file; DataError for anything else (a binary file, another encoding): the
+    models read raw bytes and would train on it without complaint."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read data file {path}: {e.strerror}") from None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"data file {path} is not UTF-8 text (byte {e.start} is not valid UTF-8); convert it to "
+                        "UTF-8 or pass a text file") from None
+    if b"\x00" in data:
+        raise DataError(f"data file {path} is not text (it holds NUL bytes at {data.index(0)})")
+    return data
 
 
 def _split_single(text: bytes, val_percent: int, source: str) -> Corpus:

@@ -25,6 +25,7 @@ from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
 from ..routing import routed_layers  # noqa: E402
+from ..validation import ConfigError  # noqa: E402
 from .perplexity import rolling_windows  # noqa: E402
 
 
@@ -145,8 +146,14 @@ def evaluate(pretrained: str, tasks: list[str], include_path: str | None = None,
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if unknown:
+        where = "lm-eval's tasks" + (f" or {include_path}" if include_path else "")
+        raise ConfigError(f"unknown lm-eval task{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not in "
+                          f"{where} (lm-eval lists its tasks with: lm-eval ls tasks)")
     lm = AllhereLM(pretrained, device=device)
-    res = simple_evaluate(model=lm, tasks=tasks, task_manager=TaskManager(include_path=include_path),
+    res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager,
                           limit=limit, num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
     for task, mu in lm.mu_f().items():
         res["results"].setdefault(task, {})["mu_f"] = mu

@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from ..model import Decoder
+from ..validation import ConfigError
 
 
 def rolling_windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
     """(start, end, first scored target position) of each window over a document of n tokens."""
     if not 1 <= stride <= seq_len:
-        raise ValueError(f"stride must be in [1, seq_len={seq_len}], got {stride}")
+        raise ConfigError(f"stride must be in [1, seq_len = {seq_len}], got {stride}")
     spans, start, first = [], 0, 1  # position 0 has no prediction
     while first < n:
         end = min(start + seq_len, n)
@@ -52,7 +53,7 @@ def rolling_perplexity(model: Decoder, docs: list[torch.Tensor], seq_len: int, s
                 gates += out.routing.mu_f().item() * (end - start)
                 gate_tokens += end - start
     if count == 0:
-        raise ValueError(f"no document is at least {max(2, min_len)} tokens long")
+        raise ConfigError(f"no document is at least {max(2, min_len)} tokens long (min_len = {min_len})")
     loss = total / count
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2), "tokens": count,
             "skipped_docs": skipped, "mu_f": gates / gate_tokens if gate_tokens else None}

@@ -5,7 +5,10 @@ import torch
 
 
 def long_tailed(batch: int, heads: int, n: int, mu: float, generator=None, device="cpu") -> torch.Tensor:
-    """Head 0 always global, the other heads share the rest of the budget: overall mean ~= mu."""
+    """Head 0 always global, the other heads share the rest of the budget: overall mean ~= mu. With one
+    head there is no tail to share: the uniform pattern."""
+    if heads == 1:
+        return uniform(batch, heads, n, mu, generator, device)
     rest = max(0.0, (mu * heads - 1.0) / (heads - 1))
     gate = torch.rand(batch, heads, n, generator=generator, device=device) < rest
     gate[:, 0] = True

@@ -21,9 +21,19 @@ def write_json(path: Path, data, indent: int | None = 1) -> None:
     write_text(path, json.dumps(data, indent=indent) + "\n")
 
 
+def check_out(out: Path) -> None:
+    """Refuse (ConfigError) an output folder that holds files but no allhere run: a model, a checkpoint,
+    anybody's other files. A folder of runs (``*/settings.json``) is for ``claim`` to judge."""
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not any(out.glob(f"*/{SETTINGS}")):
+        raise ConfigError(f"--out {out} holds files but no allhere run; choose a new or empty folder "
+                          "(nothing was changed)")
+
+
 def claim(run: Path, settings: dict) -> None:
     """Reuse ``run`` for the same ``settings``, start it for new ones, refuse it (ConfigError, nothing
-    changed) when it holds a run with other settings."""
+    changed) when it holds a run with other settings. Claim a run only once its inputs are known good:
+    a failed start must not leave a settings file behind that blocks the next, corrected one."""
     path = Path(run) / SETTINGS
     text = json.dumps(settings, indent=1, sort_keys=True)
     if path.exists():

@@ -22,7 +22,7 @@ from ..eval import evaluate_lm, evaluate_recall
 from ..model import Decoder, swap_mechanism
 from ..train import train
 from .plans import TaskPlan, run_settings
-from .rundir import claim
+from .rundir import check_out, claim
 
 
 @dataclass
@@ -77,11 +77,12 @@ class Task:
 
 
 def start_task(out: str | Path, name: str, plan: TaskPlan, data_path: str | None, progress: bool) -> Task:
-    """Claim ``out/name`` for ``plan`` and ``data_path`` (refused when it holds other settings), build
-    the task's data and pretrain its full model (reused when finished, resumed when interrupted)."""
+    """Build the task's data, claim ``out/name`` for ``plan`` and ``data_path`` (refused when it holds
+    other settings) and pretrain its full model (reused when finished, resumed when interrupted)."""
+    check_out(out)
     run = Path(out) / name
+    data = task_data(name, plan, data_path)  # the data first: a bad --data claims nothing
     claim(run, run_settings(plan, data_path))
-    data = task_data(name, plan, data_path)
     full, curve = pretrain(run / "pretrain" / "checkpoint.safetensors", plan.model, plan, data, progress)
     return Task(name, plan, run, data, full, curve)
 

@@ -18,7 +18,7 @@ from .. import registry
 from ..checkpoint import CheckpointError
 from ..validation import ConfigError
 from .attention import SUBMODULE
-from .convert import CONFIG_KEY, convert
+from .convert import CONFIG_KEY, SUPPORTED_MODEL_TYPES, convert
 
 LEGACY_KEYS = {"allhere_aha": "aha", "allhere_dar": "dar"}  # config.json keys of earlier versions
 
@@ -94,15 +94,53 @@ def load_pretrained(path: str | Path, **kwargs):
     return model
 
 
-def load_local(model_path: str | Path):
-    """Tokenizer and model from a local folder with transformers' own loaders (never the network): a plain
-    transformers model, or one saved converted (then through ``load_pretrained``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _causal_lm_classes() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    p = Path(model_path)
+    names = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update((value,) if isinstance(value, str) else value)
+    return names
+
+
+def check_causal_lm(path: str | Path, convertible: bool = False):
+    """The transformers config of the model folder ``path``, after checking that it is a causal
+    (decoder-only) LM -- and with ``convertible`` one of the families ``allhere.hf.convert`` knows --
+    before any weight is loaded: ConfigError naming what it is otherwise."""
+    from transformers import AutoConfig
+
+    p = Path(path)
     if not (p / "config.json").exists():
         raise ConfigError(f"model path {p} is not a saved transformers model (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    if saved_mechanism(AutoConfig.from_pretrained(str(p), local_files_only=True)) is not None:
+    try:
+        config = AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # malformed json, unknown model_type, ...
+        raise ConfigError(f"{p}/config.json is not a config transformers can read: {e}") from None
+    model_type = getattr(config, "model_type", None)
+    architectures = list(getattr(config, "architectures", None) or [])
+    what = architectures[0] if architectures else model_type
+    causal = (not getattr(config, "is_encoder_decoder", False)
+              and (bool(_causal_lm_classes() & set(architectures)) if architectures else model_type in SUPPORTED_MODEL_TYPES))
+    if not causal:
+        raise ConfigError(f"{p} holds a {what} model, not a causal (decoder-only) language model")
+    if convertible and model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{p} holds a {what} model (model_type {model_type!r}); allhere converts "
+                          f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    return config
+
+
+def load_local(model_path: str | Path, convertible: bool = False):
+    """Tokenizer and model from a local folder with transformers' own loaders (never the network): a plain
+    transformers causal LM (with ``convertible``, of a family allhere converts), or one saved converted (then
+    through ``load_pretrained``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(model_path)
+    config = check_causal_lm(p, convertible)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{p} has no tokenizer transformers can load: {e}") from None
+    if saved_mechanism(config) is not None:
         return tokenizer, load_pretrained(p, local_files_only=True)
     return tokenizer, AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, attn_implementation="sdpa")

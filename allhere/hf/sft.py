@@ -78,12 +78,12 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     if global_batch % batch_size:
         raise ConfigError(f"global_batch = {global_batch} must be a multiple of batch_size = {batch_size}")
     out = Path(out)
-    tokenizer, model = load_local(model_path)
+    rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
+    tokenizer, model = load_local(model_path, convertible=True)
     context = getattr(model.config, "max_position_embeddings", seq_len)
     if seq_len > context:
         raise ConfigError(f"seq_len = {seq_len} is longer than the model's context ({context})")
     used_fallback = ensure_chat_template(tokenizer)
-    rows = load_chat(data_path)
     ids, mask, starts = pack([tokenize_conversation(tokenizer, r["messages"]) for r in rows], seq_len)
     convert(model, AHAConfig(window=window, tau=tau, lam=lam) if d_down is None else DARConfig(window=window, d_down=d_down))
     accum = global_batch // batch_size

@@ -1,0 +1,192 @@
+"""Argument types and shared flags of the command line.
+
+Every option with a value goes through one of these types, so a bad value is refused while the command
+line is parsed -- before any run folder is claimed, any model loaded or any step trained -- with one line
+``allhere <command>: error: argument --option: what was expected, got 'value'``. Each type's
+``__name__`` says what it accepts (argparse prints it for values it cannot convert; tests key on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+Bad = argparse.ArgumentTypeError
+
+
+def _named(name: str):
+    def wrap(fn):
+        fn.__name__ = name
+        return fn
+
+    return wrap
+
+
+# Numbers ----------------------------------------------------------------------------------------------
+
+def integer(low: int):
+    """Integers >= low."""
+
+    @_named(f"integer>={low}")
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise Bad(f"expected an integer >= {low}, got {value!r}") from None
+        if n < low:
+            raise Bad(f"expected an integer >= {low}, got {value!r}")
+        return n
+
+    return parse
+
+
+def number(low: float, strict: bool = False, below: float | None = None):
+    """Finite numbers >= low (> low when ``strict``), and < ``below`` when given."""
+    want = f"a finite number {'>' if strict else '>='} {low:g}" + (f" and < {below:g}" if below is not None else "")
+
+    @_named(f"number{'>' if strict else '>='}{low:g}" + (f"<{below:g}" if below is not None else ""))
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise Bad(f"expected {want}, got {value!r}") from None
+        if not math.isfinite(x) or x < low or (strict and x == low) or (below is not None and x >= below):
+            raise Bad(f"expected {want}, got {value!r}")
+        return x
+
+    return parse
+
+
+positive, positive_or_zero = integer(1), integer(0)
+nonnegative, positive_number, fraction = number(0), number(0, strict=True), number(0, strict=True, below=1)
+
+
+# Devices ----------------------------------------------------------------------------------------------
+
+@_named("device")
+def device(value: str) -> str:
+    """auto, cpu or cuda[:N] -- a CUDA device that this machine has."""
+    import torch
+
+    if value == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if value == "cpu":
+        return value
+    index = value[5:] if value.startswith("cuda:") else "0" if value == "cuda" else None
+    if index is None or not index.isdigit():
+        raise Bad(f"expected auto, cpu or cuda[:N], got {value!r}")
+    if not torch.cuda.is_available():
+        raise Bad(f"{value!r}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu")
+    if int(index) >= torch.cuda.device_count():
+        raise Bad(f"{value!r}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    return value
+
+
+# Paths ------------------------------------------------------------------------------------------------
+
+def _existing(value: str) -> Path:
+    p = Path(value)
+    if not p.exists():
+        raise Bad(f"no such file or folder: {value!r}")
+    if not os.access(p, os.R_OK):
+        raise Bad(f"cannot read {value!r} (permission denied)")
+    return p
+
+
+@_named("data path")
+def data_path(value: str) -> str:
+    """An existing file or folder (its contents are checked where it is read)."""
+    _existing(value)
+    return value
+
+
+@_named("file")
+def existing_file(value: str) -> str:
+    if _existing(value).is_dir():
+        raise Bad(f"expected a file, got the folder {value!r}")
+    return value
+
+
+@_named("folder")
+def existing_folder(value: str) -> str:
+    if not _existing(value).is_dir():
+        raise Bad(f"expected a folder, got the file {value!r}")
+    return value
+
+
+@_named("model folder")
+def model_folder(value: str) -> str:
+    """A folder saved by transformers' ``save_pretrained`` (it has a config.json)."""
+    existing_folder(value)
+    if not (Path(value) / "config.json").is_file():
+        raise Bad(f"{value!r} is not a saved transformers model (no config.json in it)")
+    return value
+
+
+@_named("checkpoint or model folder")
+def checkpoint_or_model(value: str) -> str:
+    """An allhere checkpoint (a .safetensors file) or a transformers model folder."""
+    if _existing(value).is_dir():
+        return model_folder(value)
+    if Path(value).suffix != ".safetensors":
+        raise Bad(f"expected an allhere checkpoint (*.safetensors) or a transformers model folder, got {value!r}")
+    return value
+
+
+@_named("output folder")
+def out_folder(value: str) -> str:
+    """A folder that exists or can be created: not a file, under no file, in a writable place. What it
+    may already hold is for each command to decide."""
+    p = Path(value)
+    if p.exists() and not p.is_dir():
+        raise Bad(f"{value!r} is a file, not a folder")
+    base = p.absolute()
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise Bad(f"cannot create the folder {value!r}: {base} is a file")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise Bad(f"cannot write in {base} (permission denied)")
+    return value
+
+
+@_named("comma-separated names")
+def names(value: str) -> list[str]:
+    parts = [part.strip() for part in value.split(",")]
+    if not value.strip() or not all(parts):
+        raise Bad(f"expected comma-separated names without empty entries, got {value!r}")
+    return parts
+
+
+# Shared flags -----------------------------------------------------------------------------------------
+
+DEVICE_HELP = "auto (default: the first GPU if there is one, else cpu), cpu or cuda[:N]"
+DATA_HELP = ("your own text instead of the stdlib corpus: a UTF-8 text file, a folder of text files, or a "
+             "datasets folder saved with save_to_disk (column 'text'); default: the stdlib corpus")
+
+
+def task_flag(p: argparse.ArgumentParser, verb: str, tasks: tuple[str, ...]) -> None:
+    p.add_argument("--task", dest="tasks", action="append", choices=tasks,
+                   help=f"{verb} only this task (repeatable); default: {' and '.join(tasks)}")
+
+
+def preset_flag(p: argparse.ArgumentParser, presets: tuple[str, ...]) -> None:
+    p.add_argument("--preset", default="cpu", choices=presets,
+                   help="sizes and steps: cpu (default, ~15 min on 2 cores), tiny (seconds), gpu")
+
+
+def progress_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress reports (default: a bar on a terminal, else a line every 5%%)")
+
+
+def conversion_flags(p: argparse.ArgumentParser, kinds: tuple[str, ...]) -> None:
+    p.add_argument("--mechanism", default="aha", choices=kinds, help=f"{' or '.join(kinds)} (default aha)")
+    p.add_argument("--window", type=positive_or_zero, required=True,
+                   help="window w (keys, the current one included); DAR also takes 0 (uniform reduction)")
+    p.add_argument("--tau", type=fraction, default=None, help="AHA gate threshold, 0 < tau < 1 (default 0.5)")
+    p.add_argument("--lam", type=nonnegative, default=None, help="AHA lambda of L_reg (default 3e-4)")
+    p.add_argument("--d-down", type=positive, default=None,
+                   help="DAR bottleneck width (required with dar; no default)")

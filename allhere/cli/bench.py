@@ -1,0 +1,42 @@
+"""``allhere bench``: the AHA kernels against the fastest dense attention."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..validation import ConfigError
+from . import args as a
+
+
+def bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", type=a.device, default=None,
+                   help="cuda[:N] (default: the first GPU), or cpu for a smoke run of the script")
+    p.add_argument("--out", type=a.out_folder, default="runs/bench",
+                   help="folder for bench.md and bench.json (default runs/bench)")
+    p.add_argument("--force", action="store_true",
+                   help="replace the bench.md and bench.json of an earlier run in --out (default: refuse)")
+    p.add_argument("--lengths", type=a.positive, nargs="+", default=None,
+                   help="prefill lengths (default 4096 16384 32768 65536)")
+    p.add_argument("--decode-lengths", type=a.positive, nargs="+", default=None,
+                   help="decode cache lengths (default 8192 32768 131072)")
+    p.add_argument("--train-length", type=a.positive, default=None, help="training length (default 16384)")
+    p.add_argument("--heads", type=a.positive, default=16, help="attention heads (default 16)")
+    p.add_argument("--dim", type=a.positive, default=128, help="head dimension (default 128)")
+    p.add_argument("--window", type=a.positive, default=256, help="AHA window w (default 256)")
+    p.add_argument("--repeats", type=a.positive, default=10, help="timed calls per measurement, median (default 10)")
+
+
+def bench(args) -> None:
+    from ..experiments.bench import bench_config, render, run_bench, write_bench
+
+    cfg = bench_config(args.device, heads=args.heads, dim=args.dim, window=args.window, repeats=args.repeats,
+                       prefill_lengths=args.lengths, decode_lengths=args.decode_lengths,
+                       train_length=args.train_length)
+    if (Path(args.out) / "bench.json").exists() and not args.force:
+        raise ConfigError(f"--out {args.out} holds the results of an earlier bench; pass --force to replace "
+                          "them, or choose another folder (nothing was written)")
+    report = run_bench(cfg)
+    write_bench(report, args.out)
+    print(render(report))
+    print(f"Written to {args.out}/bench.md and bench.json")

@@ -1,0 +1,90 @@
+"""The command table, the parser and ``main``.
+
+Every error a user can cause ends in one line ``allhere <command>: error: ...`` on stderr and exit code
+2: argparse's own errors (without the usage block), values refused by the argument types
+(``allhere.cli.args``), and the library's known errors. Third-party libraries (transformers, datasets,
+lm-eval) are kept quiet unless ``--verbose``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from ..checkpoint import CheckpointError
+from ..data.corpus import DataError
+from ..validation import ConfigError
+from .bench import bench, bench_arguments
+from .quiet import quiet_third_party
+from .models import (convert, convert_arguments, eval_arguments, evaluate, perplexity, perplexity_arguments, sft,
+                     sft_arguments)
+from .runs import analyze, analyze_arguments, demo, demo_arguments, sweep, sweep_arguments
+
+KNOWN_ERRORS = (ConfigError, DataError, CheckpointError, ImportError)
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], None]
+
+
+COMMANDS = (
+    Command("demo", "pretrain a full model, swap in AHA, fine-tune, evaluate, write a report",
+            demo_arguments, demo),
+    Command("analyze", "routing statistics, sorted-usage curve and static baseline of a demo run",
+            analyze_arguments, analyze),
+    Command("sweep", "window and lambda sweeps (Tables 1, 2, 4 of the AHA paper, \"Learning When Not to Attend "
+            "Globally\"), resumable", sweep_arguments, sweep),
+    Command("perplexity", "rolling-window perplexity of a checkpoint on held-out documents",
+            perplexity_arguments, perplexity),
+    Command("eval", "lm-evaluation-harness tasks, with mu_f next to each task's metrics", eval_arguments, evaluate),
+    Command("bench", "AHA prefill / decode / training against the fastest dense attention (GPU)",
+            bench_arguments, bench),
+    Command("convert", "convert a local Hugging Face model to AHA or DAR and save it", convert_arguments, convert),
+    Command("sft", "convert a local Hugging Face model to AHA or DAR and fine-tune it on chat data",
+            sft_arguments, sft),
+)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but an error is one line naming the command, not the usage block and the message."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="allhere", description="Local and global attention for decoder-only LMs.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        cp = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(cp)
+        cp.add_argument("--verbose", action="store_true",
+                        help="also show what transformers, datasets and lm-eval print (default: errors only)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit code (0, or 2 after a one-line error on stderr)."""
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except SystemExit as e:  # an argument error (one line already printed), or --help
+        return e.code
+    if extra:  # named by the command they were given to (argparse would name only "allhere")
+        print(f"allhere {args.command}: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
+        return 2
+    command = next(c for c in COMMANDS if c.name == args.command)
+    try:
+        with quiet_third_party(args.verbose):
+            command.run(args)
+    except KNOWN_ERRORS as e:
+        message = " ".join(str(e).split())  # one line, whatever the library put in it
+        print(f"allhere {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,175 @@
+"""Commands on a trained model: ``perplexity``, ``eval``, ``convert``, ``sft``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from ..validation import ConfigError
+from . import args as a
+
+
+def _mechanism(args):
+    """The mechanism config the conversion flags ask for, from the registry: each flag sets the field of
+    the same name; a flag the mechanism has no field for is an error, not silently ignored."""
+    from .. import registry
+
+    cls = registry.get(args.mechanism).config
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    given = {k: getattr(args, k) for k in ("window", "tau", "lam", "d_down") if getattr(args, k) is not None}
+    foreign = sorted(set(given) - fields)
+    if foreign:
+        flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
+        raise ConfigError(f"{flags} {'is not a setting' if len(foreign) == 1 else 'are not settings'} of "
+                          f"--mechanism {args.mechanism}")
+    if "d_down" in fields and "d_down" not in given:
+        raise ConfigError(f"--mechanism {args.mechanism} needs --d-down (the bottleneck width, e.g. hidden size / 4)")
+    return cls(**given)
+
+
+def _hf_kinds() -> tuple[str, ...]:
+    from .. import registry
+
+    return tuple(k for k in registry.kinds() if registry.get(k).module.hf_support)
+
+
+def _check_out(out: str, model: str, resume: bool | None = None) -> None:
+    """The output folder of a model command: never the input model's folder or inside it; new or empty
+    unless ``resume`` (None: the command cannot resume) continues the run it holds."""
+    out_p, model_p = Path(out).resolve(), Path(model).resolve()
+    if out_p == model_p or model_p in out_p.parents:
+        raise ConfigError(f"--out {out} is the input model's folder{'' if out_p == model_p else ' or inside it'}; "
+                          "choose a new folder (nothing was written)")
+    busy = out_p.is_dir() and any(out_p.iterdir())
+    if busy and not resume:
+        hint = "choose" if resume is None else "pass --resume to continue the run there, or choose"
+        raise ConfigError(f"--out {out} already holds files; {hint} a new folder (nothing was written)")
+    if resume and not busy:
+        raise ConfigError(f"--resume: {out} holds no run to continue")
+
+
+# perplexity -------------------------------------------------------------------------------------------
+
+def perplexity_arguments(p: argparse.ArgumentParser) -> None:
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", type=a.existing_file,
+                       help="an allhere checkpoint.safetensors (e.g. runs/demo/stdlib/aha/...); this or --model")
+    which.add_argument("--model", type=a.model_folder,
+                       help="a Hugging Face causal LM folder (plain, or saved by allhere convert / sft); this or "
+                            "--checkpoint")
+    p.add_argument("--data", type=a.data_path, default=None, help=a.DATA_HELP)
+    p.add_argument("--seq-len", type=a.positive, default=256, help="window length (default 256)")
+    p.add_argument("--stride", type=a.positive, default=None, help="window advance (default seq-len / 2)")
+    p.add_argument("--min-len", type=a.positive_or_zero, default=0,
+                   help="skip documents shorter than this, e.g. the AHA window (default 0: none skipped)")
+    p.add_argument("--max-docs", type=a.positive, default=None,
+                   help="only the first N validation documents (default: all)")
+
+
+def perplexity(args) -> None:
+    from ..checkpoint import load_model
+    from ..data.corpus import stdlib_corpus, text_corpus
+    from ..eval.perplexity import hf_perplexity, rolling_perplexity
+
+    corpus = stdlib_corpus() if args.data is None else text_corpus(args.data)
+    docs = corpus.val_docs[: args.max_docs]
+    if args.model is not None:
+        res = hf_perplexity(args.model, docs, args.seq_len, args.stride, args.min_len)
+    else:
+        res = rolling_perplexity(load_model(args.checkpoint)[0], docs, args.seq_len, args.stride, args.min_len)
+    mu = "" if res["mu_f"] is None else f", mu_f {100 * res['mu_f']:.1f}%"
+    print(f"{res['tokens']:,} tokens in {len(docs) - res['skipped_docs']} documents "
+          f"({res['skipped_docs']} skipped): loss {res['loss']:.4f} nats, perplexity {res['perplexity']:.3f}, "
+          f"{res['bits_per_token']:.4f} bits/token{mu}")
+
+
+# eval -------------------------------------------------------------------------------------------------
+
+def eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=a.checkpoint_or_model, required=True,
+                   help="an allhere checkpoint (.safetensors) or a transformers causal LM folder (required)")
+    p.add_argument("--tasks", type=a.names, required=True,
+                   help="comma-separated lm-eval task names, e.g. hellaswag,arc_easy (required)")
+    p.add_argument("--include-path", type=a.existing_folder, default=None,
+                   help="folder of your own lm-eval task YAMLs (default: lm-eval's tasks only)")
+    p.add_argument("--limit", type=a.positive, default=None,
+                   help="only the first N documents of each task (default: all)")
+    p.add_argument("--num-fewshot", type=a.positive_or_zero, default=None,
+                   help="few-shot examples per prompt (default: each task's own setting)")
+    p.add_argument("--device", type=a.device, default="cpu", help="cpu (default), cuda[:N] or auto")
+
+
+def evaluate(args) -> None:
+    from ..eval.harness import evaluate as harness
+
+    results = harness(args.model, args.tasks, args.include_path, args.limit, args.device, args.num_fewshot)
+    for task, metrics in results.items():
+        shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
+                          if isinstance(v, float) and "stderr" not in k)
+        print(f"{task}: {shown}")
+
+
+# convert, sft -----------------------------------------------------------------------------------------
+
+def convert_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=a.model_folder, required=True,
+                   help="folder of a saved transformers causal LM (required)")
+    p.add_argument("--out", type=a.out_folder, required=True,
+                   help="a new or empty folder to save the converted model into (required)")
+    a.conversion_flags(p, _hf_kinds())
+
+
+def convert(args) -> None:
+    from ..hf import convert as hf_convert
+    from ..hf import save_pretrained
+    from ..hf.io import load_local
+
+    mech = _mechanism(args)
+    _check_out(args.out, args.model)
+    tokenizer, model = load_local(args.model, convertible=True)
+    hf_convert(model, mech)
+    save_pretrained(model, args.out)
+    tokenizer.save_pretrained(args.out)
+    print(f"{args.mechanism.upper()} model ({mech}) saved to {args.out}; load it with allhere.hf.load_pretrained")
+
+
+def sft_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=a.model_folder, required=True,
+                   help="folder of a saved transformers causal LM (required)")
+    p.add_argument("--data", type=a.data_path, required=True,
+                   help="chat data: .jsonl/.json/.parquet with a 'messages' column, or a folder of them (required)")
+    p.add_argument("--out", type=a.out_folder, required=True,
+                   help="a new or empty run folder for the checkpoint(s) and the final model/, or with --resume "
+                        "the folder of the run to continue (required)")
+    a.conversion_flags(p, ("aha", "dar"))  # the fine-tuning recipes allhere.hf.sft knows
+    p.add_argument("--seq-len", type=a.positive, default=2048, help="packed sequence length (default 2048)")
+    p.add_argument("--batch-size", type=a.positive, default=4, help="sequences per micro-batch (default 4)")
+    p.add_argument("--global-batch", type=a.positive, default=128,
+                   help="sequences per optimizer step, a multiple of --batch-size (default 128)")
+    p.add_argument("--epochs", type=a.positive_number, default=1.0, help="passes over the data, > 0 (default 1)")
+    p.add_argument("--max-steps", type=a.positive, default=None,
+                   help="stop after this many optimizer steps (default: when the epochs are done)")
+    p.add_argument("--lr", type=a.positive_number, default=3e-5,
+                   help="peak learning rate (default 3e-5; DAR: stage 2)")
+    p.add_argument("--stage1-lr", type=a.positive_number, default=3e-4,
+                   help="DAR stage 1 (bottleneck only) learning rate (default 3e-4)")
+    p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out where it stopped (default: start a new run)")
+    a.progress_flag(p)
+
+
+def sft(args) -> None:
+    from ..hf import sft as run_sft
+
+    mech = _mechanism(args)
+    _check_out(args.out, args.model, resume=args.resume)
+    state = run_sft(args.model, args.data, args.out, window=args.window, seq_len=args.seq_len,
+                    batch_size=args.batch_size, global_batch=args.global_batch, epochs=args.epochs, lr=args.lr,
+                    lam=getattr(mech, "lam", 3e-4), tau=getattr(mech, "tau", 0.5), max_steps=args.max_steps,
+                    device=args.device, resume=args.resume, progress=not args.no_progress,
+                    d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr)
+    last = state["history"][-1]
+    mu = f", mu_f {last['mu_f']:.3f}" if last.get("mu_f") is not None else ""
+    print(f"{state['step']} steps; last step: loss {last['lm']:.4f}{mu}. Model saved to {args.out}/model")

@@ -1,0 +1,118 @@
+"""Commands that train and report in a run folder: ``demo``, ``sweep``, ``analyze``."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..experiments.plans import PRESETS, TASKS
+from ..validation import ConfigError
+from . import args as a
+
+
+# demo -------------------------------------------------------------------------------------------------
+
+def demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=a.out_folder, default="runs/demo",
+                   help="run folder: resumed when it holds a run with the same settings, refused when it holds "
+                        "anything else (default runs/demo)")
+    a.preset_flag(p, PRESETS)
+    a.task_flag(p, "run", TASKS)
+    p.add_argument("--data", type=a.data_path, default=None, help=a.DATA_HELP)
+    p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
+    p.add_argument("--window", type=a.positive, default=None,
+                   help="AHA / sliding window w (default: the preset's; tiny 8, else 32 for stdlib and 16 for recall)")
+    p.add_argument("--lam", type=a.nonnegative, default=None,
+                   help="lambda of L_reg (default: the preset's; tiny 0.01, else 0.05)")
+    p.add_argument("--pretrain-steps", type=a.positive, default=None,
+                   help="optimizer steps of the full model's pretraining (default: the preset's; tiny 6, "
+                        "cpu 800 for stdlib and 400 for recall, gpu 3000 and 400)")
+    p.add_argument("--finetune-steps", type=a.positive, default=None,
+                   help="optimizer steps of the AHA fine-tuning and its control (default: the preset's; tiny 4, "
+                        "cpu 250 for stdlib and 200 for recall, gpu 1000 and 200)")
+    a.progress_flag(p)
+    p.add_argument("--mechanism", default="aha", choices=["aha", "dar"],
+                   help="aha (default): the AHA demo; dar: DAR against vanilla and uniform reduction")
+    p.add_argument("--windows", type=a.positive, nargs="+", default=None,
+                   help="with --mechanism dar: the DAR windows to compare (default 1 4 16 32 64 128)")
+    p.add_argument("--from-scratch", action="store_true",
+                   help="with --mechanism dar: also train DAR and uniform reduction from scratch with the "
+                        "vanilla model's pretraining budget (default: off)")
+
+
+def _check_demo_flags(args) -> None:
+    """A flag of the other demo is an error, not silently ignored."""
+    only = {"aha": {"window": "--window", "lam": "--lam", "pretrain_steps": "--pretrain-steps",
+                    "finetune_steps": "--finetune-steps", "tasks": "--task"},
+            "dar": {"windows": "--windows", "from_scratch": "--from-scratch"}}
+    other = "dar" if args.mechanism == "aha" else "aha"
+    given = [flag for name, flag in only[other].items() if getattr(args, name, None) not in (None, False)]
+    if given:
+        raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
+                          f"`allhere demo --mechanism {other}`, not --mechanism {args.mechanism}")
+
+
+def demo(args) -> None:
+    _check_demo_flags(args)
+    if args.mechanism == "dar":
+        from ..experiments.dar_demo import render, run_dar_demo
+
+        report = run_dar_demo(out=args.out, preset=args.preset, data_path=args.data, device=args.device,
+                              progress=not args.no_progress, from_scratch=args.from_scratch,
+                              **({"windows": args.windows} if args.windows else {}))
+        print(render(report))
+        print(f"Report written to {args.out}/dar_report.md and dar_report.json")
+        return
+    from ..experiments.demo import render, run_demo
+
+    report = run_demo(out=args.out, preset=args.preset, tasks=tuple(args.tasks or TASKS), data_path=args.data,
+                      device=args.device, progress=not args.no_progress, window=args.window, lam=args.lam,
+                      pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps)
+    print(render(report))
+    print(f"Report written to {args.out}/report.md, report.json and mu_f_heatmap.png")
+
+
+# analyze ----------------------------------------------------------------------------------------------
+
+def analyze_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", type=a.existing_folder, default="runs/demo",
+                   help="a finished demo run folder (default runs/demo)")
+    a.task_flag(p, "analyse", TASKS)
+    p.add_argument("--target-mu", type=a.fraction, default=None,
+                   help="also calibrate tau for this share of full attention (0 < x < 1) and report where it "
+                        "lands (default: no calibration)")
+
+
+def analyze(args) -> None:
+    from ..experiments.analyze import analyze_run, render
+
+    results = analyze_run(args.run, tuple(args.tasks or TASKS), args.target_mu)
+    print(render(results))
+    print(f"Written to {args.run}/analysis/: analysis.md, analysis.json, sorted_usage.png, tokens_*.html")
+
+
+# sweep ------------------------------------------------------------------------------------------------
+
+def sweep_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=a.out_folder, default="runs/sweep",
+                   help="sweep folder: resumed when it holds a sweep with the same settings, refused when it "
+                        "holds anything else (default runs/sweep)")
+    a.preset_flag(p, PRESETS)
+    p.add_argument("--windows", type=a.positive, nargs="+", default=[16, 32, 64, 128, 256],
+                   help="windows of the window sweep (default 16 32 64 128 256)")
+    p.add_argument("--lams", type=a.nonnegative, nargs="+", default=[1e-4, 3e-4, 1e-3],
+                   help="lambdas of the lambda sweep (default 1e-4 3e-4 1e-3)")
+    p.add_argument("--lam-window", type=a.positive, default=None,
+                   help="window of the lambda sweep (default: the preset's AHA window of each task)")
+    a.task_flag(p, "sweep", TASKS)
+    p.add_argument("--data", type=a.data_path, default=None, help=a.DATA_HELP)
+    p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
+    a.progress_flag(p)
+
+
+def sweep(args) -> None:
+    from ..experiments.sweep import render, run_sweep
+
+    res = run_sweep(args.out, args.preset, tuple(args.windows), tuple(args.lams), args.lam_window,
+                    tuple(args.tasks or TASKS), args.data, args.device, not args.no_progress)
+    print(render(res))
+    print(f"Written to {args.out}/: sweep.md, sweep.json, mu_f_vs_window.png")
