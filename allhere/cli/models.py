@@ -65,6 +65,8 @@ def perplexity_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip documents shorter than this, e.g. the AHA window (default 0: none skipped)")
     p.add_argument("--max-docs", type=a.positive, default=None,
                    help="only the first N validation documents (default: all)")
+    p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
+    a.progress_flag(p)
 
 
 def perplexity(args) -> None:
@@ -74,10 +76,11 @@ def perplexity(args) -> None:
 
     corpus = stdlib_corpus() if args.data is None else text_corpus(args.data)
     docs = corpus.val_docs[: args.max_docs]
+    settings = (args.seq_len, args.stride, args.min_len, args.device, not args.no_progress)
     if args.model is not None:
-        res = hf_perplexity(args.model, docs, args.seq_len, args.stride, args.min_len)
+        res = hf_perplexity(args.model, docs, *settings)
     else:
-        res = rolling_perplexity(load_model(args.checkpoint)[0], docs, args.seq_len, args.stride, args.min_len)
+        res = rolling_perplexity(load_model(args.checkpoint, device=args.device)[0], docs, *settings)
     mu = "" if res["mu_f"] is None else f", mu_f {100 * res['mu_f']:.1f}%"
     print(f"{res['tokens']:,} tokens in {len(docs) - res['skipped_docs']} documents "
           f"({res['skipped_docs']} skipped): loss {res['loss']:.4f} nats, perplexity {res['perplexity']:.3f}, "

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import Decoder
+from ..progress import progress as progress_bar
 from ..validation import ConfigError
 
 
@@ -33,12 +34,15 @@ def rolling_windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, i
 
 @torch.no_grad()
 def rolling_perplexity(model: Decoder, docs: list[torch.Tensor], seq_len: int, stride: int | None = None,
-                       min_len: int = 0, device: str = "cpu") -> dict:
-    """Mean next-token loss (nats), perplexity, bits per token and mu_f over every scored token."""
+                       min_len: int = 0, device: str = "cpu", progress: bool = False) -> dict:
+    """Mean next-token loss (nats), perplexity, bits per token and mu_f over every scored token.
+    ``progress``: report the documents done (``allhere.progress``)."""
     stride = stride or seq_len // 2
     model.eval().to(device)
     total, count, gates, gate_tokens, skipped = 0.0, 0, 0.0, 0, 0
+    bar = progress_bar(len(docs), "perplexity (documents)", enabled=progress)
     for doc in docs:
+        bar.update()
         if len(doc) < max(2, min_len):
             skipped += 1
             continue
@@ -52,6 +56,7 @@ def rolling_perplexity(model: Decoder, docs: list[torch.Tensor], seq_len: int, s
             if out.routing is not None:
                 gates += out.routing.mu_f().item() * (end - start)
                 gate_tokens += end - start
+    bar.close()
     if count == 0:
         raise ConfigError(f"no document is at least {max(2, min_len)} tokens long (min_len = {min_len})")
     loss = total / count
@@ -60,7 +65,7 @@ def rolling_perplexity(model: Decoder, docs: list[torch.Tensor], seq_len: int, s
 
 
 def hf_perplexity(model_path, byte_docs: list[torch.Tensor], seq_len: int, stride: int | None = None,
-                  min_len: int = 0, device: str = "cpu") -> dict:
+                  min_len: int = 0, device: str = "cpu", progress: bool = False) -> dict:
     """``rolling_perplexity`` of a Hugging Face model folder (plain, or saved converted to AHA / DAR) on
     documents given as UTF-8 bytes, tokenized with the model's own tokenizer; losses are per model token."""
     from ..hf import HFCausalLM
@@ -69,4 +74,4 @@ def hf_perplexity(model_path, byte_docs: list[torch.Tensor], seq_len: int, strid
     tokenizer, model = load_local(model_path)
     texts = [bytes(d.to(torch.uint8).tolist()).decode("utf-8", errors="replace") for d in byte_docs]
     docs = [torch.tensor(tokenizer(t)["input_ids"], dtype=torch.long) for t in texts]
-    return rolling_perplexity(HFCausalLM(model), docs, seq_len, stride, min_len, device)
+    return rolling_perplexity(HFCausalLM(model), docs, seq_len, stride, min_len, device, progress)
