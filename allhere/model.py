@@ -68,17 +68,24 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
+    """Attention then a SwiGLU MLP, each on a pre-norm residual branch; a mechanism that brings its own
+    feed-forward capacity (``replaces_mlp``, e.g. persistent memory as in All-Attention) has no MLP."""
+
     def __init__(self, cfg: ModelConfig, mech) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg, mech)
-        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
-        self.down = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
+        self.has_mlp = not self.attn.mechanism.replaces_mlp
+        if self.has_mlp:
+            self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+            self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
+            self.down = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
 
     def forward(self, x, cos, sin, cache=None, segment_starts=None):
         a, routing = self.attn(self.attn_norm(x), cos, sin, cache, segment_starts)
         x = x + a
+        if not self.has_mlp:
+            return x, routing
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up), routing
 
@@ -122,8 +129,12 @@ class Decoder(nn.Module):
         return DecoderCache([b.attn.mechanism.new_cache() for b in self.blocks])
 
     def forward(self, input_ids: torch.Tensor, cache: DecoderCache | None = None,
-                segment_starts: torch.Tensor | None = None) -> DecoderOutput:
+                segment_starts: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> DecoderOutput:
         """input_ids [batch, tokens]. With ``cache`` the tokens continue the cached sequence.
+
+        positions: optional int64 [tokens], the absolute positions of these tokens (their rotary angles),
+        for a shard of a longer sequence (context parallelism); default: the next positions after the
+        cache, from 0 without one.
 
         segment_starts: optional int64 [batch, tokens] (``allhere.masks.starts_from``): per token the
         absolute position of its segment's first token -- a sequence of a padded batch (padding on either
@@ -131,9 +142,10 @@ class Decoder(nn.Module):
         its segment. Pass the padding mask to the loss and to ``Routing`` statistics to exclude pads.
         """
         n = input_ids.shape[1]
-        start = 0 if cache is None else cache.seen
-        cos, sin = rope_cos_sin(torch.arange(start, start + n, device=input_ids.device),
-                                self.cfg.head_dim, self.cfg.rope_theta)
+        if positions is None:
+            start = 0 if cache is None else cache.seen
+            positions = torch.arange(start, start + n, device=input_ids.device)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed(input_ids)
         layers, per_layer = [], []
         for i, blk in enumerate(self.blocks):

@@ -204,3 +204,16 @@ def test_router_parameters_get_the_router_lr_and_no_weight_decay(router):
     decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     assert not decayed & expected
     assert all(b.attn.q_proj.weight.shape[0] == 32 for b in model.blocks)  # q_proj itself keeps its shape
+
+
+def test_positions_set_the_rotary_angles():
+    """RoPE is relative: shifting every position leaves the logits (nearly) unchanged, while positions that
+    are not consecutive change them."""
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(d_model=32, n_layers=2, n_heads=4))
+    ids = torch.randint(0, 256, (2, 12))
+    base = model(ids).logits
+    assert torch.allclose(model(ids, positions=torch.arange(100, 112)).logits, base, atol=1e-5)
+    assert torch.equal(model(ids, positions=torch.arange(12)).logits, base)
+    spread = model(ids, positions=torch.arange(12) * 3).logits
+    assert (spread - base).abs().max() > 1e-4  # 10x the float noise of the shifted run, at this random init

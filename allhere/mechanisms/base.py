@@ -14,6 +14,8 @@ need travels in one ``AttentionCall``. A mechanism brings:
 - ``q_extra_rows``: optional rows appended to the host's query projection (one fused matmul), whose
   outputs arrive as ``call.q_extra``;
 - ``routed``: True when it returns per-token routing (``LayerRouting``) and honours ``forced_gate``;
+- ``replaces_mlp``: True when it brings the block's feed-forward capacity itself (persistent memory as
+  in All-Attention): the host block then has no MLP sublayer (our decoder only);
 - on Hugging Face models, either transformers' own KV cache (``hf_cache = True``: every key kept) or,
   optionally, its own transformers cache layer (``new_hf_cache_layer()``, as DAR's compressed cache).
 """
@@ -59,6 +61,7 @@ class AttentionMechanism(nn.Module):
     reads_all_keys = True  # without routing: whether every query reads every preceding token (mu_f 1 or 0)
     hf_support = True  # whether ``allhere.hf.convert`` may install it in a Hugging Face attention module
     hf_cache = True  # whether it decodes with transformers' own KV cache (every key kept) on HF models
+    replaces_mlp = False  # whether the host block drops its MLP (the mechanism holds the feed-forward memory)
 
     def __init__(self, cfg, dims: AttentionDims) -> None:
         super().__init__()
