@@ -1,0 +1,115 @@
+"""Mechanism ``all_attention``: the All-Attention layer of "Augmenting Self-attention with Persistent
+Memory" (Sukhbaatar et al. 2019, arXiv:1907.01470).
+
+Each query head owns ``n_mem`` persistent key/value vectors M_k, M_v (learned, independent of the input)
+that are concatenated to the context's keys and values: K = [K_ctx; M_k], V = [V_ctx; M_v] (Eqs. 2-3 of
+"Attention Is All You Need 2: Seriously, All We Are Using Is Attention", Ohad Rubin). One softmax runs
+over the causal context and every memory slot, so the memory plays the part of the feed-forward
+sublayer, which the host block drops (``replaces_mlp``).
+
+The persistent vectors carry no position. The host hands queries rotated by RoPE at their absolute
+position p, so q_p . m would depend on p (a different feed-forward function at every position, and
+angles never seen in training when evaluating longer sequences). ``memory_positions = "relative"``
+(default) reads the memory with the query rotated back (R(-p) q_p . m = q . m: the memory is the same
+at every position, as a feed-forward sublayer is); "absolute" uses the rotated query as given. The
+rotation back assumes what our decoder does: RoPE with base ``rope_theta`` at the positions of the keys
+(query i of the last lq of lk keys at lk - lq + i). With
+``segment_starts`` the context is masked per segment; the memory stays visible to every query (a padding
+query then reads only the memory, never NaN). Cache: the context's K/V in an ordinary ``KVCache``; the
+memory is a constant of the layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..masks import causal, dense_mask
+from ..ops.common import check_qkv, default_scale, repeat_kv, segment_mask
+from ..registry import register
+from ..validation import check, check_int, is_number
+from .base import AttentionCall, AttentionDims, AttentionMechanism
+
+MEMORY_POSITIONS = ("relative", "absolute")
+
+
+@dataclass(frozen=True)
+class AllAttentionConfig:
+    """Persistent memory of ``n_mem`` key/value slots per query head in place of the feed-forward sublayer.
+
+    Initialisation: keys with std head_dim^-1/2 (unit-norm keys, so a memory logit is of the order of a
+    context logit), values with std n_mem^-1/2 (a uniform read of the memory has the scale of one value).
+    """
+
+    n_mem: int = 256  # N: persistent key/value vectors per head
+    memory_positions: str = "relative"  # "relative": memory read without the query's rotation; "absolute"
+    rope_theta: float = 10000.0  # the host's RoPE base (to rotate queries back for the memory)
+
+    kind: str = field(default="all_attention", init=False)
+
+    def __post_init__(self) -> None:
+        check_int("AllAttentionConfig", "n_mem", self.n_mem, 1)
+        check(self.memory_positions in MEMORY_POSITIONS, "AllAttentionConfig", "memory_positions",
+              self.memory_positions, f"one of {MEMORY_POSITIONS}")
+        check(is_number(self.rope_theta) and self.rope_theta > 0, "AllAttentionConfig", "rope_theta",
+              self.rope_theta, "a finite number > 0")
+
+
+def unrotate_queries(q: torch.Tensor, kv_len: int, theta: float) -> torch.Tensor:
+    """q [b, h, lq, d] rotated by RoPE (rotate-half layout, base ``theta``) at positions kv_len - lq + i,
+    rotated back to position 0."""
+    d, lq = q.shape[-1], q.shape[2]
+    pos = (kv_len - lq + torch.arange(lq, device=q.device)).float()
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=q.device, dtype=torch.float32) / d)
+    ang = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    x1, x2 = q.float().chunk(2, dim=-1)
+    return (q.float() * ang.cos() - torch.cat([-x2, x1], dim=-1) * ang.sin()).to(q.dtype)
+
+
+def all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,
+                  scale: float | None = None, mask: torch.Tensor | None = None,
+                  q_mem: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax over [causal context; memory]. q [b, h, lq, d]; k, v [b, kv_heads, lk, d] (queries are the
+    last lq positions); mem_k, mem_v [h, n_mem, d]; mask: optional bool [b, 1, lq, lk] over the context
+    (True = may attend), causal when None; q_mem: the queries that read the memory (default q). Dense,
+    one softmax over both parts. Returns [b, h, lq, d]."""
+    b, h, lq, d, _, lk = check_qkv(q, k, v)
+    if mem_k.shape != mem_v.shape or mem_k.shape[0] != h or mem_k.shape[2] != d:
+        raise ValueError(f"mem_k and mem_v must be [heads={h}, n_mem, dim={d}], got {tuple(mem_k.shape)}, "
+                         f"{tuple(mem_v.shape)}")
+    ctx = dense_mask(causal, lq, lk, q.device) if mask is None else mask
+    scale = default_scale(d, scale)
+    s_ctx = (q.float() @ repeat_kv(k, h).float().transpose(-1, -2) * scale).masked_fill(~ctx, float("-inf"))
+    s_mem = (q if q_mem is None else q_mem).float() @ mem_k.float().transpose(-1, -2)[None] * scale
+    p = torch.softmax(torch.cat([s_ctx, s_mem], dim=-1), dim=-1)  # the memory is never masked: no empty row
+    return (p[..., :lk] @ repeat_kv(v, h).float() + p[..., lk:] @ mem_v.float()[None]).to(q.dtype)
+
+
+@register(AllAttentionConfig, summary="All-Attention: persistent memory slots replace the feed-forward sublayer")
+class AllAttention(AttentionMechanism):
+    """Causal attention over the context and ``n_mem`` persistent key/value vectors per head; no MLP."""
+
+    replaces_mlp = True
+    hf_support = False  # a Hugging Face block cannot drop its MLP
+
+    def __init__(self, cfg: AllAttentionConfig, dims: AttentionDims) -> None:
+        super().__init__(cfg, dims)
+        self.mem_k = nn.Parameter(torch.empty(dims.n_heads, cfg.n_mem, dims.head_dim))
+        self.mem_v = nn.Parameter(torch.empty(dims.n_heads, cfg.n_mem, dims.head_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.mem_k.normal_(0.0, self.dims.head_dim ** -0.5)
+            self.mem_v.normal_(0.0, self.cfg.n_mem ** -0.5)
+
+    def forward(self, q, k, v, call: AttentionCall, cache=None):
+        if cache is not None:
+            k, v = cache.update(k, v)
+        mask = None
+        if call.segment_starts is not None:
+            mask = segment_mask(call.segment_starts, q.shape[2], k.shape[2])
+        q_mem = unrotate_queries(q, k.shape[2], self.cfg.rope_theta) if self.cfg.memory_positions == "relative" else q
+        return all_attention(q, k, v, self.mem_k, self.mem_v, call.scale, mask, q_mem), None

@@ -1,0 +1,121 @@
+"""AA-MoE ops: the gathered op equals the dense reference in outputs and gradients; the reference equals
+a brute-force loop over (batch, head, query); a query with nothing to read returns 0."""
+
+import math
+
+import pytest
+import torch
+
+from allhere.ops.aamoe import aamoe_attention, aamoe_attention_naive
+
+from helpers import rel_err
+
+
+def random_case(b=2, h=4, hkv=2, lq=11, lk=13, d=8, m=3, e=2, k_max=3, seed=0, grad=True):
+    """Random q/k/v/memory and a valid random choice: distinct previous chunks and experts per query."""
+    g = torch.Generator().manual_seed(seed)
+    t = lambda *s: torch.randn(*s, generator=g).requires_grad_(grad)  # noqa: E731
+    q, k, v = t(b, h, lq, d), t(b, hkv, lk, d), t(b, hkv, lk, d)
+    mk, mv = t(h, e, m, d), t(h, e, m, d)
+    n_chunks = -(-lk // m)
+    choice = torch.full((b, lq, k_max), -1, dtype=torch.long)
+    for bi in range(b):
+        for i in range(lq):
+            pos = lk - lq + i
+            options = list(range(pos // m)) + [n_chunks + x for x in range(e)]
+            take = torch.randperm(len(options), generator=g)[:int(torch.randint(0, k_max + 1, (1,), generator=g))]
+            for r, o in enumerate(take.tolist()):
+                choice[bi, i, r] = options[o]
+    logp = t(b, lq, k_max)
+    return q, k, v, mk, mv, choice, logp
+
+
+def brute_force(q, k, v, mk, mv, choice, logp, m, own, q_mem=None):
+    """Expert slots are read by q_mem (default q)."""
+    q_mem = q if q_mem is None else q_mem
+    b, h, lq, d = q.shape
+    lk, g = k.shape[2], h // k.shape[1]
+    n_chunks = -(-lk // m)
+    out = torch.zeros(b, h, lq, d, dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(lq):
+                pos = lk - lq + i
+                logits, vals = [], []
+                if own:
+                    for j in range((pos // m) * m, pos + 1):
+                        logits.append(k[bi, hi // g, j] @ q[bi, hi, i]), vals.append(v[bi, hi // g, j])
+                for r in range(choice.shape[2]):
+                    c = int(choice[bi, i, r])
+                    if c < 0:
+                        continue
+                    for s in range(m):
+                        if c < n_chunks:
+                            key, val, query = k[bi, hi // g, c * m + s], v[bi, hi // g, c * m + s], q[bi, hi, i]
+                        else:
+                            key, val, query = mk[hi, c - n_chunks, s], mv[hi, c - n_chunks, s], q_mem[bi, hi, i]
+                        logits.append(key @ query + logp[bi, i, r] * math.sqrt(d)), vals.append(val)
+                if not logits:
+                    continue
+                s = torch.stack(logits).double() / math.sqrt(d)
+                out[bi, hi, i] = torch.softmax(s, 0) @ torch.stack(vals).double()
+    return out
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_reference_equals_brute_force(own):
+    args = random_case(b=1, h=2, hkv=1, lq=7, lk=9, m=2, e=2, grad=False)
+    q_mem = torch.randn_like(args[0])
+    assert rel_err(aamoe_attention_naive(*args, 2, own), brute_force(*args, 2, own)) < 1e-6
+    assert rel_err(aamoe_attention_naive(*args, 2, own, q_mem=q_mem), brute_force(*args, 2, own, q_mem)) < 1e-6
+
+
+@pytest.mark.parametrize("own,lq,lk", [(True, 13, 13), (False, 13, 13), (True, 5, 14), (False, 1, 10)])
+def test_gathered_equals_reference_outputs_and_grads(own, lq, lk):
+    args = random_case(lq=lq, lk=lk, m=3, seed=lq + lk)
+    q_mem = torch.randn_like(args[0]).requires_grad_(own)  # with and without a separate memory query
+    args = (*args, q_mem) if own else args
+    ref = aamoe_attention_naive(*args[:7], 3, own, q_mem=args[7] if own else None)
+    out = aamoe_attention(*args[:7], 3, own, q_mem=args[7] if own else None)
+    assert (out - ref).abs().max() < 1e-5
+    w = torch.randn_like(ref)
+    diff = [p for p in args if isinstance(p, torch.Tensor) and p.requires_grad]
+    g_ref = torch.autograd.grad((ref * w).sum(), diff)
+    g_out = torch.autograd.grad((out * w).sum(), diff)
+    for a, b in zip(g_out, g_ref):
+        assert (a - b).abs().max() < 1e-5
+
+
+def test_nothing_to_read_gives_zero_and_no_nan_gradient():
+    q, k, v, mk, mv, choice, logp = random_case(lq=6, lk=6, m=3)
+    choice[:, :2] = -1  # the first two queries get no resource
+    for op in (aamoe_attention_naive, aamoe_attention):
+        out = op(q, k, v, mk, mv, choice, logp, 3, False)
+        assert torch.equal(out[:, :, :2], torch.zeros_like(out[:, :, :2]))
+        grads = torch.autograd.grad(out.sum(), (q, k, logp))
+        assert all(torch.isfinite(g).all() for g in grads)
+        assert torch.equal(grads[0][:, :, :2], torch.zeros_like(grads[0][:, :, :2]))
+    empty = torch.full((2, 6, 0), -1, dtype=torch.long)
+    assert torch.equal(aamoe_attention(q, k, v, mk, mv, empty, logp[..., :0], 3, False), torch.zeros_like(q))
+
+
+def test_bias_shifts_the_resource_weight():
+    """A resource's log P adds to every one of its keys: + log 2 doubles its total weight."""
+    q, k, v, mk, mv, choice, logp = random_case(b=1, lq=1, lk=7, m=3, grad=False)
+    choice[:] = torch.tensor([0, 3, -1])  # chunk 0 and expert 0 (3 chunks: 0, 1, 2)
+    logp = torch.zeros(1, 1, 3)
+    a = aamoe_attention(q, k, v, mk, mv, choice, logp, 3, False)
+    logp[0, 0, 0] = math.log(2.0)
+    b = aamoe_attention(q, k, v, mk, mv, choice, logp, 3, False)
+    ref = brute_force(q, k, v, mk, mv, choice, logp, 3, False)
+    assert rel_err(b, ref) < 1e-6 and not torch.allclose(a, b)
+
+
+def test_contract_is_checked():
+    q, k, v, mk, mv, choice, logp = random_case(grad=False)
+    with pytest.raises(ValueError, match="mem_k"):
+        aamoe_attention(q, k, v, mk[:, :, :2], mv, choice, logp, 3, True)
+    with pytest.raises(ValueError, match="choice holds resource"):
+        aamoe_attention(q, k, v, mk, mv, choice.clamp_min(0) + 10, logp, 3, True)
+    with pytest.raises(ValueError, match="logp"):
+        aamoe_attention(q, k, v, mk, mv, choice, logp[..., :1], 3, True)
