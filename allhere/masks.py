@@ -22,15 +22,25 @@ def causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
-def sliding_window(window: int) -> MaskFn:
-    """Causal window of ``window`` keys, the current one included."""
+def sliding_window(window: int, causal: bool = True) -> MaskFn:
+    """Causal window of ``window`` keys, the current one included; with ``causal=False`` (an encoder)
+    ``window - 1`` keys on each side: ``|q - k| < window``."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
 
-    def pred(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+    if causal:
+        def pred(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+    else:
+        def pred(b, h, q_idx, kv_idx):
+            d = q_idx - kv_idx
+            return (d < window) & (d > -window)
 
-    pred.__name__ = f"sliding_window_{window}"
+    def tiles(b, h, ql, qh, kl, kh):  # exact: every difference in [ql - kh, qh - kl] occurs
+        return (qh - kl >= (0 if causal else 1 - window)) & (ql - kh < window)
+
+    pred.__name__ = f"sliding_window_{window}" + ("" if causal else "_bidir")
+    pred.tiles = tiles
     return pred
 
 
@@ -41,6 +51,9 @@ def and_masks(*preds: MaskFn) -> MaskFn:
             out = out & p(b, h, q_idx, kv_idx)
         return out
 
+    tiles = _tiles_of(preds, torch.logical_and)  # a superset: both parts may hit different entries
+    if tiles is not None:
+        pred.tiles = tiles
     return pred
 
 
@@ -51,6 +64,9 @@ def or_masks(*preds: MaskFn) -> MaskFn:
             out = out | p(b, h, q_idx, kv_idx)
         return out
 
+    tiles = _tiles_of(preds, torch.logical_or)
+    if tiles is not None:
+        pred.tiles = tiles
     return pred
 
 
@@ -132,3 +148,328 @@ def within_segments(starts: torch.Tensor, q_offset: int = 0) -> MaskFn:
         return (s >= 0) & (kv_idx >= s)
 
     return pred
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sparse attention pattern family: sinks, dilated windows, global tokens, Longformer and BigBird.
+#
+# Every factory takes ``causal`` (default True). With ``causal=False`` (an encoder) a window of ``w`` reaches
+# ``w - 1`` keys on each side (``|q - k| < w``) and global tokens see / are seen by every position.
+#
+# Besides being a predicate, each factory's result carries ``tiles(b, h, q_lo, q_hi, k_lo, k_hi)``: for
+# rectangles of positions (inclusive bounds, broadcastable integer tensors) whether the rectangle may hold
+# an allowed entry. It may say True for an empty rectangle (a superset), never False for a non-empty one;
+# the block-sparse op (``allhere.ops.blocksparse``) uses it to find the blocks to compute without
+# evaluating the predicate on all n x n positions. ``and_masks`` / ``or_masks`` combine it.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _with_tiles(pred: MaskFn, name: str, tiles=None) -> MaskFn:
+    pred.__name__ = name
+    if tiles is not None:
+        pred.tiles = tiles
+    return pred
+
+
+def _tiles_of(preds, combine):
+    parts = [getattr(p, "tiles", None) for p in preds]
+    if any(t is None for t in parts):
+        return None
+
+    def tiles(b, h, ql, qh, kl, kh):
+        out = parts[0](b, h, ql, qh, kl, kh)
+        for t in parts[1:]:
+            out = combine(out, t(b, h, ql, qh, kl, kh))
+        return out
+
+    return tiles
+
+
+causal.tiles = lambda b, h, ql, qh, kl, kh: kl <= qh  # noqa: E731  (exact: the rectangle's corner (qh, kl))
+
+
+def _check_count(name: str, value, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _range_hits(diff_lo, diff_hi, step, count):
+    """Whether some m in [0, count) has m * step in [diff_lo, diff_hi] (step >= 1; tensors broadcast)."""
+    lo = diff_lo.clamp_min(0)
+    m = (lo + step - 1) // step
+    return (diff_hi >= lo) & (m < count) & (m * step <= diff_hi)
+
+
+def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
+    """``window`` keys at stride ``dilation``: q - k in {0, d, 2d, ..., (window-1) d} (span (window-1) d + 1),
+    or |q - k| in that set when ``causal=False``. ``dilation``: an int, or a tuple of one int per query head
+    (indexed by the predicate's ``h``: Longformer's per-head dilation, "Longformer: The Long-Document
+    Transformer", arXiv:2004.05150). ``dilation=1`` is ``sliding_window``."""
+    _check_count("window", window, 1)
+    per_head = isinstance(dilation, (tuple, list))
+    dils = tuple(dilation) if per_head else (dilation,)
+    if not dils:
+        raise ValueError("dilation must be an integer >= 1 or a non-empty tuple of them")
+    for d in dils:
+        _check_count("dilation", d, 1)
+    table = torch.tensor(dils, dtype=torch.long)
+
+    def step(h, like):
+        if not per_head:
+            return dils[0]
+        return table.to(like.device)[torch.as_tensor(h, device=like.device)]
+
+    def pred(b, h, q_idx, kv_idx):
+        d = step(h, q_idx)
+        diff = q_idx - kv_idx
+        if not causal:
+            diff = diff.abs()
+        return (diff >= 0) & (diff % d == 0) & (diff <= (window - 1) * d)
+
+    def tiles(b, h, ql, qh, kl, kh):
+        d = step(h, ql)
+        lo, hi = ql - kh, qh - kl  # every difference in between occurs in the rectangle
+        ahead = _range_hits(lo, hi, d, window)
+        return ahead if causal else ahead | _range_hits(-hi, -lo, d, window)
+
+    name = f"dilated_window_{window}_{'x'.join(map(str, dils))}" + ("" if causal else "_bidir")
+    return _with_tiles(pred, name, tiles)
+
+
+def sinks(n_sinks: int, causal: bool = True) -> MaskFn:
+    """Attention sinks: every query sees the keys at positions < ``n_sinks`` (earlier ones if causal), as in
+    StreamingLLM ("Efficient Streaming Language Models with Attention Sinks", arXiv:2309.17453). A
+    component: ``sliding_with_sinks`` ORs it with a window."""
+    _check_count("n_sinks", n_sinks, 0)
+
+    def pred(b, h, q_idx, kv_idx):
+        out = kv_idx < n_sinks
+        return out & (kv_idx <= q_idx) if causal else out
+
+    def tiles(b, h, ql, qh, kl, kh):
+        out = kl < n_sinks
+        return out & (kl <= qh) if causal else out
+
+    return _with_tiles(pred, f"sinks_{n_sinks}" + ("" if causal else "_bidir"), tiles)
+
+
+def sliding_with_sinks(window: int, n_sinks: int, causal: bool = True) -> MaskFn:
+    """StreamingLLM's pattern (arXiv:2309.17453): the window of ``window`` keys OR the first ``n_sinks`` keys."""
+    pred = or_masks(sliding_window(window, causal=causal), sinks(n_sinks, causal=causal))
+    return _with_tiles(pred, f"sliding_{window}_sinks_{n_sinks}" + ("" if causal else "_bidir"))
+
+
+def _lookup(flags: torch.Tensor):
+    """pos -> flags[pos] (flags [n] or [batch, n]) for broadcastable positions; False outside [0, n)."""
+    n = flags.shape[-1]
+
+    def at(b, pos):
+        f = flags.to(pos.device)
+        i = pos.clamp(0, max(n - 1, 0))
+        hit = f[i] if f.dim() == 1 else f[torch.as_tensor(b, device=pos.device), i]
+        return hit & (pos >= 0) & (pos < n)
+
+    counts = torch.cat([torch.zeros(*flags.shape[:-1], 1, dtype=torch.long), flags.long().cumsum(-1)], -1)
+
+    def any_in(b, lo, hi):  # some flagged position in [lo, hi]
+        c = counts.to(lo.device)
+        lo_c, hi_c = lo.clamp(0, n), (hi + 1).clamp(0, n)
+        if c.dim() == 1:
+            got = c[hi_c] - c[lo_c]
+        else:
+            bb = torch.as_tensor(b, device=lo.device)
+            got = c[bb, hi_c] - c[bb, lo_c]
+        return (got > 0) & (hi >= lo)
+
+    return at, any_in
+
+
+def global_tokens(is_global: torch.Tensor, causal: bool = True) -> MaskFn:
+    """Global tokens (Longformer, arXiv:2004.05150): ``is_global`` bool [n] or [batch, n] over absolute
+    positions (positions past its end are not global). A global query sees every key, every query sees
+    every global key; with ``causal`` only keys at or before the query."""
+    is_global = torch.as_tensor(is_global).bool()
+    if is_global.dim() not in (1, 2):
+        raise ValueError(f"is_global must be bool [n] or [batch, n], got shape {tuple(is_global.shape)}")
+    at, any_in = _lookup(is_global)
+
+    def pred(b, h, q_idx, kv_idx):
+        out = at(b, q_idx) | at(b, kv_idx)
+        return out & (kv_idx <= q_idx) if causal else out
+
+    def tiles(b, h, ql, qh, kl, kh):
+        if not causal:
+            return any_in(b, ql, qh) | any_in(b, kl, kh)
+        # a global query q in [max(ql, kl), qh] sees key kl; a global key k in [kl, min(kh, qh)] is seen by qh
+        return any_in(b, torch.maximum(ql, kl), qh) | any_in(b, kl, torch.minimum(kh, qh))
+
+    return _with_tiles(pred, "global_tokens" + ("" if causal else "_bidir"), tiles)
+
+
+def longformer(window: int, is_global: torch.Tensor, dilation=1, causal: bool = True) -> MaskFn:
+    """Longformer's pattern (arXiv:2004.05150): a (dilated) window OR global tokens."""
+    pred = or_masks(dilated_window(window, dilation, causal=causal), global_tokens(is_global, causal=causal))
+    return _with_tiles(pred, f"longformer_{window}" + ("" if causal else "_bidir"))
+
+
+def bigbird_window(block: int, window_blocks: int, causal: bool = True) -> MaskFn:
+    """BigBird's block window (arXiv:2007.14062): query block i sees key blocks j with 0 <= i - j <
+    ``window_blocks`` (|i - j| < window_blocks for an encoder: BigBird's 3-block window is 2), and, if causal,
+    only keys at or before the query."""
+    _check_count("block", block, 1)
+    inner = sliding_window(_check_count("window_blocks", window_blocks, 1), causal=causal)
+
+    def pred(b, h, q_idx, kv_idx):
+        out = inner(b, h, q_idx // block, kv_idx // block)
+        return out & (kv_idx <= q_idx) if causal else out
+
+    def tiles(b, h, ql, qh, kl, kh):
+        out = inner.tiles(b, h, ql // block, qh // block, kl // block, kh // block)
+        return out & (kl <= qh) if causal else out
+
+    return _with_tiles(pred, f"bigbird_window_{block}x{window_blocks}" + ("" if causal else "_bidir"), tiles)
+
+
+def bigbird_global(block: int, global_blocks: int, causal: bool = True) -> MaskFn:
+    """BigBird's global blocks (arXiv:2007.14062): the first ``global_blocks`` blocks see every key and are
+    seen by every query (keys at or before the query if causal)."""
+    _check_count("block", block, 1)
+    edge = block * _check_count("global_blocks", global_blocks, 0)
+
+    def pred(b, h, q_idx, kv_idx):
+        out = (q_idx < edge) | (kv_idx < edge)
+        return out & (kv_idx <= q_idx) if causal else out
+
+    def tiles(b, h, ql, qh, kl, kh):
+        out = (ql < edge) | (kl < edge)
+        return out & (kl <= qh) if causal else out
+
+    return _with_tiles(pred, f"bigbird_global_{block}x{global_blocks}" + ("" if causal else "_bidir"), tiles)
+
+
+class BigBirdRandom:
+    """BigBird's random blocks (arXiv:2007.14062) as a predicate: each (head, query block i) sees
+    ``random_blocks`` key blocks drawn among those the window and the global blocks do not cover.
+
+    Causal: drawn among blocks g <= j <= i - window_blocks, from a generator seeded by (seed, layer, head,
+    i) alone, so a prefix of a sequence has the pattern of the whole sequence (cached decoding equals the
+    full forward). Encoder: drawn among every uncovered block of the sequence, seeded by (seed, layer,
+    head, i, number of blocks); ``length`` fixes the sequence length, else it is read off the largest key
+    position the predicate is evaluated on (right for ``dense_mask`` of the whole sequence only). Global
+    query blocks draw nothing (they see everything already).
+
+    ``heads_per_draw``: consecutive query heads that share one draw (head h uses draw h // heads_per_draw);
+    with grouped-query attention, sharing a draw per kv head lets the block-sparse op gather each kv head's
+    keys once for exactly the pattern (1: a draw per query head, as in the paper).
+
+    The draws are made on the CPU with Python's ``random`` (string seeds: the same on every machine and
+    run) and kept in a table [heads, query blocks, key blocks] that grows as larger positions or heads are
+    asked for.
+    """
+
+    def __init__(self, block: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int = 0,
+                 layer: int = 0, causal: bool = True, length: int | None = None, heads_per_draw: int = 1) -> None:
+        self.block = _check_count("block", block, 1)
+        self.window_blocks = _check_count("window_blocks", window_blocks, 1)
+        self.global_blocks = _check_count("global_blocks", global_blocks, 0)
+        self.random_blocks = _check_count("random_blocks", random_blocks, 0)
+        self.seed, self.layer, self.causal = _check_count("seed", seed, 0), _check_count("layer", layer, 0), causal
+        self.length = None if length is None else _check_count("length", length, 1)
+        self.heads_per_draw = _check_count("heads_per_draw", heads_per_draw, 1)
+        self.__name__ = f"bigbird_random_{block}x{random_blocks}" + ("" if causal else "_bidir")
+        self._table = torch.zeros(0, 0, 0, dtype=torch.bool)
+        self._counts = None  # 2-D prefix sums of the table, for tiles()
+        self._n_blocks = None  # encoder: the number of key blocks the table was drawn for
+
+    def row(self, head: int, i: int, n_blocks: int | None = None) -> list[int]:
+        """The random key blocks of query block ``i`` of ``head`` (``n_blocks``: the encoder's block count)."""
+        import random
+
+        g, w, r = self.global_blocks, self.window_blocks, self.random_blocks
+        if r == 0 or i < g:
+            return []
+        if self.causal:
+            pool = list(range(g, i - w + 1))
+            key = f"bigbird:{self.seed}:{self.layer}:{head}:{i}"
+        else:
+            pool = [j for j in range(g, n_blocks) if abs(i - j) >= w]
+            key = f"bigbird:{self.seed}:{self.layer}:{head}:{i}:{n_blocks}"
+        return sorted(random.Random(key).sample(pool, min(r, len(pool))))
+
+    def table(self, heads: int, n_blocks: int) -> torch.Tensor:
+        """bool [heads, n_blocks, n_blocks]: [h, i, j] = key block j is a random block of query block i."""
+        if self.causal:
+            have_h, have_n = self._table.shape[:2]
+            if heads <= have_h and n_blocks <= have_n:
+                return self._table[:heads, :n_blocks, :n_blocks]
+            heads, n_blocks = max(heads, have_h), max(n_blocks, have_n)
+        elif self._n_blocks == n_blocks and heads <= self._table.shape[0]:
+            return self._table[:heads]
+        t = torch.zeros(heads, n_blocks, n_blocks, dtype=torch.bool)
+        for hh in range(heads):
+            if hh % self.heads_per_draw:  # shares the draw of the group's first head
+                t[hh] = t[hh - hh % self.heads_per_draw]
+                continue
+            for i in range(n_blocks):
+                t[hh, i, self.row(hh // self.heads_per_draw, i, n_blocks)] = True
+        self._table, self._n_blocks = t, n_blocks
+        c = torch.zeros(heads, n_blocks + 1, n_blocks + 1, dtype=torch.long)
+        c[:, 1:, 1:] = t.long().cumsum(1).cumsum(2)
+        self._counts = c
+        return t
+
+    def prepare(self, heads: int, length: int) -> None:
+        """Draw the table for ``heads`` heads and ``length`` positions now, and from then on evaluate with it
+        as it is (no data-dependent growth: what ``vmap`` / ``torch.compile`` in FlexAttention need)."""
+        nb = -(-(self.length or length) // self.block)
+        self.table(heads, nb)
+        self._frozen = True
+
+    def _blocks_for(self, h, q_hi, k_hi) -> tuple[int, int]:
+        if getattr(self, "_frozen", False):
+            return self._table.shape[0], self._table.shape[1]
+        heads = int(torch.as_tensor(h).max()) + 1
+        if self.causal:
+            return heads, int(q_hi.max()) // self.block + 1
+        length = self.length if self.length is not None else int(k_hi.max()) + 1
+        return heads, -(-length // self.block)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        heads, nb = self._blocks_for(h, q_idx, kv_idx)
+        t = self.table(heads, nb).to(q_idx.device)
+        qb, kb = q_idx // self.block, kv_idx // self.block
+        inside = (qb >= 0) & (qb < nb) & (kb >= 0) & (kb < t.shape[-1])
+        hit = t[torch.as_tensor(h, device=q_idx.device), qb.clamp(0, nb - 1), kb.clamp(0, t.shape[-1] - 1)]
+        out = hit & inside
+        return out & (kv_idx <= q_idx) if self.causal else out
+
+    def tiles(self, b, h, ql, qh, kl, kh):
+        heads, nb = self._blocks_for(h, qh, kh)
+        self.table(heads, nb)
+        c = self._counts.to(ql.device)
+        n = c.shape[-1] - 1
+        hh = torch.as_tensor(h, device=ql.device)
+        i0, i1 = (ql // self.block).clamp(0, n), (qh // self.block + 1).clamp(0, n)
+        j0, j1 = (kl // self.block).clamp(0, n), (kh // self.block + 1).clamp(0, n)
+        got = c[hh, i1, j1] - c[hh, i0, j1] - c[hh, i1, j0] + c[hh, i0, j0]
+        out = got > 0
+        return out & (kl <= qh) if self.causal else out
+
+
+def bigbird_random(block: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int = 0,
+                   layer: int = 0, causal: bool = True, length: int | None = None,
+                   heads_per_draw: int = 1) -> BigBirdRandom:
+    """The random component of ``bigbird`` alone (``BigBirdRandom``)."""
+    return BigBirdRandom(block, window_blocks, global_blocks, random_blocks, seed, layer, causal, length,
+                         heads_per_draw)
+
+
+def bigbird(block: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int = 0,
+            layer: int = 0, causal: bool = True, length: int | None = None, heads_per_draw: int = 1) -> MaskFn:
+    """BigBird's block-sparse pattern ("Big Bird: Transformers for Longer Sequences", arXiv:2007.14062), in
+    blocks of ``block`` positions: ``bigbird_window`` OR ``bigbird_global`` OR ``bigbird_random``."""
+    rand = bigbird_random(block, window_blocks, global_blocks, random_blocks, seed, layer, causal, length, heads_per_draw)
+    pred = or_masks(bigbird_window(block, window_blocks, causal), bigbird_global(block, global_blocks, causal), rand)
+    pred.prepare = rand.prepare  # see BigBirdRandom.prepare
+    return _with_tiles(pred, f"bigbird_{block}" + ("" if causal else "_bidir"))

@@ -220,3 +220,21 @@ def test_flags_of_the_other_demo_are_errors(tmp_path, capsys):
     assert main(["demo", "--out", str(out), "--mechanism", "dar", "--lam", "0.1"]) == 2
     assert "--lam is for `allhere demo --mechanism aha`" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_compare_tiny_reuses_the_demo_pretraining(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert run("--out", str(out), "--task", "recall") == 0
+    pretrained = (out / "recall" / "pretrain" / "checkpoint.safetensors").read_bytes()
+    assert main(["compare", "--out", str(out), "--preset", "tiny", "--task", "recall", "--steps", "2",
+                 "--device", "cpu", "--no-progress"]) == 0
+    assert "| sliding w=8 |" in capsys.readouterr().out
+    assert (out / "recall" / "pretrain" / "checkpoint.safetensors").read_bytes() == pretrained  # reused
+    report = json.loads((out / "compare" / "compare.json").read_text())["tasks"]["recall"]
+    rows = report["rows"]
+    assert len(rows) == 7 and (out / "compare" / "compare.png").exists()
+    n, w = report["seq_len"], report["window"]
+    assert rows["full (control)"]["scores_per_query"] == pytest.approx((n + 1) / 2)
+    assert rows["sliding w=8"]["scores_per_query"] == pytest.approx(sum(min(i + 1, w) for i in range(n)) / n)
+    for r in rows.values():  # every local pattern at about the budget
+        assert r["scores_per_query"] <= rows["full (control)"]["scores_per_query"] + 1e-9

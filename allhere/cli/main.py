@@ -17,10 +17,12 @@ from ..checkpoint import CheckpointError
 from ..data.corpus import DataError
 from ..validation import ConfigError
 from .bench import bench, bench_arguments
-from .quiet import quiet_third_party
 from .models import (convert, convert_arguments, eval_arguments, evaluate, perplexity, perplexity_arguments, sft,
                      sft_arguments)
-from .runs import analyze, analyze_arguments, demo, demo_arguments, sweep, sweep_arguments
+from .patterns import compare, compare_arguments, patterns, patterns_arguments
+from .quiet import quiet_third_party
+from .runs import (aamoe, aamoe_arguments, analyze, analyze_arguments, demo, demo_arguments, sweep,
+                   sweep_arguments)
 
 KNOWN_ERRORS = (ConfigError, DataError, CheckpointError, ImportError)
 
@@ -48,6 +50,12 @@ COMMANDS = (
     Command("convert", "convert a local Hugging Face model to AHA or DAR and save it", convert_arguments, convert),
     Command("sft", "convert a local Hugging Face model to AHA or DAR and fine-tune it on chat data",
             sft_arguments, sft),
+    Command("patterns", "sparse attention patterns side by side: masks, scores, receptive field, hops, KV cache, "
+            "time", patterns_arguments, patterns),
+    Command("compare", "full, sliding, sinks, dilated, Longformer, BigBird and AHA fine-tuned at the same attention "
+            "budget: quality against scores", compare_arguments, compare),
+    Command("aamoe", "AA-MoE against dense, All-Attention, context-only and experts-only budgets (bits/byte vs "
+            "FLOPs)", aamoe_arguments, aamoe),
 )
 
 

@@ -116,3 +116,26 @@ def sweep(args) -> None:
                     tuple(args.tasks or TASKS), args.data, args.device, not args.no_progress)
     print(render(res))
     print(f"Written to {args.out}/: sweep.md, sweep.json, mu_f_vs_window.png")
+
+
+# aamoe ------------------------------------------------------------------------------------------------
+
+def aamoe_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=a.out_folder, default="runs/aamoe",
+                   help="run folder (models in <out>/aamoe), resumed with the same settings (default runs/aamoe)")
+    p.add_argument("--preset", default="cpu", choices=("cpu", "tiny"),
+                   help="sizes and steps: cpu (default, about 20 min on 2 cores), tiny (seconds)")
+    p.add_argument("--device", type=a.device, default="cpu", help="cpu (default), cuda[:N] or auto")
+    p.add_argument("--steps", type=a.positive, default=None,
+                   help="training steps of every model (default: the preset's; cpu 300, tiny 3)")
+    p.add_argument("--budgets", type=a.positive_number, nargs="+", default=None,
+                   help="AA-MoE budgets B, resources per token (default: the preset's; cpu 1 2 4, tiny 2)")
+    a.progress_flag(p)
+
+
+def aamoe(args) -> None:
+    from ..experiments.aamoe import render, run_aamoe
+
+    report = run_aamoe(args.out, args.preset, args.device, not args.no_progress, args.steps, args.budgets)
+    print(render(report))
+    print(f"Written to {args.out}/aamoe/: report.md, report.json and plots")

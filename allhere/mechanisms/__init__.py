@@ -1,10 +1,18 @@
 """The built-in attention mechanisms; importing this package registers them (``allhere.registry``)."""
 
+from .aamoe import AAMoEAttention, AAMoEConfig
 from .aha import AHAConfig, AHAAttention
+from .allattention import AllAttention, AllAttentionConfig
 from .base import AttentionCall, AttentionDims, AttentionMechanism, mechanism_layers
+from .bigbird import BigBirdAttention, BigBirdConfig, bigbird_schedule
 from .dar import DARAttention, DARConfig
+from .dilated import DilatedAttention, DilatedConfig, dilation_schedule
 from .full import FullAttention, FullConfig
+from .longformer import LongformerAttention, LongformerConfig
+from .sinks import SinksAttention, SinksConfig
 from .sliding import SlidingAttention, SlidingConfig
 
-__all__ = ["AHAAttention", "AHAConfig", "AttentionCall", "AttentionDims", "AttentionMechanism", "DARAttention",
-           "DARConfig", "FullAttention", "FullConfig", "SlidingAttention", "SlidingConfig", "mechanism_layers"]
+__all__ = ["AAMoEAttention", "AAMoEConfig", "AHAAttention", "AHAConfig", "AllAttention", "AllAttentionConfig", "AttentionCall", "AttentionDims", "AttentionMechanism", "BigBirdAttention",
+           "BigBirdConfig", "DARAttention", "DARConfig", "DilatedAttention", "DilatedConfig", "FullAttention",
+           "FullConfig", "LongformerAttention", "LongformerConfig", "SinksAttention", "SinksConfig",
+           "SlidingAttention", "SlidingConfig", "bigbird_schedule", "dilation_schedule", "mechanism_layers"]

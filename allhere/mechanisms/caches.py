@@ -43,3 +43,52 @@ class RollingKVCache(KVCache):
         # A slice would keep the whole longer tensor (e.g. a prefill's) alive: keep a copy of the window.
         self.k, self.v = (t[:, :, -self.window:].clone() if over > 0 else t for t in (k_all, v_all))
         return k_all, v_all
+
+
+class PatternKVCache(KVCache):
+    """Keeps the keys a sparse causal pattern may still read: the last ``span`` positions, the positions
+    ``fixed(positions)`` marks (attention sinks, global tokens), and every key while a query that reads
+    the whole past may still come (``keep_all_until``: the last such query's position, -1 = none).
+
+    The kept keys are not contiguous positions: ``update_at`` returns their absolute positions too
+    (``positions``), and ``update`` the keys alone. Memory: ``span`` + the fixed positions seen, once the
+    last whole-past query has passed.
+    """
+
+    def __init__(self, span: int, fixed=None, keep_all_until: int = -1) -> None:
+        super().__init__()
+        self.span = span
+        self.fixed = fixed
+        self.keep_all_until = keep_all_until
+        self.seen = 0  # tokens added so far: the next token's absolute position
+        self.positions: torch.Tensor | None = None  # int64 [tokens] absolute positions of the kept keys
+
+    def nbytes(self) -> int:
+        return super().nbytes() + (0 if self.positions is None else self.positions.untyped_storage().nbytes())
+
+    def update_at(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add the new tokens; return the kept keys and values followed by the new ones, and their
+        absolute positions (increasing); then keep what later queries may read."""
+        n = k.shape[2]
+        new = torch.arange(self.seen, self.seen + n, device=k.device)
+        k_all = k if self.k is None else torch.cat([self.k, k], dim=2)
+        v_all = v if self.v is None else torch.cat([self.v, v], dim=2)
+        pos = new if self.positions is None else torch.cat([self.positions, new])
+        self.seen += n
+        if self.seen > self.keep_all_until + 1:
+            keep = pos >= self.seen - self.span
+            if self.fixed is not None:
+                keep |= self.fixed(pos)
+        else:
+            keep = torch.ones_like(pos, dtype=torch.bool)
+        if bool(keep.all()):
+            self.k, self.v, self.positions = k_all, v_all, pos
+        else:  # copies: a view would keep the longer tensors alive
+            idx = keep.nonzero().flatten()
+            self.k, self.v = k_all.index_select(2, idx), v_all.index_select(2, idx)
+            self.positions = pos[idx]
+        return k_all, v_all, pos
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_all, v_all, _ = self.update_at(k, v)
+        return k_all, v_all

@@ -1,0 +1,26 @@
+"""The figure of ``allhere compare``: quality against keys read per query, one panel per task."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..analysis.plots import require_matplotlib
+
+
+def plot_compare(report: dict, path: Path) -> Path:
+    plt = require_matplotlib()
+    tasks = report["tasks"]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for ax, (name, t) in zip(axes[0], tasks.items()):
+        for label, r in t["rows"].items():
+            ax.scatter(r["scores_per_query"], r[t["metric"]], s=30)
+            ax.annotate(label, (r["scores_per_query"], r[t["metric"]]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("keys read per query (log)")
+        ax.set_ylabel(f"{t['metric']} ({'higher' if t['higher_is_better'] else 'lower'} is better)")
+        ax.set_title(f"{name}: n = {t['seq_len']}, budget w = {t['window']}, {t['steps']} steps", fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

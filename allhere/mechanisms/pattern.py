@@ -1,0 +1,133 @@
+"""The base of the sparse-pattern mechanisms (``sinks``, ``dilated``, ``longformer``, ``bigbird``): one forward
+pass for any mask predicate, with the KV cache, segment boundaries and grouped-query heads."""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import get_backend
+from ..masks import MaskFn, and_masks, within_segments
+from ..ops.blocksparse import BlockPlan, blocksparse_attention, plan_blocks
+from ..ops.full import masked_attention
+from .base import AttentionCall, AttentionMechanism
+
+
+def _kv_with_positions(cache, k, v):
+    """Add k, v to the cache; return (keys, values, key positions) where positions is the absolute position
+    of the first key (an int: contiguous keys) or an int64 tensor [keys] (a cache that drops keys in the
+    middle, ``PatternKVCache``)."""
+    if cache is None:
+        return k, v, 0
+    if hasattr(cache, "update_at"):
+        k, v, pos = cache.update_at(k, v)
+        if pos.numel() and int(pos[-1] - pos[0]) + 1 == pos.numel():
+            return k, v, int(pos[0])
+        return k, v, pos
+    offset = getattr(cache, "dropped", 0)  # RollingKVCache: the first key returned
+    k, v = cache.update(k, v)
+    return k, v, offset
+
+
+class PatternAttention(AttentionMechanism):
+    """A mechanism that attends under a fixed mask predicate: ``mask_fn(n)`` (given by its config).
+
+    Calls whose keys are contiguous positions run the block-sparse op (``allhere.ops.blocksparse``, the
+    tile plan kept for the last few shapes) or the subclass's faster op for whole sequences (``fast``);
+    small calls (``dense_below``: decode steps) and decode steps of a cache that kept scattered positions
+    run the dense reference over the keys at hand (bounded where the cache is).
+    """
+
+    reads_all_keys = False
+    tile = 64  # query / key tile of the block-sparse op
+    dense_below = 1 << 16  # calls with q_len * kv_len up to this run the dense reference instead
+    # "blocksparse" (default) or "flex": FlexAttention, compiled (``allhere.ops.flex``; set it per module).
+    # Under ``allhere.use_backend("reference")`` every call runs the dense reference.
+    backend = "blocksparse"
+    _max_plans = 8
+
+    def __init__(self, cfg, dims) -> None:
+        super().__init__(cfg, dims)
+        self._plans: dict[tuple, BlockPlan] = {}
+        self._preds: dict = {}
+
+    def mask_fn(self, n: int | None = None) -> MaskFn:
+        """The config's predicate (``cfg.mask_fn(n)``), built once per length (once for a causal pattern:
+        its predicate does not depend on the length)."""
+        key = None if getattr(self.cfg, "causal", True) else n
+        pred = self._preds.get(key)
+        if pred is None:
+            if len(self._preds) >= self._max_plans:
+                self._preds.clear()
+            pred = self._preds[key] = self.cfg.mask_fn(n)
+        return pred
+
+    def fast(self, q, k, v, scale):
+        """A faster exact op for a whole sequence (no cache, no segments), or None to use the plan."""
+        return None
+
+    def _plan(self, pred, q, k, key_offset: int, cacheable: bool) -> BlockPlan:
+        b, h, lq = q.shape[:3]
+        hkv, lk = k.shape[1], k.shape[2]
+        key = (b, h, hkv, lq, lk, key_offset, q.device)
+        plan = self._plans.get(key) if cacheable else None
+        if plan is None:
+            plan = plan_blocks(pred, lq, lk, heads=h, kv_heads=hkv, batch=b, block=self.tile,
+                               key_offset=key_offset, device=q.device)
+            if cacheable:
+                if len(self._plans) >= self._max_plans:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[key] = plan
+        return plan
+
+    def _flex(self, pred, q, k, v, key_offset: int, scale, per_batch: bool):
+        from ..ops.flex import flex_block_mask, flex_pattern_attention
+
+        b, h, lq = q.shape[:3]
+        key = ("flex", b, h, lq, k.shape[2], key_offset, q.device)
+        mask = None if per_batch else self._plans.get(key)
+        if mask is None:
+            mask = flex_block_mask(pred, lq, k.shape[2], heads=h, batch=b, key_offset=key_offset,
+                                   device=q.device, per_batch=per_batch)
+            if not per_batch:
+                if len(self._plans) >= self._max_plans:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[key] = mask
+        return flex_pattern_attention(q, k, v, mask, scale)
+
+    def forward(self, q, k, v, call: AttentionCall, cache=None):
+        if cache is not None and not getattr(self.cfg, "causal", True):
+            raise ValueError(f"{type(self.cfg).__name__}(causal=False) cannot decode with a KV cache: later keys "
+                             "change earlier outputs")
+        starts = call.segment_starts
+        if starts is not None and not getattr(self.cfg, "causal", True):
+            raise NotImplementedError("segment boundaries (padding, packed documents) bound keys from below only; "
+                                      "with causal=False a query would read later segments")
+        k, v, kpos = _kv_with_positions(cache, k, v)
+        lq, lk = q.shape[2], k.shape[2]
+        if (isinstance(kpos, int) and kpos == 0 and lq == lk and starts is None and self.backend == "blocksparse"
+                and get_backend() != "reference"):
+            out = self.fast(q, k, v, call.scale)
+            if out is not None:
+                return out, None
+        if isinstance(kpos, int) and lq * lk > self.dense_below and get_backend() != "reference":
+            n = kpos + lk  # the sequence length so far
+            pred = self.mask_fn(n)
+            if starts is not None:
+                pred = and_masks(pred, within_segments(starts, q_offset=n - lq))
+            if self.backend == "flex":
+                return self._flex(pred, q, k, v, kpos, call.scale, starts is not None), None
+            plan = self._plan(pred, q, k, kpos, cacheable=starts is None)
+            return blocksparse_attention(q, k, v, plan, call.scale), None
+        # Decode steps and small calls (a plan costs more than it saves), and scattered kept positions
+        # (PatternKVCache): dense over the keys at hand, which a bounded cache keeps few.
+        if isinstance(kpos, int):
+            kpos = torch.arange(kpos, kpos + lk, device=q.device)
+        n = int(kpos[-1]) + 1
+        pred = self.mask_fn(n)
+        if starts is not None:
+            pred = and_masks(pred, within_segments(starts, q_offset=n - lq))
+        b, h = q.shape[:2]
+        qpos = torch.arange(n - lq, n, device=q.device)
+        mask = pred(torch.arange(b, device=q.device).view(-1, 1, 1, 1), torch.arange(h, device=q.device).view(1, -1, 1, 1),
+                    qpos.view(1, 1, -1, 1), kpos.view(1, 1, 1, -1))
+        return masked_attention(q, k, v, mask.expand(b, h, lq, lk), call.scale), None
