@@ -16,6 +16,8 @@ import torch
 
 from .checkpoint import CheckpointError, read_checkpoint, restore_model, restore_optimizer, save_checkpoint
 from .config import TrainConfig
+from .distributed.context import check_trainable as check_context_parallel, shard_loss
+from .distributed.training import distributed_run
 from .losses import training_loss
 from .mechanisms.base import mechanism_layers
 from .model import Decoder
@@ -84,53 +86,81 @@ def model_lam(model: torch.nn.Module, cfg: TrainConfig) -> float:
 
 def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | Path, resume: bool = False,
           eval_fn: EvalFn | None = None, progress: bool = True, extra_state: dict | None = None,
-          train_only: str | None = None) -> dict:
+          train_only: str | None = None, context_parallel: str | None = None) -> dict:
     """Train ``model`` in place; checkpoint to ``ckpt_path``; return the final state (history, metrics).
 
     ``model``: our ``Decoder`` or anything with its call interface (``allhere.hf.HFCausalLM``).
     ``resume=True`` continues from ``ckpt_path`` exactly where it stopped; without it an existing
     checkpoint there is an error (nothing good is overwritten). ``train_only``: train only the parameters
     whose name contains it (e.g. ".mechanism." for a new bottleneck); the others stay frozen.
+
+    Under torchrun with several processes (``allhere.distributed.training``) the model is sharded with
+    FSDP2, each rank takes its share of every step's micro-batches (same global batch, same gradient),
+    checkpoints are sharded (``ckpt_path`` with suffix ``.dcp``) and the final model is exported to
+    ``ckpt_path``; only rank 0 writes files and shows progress. With one process nothing of this runs.
+    ``context_parallel`` ("zigzag" or "contiguous"): instead of dealing out micro-batches, every rank takes
+    every micro-batch and splits each sequence over all ranks with that layout; attention runs through the
+    ring (``allhere.distributed.context``; full, sliding, AHA and the pattern mechanisms, no segment_starts).
+    The gradient and the logged losses are the one-process ones. With one process it changes nothing.
     """
     ckpt_path = Path(ckpt_path)
-    model.to(cfg.device)
+    run = distributed_run(cfg.device)  # None with one process
+    if context_parallel is not None:
+        check_context_parallel(model, context_parallel)
+    cp = None if run is None else context_parallel  # the layout of context-parallel training, or None
+    device = cfg.device if run is None else run.device
+    model.to(device)
     for name, p in model.named_parameters():  # stage-wise training (e.g. only a new bottleneck first)
         p.requires_grad_(train_only is None or train_only in name)
+    if run is not None:
+        run.shard(model)
     opt = make_optimizer(model, cfg)
     lam = model_lam(model, cfg)
     state = {"step": 0, "history": [], "evals": [], "train_config": cfg.to_dict(), **(extra_state or {})}
     if train_only is not None:
         state["train_only"] = train_only
-    if ckpt_path.exists():
+    found = ckpt_path.exists() if run is None else run.has_checkpoint(ckpt_path)
+    if found:
         if not resume:
             raise CheckpointError(f"{ckpt_path} already exists: pass --resume to continue it, or choose another "
                                   "output directory")
-        tensors, meta = read_checkpoint(ckpt_path)
-        if meta.get("train_config") != cfg.to_dict() or meta.get("train_only") != train_only:
-            raise CheckpointError(f"{ckpt_path} was written with other training settings; resume with the "
-                                  "same settings or choose another output directory")
-        restore_model(model, tensors, ckpt_path)
-        restore_optimizer(opt, tensors, meta, ckpt_path)
-        model.to(cfg.device)
+        if run is None:
+            tensors, meta = read_checkpoint(ckpt_path)
+            check_settings(meta, cfg, train_only, ckpt_path)
+            restore_model(model, tensors, ckpt_path)
+            restore_optimizer(opt, tensors, meta, ckpt_path)
+            model.to(device)
+        else:
+            check_settings(run.saved_state(ckpt_path) or {}, cfg, train_only, ckpt_path)
+            meta = run.restore(ckpt_path, model, opt)
         state.update({k: meta[k] for k in ("step", "history", "evals") if k in meta})
 
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg.device.startswith("cuda")
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda")
                 else contextlib.nullcontext())
-    bar = progress_bar(cfg.steps, f"{ckpt_path.parent.parent.name}/{ckpt_path.parent.name}", state["step"], progress)
+    bar = progress_bar(cfg.steps, f"{ckpt_path.parent.parent.name}/{ckpt_path.parent.name}", state["step"],
+                       progress and (run is None or run.main))
+    save = save_checkpoint if run is None else run.save
     model.train()
     for step in range(state["step"], cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step) * group["lr_mult"]
         sums = {"loss": 0.0, "lm": 0.0, "mu_f": 0.0}
-        for micro in range(cfg.grad_accum):
-            ids, loss_mask, kwargs = unpack_batch(batches(step, micro, step_generator(cfg.seed, step, micro)), cfg.device)
-            with autocast:
-                out = model(ids, **kwargs)
-            loss = training_loss(out, ids, lam, loss_mask=loss_mask)
-            (loss.total / cfg.grad_accum).backward()
-            sums["loss"] += loss.total.item() / cfg.grad_accum
-            sums["lm"] += loss.lm.item() / cfg.grad_accum
-            sums["mu_f"] += (1.0 if loss.mu_f is None else loss.mu_f.item()) / cfg.grad_accum
+        micros = range(cfg.grad_accum) if run is None or cp else run.micro_batches(cfg.grad_accum)  # this rank's share
+        share = cfg.grad_accum * (run.env.world if cp else 1)  # context parallel: every rank logs 1/world
+        for micro in micros:
+            ids, loss_mask, kwargs = unpack_batch(batches(step, micro, step_generator(cfg.seed, step, micro)), device)
+            if cp:  # this rank's shard of every sequence
+                loss = shard_loss(model, ids, lam, cp, loss_mask, autocast, **kwargs)
+            else:
+                with autocast:
+                    out = model(ids, **kwargs)
+                loss = training_loss(out, ids, lam, loss_mask=loss_mask)
+            (loss.total / len(micros)).backward()
+            sums["loss"] += loss.total.item() / share
+            sums["lm"] += loss.lm.item() / share
+            sums["mu_f"] += (1.0 if loss.mu_f is None else loss.mu_f.item()) / share
+        if run is not None:
+            sums = run.sum(sums)
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
@@ -144,9 +174,18 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
             state["evals"].append({"step": state["step"], **eval_fn(model)})
             model.train()
         if state["step"] % cfg.ckpt_every == 0 or state["step"] == cfg.steps:
-            save_checkpoint(ckpt_path, model, opt, state)
+            save(ckpt_path, model, opt, state)
     bar.close()
+    if run is not None:  # the whole model in one safetensors file, as one process writes it
+        run.export(ckpt_path, model, state)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(True)
     return state
+
+
+def check_settings(meta: dict, cfg: TrainConfig, train_only: str | None, ckpt_path: Path) -> None:
+    """A checkpoint is resumed only with the settings it was written with."""
+    if meta.get("train_config") != cfg.to_dict() or meta.get("train_only") != train_only:
+        raise CheckpointError(f"{ckpt_path} was written with other training settings; resume with the "
+                              "same settings or choose another output directory")

@@ -173,6 +173,11 @@ def sft(args) -> None:
                     lam=getattr(mech, "lam", 3e-4), tau=getattr(mech, "tau", 0.5), max_steps=args.max_steps,
                     device=args.device, resume=args.resume, progress=not args.no_progress,
                     d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr)
+    from ..distributed.env import detect
+
+    env = detect()
+    if env is not None and not env.main:  # under torchrun: one report, from rank 0
+        return
     last = state["history"][-1]
     mu = f", mu_f {last['mu_f']:.3f}" if last.get("mu_f") is not None else ""
     print(f"{state['step']} steps; last step: loss {last['lm']:.4f}{mu}. Model saved to {args.out}/model")

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
+from ..distributed.checkpoint import full_state_dict
+from ..distributed.env import detect
 from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversation
 from ..mechanisms import AHAConfig, DARConfig
 from ..model import DecoderOutput
@@ -74,6 +76,10 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     With ``d_down``: DAR in two stages of ``epochs`` each -- stage 1 trains only W_down / W_up
     at ``stage1_lr`` with the rest frozen (``out/stage1.safetensors``), stage 2 everything at ``lr``
     (``out/stage2.safetensors``).
+
+    Under torchrun with several processes (``torchrun --nproc-per-node N -m allhere.cli sft ...``) the
+    training is FSDP2 data-parallel (``allhere.train.train``); ``global_batch / batch_size`` must then be
+    a multiple of N. Rank 0 writes ``out/model``.
     """
     if global_batch % batch_size:
         raise ConfigError(f"global_batch = {global_batch} must be a multiple of batch_size = {batch_size}")
@@ -85,7 +91,8 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
         raise ConfigError(f"seq_len = {seq_len} is longer than the model's context ({context})")
     used_fallback = ensure_chat_template(tokenizer)
     ids, mask, starts = pack([tokenize_conversation(tokenizer, r["messages"]) for r in rows], seq_len)
-    convert(model, AHAConfig(window=window, tau=tau, lam=lam) if d_down is None else DARConfig(window=window, d_down=d_down))
+    mech = AHAConfig(window=window, tau=tau, lam=lam) if d_down is None else DARConfig(window=window, d_down=d_down)
+    convert(model, mech)
     accum = global_batch // batch_size
     n = ids.shape[0]
     steps = max_steps or max(1, math.ceil(epochs * n / global_batch))
@@ -109,6 +116,18 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
               progress=progress, extra_state={**extra, "stage": 1}, train_only=".allhere.")
         state = train(lm, batches, cfg, out / "stage2.safetensors", resume=resume, progress=progress,
                       extra_state={**extra, "stage": 2})
+    env = detect()
+    if env is not None:  # under torchrun the model is sharded: rank 0 saves the gathered weights
+        sd = full_state_dict(lm)
+        if env.main:
+            _, model = load_local(model_path, convertible=True)
+            convert(model, mech)
+            HFCausalLM(model).load_state_dict(sd)
+        if not env.main:
+            torch.distributed.barrier()
+            return state
     save_pretrained(model, out / "model")
     tokenizer.save_pretrained(str(out / "model"))
+    if env is not None:
+        torch.distributed.barrier()
     return state

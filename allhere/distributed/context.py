@@ -1,0 +1,249 @@
+"""Context-parallel (sequence-sharded) runs of a ``Decoder``: every sequence is split across the ranks of a
+process group, and each layer's attention runs through the ring (``ring.py``).
+
+    from allhere.distributed.context import context_parallel
+
+    with context_parallel(model, group, layout="zigzag") as cp:
+        ids, pos, targets = cp.shard(batch_ids)              # this rank's tokens, positions, targets
+        out = model(ids, positions=pos)
+        loss = cp.loss(out, targets, lam)                     # mean over ranks = the one-process loss
+        loss.total.backward()                                 # then average gradients over the group
+
+Inside the ``with`` block, each layer's mechanism runs its ring counterpart (the module tree, parameter
+names and state dict stay as they are: only the mechanisms' ``forward`` is replaced, and restored on exit):
+
+  - ``full``: the causal ring;
+  - ``sliding``: the ring under the sliding-window pattern (only the neighbouring blocks are read);
+  - ``aha``: the router scores and gates this rank's tokens locally, then ``ring_aha_attention`` (with the
+    gate's straight-through gradient while the router trains); the layer's ``LayerRouting`` covers this
+    rank's tokens, as the mechanism returns it for a whole sequence;
+  - the pattern mechanisms (``sinks``, ``dilated``, ``longformer``, ``bigbird``: a ``PatternAttention``
+    with ``mask_fn``): the ring under their predicate at the global sequence length.
+
+Anything else (DAR, AA-MoE, All-Attention, ...) raises on entry, naming the layer and the mechanism; a KV
+cache or ``segment_starts`` raises on the call. The ring needs every rank of the group to run the same
+layers in the same order, forward and backward.
+
+Losses: the next-token target of a shard's last token lives on another shard, so ``shard_batch`` shifts
+the whole sequence before sharding; ``context_parallel_loss`` weights each rank's sum so that the *mean*
+over ranks of every field (total, L_LM, L_reg, mu_f) equals the one-process value. Averaging gradients over
+the group (what FSDP / DDP do) therefore gives exactly the one-process gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..losses import Loss
+from ..mechanisms.aha import AHAAttention
+from ..mechanisms.base import AttentionCall, mechanism_layers
+from ..mechanisms.full import FullAttention
+from ..mechanisms.pattern import PatternAttention
+from ..mechanisms.sliding import SlidingAttention
+from ..model import Decoder
+from ..routing import LayerRouting
+from . import layouts
+from .patterns import causal, pattern_from, sliding
+from .ring import RingStats, ring_aha_attention, ring_attention
+
+IGNORE = -100  # target of a position with no next token (or masked out of the loss)
+
+
+class ShardBatch(NamedTuple):
+    ids: torch.Tensor  # [batch, n / world] this rank's input ids
+    positions: torch.Tensor  # int64 [n / world] their absolute positions (``Decoder(positions=...)``)
+    targets: torch.Tensor  # [batch, n / world] next-token ids, ``IGNORE`` where none counts
+
+
+def shard_batch(ids: torch.Tensor, layout: str, rank: int, world: int,
+                loss_mask: torch.Tensor | None = None) -> ShardBatch:
+    """This rank's share of a batch of whole sequences ids [batch, n]: input ids, absolute positions and
+    next-token targets. The targets are shifted over the *whole* sequence first (the target of a shard's
+    last token is the first token of the next chunk); the sequence's last token has none (``IGNORE``).
+    ``loss_mask`` [batch, n] (True = train on this target token, as in ``allhere.losses.lm_loss``) sets
+    the targets it excludes to ``IGNORE``."""
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be [batch, tokens], got shape {tuple(ids.shape)}")
+    targets = torch.full_like(ids, IGNORE)
+    targets[:, :-1] = ids[:, 1:]
+    if loss_mask is not None:
+        if loss_mask.shape != ids.shape:
+            raise ValueError(f"loss_mask must be [batch, tokens] = {tuple(ids.shape)}, got {tuple(loss_mask.shape)}")
+        keep = torch.zeros_like(ids, dtype=torch.bool)
+        keep[:, :-1] = loss_mask[:, 1:].bool()
+        targets = targets.masked_fill(~keep, IGNORE)
+    cut = lambda x: layouts.shard(x, layout, world, rank, dim=1)  # noqa: E731
+    return ShardBatch(cut(ids), layouts.positions(ids.shape[1], layout, world, rank, ids.device), cut(targets))
+
+
+def context_parallel_loss(out, targets: torch.Tensor, lam: float, group=None) -> Loss:
+    """``allhere.losses.training_loss`` of one rank's shard: L = L_LM + lam * L_reg, each field weighted so
+    that its mean over the ranks of ``group`` equals the one-process value of the whole batch. L_LM counts
+    the targets of every rank (one all-reduce of the count); L_reg and mu_f are this rank's means, exact
+    because every rank holds the same number of tokens. ``out``: the model's ``DecoderOutput`` of the
+    shard; ``targets``: ``shard_batch``'s."""
+    world = dist.get_world_size(group)
+    logits = out.logits
+    if logits.shape[:2] != targets.shape:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match the logits' [batch, tokens] "
+                         f"{tuple(logits.shape[:2])}")
+    count = (targets != IGNORE).sum().to(torch.float64)
+    dist.all_reduce(count, group=group)
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    lm = ce * world / count.clamp_min(1.0).to(ce.dtype)
+    if out.routing is None:
+        return Loss(lm, lm, None, None)
+    l_reg = out.routing.l_reg()
+    return Loss(lm + lam * l_reg, lm, l_reg, out.routing.mu_f().detach())
+
+
+def mean_over_ranks(x: torch.Tensor | float, group=None) -> float:
+    """The mean of a per-rank value over ``group`` (e.g. a ``context_parallel_loss`` field for logging)."""
+    t = torch.tensor(float(x.detach()) if isinstance(x, torch.Tensor) else float(x), dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
+
+
+# -- the mechanisms' ring counterparts -----------------------------------------------------------------------
+
+
+def ring_kind(mech) -> str | None:
+    """How a mechanism runs under context parallelism ("full", "sliding", "aha", "pattern"), or None."""
+    t = type(mech)
+    if t is FullAttention:
+        return "full"
+    if t is SlidingAttention:
+        return "sliding"
+    if t is AHAAttention:
+        return "aha"
+    if isinstance(mech, PatternAttention) and t.forward is PatternAttention.forward and hasattr(mech.cfg, "mask_fn"):
+        return "pattern"
+    return None
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Raise ``NotImplementedError`` naming every layer whose mechanism has no ring counterpart."""
+    bad = [f"layer {i}: {type(m).__name__} ({getattr(m.cfg, 'kind', '?')})"
+           for i, m in enumerate(mechanism_layers(model)) if ring_kind(m) is None]
+    if bad:
+        raise NotImplementedError("context parallelism supports the mechanisms full, sliding, aha and the pattern "
+                                  "mechanisms (sinks, dilated, longformer, bigbird); not: " + "; ".join(bad))
+
+
+@dataclass
+class _RingForward:
+    """The ``forward`` a mechanism runs under ``context_parallel``: the same contract (q [b, h, n/d, dim],
+    k, v [b, kv_heads, n/d, dim] of this rank's shard -> (out, LayerRouting or None)), through the ring."""
+
+    mech: torch.nn.Module
+    kind: str
+    group: object
+    layout: str
+    stats: RingStats | None
+
+    def __call__(self, q, k, v, call: AttentionCall, cache=None):
+        name = type(self.mech).__name__
+        if cache is not None:
+            raise NotImplementedError(f"{name} under context parallelism: a KV cache is not supported (decode "
+                                      "without context_parallel)")
+        if call.segment_starts is not None:
+            raise NotImplementedError(f"{name} under context parallelism: segment_starts (padding, packed "
+                                      "documents) are not supported")
+        kw = dict(group=self.group, layout=self.layout, scale=call.scale, stats=self.stats)
+        if self.kind == "aha":
+            s = self.mech.scores(call.x, call.q_extra)
+            gate, hard = self.mech.gate(s)
+            out = ring_aha_attention(q, k, v, gate, self.mech.cfg.window, **kw)
+            return out, LayerRouting(scores=s, gates=hard)
+        if self.kind == "full":
+            pattern = causal()
+        elif self.kind == "sliding":
+            pattern = sliding(self.mech.cfg.window)
+        else:
+            n = q.shape[2] * dist.get_world_size(self.group)
+            pattern = pattern_from(self.mech.mask_fn(n), name=type(self.mech.cfg).__name__,
+                                   batch=q.shape[0], heads=q.shape[1])
+        return ring_attention(q, k, v, pattern, **kw), None
+
+
+@dataclass
+class ContextParallel:
+    """What ``context_parallel`` yields: the group's geometry and the shard / loss helpers bound to it."""
+
+    group: object
+    layout: str
+    rank: int
+    world: int
+    stats: RingStats | None = None
+
+    def shard(self, ids: torch.Tensor, loss_mask: torch.Tensor | None = None) -> ShardBatch:
+        return shard_batch(ids, self.layout, self.rank, self.world, loss_mask)
+
+    def loss(self, out, targets: torch.Tensor, lam: float) -> Loss:
+        return context_parallel_loss(out, targets, lam, self.group)
+
+
+@contextlib.contextmanager
+def context_parallel(model: torch.nn.Module, group=None, layout: str = "zigzag",
+                     stats: RingStats | None = None) -> Iterator[ContextParallel]:
+    """Run ``model``'s attention layers through the ring over ``group`` (default: the world) while the
+    block is open; yields a ``ContextParallel``. Call the model on a shard (``cp.shard``) with its absolute
+    ``positions``; every rank of the group must make the same calls. ``stats`` collects the ring's
+    counters over every layer. Raises ``NotImplementedError`` for a mechanism without a ring counterpart
+    (nothing is changed then)."""
+    layouts.check_layout(layout)
+    check_supported(model)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("context_parallel needs an initialised torch.distributed process group")
+    mechs = mechanism_layers(model)
+    if any("forward" in vars(m) for m in mechs):
+        raise RuntimeError("context_parallel is already active on this model")
+    hook = None
+    if isinstance(model, Decoder):  # a shard needs its absolute positions
+        hook = model.register_forward_pre_hook(_require_positions, with_kwargs=True)
+    try:
+        for m in mechs:
+            m.forward = _RingForward(m, ring_kind(m), group, layout, stats)
+        yield ContextParallel(group, layout, dist.get_rank(group), dist.get_world_size(group), stats)
+    finally:
+        for m in mechs:
+            vars(m).pop("forward", None)
+        if hook is not None:
+            hook.remove()
+
+
+def _require_positions(module, args, kwargs):
+    if kwargs.get("positions") is None and len(args) < 4:
+        raise ValueError("under context_parallel, call the model with positions= (the shard's absolute "
+                         "positions, from cp.shard / shard_batch): otherwise its rotary angles are wrong")
+    if kwargs.get("cache") is not None or (len(args) > 1 and args[1] is not None):
+        raise NotImplementedError("context_parallel does not decode with a KV cache")
+    return None
+
+
+def check_trainable(model: torch.nn.Module, layout: str) -> None:
+    """What ``allhere.train.train(..., context_parallel=layout)`` checks before it starts."""
+    layouts.check_layout(layout)
+    if not isinstance(model, Decoder):
+        raise NotImplementedError(f"context parallelism runs allhere's Decoder only, not {type(model).__name__}")
+    check_supported(model)
+
+
+def shard_loss(model: torch.nn.Module, ids: torch.Tensor, lam: float, layout: str, loss_mask=None, autocast=None,
+               group=None, **kwargs) -> Loss:
+    """One micro-batch of context-parallel training: the forward pass of this rank's shard of ids [batch, n]
+    under ``context_parallel`` and its ``context_parallel_loss`` (mean over ranks = the one-process loss);
+    backpropagate ``total`` on every rank of the group, then average the gradients over it."""
+    if kwargs.get("segment_starts") is not None:
+        raise NotImplementedError("context parallelism does not support segment_starts (padding, packed documents)")
+    with context_parallel(model, group, layout) as cp:
+        ids, pos, targets = cp.shard(ids, loss_mask)
+        with autocast if autocast is not None else contextlib.nullcontext():
+            out = model(ids, positions=pos)
+        return cp.loss(out, targets, lam)

@@ -1,0 +1,45 @@
+"""A small FSDP2 training run: started by torchrun (the resume test kills one of its processes) or by
+``dist_worker.launch``; the one-process run of the same settings is ``run`` called directly."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from allhere import AHAConfig, Decoder, ModelConfig
+from allhere.config import TrainConfig
+from allhere.train import train
+
+CFG = TrainConfig(steps=20, batch_size=2, grad_accum=4, lr=3e-3, ckpt_every=2, log_every=1)
+
+
+def fresh_model():
+    torch.manual_seed(0)
+    return Decoder(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                               mechanism=AHAConfig(window=4, lam=0.01, router_init="neutral")))
+
+
+def batches(g, delay=0.0):
+    time.sleep(delay)
+    return torch.randint(0, 50, (CFG.batch_size, 24), generator=g)
+
+
+def run(path, delay=0.0):
+    torch.set_num_threads(1)
+    return train(fresh_model(), lambda step, micro, g: batches(g, delay), CFG, path, resume=True, progress=False)
+
+
+def spawned(rank, world, tmp, path):
+    return {"history": run(path)["history"]}
+
+
+if __name__ == "__main__":  # under torchrun: python -m torch.distributed.run ... dist_train_worker.py PATH DELAY
+    pids = Path(sys.argv[1]).parent / "pids"
+    pids.mkdir(parents=True, exist_ok=True)
+    (pids / f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
+    run(sys.argv[1], delay=float(sys.argv[2]))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
