@@ -8,17 +8,11 @@ from pathlib import Path
 
 import torch
 
-from allhere import AHAConfig, Decoder, ModelConfig
 from allhere.config import TrainConfig
 from allhere.train import train
+from train_worker import fresh_model  # the same model as the one-process resume test
 
 CFG = TrainConfig(steps=20, batch_size=2, grad_accum=4, lr=3e-3, ckpt_every=2, log_every=1)
-
-
-def fresh_model():
-    torch.manual_seed(0)
-    return Decoder(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                               mechanism=AHAConfig(window=4, lam=0.01, router_init="neutral")))
 
 
 def batches(g, delay=0.0):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ..masks import MaskFn, dilated_window
 from ..ops.dilated import dilated_window_attention
 from ..registry import register
-from ..validation import ConfigError, check, check_int
+from ..validation import check, check_int
 from .caches import RollingKVCache
 from .pattern import PatternAttention
 
@@ -60,12 +60,6 @@ def dilation_schedule(window: int, dilations, causal: bool = True) -> tuple[Dila
 class DilatedAttention(PatternAttention):
     """Whole sequences: residue classes + the blocked window op (``allhere.ops.dilated``); otherwise
     (decode, segments) the block-sparse op. Cache: the last (window - 1) * d + 1 keys."""
-
-    def __init__(self, cfg: DilatedConfig, dims) -> None:
-        super().__init__(cfg, dims)
-        if isinstance(cfg.dilation, tuple) and len(cfg.dilation) != dims.n_heads:
-            raise ConfigError(f"DilatedConfig.dilation = {cfg.dilation!r} is invalid: expected one dilation per "
-                              f"query head ({dims.n_heads})")
 
     def new_cache(self) -> RollingKVCache:
         return RollingKVCache(self.cfg.span)

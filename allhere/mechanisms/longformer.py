@@ -21,7 +21,7 @@ import torch
 from ..masks import MaskFn, longformer
 from ..patterns import global_at, global_first
 from ..registry import register
-from ..validation import ConfigError, check, check_int
+from ..validation import check, check_int
 from .caches import PatternKVCache
 from .pattern import PatternAttention
 
@@ -81,12 +81,6 @@ class LongformerAttention(PatternAttention):
     """Block-sparse attention under ``allhere.masks.longformer``. Cache: the window's span plus the global
     keys seen so far, and every key until the last global query has passed (a global query reads the whole
     past): bounded by span + number of global tokens after that."""
-
-    def __init__(self, cfg: LongformerConfig, dims) -> None:
-        super().__init__(cfg, dims)
-        if isinstance(cfg.dilation, tuple) and len(cfg.dilation) != dims.n_heads:
-            raise ConfigError(f"LongformerConfig.dilation = {cfg.dilation!r} is invalid: expected one dilation per "
-                              f"query head ({dims.n_heads})")
 
     def new_cache(self) -> PatternKVCache:
         flags = self.cfg.is_global(max(1, self.cfg.last_global + 1))

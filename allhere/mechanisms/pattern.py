@@ -9,6 +9,7 @@ from ..backend import get_backend
 from ..masks import MaskFn, and_masks, within_segments
 from ..ops.blocksparse import BlockPlan, blocksparse_attention, plan_blocks
 from ..ops.full import masked_attention
+from ..validation import ConfigError
 from .base import AttentionCall, AttentionMechanism
 
 
@@ -47,6 +48,10 @@ class PatternAttention(AttentionMechanism):
 
     def __init__(self, cfg, dims) -> None:
         super().__init__(cfg, dims)
+        dilation = getattr(cfg, "dilation", None)
+        if isinstance(dilation, tuple) and len(dilation) != dims.n_heads:
+            raise ConfigError(f"{type(cfg).__name__}.dilation = {dilation!r} is invalid: expected one dilation per "
+                              f"query head ({dims.n_heads})")
         self._plans: dict[tuple, BlockPlan] = {}
         self._preds: dict = {}
 
