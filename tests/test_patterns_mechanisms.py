@@ -201,3 +201,20 @@ def test_flex_attention_backend_equals_reference():
     with torch.no_grad():
         out, _ = mech(q, k, v, AttentionCall(x=None))
     assert rel_err(out, reference_attention(q, k, v, cfg.mask_fn(128))) < 1e-5
+
+
+@pytest.mark.parametrize("cfg", [SlidingConfig(window=256), SinksConfig(window=252, n_sinks=4),
+                                 LongformerConfig(window=240, global_first=16)])
+def test_cache_bytes_constant_from_4k_to_64k_generated_tokens(cfg):
+    """The bounded caches fed 64k tokens (1k-token chunks, then single tokens): the same bytes at 4k, 16k
+    and 64k, at most window + sinks / globals (+1) keys."""
+    cache = build(cfg, DIMS).new_cache()
+    chunk = torch.randn(1, DIMS.kv_heads, 1024, DIMS.head_dim)
+    sizes = {}
+    for i in range(64):
+        cache.update(chunk, chunk)
+        sizes[(i + 1) * 1024] = cache.nbytes()
+    for _ in range(8):
+        cache.update(chunk[:, :, :1], chunk[:, :, :1])
+    assert sizes[4096] == sizes[16384] == sizes[65536] == cache.nbytes()
+    assert len(cache) <= 257
