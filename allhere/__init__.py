@@ -5,7 +5,9 @@ Importing the package needs only torch; plotting, Hugging Face and Triton pieces
 
 from .backend import use_backend
 from .config import ModelConfig, TrainConfig
-from .mechanisms import AHAConfig, DARConfig, FullConfig, SlidingConfig
+from .mechanisms import (AAMoEConfig, AHAConfig, AllAttentionConfig, BigBirdConfig, DARConfig, DilatedConfig,
+                         FullConfig, LongformerConfig, SinksConfig, SlidingConfig, bigbird_schedule,
+                         dilation_schedule)
 from .model import Decoder, DecoderOutput, swap_mechanism
 from .ops.aha import aha_attention, aha_attention_naive
 from .ops.sliding import sliding_window_attention, sliding_window_attention_naive
@@ -16,7 +18,8 @@ from .validation import ConfigError
 __version__ = "0.1.0"
 
 __all__ = [
-    "AHAConfig", "ConfigError", "DARConfig", "Decoder", "DecoderOutput", "FullConfig", "LayerRouting", "ModelConfig",
+    "AAMoEConfig", "AHAConfig", "AllAttentionConfig", "BigBirdConfig", "ConfigError", "DARConfig", "DilatedConfig",
+    "LongformerConfig", "SinksConfig", "bigbird_schedule", "dilation_schedule", "Decoder", "DecoderOutput", "FullConfig", "LayerRouting", "ModelConfig",
     "Routing", "SlidingConfig", "TrainConfig", "aha_attention", "aha_attention_naive", "register", "routed_layers",
     "set_forced_gate", "sliding_window_attention", "sliding_window_attention_naive", "swap_mechanism", "use_backend",
 ]
