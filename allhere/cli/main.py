@@ -47,7 +47,8 @@ COMMANDS = (
     Command("eval", "lm-evaluation-harness tasks, with mu_f next to each task's metrics", eval_arguments, evaluate),
     Command("bench", "AHA prefill / decode / training against the fastest dense attention (GPU)",
             bench_arguments, bench),
-    Command("convert", "convert a local Hugging Face model to AHA or DAR and save it", convert_arguments, convert),
+    Command("convert", "convert a local Hugging Face model to AHA, DAR or a windowed sparse pattern and save it",
+            convert_arguments, convert),
     Command("sft", "convert a local Hugging Face model to AHA or DAR and fine-tune it on chat data",
             sft_arguments, sft),
     Command("patterns", "sparse attention patterns side by side: masks, scores, receptive field, hops, KV cache, "

@@ -29,9 +29,12 @@ def _mechanism(args):
 
 
 def _hf_kinds() -> tuple[str, ...]:
+    """The mechanisms ``convert`` can build from its flags: installable in an HF model, with a window
+    (the others -- BigBird's blocks, say -- are converted from Python with ``allhere.hf.convert``)."""
     from .. import registry
 
-    return tuple(k for k in registry.kinds() if registry.get(k).module.hf_support)
+    return tuple(k for k in registry.kinds() if registry.get(k).module.hf_support
+                 and "window" in {f.name for f in dataclasses.fields(registry.get(k).config)})
 
 
 def _check_out(out: str, model: str, resume: bool | None = None) -> None:
