@@ -13,7 +13,7 @@ from ..ops.dilated import dilated_window_attention
 from ..registry import register
 from ..validation import check, check_int
 from .caches import RollingKVCache
-from .pattern import PatternAttention
+from .pattern import PatternAttention, check_dilation
 
 
 @dataclass(frozen=True)
@@ -29,13 +29,7 @@ class DilatedConfig:
     def __post_init__(self) -> None:
         c = "DilatedConfig"
         check_int(c, "window", self.window, 1)
-        if isinstance(self.dilation, (list, tuple)):  # JSON gives a list
-            object.__setattr__(self, "dilation", tuple(self.dilation))
-            check(len(self.dilation) > 0 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1
-                                                 for d in self.dilation), c, "dilation", self.dilation,
-                  "an integer >= 1 or a non-empty tuple of them (one per query head)")
-        else:
-            check_int(c, "dilation", self.dilation, 1)
+        check_dilation(self)
         check(isinstance(self.causal, bool), c, "causal", self.causal, "True or False")
 
     @property

@@ -23,7 +23,7 @@ from ..patterns import global_at, global_first
 from ..registry import register
 from ..validation import check, check_int
 from .caches import PatternKVCache
-from .pattern import PatternAttention
+from .pattern import PatternAttention, check_dilation
 
 
 @dataclass(frozen=True)
@@ -42,13 +42,7 @@ class LongformerConfig:
     def __post_init__(self) -> None:
         c = "LongformerConfig"
         check_int(c, "window", self.window, 1)
-        if isinstance(self.dilation, (list, tuple)):
-            object.__setattr__(self, "dilation", tuple(self.dilation))
-            check(len(self.dilation) > 0 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1
-                                                 for d in self.dilation), c, "dilation", self.dilation,
-                  "an integer >= 1 or a non-empty tuple of them (one per query head)")
-        else:
-            check_int(c, "dilation", self.dilation, 1)
+        check_dilation(self)
         check_int(c, "global_first", self.global_first, 0)
         check(isinstance(self.global_positions, (list, tuple)) and all(
             isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in self.global_positions), c,

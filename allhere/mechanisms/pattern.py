@@ -9,7 +9,7 @@ from ..backend import get_backend
 from ..masks import MaskFn, and_masks, within_segments
 from ..ops.blocksparse import BlockPlan, blocksparse_attention, plan_blocks
 from ..ops.full import masked_attention
-from ..validation import ConfigError
+from ..validation import ConfigError, check, check_int
 from .base import AttentionCall, AttentionMechanism
 
 
@@ -27,6 +27,18 @@ def _kv_with_positions(cache, k, v):
     offset = getattr(cache, "dropped", 0)  # RollingKVCache: the first key returned
     k, v = cache.update(k, v)
     return k, v, offset
+
+
+def check_dilation(config) -> None:
+    """Validate ``config.dilation`` (a frozen config's field): an integer >= 1, or a non-empty tuple of them
+    with one stride per query head (a JSON list becomes a tuple)."""
+    c, value = type(config).__name__, config.dilation
+    if isinstance(value, (list, tuple)):
+        object.__setattr__(config, "dilation", tuple(value))
+        check(len(value) > 0 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in value),
+              c, "dilation", value, "an integer >= 1 or a non-empty tuple of them (one per query head)")
+    else:
+        check_int(c, "dilation", value, 1)
 
 
 class PatternAttention(AttentionMechanism):
