@@ -12,13 +12,16 @@ def plot_compare(report: dict, path: Path) -> Path:
     tasks = report["tasks"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
     for ax, (name, t) in zip(axes[0], tasks.items()):
+        points: dict[tuple, list[str]] = {}  # identical masks give identical points: one label for them
         for label, r in t["rows"].items():
-            ax.scatter(r["scores_per_query"], r[t["metric"]], s=30)
-            ax.annotate(label, (r["scores_per_query"], r[t["metric"]]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
+            points.setdefault((round(r["scores_per_query"], 6), round(r[t["metric"]], 6)), []).append(label)
+        for (x, y), labels in points.items():
+            ax.scatter(x, y, s=30)
+            ax.annotate(" = ".join(labels), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_xlabel("keys read per query (log)")
         ax.set_ylabel(f"{t['metric']} ({'higher' if t['higher_is_better'] else 'lower'} is better)")
+        ax.margins(x=0.25)
         ax.set_title(f"{name}: n = {t['seq_len']}, budget w = {t['window']}, {t['steps']} steps", fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
