@@ -3,26 +3,17 @@
 
 import os
 import sys
-import time
 from pathlib import Path
 
-import torch
 
 from allhere.config import TrainConfig
-from allhere.train import train
-from train_worker import fresh_model  # the same model as the one-process resume test
+import train_worker  # the same model and batches as the one-process resume test
 
 CFG = TrainConfig(steps=20, batch_size=2, grad_accum=4, lr=3e-3, ckpt_every=2, log_every=1)
 
 
-def batches(g, delay=0.0):
-    time.sleep(delay)
-    return torch.randint(0, 50, (CFG.batch_size, 24), generator=g)
-
-
 def run(path, delay=0.0):
-    torch.set_num_threads(1)
-    return train(fresh_model(), lambda step, micro, g: batches(g, delay), CFG, path, resume=True, progress=False)
+    return train_worker.run(path, delay, CFG)
 
 
 def spawned(rank, world, tmp, path):

@@ -20,6 +20,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import dist_train_worker  # noqa: E402
 import dist_worker  # noqa: E402
+import train_worker  # noqa: E402
 
 from allhere.checkpoint import load_model  # noqa: E402
 
@@ -46,7 +47,7 @@ def test_two_processes_match_one(two_process_run, tmp_path):
     exported, meta = load_model(path)  # the export is an ordinary checkpoint
     assert meta["step"] == CFG.steps
     one, _ = load_model(tmp_path / "single" / "checkpoint.safetensors")
-    init = dist_train_worker.fresh_model()
+    init = train_worker.fresh_model()
     for (name, p), q, p0 in zip(exported.named_parameters(), one.parameters(), init.parameters()):
         assert torch.allclose(p, q, atol=1e-5), name
         assert not torch.equal(p, p0), f"{name} never changed"

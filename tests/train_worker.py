@@ -18,14 +18,15 @@ def fresh_model():
                                mechanism=AHAConfig(window=4, lam=0.01, router_init="neutral")))
 
 
-def batches(g, delay=0.0):
+def batches(g, batch_size, delay=0.0):
     time.sleep(delay)
-    return torch.randint(0, 50, (CFG.batch_size, 24), generator=g)
+    return torch.randint(0, 50, (batch_size, 24), generator=g)
 
 
-def run(path, delay=0.0):
+def run(path, delay=0.0, cfg=CFG):
     torch.set_num_threads(1)
-    return train(fresh_model(), lambda step, micro, g: batches(g, delay), CFG, path, resume=True, progress=False)
+    return train(fresh_model(), lambda step, micro, g: batches(g, cfg.batch_size, delay), cfg, path, resume=True,
+                 progress=False)
 
 
 if __name__ == "__main__":
