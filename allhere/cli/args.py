@@ -174,7 +174,7 @@ def task_flag(p: argparse.ArgumentParser, verb: str, tasks: tuple[str, ...]) -> 
 
 def preset_flag(p: argparse.ArgumentParser, presets: tuple[str, ...]) -> None:
     p.add_argument("--preset", default="cpu", choices=presets,
-                   help="sizes and steps: cpu (default, ~15 min on 2 cores), tiny (seconds), gpu")
+                   help="sizes and steps: cpu (default, about 20 min for the demo on 2 cores), tiny (seconds), gpu")
 
 
 def progress_flag(p: argparse.ArgumentParser) -> None:

@@ -124,7 +124,7 @@ def aamoe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=a.out_folder, default="runs/aamoe",
                    help="run folder (models in <out>/aamoe), resumed with the same settings (default runs/aamoe)")
     p.add_argument("--preset", default="cpu", choices=("cpu", "tiny"),
-                   help="sizes and steps: cpu (default, about 20 min on 2 cores), tiny (seconds)")
+                   help="sizes and steps: cpu (default, about 25 min on 2 shared cores), tiny (seconds)")
     p.add_argument("--device", type=a.device, default="cpu", help="cpu (default), cuda[:N] or auto")
     p.add_argument("--steps", type=a.positive, default=None,
                    help="training steps of every model (default: the preset's; cpu 300, tiny 3)")
