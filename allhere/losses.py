@@ -1,5 +1,6 @@
 """The training objective: L = L_LM + lambda * L_reg (Eq. 6 of the AHA paper, "Learning When Not to Attend
-Globally"); without routed layers L = L_LM."""
+Globally"); without routed layers L = L_LM. Mechanisms with a loss of their own (``aux_loss``, e.g. AA-MoE's
+budget predictor) add it to the total."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from .model import DecoderOutput
 
 @dataclass
 class Loss:
-    total: torch.Tensor  # L_LM + lambda * L_reg (what to backpropagate)
+    total: torch.Tensor  # L_LM + lambda * L_reg + the mechanisms' aux losses (what to backpropagate)
     lm: torch.Tensor  # next-token cross-entropy, nats per token
     l_reg: torch.Tensor | None  # mean router score (None without routed layers)
     mu_f: torch.Tensor | None  # mean hard gate (None without routed layers)
@@ -39,7 +40,8 @@ def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, padding_mask: torch.T
 def training_loss(out: DecoderOutput, input_ids: torch.Tensor, lam: float, padding_mask: torch.Tensor | None = None,
              loss_mask: torch.Tensor | None = None) -> Loss:
     lm = lm_loss(out.logits, input_ids, padding_mask, loss_mask)
+    aux = 0.0 if out.aux_loss is None else out.aux_loss  # the mechanisms' own losses (e.g. a budget predictor)
     if out.routing is None:
-        return Loss(lm, lm, None, None)
+        return Loss(lm + aux, lm, None, None)
     l_reg = out.routing.l_reg(padding_mask)
-    return Loss(lm + lam * l_reg, lm, l_reg, out.routing.mu_f(padding_mask).detach())
+    return Loss(lm + lam * l_reg + aux, lm, l_reg, out.routing.mu_f(padding_mask).detach())

@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.hd, cfg.d_model, bias=False)
         self.mechanism = registry.build(mech, AttentionDims(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim))
 
-    def forward(self, x, cos, sin, cache=None, segment_starts=None):
+    def forward(self, x, cos, sin, cache=None, segment_starts=None, positions=None):
         b, n, _ = x.shape
         extra = self.mechanism.q_extra_rows
         if extra is None:
@@ -50,7 +50,7 @@ class Attention(nn.Module):
         q = apply_rope(q.view(b, n, self.h, self.hd).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_proj(x).view(b, n, self.hkv, self.hd).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, n, self.hkv, self.hd).transpose(1, 2)
-        call = AttentionCall(x=x, segment_starts=segment_starts, q_extra=q_extra,
+        call = AttentionCall(x=x, segment_starts=segment_starts, q_extra=q_extra, positions=positions,
                              project_kv=lambda h, positions=None, weights=None: self.project_kv(h, positions, cos, sin, weights),
                              kv_weights=(self.k_proj.weight, self.v_proj.weight))
         out, routing = self.mechanism(q, k, v, call, cache=cache)
@@ -81,8 +81,8 @@ class Block(nn.Module):
             self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
             self.down = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, cache=None, segment_starts=None):
-        a, routing = self.attn(self.attn_norm(x), cos, sin, cache, segment_starts)
+    def forward(self, x, cos, sin, cache=None, segment_starts=None, positions=None):
+        a, routing = self.attn(self.attn_norm(x), cos, sin, cache, segment_starts, positions)
         x = x + a
         if not self.has_mlp:
             return x, routing
@@ -95,6 +95,7 @@ class DecoderOutput:
     logits: torch.Tensor  # [batch, tokens, vocab]
     routing: Routing | None  # None when no layer routes
     cache: "DecoderCache | None"
+    aux_loss: torch.Tensor | None = None  # the sum of the mechanisms' ``aux_loss`` (None: none has one)
 
 
 class DecoderCache:
@@ -133,8 +134,9 @@ class Decoder(nn.Module):
         """input_ids [batch, tokens]. With ``cache`` the tokens continue the cached sequence.
 
         positions: optional int64 [tokens], the absolute positions of these tokens (their rotary angles),
-        for a shard of a longer sequence (context parallelism); default: the next positions after the
-        cache, from 0 without one.
+        for a shard of a longer sequence (context parallelism); not with a cache. Default: the next
+        positions after the cache, from 0 without one. Mechanisms get them as ``AttentionCall.positions``
+        (the patterns place their sinks / globals / windows at them over the keys at hand).
 
         segment_starts: optional int64 [batch, tokens] (``allhere.masks.starts_from``): per token the
         absolute position of its segment's first token -- a sequence of a padded batch (padding on either
@@ -142,22 +144,30 @@ class Decoder(nn.Module):
         its segment. Pass the padding mask to the loss and to ``Routing`` statistics to exclude pads.
         """
         n = input_ids.shape[1]
+        given = positions  # the mechanisms see positions only when they are not the default ones
         if positions is None:
             start = 0 if cache is None else cache.seen
             positions = torch.arange(start, start + n, device=input_ids.device)
+        elif positions.shape != (n,) or cache is not None:
+            raise ValueError(f"positions must be int64 [tokens] = [{n}] and come without a cache (a cache numbers "
+                             f"its tokens itself), got shape {tuple(positions.shape)}"
+                             + (" and a cache" if cache is not None else ""))
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed(input_ids)
-        layers, per_layer = [], []
+        layers, per_layer, aux = [], [], []
         for i, blk in enumerate(self.blocks):
-            x, r = blk(x, cos, sin, None if cache is None else cache.layers[i], segment_starts)
+            x, r = blk(x, cos, sin, None if cache is None else cache.layers[i], segment_starts, given)
             if r is not None:
                 layers.append(i)
                 per_layer.append(r)
+            if blk.attn.mechanism.aux_loss is not None:
+                aux.append(blk.attn.mechanism.aux_loss)
         x = self.norm(x)
         logits = F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
         if cache is not None:
             cache.seen += n
-        return DecoderOutput(logits, Routing(layers, per_layer) if per_layer else None, cache)
+        return DecoderOutput(logits, Routing(layers, per_layer) if per_layer else None, cache,
+                             sum(aux) if aux else None)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

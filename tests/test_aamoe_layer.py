@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from allhere import ConfigError, Decoder, ModelConfig
+from allhere.losses import training_loss
 from allhere.mechanisms.aamoe import AAMoEAttention, AAMoEConfig, set_budget_source
 from allhere.mechanisms.base import AttentionCall, AttentionDims
 from allhere.model import apply_rope, rope_cos_sin
@@ -129,20 +130,58 @@ def test_router_softmax_switch(scope, router_learns):
 
 @pytest.mark.parametrize("trunk", [False, True])
 def test_learned_predictor_trains_and_trunk_switch(trunk):
-    """Training with sequence budgets adds the predictor's loss (through the output's backward); its
-    input is detached unless predictor_trains_trunk."""
+    """Training with sequence budgets leaves the predictor's loss in ``aux_loss``; its input is detached
+    unless predictor_trains_trunk."""
     m = layer(predictor_trains_trunk=trunk, predictor_weight=1.0)
     with torch.no_grad():
         m.predictor.net[2].weight.normal_()
     q, k, v, x = inputs()
     x.requires_grad_(True)
     out, _ = m(q, k, v, AttentionCall(x=x))
-    (out * 0).sum().backward()  # only the predictor's loss has a gradient
+    m.aux_loss.backward()
     assert m.predictor.net[0].weight.grad.abs().sum() > 0
-    assert (x.grad.abs().sum() > 0) == trunk
+    assert (x.grad is not None and bool(x.grad.abs().sum() > 0)) == trunk
     m.eval()
     with torch.no_grad():  # no predictor loss at evaluation: the output is the attention
         assert torch.equal(m(q, k, v, AttentionCall(x=x))[0], out.detach())
+        assert m.aux_loss is None
+
+
+def test_predictor_loss_is_in_the_total_and_scales_with_it():
+    """The decoder hands the predictor's loss to ``training_loss``; backpropagating total / 2 (two
+    accumulated micro-batches) halves the predictor's gradient as it halves the LM's."""
+    cfg = ModelConfig(vocab_size=20, d_model=D, n_layers=1, n_heads=H, n_kv_heads=HKV,
+                      mechanism=AAMoEConfig(chunk=3, experts=2, predictor_weight=1.0))
+    torch.manual_seed(0)
+    model = Decoder(cfg).train()
+    pred = model.blocks[0].attn.mechanism.predictor
+    torch.nn.init.normal_(pred.net[2].weight)
+    ids = torch.randint(0, 20, (2, 12))
+    grads = []
+    for scale in (1.0, 0.5):
+        model.zero_grad()
+        out = model(ids)
+        loss = training_loss(out, ids, lam=0.0)
+        assert out.aux_loss is not None and torch.allclose(loss.total, loss.lm + out.aux_loss)
+        (loss.total * scale).backward()
+        grads.append(pred.net[0].weight.grad.clone())
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[1], grads[0] / 2, atol=1e-7)
+
+
+def test_memory_reads_the_query_rotated_back_from_the_given_positions():
+    """Queries rotated at ``AttentionCall.positions`` (a shard of a longer sequence) read the experts as the
+    same queries at the default positions: the memory does not depend on where the query sits."""
+    m = layer(budget=1.0, route_context=False)  # experts only: no context chunk in play
+    q, k, v, x = inputs(n=6)
+    pos = torch.arange(6) + 30
+    shift = lambda t, p: apply_rope(t, *rope_cos_sin(p, HD, m.cfg.rope_theta))  # noqa: E731
+    with torch.no_grad():
+        base, _ = m(q, k, v, AttentionCall(x=x))
+        moved, _ = m(shift(q, pos - torch.arange(6)), shift(k, pos - torch.arange(6)), v, AttentionCall(x=x, positions=pos))
+        wrong, _ = m(shift(q, pos - torch.arange(6)), shift(k, pos - torch.arange(6)), v, AttentionCall(x=x))
+    assert rel_err(moved, base) < 1e-5
+    assert rel_err(wrong, base) > 1e-2
 
 
 @pytest.mark.parametrize("predictor", ["learned", "prefix"])

@@ -8,6 +8,7 @@ import torch
 from allhere import ConfigError, Decoder, ModelConfig
 from allhere.checkpoint import load_model, save_checkpoint
 from allhere.masks import dense_mask, starts_from
+from allhere.ops.full import masked_attention
 from allhere.mechanisms import (AttentionCall, AttentionDims, BigBirdConfig, DilatedConfig, LongformerConfig,
                                 SinksConfig, SlidingConfig, bigbird_schedule, dilation_schedule, mechanism_layers)
 from allhere.patterns import reference_attention
@@ -52,6 +53,32 @@ def test_forward_equals_reference_of_its_predicate(name):
         assert rel_err(out, reference_attention(q[:, :, -9:], k, v, cfg.mask_fn(37))) < 1e-5
         # the predicate is the pattern the config describes
         assert dense_mask(cfg.mask_fn(37), 37, 37, heads=4).any(-1).all()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_given_positions_place_the_pattern_over_the_keys_at_hand(name):
+    """``AttentionCall.positions`` (a shard of a longer sequence): the predicate is evaluated at those
+    positions, contiguous (the block-sparse path with a key offset) or scattered (the dense path), with
+    and without segments."""
+    cfg = CONFIGS[name]
+    mech = build(cfg, DIMS)
+    q, k, v = qkv(19)
+    pred = cfg.mask_fn(64)
+    for pos in (torch.arange(7, 26), torch.cat([torch.arange(3, 12), torch.arange(40, 50)])):
+        qp, kp = pos.view(1, 1, -1, 1), pos.view(1, 1, 1, -1)
+        mask = pred(torch.arange(2).view(-1, 1, 1, 1), torch.arange(4).view(1, -1, 1, 1), qp, kp)
+        starts = torch.full((2, 19), int(pos[0]))
+        starts[1, 10:] = int(pos[10])
+        seg = mask & (kp >= starts[:, None, :, None])
+        for dense_below in (0, 1 << 16):
+            mech.dense_below = dense_below
+            out, _ = mech(q, k, v, AttentionCall(x=None, positions=pos))
+            assert rel_err(out, masked_attention(q, k, v, mask.expand(2, 4, 19, 19))) < 1e-5
+            out, _ = mech(q, k, v, AttentionCall(x=None, positions=pos, segment_starts=starts))
+            assert rel_err(out, masked_attention(q, k, v, seg.expand(2, 4, 19, 19))) < 1e-5
+    if name != "dilated":  # the others place something at absolute positions (sinks, globals, blocks)
+        base, _ = mech(q, k, v, AttentionCall(x=None))
+        assert rel_err(mech(q, k, v, AttentionCall(x=None, positions=torch.arange(7, 26)))[0], base) > 1e-3
 
 
 def test_config_fields_validation_and_json():

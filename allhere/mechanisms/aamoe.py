@@ -32,7 +32,7 @@ from torch import nn
 from ..ops.aamoe import aamoe_attention, aamoe_attention_naive
 from ..registry import register
 from ..validation import check, check_int, is_number
-from .aamoe_budget import BudgetPredictor, add_aux_loss, prefix_log_share, sequence_log_share
+from .aamoe_budget import BudgetPredictor, prefix_log_share, sequence_log_share
 from .aamoe_cache import AAMoECache
 from .aamoe_route import choose, floor_budget, router_scores
 from .allattention import MEMORY_POSITIONS, unrotate_queries
@@ -183,12 +183,14 @@ class AAMoEAttention(AttentionMechanism):
                                            self.expert_emb, cfg.chunk, cfg.rope_theta)
         route = choose(r, avail, share, n_routed, -(-lk // cfg.chunk), cfg.sigmoid_budget, cfg.router_softmax)
         op = aamoe_attention_naive if self.reference else aamoe_attention
-        q_mem = unrotate_queries(q, lk, cfg.rope_theta) if cfg.memory_positions == "relative" else None
+        relative = cfg.memory_positions == "relative"  # the rotation of the queries as the host applied it
+        q_mem = unrotate_queries(q, lk, cfg.rope_theta, call.positions) if relative else None
         out = op(q, k, v, self.mem_k, self.mem_v, route.choice, route.logp, cfg.chunk, cfg.own_chunk == "always",
                  call.scale, q_mem)
+        self.aux_loss = None
         if (source == "sequence" and self.predictor is not None and self.training and torch.is_grad_enabled()
                 and cfg.predictor_weight > 0):
-            out = add_aux_loss(out, cfg.predictor_weight * F.mse_loss(t_pred, t_seq.detach()))
+            self.aux_loss = cfg.predictor_weight * F.mse_loss(t_pred, t_seq.detach())
         if self.record:
             self.stats = self._stats(route, positions, share, t_pred, beta)
         return out, None

@@ -12,7 +12,7 @@ that sees only the current and past tokens, trained to mimic the non-causal rout
     budget is fitted as a ratio (over- and under-estimating by the same factor cost the same) and the
     prediction stays valid when beta changes (B/2, 2B) because it predicts the share, not B_i. Its input
     is detached unless ``predictor_trains_trunk`` (MoD's choice: the predictor must not shape the trunk).
-    Its loss joins the training loss through ``add_aux_loss`` (no change to the training loop).
+    Its loss is the layer's ``aux_loss``: ``allhere.losses.training_loss`` adds it to the total.
   - "prefix": no parameters: the softmax normaliser over the tokens seen so far,
     t_i = u_i - logmeanexp_{j <= i}(u_j).
 """
@@ -57,23 +57,3 @@ class BudgetPredictor(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.net(h.float()).squeeze(-1).clamp(-20.0, 20.0)
-
-
-class _AddAuxLoss(torch.autograd.Function):
-    """Identity on x; backward also sends gradient 1 into ``aux`` (a scalar loss), so a loss computed
-    inside a layer trains its parameters through whatever loss the caller backpropagates."""
-
-    @staticmethod
-    def forward(ctx, x, aux):
-        ctx.aux_grad = aux.requires_grad
-        ctx.aux_meta = (aux.dtype, aux.device)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        aux = torch.ones((), dtype=ctx.aux_meta[0], device=ctx.aux_meta[1]) if ctx.aux_grad else None
-        return grad, aux
-
-
-def add_aux_loss(x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-    return _AddAuxLoss.apply(x, aux)

@@ -13,7 +13,7 @@ angles never seen in training when evaluating longer sequences). ``memory_positi
 (default) reads the memory with the query rotated back (R(-p) q_p . m = q . m: the memory is the same
 at every position, as a feed-forward sublayer is); "absolute" uses the rotated query as given. The
 rotation back assumes what our decoder does: RoPE with base ``rope_theta`` at the positions of the keys
-(query i of the last lq of lk keys at lk - lq + i). With
+(query i of the last lq of lk keys at lk - lq + i, or at ``AttentionCall.positions`` when given). With
 ``segment_starts`` the context is masked per segment; the memory stays visible to every query (a padding
 query then reads only the memory, never NaN). Cache: the context's K/V in an ordinary ``KVCache``; the
 memory is a constant of the layer.
@@ -57,11 +57,11 @@ class AllAttentionConfig:
               self.rope_theta, "a finite number > 0")
 
 
-def unrotate_queries(q: torch.Tensor, kv_len: int, theta: float) -> torch.Tensor:
-    """q [b, h, lq, d] rotated by RoPE (rotate-half layout, base ``theta``) at positions kv_len - lq + i,
-    rotated back to position 0."""
+def unrotate_queries(q: torch.Tensor, kv_len: int, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """q [b, h, lq, d] rotated by RoPE (rotate-half layout, base ``theta``) at ``positions`` [lq] (default:
+    kv_len - lq + i, the last lq of kv_len keys), rotated back to position 0."""
     d, lq = q.shape[-1], q.shape[2]
-    pos = (kv_len - lq + torch.arange(lq, device=q.device)).float()
+    pos = (kv_len - lq + torch.arange(lq, device=q.device) if positions is None else positions).float()
     inv = 1.0 / theta ** (torch.arange(0, d, 2, device=q.device, dtype=torch.float32) / d)
     ang = torch.cat([pos[:, None] * inv] * 2, dim=-1)
     x1, x2 = q.float().chunk(2, dim=-1)
@@ -111,5 +111,6 @@ class AllAttention(AttentionMechanism):
         mask = None
         if call.segment_starts is not None:
             mask = segment_mask(call.segment_starts, q.shape[2], k.shape[2])
-        q_mem = unrotate_queries(q, k.shape[2], self.cfg.rope_theta) if self.cfg.memory_positions == "relative" else q
+        relative = self.cfg.memory_positions == "relative"
+        q_mem = unrotate_queries(q, k.shape[2], self.cfg.rope_theta, call.positions) if relative else q
         return all_attention(q, k, v, self.mem_k, self.mem_v, call.scale, mask, q_mem), None

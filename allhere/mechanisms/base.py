@@ -16,6 +16,9 @@ need travels in one ``AttentionCall``. A mechanism brings:
 - ``routed``: True when it returns per-token routing (``LayerRouting``) and honours ``forced_gate``;
 - ``replaces_mlp``: True when it brings the block's feed-forward capacity itself (persistent memory as
   in All-Attention): the host block then has no MLP sublayer (our decoder only);
+- ``aux_loss``: a scalar its last forward adds to the training objective (None: nothing), e.g. a budget
+  predictor's regression loss; our decoder sums them into ``DecoderOutput.aux_loss`` and
+  ``allhere.losses.training_loss`` into the total, so gradient accumulation scales it like the LM loss;
 - on Hugging Face models, either transformers' own KV cache (``hf_cache = True``: every key kept) or,
   optionally, its own transformers cache layer (``new_hf_cache_layer()``, as DAR's compressed cache).
 """
@@ -47,6 +50,9 @@ class AttentionCall:
     segment_starts: torch.Tensor | None = None  # [b, n] first key of each query's segment, -1 = sees nothing
     scale: float | None = None  # softmax scale; None = 1 / sqrt(head_dim)
     q_extra: torch.Tensor | None = None  # [b, n, rows] outputs of the mechanism's ``q_extra_rows``
+    # int64 [n]: the absolute positions of the new tokens (queries) in their sequence; None = they follow
+    # the cache (from 0 without one). Given for a shard of a longer sequence (``Decoder(positions=...)``).
+    positions: torch.Tensor | None = None
     # project_kv(h, positions=None) -> (k, v): other inputs through the host's own K/V path (projection,
     # norms, rotary at ``positions``, by default the new tokens'), in our decoder and on HF models alike.
     project_kv: Callable | None = None
@@ -62,6 +68,7 @@ class AttentionMechanism(nn.Module):
     hf_support = True  # whether ``allhere.hf.convert`` may install it in a Hugging Face attention module
     hf_cache = True  # whether it decodes with transformers' own KV cache (every key kept) on HF models
     replaces_mlp = False  # whether the host block drops its MLP (the mechanism holds the feed-forward memory)
+    aux_loss: torch.Tensor | None = None  # a scalar loss of the last forward for the training objective
 
     def __init__(self, cfg, dims: AttentionDims) -> None:
         super().__init__()
