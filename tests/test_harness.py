@@ -75,10 +75,17 @@ def test_rolling_loglikelihood_matches_a_direct_forward(setup):
 
 
 def test_cli_eval(setup, capsys):
+    """Results on stdout; on stderr our progress over the requests, lm-eval's own bars only with --verbose."""
     tasks_dir, ckpt, _ = setup
-    assert main(["eval", "--model", str(ckpt), "--tasks", "allhere_tiny_choice", "--include-path", str(tasks_dir),
-                 "--limit", "4"]) == 0
-    assert "mu_f" in capsys.readouterr().out
+    args = ["eval", "--model", str(ckpt), "--tasks", "allhere_tiny_choice", "--include-path", str(tasks_dir),
+            "--limit", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "mu_f" in out.out
+    assert "lm-eval loglikelihood requests: 100% (12/12)" in out.err  # 4 documents x 3 choices
+    assert "%|" not in out.err  # no tqdm bar (lm-eval builds each task's prompts under one)
+    assert main(args + ["--verbose"]) == 0
+    assert "%|" in capsys.readouterr().err
 
 
 def test_generate_until_is_greedy_and_stops_at_the_stop_string(setup):

@@ -109,7 +109,8 @@ def eval_arguments(p: argparse.ArgumentParser) -> None:
 def evaluate(args) -> None:
     from ..eval.harness import evaluate as harness
 
-    results = harness(args.model, args.tasks, args.include_path, args.limit, args.device, args.num_fewshot)
+    results = harness(args.model, args.tasks, args.include_path, args.limit, args.device, args.num_fewshot,
+                      verbose=args.verbose)
     for task, metrics in results.items():
         shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
                           if isinstance(v, float) and "stderr" not in k)

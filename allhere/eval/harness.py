@@ -11,6 +11,7 @@ transformers model (converted by allhere to AHA or DAR, or plain). Requests are 
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +25,7 @@ require("lm_eval", "eval")
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
+from ..progress import progress  # noqa: E402
 from ..routing import routed_layers  # noqa: E402
 from ..validation import ConfigError  # noqa: E402
 from .perplexity import rolling_windows  # noqa: E402
@@ -44,8 +46,9 @@ class _Bytes:
 @register_model("allhere")
 class AllhereLM(LM):
     def __init__(self, pretrained: str, device: str = "cpu", max_length: int = 2048, batch_size: int = 1,
-                 max_gen_toks: int = 256, **kwargs) -> None:
+                 max_gen_toks: int = 256, progress: bool = True, **kwargs) -> None:
         super().__init__()
+        self.progress = progress  # a bar (a line every 5% off a terminal) over each batch of requests
         path = Path(pretrained)
         self._device = torch.device(device)
         self.max_length = int(max_length)
@@ -88,10 +91,18 @@ class AllhereLM(LM):
     def mu_f(self) -> dict[str, float]:
         return {task: s / n for task, (s, n) in self.gates.items() if n}
 
+    def _each(self, requests, kind: str):
+        """The requests one by one, with progress."""
+        bar = progress(len(requests), f"lm-eval {kind} requests", enabled=self.progress)
+        for req in requests:
+            yield req
+            bar.update(1)
+        bar.close()
+
     # -- the three request types ------------------------------------------------------------------------
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         out = []
-        for req in requests:
+        for req in self._each(requests, "loglikelihood"):
             context, continuation = req.args
             ctx, cont = self.tok.encode(context), self.tok.encode(continuation)
             if not ctx:  # the first continuation token needs something to be predicted from
@@ -106,7 +117,7 @@ class AllhereLM(LM):
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         out = []
-        for req in requests:
+        for req in self._each(requests, "rolling loglikelihood"):
             ids = self.tok.encode(req.args[0])
             total = 0.0
             for start, end, first in rolling_windows(len(ids), self.max_length, self.max_length // 2):
@@ -118,7 +129,7 @@ class AllhereLM(LM):
 
     def generate_until(self, requests) -> list[str]:
         out = []
-        for req in requests:
+        for req in self._each(requests, "generation"):
             context, gen_kwargs = req.args
             until = gen_kwargs.get("until", []) or []
             until = [until] if isinstance(until, str) else until
@@ -141,8 +152,10 @@ class AllhereLM(LM):
 
 
 def evaluate(pretrained: str, tasks: list[str], include_path: str | None = None, limit: int | None = None,
-             device: str = "cpu", num_fewshot: int | None = None) -> dict:
-    """Run lm-eval tasks on a model; returns lm-eval's results with ``mu_f`` added to every task."""
+             device: str = "cpu", num_fewshot: int | None = None, verbose: bool = True) -> dict:
+    """Run lm-eval tasks on a model; returns lm-eval's results with ``mu_f`` added to every task.
+    ``verbose`` False hides lm-eval's own bars (building each task's prompts); ours over the requests stay."""
+    import lm_eval.api.task
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -153,8 +166,14 @@ def evaluate(pretrained: str, tasks: list[str], include_path: str | None = None,
         raise ConfigError(f"unknown lm-eval task{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not in "
                           f"{where} (lm-eval lists its tasks with: lm-eval ls tasks)")
     lm = AllhereLM(pretrained, device=device)
-    res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager,
-                          limit=limit, num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
+    bars = lm_eval.api.task.tqdm
+    if not verbose:
+        lm_eval.api.task.tqdm = functools.partial(bars, disable=True)
+    try:
+        res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager,
+                              limit=limit, num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
+    finally:
+        lm_eval.api.task.tqdm = bars
     for task, mu in lm.mu_f().items():
         res["results"].setdefault(task, {})["mu_f"] = mu
     return res["results"]
