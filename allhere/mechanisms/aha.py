@@ -119,7 +119,7 @@ class AHAAttention(AttentionMechanism):
             if q_extra is None:
                 raise ValueError("router='qproj' needs its logits from the host's fused query projection")
             logits = q_extra if self.router_bias is None else q_extra + self.router_bias
-        return torch.sigmoid(logits.float()).transpose(1, 2)
+        return torch.sigmoid(logits.float().transpose(1, 2))  # not a view: FSDP2 warns of views among outputs
 
     def gate(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate for the op, hard bool gate): the straight-through gate while training the router."""
