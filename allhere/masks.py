@@ -7,6 +7,11 @@ they are written with tensor operators (``&``, ``|``), never ``and``/``or``.
 The one window definition of the project: window ``w`` = the ``w`` most recent keys including the
 current token, i.e. ``0 <= q_idx - kv_idx < w`` (Eq. 4 of the AHA paper; Hugging Face ``sliding_window=w``;
 flash-attn ``window_size=(w - 1, 0)``).
+
+A predicate that reads tables (per-head dilations, global-token flags, BigBird's random blocks) has
+``prepare(heads, length, device)``: it fills its tables for that many heads and positions and copies them
+to ``device`` before the predicate is traced (FlexAttention's ``create_block_mask`` vmaps it and its
+compiled kernels read captured tensors on their own device only); ``and_masks`` / ``or_masks`` pass it on.
 """
 
 from __future__ import annotations
@@ -51,10 +56,7 @@ def and_masks(*preds: MaskFn) -> MaskFn:
             out = out & p(b, h, q_idx, kv_idx)
         return out
 
-    tiles = _tiles_of(preds, torch.logical_and)  # a superset: both parts may hit different entries
-    if tiles is not None:
-        pred.tiles = tiles
-    return pred
+    return _combined(pred, preds, torch.logical_and)  # tiles: a superset, both parts may hit different entries
 
 
 def or_masks(*preds: MaskFn) -> MaskFn:
@@ -64,10 +66,46 @@ def or_masks(*preds: MaskFn) -> MaskFn:
             out = out | p(b, h, q_idx, kv_idx)
         return out
 
-    tiles = _tiles_of(preds, torch.logical_or)
+    return _combined(pred, preds, torch.logical_or)
+
+
+def _combined(pred: MaskFn, preds, combine) -> MaskFn:
+    """``pred`` with the ``tiles`` rule and the ``prepare`` of its parts."""
+    tiles = _tiles_of(preds, combine)
     if tiles is not None:
         pred.tiles = tiles
+    prepares = [p.prepare for p in preds if hasattr(p, "prepare")]
+    if prepares:
+        def prepare(heads: int, length: int, device=None) -> None:
+            for f in prepares:
+                f(heads, length, device)
+
+        pred.prepare = prepare
     return pred
+
+
+class _Tables:
+    """The CPU tensors a predicate reads, and copies of them made ahead of tracing on the devices it was
+    prepared for (elsewhere each read copies, which only eager evaluation can do)."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self.cpu = tensors
+        self.copies: dict[torch.device, dict[str, torch.Tensor]] = {}
+
+    def prepare(self, heads: int = 0, length: int = 0, device=None) -> None:
+        device = torch.device(device or "cpu")
+        if device not in self.copies:
+            self.copies[device] = {k: v.to(device) for k, v in self.cpu.items()}
+
+    def get(self, name: str, device: torch.device) -> torch.Tensor:
+        copies = self.copies.get(device)
+        return copies[name] if copies is not None else self.cpu[name].to(device)
+
+
+def _tracing(t) -> bool:
+    """Whether ``t`` is being traced (vmapped by ``create_block_mask``, compiled), where no value can be read."""
+    return (torch.compiler.is_compiling() or type(t) is not torch.Tensor
+            or torch._C._functorch.is_batchedtensor(t))
 
 
 def dense_mask(pred: MaskFn, q_len: int, kv_len: int, device=None, q_offset: int | None = None,
@@ -213,12 +251,12 @@ def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
         raise ValueError("dilation must be an integer >= 1 or a non-empty tuple of them")
     for d in dils:
         _check_count("dilation", d, 1)
-    table = torch.tensor(dils, dtype=torch.long)
+    table = _Tables(d=torch.tensor(dils, dtype=torch.long))
 
     def step(h, like):
         if not per_head:
             return dils[0]
-        return table.to(like.device)[torch.as_tensor(h, device=like.device)]
+        return table.get("d", like.device)[torch.as_tensor(h, device=like.device)]
 
     def pred(b, h, q_idx, kv_idx):
         d = step(h, q_idx)
@@ -234,6 +272,8 @@ def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
         return ahead if causal else ahead | _range_hits(-hi, -lo, d, window)
 
     name = f"dilated_window_{window}_{'x'.join(map(str, dils))}" + ("" if causal else "_bidir")
+    if per_head:
+        pred.prepare = table.prepare
     return _with_tiles(pred, name, tiles)
 
 
@@ -261,19 +301,20 @@ def sliding_with_sinks(window: int, n_sinks: int, causal: bool = True) -> MaskFn
 
 
 def _lookup(flags: torch.Tensor):
-    """pos -> flags[pos] (flags [n] or [batch, n]) for broadcastable positions; False outside [0, n)."""
+    """pos -> flags[pos] (flags [n] or [batch, n]) for broadcastable positions; False outside [0, n); and
+    whether a flag lies in [lo, hi]; and the tables' ``prepare``."""
     n = flags.shape[-1]
+    counts = torch.cat([torch.zeros(*flags.shape[:-1], 1, dtype=torch.long), flags.long().cumsum(-1)], -1)
+    tables = _Tables(flags=flags, counts=counts)
 
     def at(b, pos):
-        f = flags.to(pos.device)
+        f = tables.get("flags", pos.device)
         i = pos.clamp(0, max(n - 1, 0))
         hit = f[i] if f.dim() == 1 else f[torch.as_tensor(b, device=pos.device), i]
         return hit & (pos >= 0) & (pos < n)
 
-    counts = torch.cat([torch.zeros(*flags.shape[:-1], 1, dtype=torch.long), flags.long().cumsum(-1)], -1)
-
     def any_in(b, lo, hi):  # some flagged position in [lo, hi]
-        c = counts.to(lo.device)
+        c = tables.get("counts", lo.device)
         lo_c, hi_c = lo.clamp(0, n), (hi + 1).clamp(0, n)
         if c.dim() == 1:
             got = c[hi_c] - c[lo_c]
@@ -282,17 +323,17 @@ def _lookup(flags: torch.Tensor):
             got = c[bb, hi_c] - c[bb, lo_c]
         return (got > 0) & (hi >= lo)
 
-    return at, any_in
+    return at, any_in, tables.prepare
 
 
 def global_tokens(is_global: torch.Tensor, causal: bool = True) -> MaskFn:
     """Global tokens (Longformer, arXiv:2004.05150): ``is_global`` bool [n] or [batch, n] over absolute
     positions (positions past its end are not global). A global query sees every key, every query sees
     every global key; with ``causal`` only keys at or before the query."""
-    is_global = torch.as_tensor(is_global).bool()
+    is_global = torch.as_tensor(is_global).bool().cpu()  # copied to each device by ``prepare``
     if is_global.dim() not in (1, 2):
         raise ValueError(f"is_global must be bool [n] or [batch, n], got shape {tuple(is_global.shape)}")
-    at, any_in = _lookup(is_global)
+    at, any_in, prepare = _lookup(is_global)
 
     def pred(b, h, q_idx, kv_idx):
         out = at(b, q_idx) | at(b, kv_idx)
@@ -304,6 +345,7 @@ def global_tokens(is_global: torch.Tensor, causal: bool = True) -> MaskFn:
         # a global query q in [max(ql, kl), qh] sees key kl; a global key k in [kl, min(kh, qh)] is seen by qh
         return any_in(b, torch.maximum(ql, kl), qh) | any_in(b, kl, torch.minimum(kh, qh))
 
+    pred.prepare = prepare
     return _with_tiles(pred, "global_tokens" + ("" if causal else "_bidir"), tiles)
 
 
@@ -381,6 +423,7 @@ class BigBirdRandom:
         self._table = torch.zeros(0, 0, 0, dtype=torch.bool)
         self._counts = None  # 2-D prefix sums of the table, for tiles()
         self._n_blocks = None  # encoder: the number of key blocks the table was drawn for
+        self._tables = _Tables(table=self._table)  # the table and its sums, with copies per device
 
     def row(self, head: int, i: int, n_blocks: int | None = None) -> list[int]:
         """The random key blocks of query block ``i`` of ``head`` (``n_blocks``: the encoder's block count)."""
@@ -417,17 +460,18 @@ class BigBirdRandom:
         c = torch.zeros(heads, n_blocks + 1, n_blocks + 1, dtype=torch.long)
         c[:, 1:, 1:] = t.long().cumsum(1).cumsum(2)
         self._counts = c
+        self._tables = _Tables(table=t, counts=c)
         return t
 
-    def prepare(self, heads: int, length: int) -> None:
-        """Draw the table for ``heads`` heads and ``length`` positions now, and from then on evaluate with it
-        as it is (no data-dependent growth: what ``vmap`` / ``torch.compile`` in FlexAttention need)."""
-        nb = -(-(self.length or length) // self.block)
-        self.table(heads, nb)
-        self._frozen = True
+    def prepare(self, heads: int, length: int, device=None) -> None:
+        """Draw the table for ``heads`` heads and ``length`` positions now, on ``device`` too: a traced
+        evaluation (``vmap`` / ``torch.compile`` in FlexAttention) reads no positions, so it uses the table
+        as it stands. Eager evaluations still grow it as they need."""
+        self.table(heads, -(-(self.length or length) // self.block))
+        self._tables.prepare(device=device)
 
     def _blocks_for(self, h, q_hi, k_hi) -> tuple[int, int]:
-        if getattr(self, "_frozen", False):
+        if _tracing(q_hi):
             return self._table.shape[0], self._table.shape[1]
         heads = int(torch.as_tensor(h).max()) + 1
         if self.causal:
@@ -437,7 +481,8 @@ class BigBirdRandom:
 
     def __call__(self, b, h, q_idx, kv_idx):
         heads, nb = self._blocks_for(h, q_idx, kv_idx)
-        t = self.table(heads, nb).to(q_idx.device)
+        self.table(heads, nb)
+        t = self._tables.get("table", q_idx.device)[:heads, :nb, :nb]
         qb, kb = q_idx // self.block, kv_idx // self.block
         inside = (qb >= 0) & (qb < nb) & (kb >= 0) & (kb < t.shape[-1])
         hit = t[torch.as_tensor(h, device=q_idx.device), qb.clamp(0, nb - 1), kb.clamp(0, t.shape[-1] - 1)]
@@ -447,7 +492,7 @@ class BigBirdRandom:
     def tiles(self, b, h, ql, qh, kl, kh):
         heads, nb = self._blocks_for(h, qh, kh)
         self.table(heads, nb)
-        c = self._counts.to(ql.device)
+        c = self._tables.get("counts", ql.device)
         n = c.shape[-1] - 1
         hh = torch.as_tensor(h, device=ql.device)
         i0, i1 = (ql // self.block).clamp(0, n), (qh // self.block + 1).clamp(0, n)
@@ -471,5 +516,4 @@ def bigbird(block: int, window_blocks: int, global_blocks: int, random_blocks: i
     blocks of ``block`` positions: ``bigbird_window`` OR ``bigbird_global`` OR ``bigbird_random``."""
     rand = bigbird_random(block, window_blocks, global_blocks, random_blocks, seed, layer, causal, length, heads_per_draw)
     pred = or_masks(bigbird_window(block, window_blocks, causal), bigbird_global(block, global_blocks, causal), rand)
-    pred.prepare = rand.prepare  # see BigBirdRandom.prepare
     return _with_tiles(pred, f"bigbird_{block}" + ("" if causal else "_bidir"))

@@ -7,18 +7,26 @@
 #   bench  allhere bench: the prefill / decode / training table against the fastest dense SDPA
 #   sft    benchmarks/sft_throughput.py --device cuda: SFT tokens/s, AHA vs SDPA (one document
 #          per row, then packed documents of 512 tokens)
-# A device call has 10 minutes: run them as three calls (each part's time is a guess: never run on a GPU),
+#   mechanisms  tests/test_gpu_mechanisms.py: every mechanism in a Decoder against the CPU, the patterns'
+#          FlexAttention path (fp32/bf16, segments, KV cache), the AA-MoE op, ring attention on one rank
+#          (NCCL); about 20 FlexAttention compilations
+#   patterns  benchmarks/patterns_speed.py --device cuda at n = 8192 and 32768, block-sparse then
+#          FlexAttention, against the fastest dense SDPA backend
+# A device call has 10 minutes: run them as four calls (each part's time is a guess: never run on a GPU;
+# the last may need splitting into its two parts),
 #   bash benchmarks/gpu_session.sh tests tiles
 #   bash benchmarks/gpu_session.sh bench
 #   bash benchmarks/gpu_session.sh sft
+#   bash benchmarks/gpu_session.sh mechanisms patterns
 set -uo pipefail
 out="${OUT:-runs/gpu}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests tiles bench sft)
+[ ${#parts[@]} -eq 0 ] && parts=(tests tiles bench sft mechanisms patterns)
 for part in "${parts[@]}"; do
-  case "$part" in tests|tiles|bench|sft) ;; *) echo "error: unknown part '$part' (tests, tiles, bench, sft)" >&2; exit 2 ;; esac
+  case "$part" in tests|tiles|bench|sft|mechanisms|patterns) ;;
+    *) echo "error: unknown part '$part' (tests, tiles, bench, sft, mechanisms, patterns)" >&2; exit 2 ;; esac
 done
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$out/versions.txt"
 for part in "${parts[@]}"; do
@@ -29,5 +37,11 @@ for part in "${parts[@]}"; do
     sft) { python3 benchmarks/sft_throughput.py --device cuda
            python3 benchmarks/sft_throughput.py --device cuda --doc-len 512 --router-init local; } 2>&1 \
            | tee "$out/sft_throughput.log" ;;
+    mechanisms) python3 -m pytest -q -rsx --durations=15 tests/test_gpu_mechanisms.py 2>&1 | tee "$out/mechanisms.log" ;;
+    patterns) for n in 8192 32768; do
+                for backend in blocksparse flex; do
+                  python3 benchmarks/patterns_speed.py --device cuda --n "$n" --backend "$backend"; echo
+                done
+              done 2>&1 | tee "$out/patterns.md" ;;
   esac
 done

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from allhere.masks import (bigbird, bigbird_global, bigbird_random, bigbird_window, dense_mask, dilated_window,
-                           global_tokens, longformer, sinks, sliding_window, sliding_with_sinks)
+from allhere.masks import (and_masks, bigbird, bigbird_global, bigbird_random, bigbird_window, causal, dense_mask,
+                           dilated_window, global_tokens, longformer, or_masks, sinks, sliding_window, sliding_with_sinks,
+                           within_segments)
 from allhere.patterns import global_at, global_first, global_from_ids
 
 B, H = 2, 3
@@ -154,3 +155,13 @@ def test_global_helpers():
     m = dense_mask(longformer(1, global_from_ids(ids, [2])), 4, 4, batch=2)
     assert m[0, 0, 2].tolist() == [False, True, True, False] and m[1, 0, 2].tolist() == [True, False, True, False]
     assert m[0, 0, 3].all()  # a global query sees every earlier key
+
+
+def test_prepare_is_passed_on_and_does_not_freeze_the_random_blocks():
+    """``and_masks`` / ``or_masks`` keep their parts' ``prepare`` (FlexAttention draws BigBird's table
+    before tracing); eager evaluation after a ``prepare`` still draws the blocks of longer sequences."""
+    rand = bigbird(4, 2, 1, 1, seed=1)
+    combined = and_masks(rand, within_segments(torch.zeros(1, 32, dtype=torch.long)))
+    assert hasattr(or_masks(causal, combined), "prepare") and not hasattr(or_masks(causal, causal), "prepare")
+    combined.prepare(1, 16, "cpu")
+    assert torch.equal(dense_mask(rand, 32, 32), dense_mask(bigbird(4, 2, 1, 1, seed=1), 32, 32))

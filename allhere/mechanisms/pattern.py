@@ -61,6 +61,7 @@ class PatternAttention(AttentionMechanism):
     # (``allhere.ops.flex``, compiled), set per module. Under ``allhere.use_backend("reference")`` every
     # call runs the dense reference.
     backend = "auto"
+    flex_min_queries = 128  # calls with fewer queries take the block-sparse op (FlexAttention compiles per shape)
     _max_plans = 8
 
     def __init__(self, cfg, dims) -> None:
@@ -127,6 +128,8 @@ class PatternAttention(AttentionMechanism):
         k, v, kpos = _kv_with_positions(cache, k, v, call.positions)
         lq, lk = q.shape[2], k.shape[2]
         backend = self.backend if self.backend != "auto" else ("flex" if q.is_cuda else "blocksparse")
+        if backend == "flex" and lq < self.flex_min_queries:  # decode steps: one compile per key count
+            backend = "blocksparse"
         if (isinstance(kpos, int) and kpos == 0 and lq == lk and starts is None and backend == "blocksparse"
                 and get_backend() != "reference"):
             out = self.fast(q, k, v, call.scale)

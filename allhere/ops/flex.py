@@ -16,16 +16,17 @@ import torch
 from ..masks import MaskFn
 from .common import check_qkv, default_scale
 
-_compiled = None
+COMPILED_MASK_FROM = 1 << 26  # (8k x 8k): eager create_block_mask holds int64 index grids of that size per head
+_compiled: dict = {}
 
 
-def _flex():
-    global _compiled
-    if _compiled is None:
-        from torch.nn.attention.flex_attention import flex_attention
+def _compile(name: str):
+    """FlexAttention's ``flex_attention`` or ``create_block_mask``, compiled once (``dynamic=False``)."""
+    if name not in _compiled:
+        from torch.nn.attention import flex_attention as fa
 
-        _compiled = torch.compile(flex_attention, dynamic=False)
-    return _compiled
+        _compiled[name] = torch.compile(getattr(fa, name), dynamic=False)
+    return _compiled[name]
 
 
 def flex_block_mask(pred: MaskFn, q_len: int, kv_len: int, *, heads: int = 1, batch: int = 1,
@@ -36,15 +37,18 @@ def flex_block_mask(pred: MaskFn, q_len: int, kv_len: int, *, heads: int = 1, ba
     from torch.nn.attention.flex_attention import create_block_mask
 
     prepare = getattr(pred, "prepare", None)
-    if prepare is not None:  # tables a predicate fills lazily must be complete before vmap traces it
-        prepare(heads, key_offset + kv_len)
+    if prepare is not None:  # its tables complete and on the device before vmap / the kernel trace it
+        prepare(heads, key_offset + kv_len, device or "cpu")
     q_off = key_offset + kv_len - q_len
 
     def mask_mod(b, h, q_idx, kv_idx):
         return pred(b, h, q_idx + q_off, kv_idx + key_offset)
 
-    return create_block_mask(mask_mod, batch if per_batch else None, heads if per_head else None, q_len, kv_len,
-                             device=device or "cpu", BLOCK_SIZE=block)
+    build = create_block_mask
+    if torch.device(device or "cpu").type == "cuda" and q_len * kv_len >= COMPILED_MASK_FROM:
+        build = _compile("create_block_mask")  # block by block: no [heads, q_len, kv_len] intermediates
+    return build(mask_mod, batch if per_batch else None, heads if per_head else None, q_len, kv_len,
+                 device=device or "cpu", BLOCK_SIZE=block)
 
 
 def flex_pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask,
@@ -52,4 +56,5 @@ def flex_pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     """``flex_attention`` (compiled) of q [b, h, lq, d] over k, v [b, kv_heads, lk, d] under ``block_mask``
     (``flex_block_mask``). Rows that see no key give 0."""
     _, h, _, d, hkv, _ = check_qkv(q, k, v)
-    return _flex()(q, k, v, block_mask=block_mask, scale=default_scale(d, scale), enable_gqa=h != hkv)
+    return _compile("flex_attention")(q, k, v, block_mask=block_mask, scale=default_scale(d, scale),
+                                      enable_gqa=h != hkv)
