@@ -33,15 +33,15 @@ def detect() -> DistEnv | None:
 
 
 def init(env: DistEnv, device: str) -> str:
-    """Join the process group (NCCL on CUDA, gloo on CPU) unless already joined; return this rank's
-    device ("cuda" becomes "cuda:<LOCAL_RANK>")."""
+    """Join the process group (on CUDA: NCCL for CUDA tensors and gloo for CPU ones, such as logged values;
+    on CPU: gloo) unless already joined; return this rank's device ("cuda" becomes "cuda:<LOCAL_RANK>")."""
     import torch.distributed as dist
 
     if device.startswith("cuda"):
         device = f"cuda:{env.local_rank}" if device == "cuda" else device
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
     if dist.get_world_size() != env.world:
         raise RuntimeError(f"the process group has {dist.get_world_size()} ranks, WORLD_SIZE says {env.world}")
     return device

@@ -88,7 +88,8 @@ def ring_plan(spec: RingSpec, shard_len: int, group, layout: str, sel: torch.Ten
     if sel is not None:
         cpr = chunks_per_rank(layout)
         b, h, n_local = sel.shape
-        mine = sel.reshape(b, h, cpr, n_local // cpr).sum(-1).amax(dim=(0, 1)).to(torch.int64).cpu()
+        # on the selector's device: an NCCL-only group takes CUDA tensors alone
+        mine = sel.reshape(b, h, cpr, n_local // cpr).sum(-1).amax(dim=(0, 1)).to(torch.int64)
         every = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(every, mine, group=group)
         wide_rows = [t.tolist() for t in every]
