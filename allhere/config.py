@@ -114,6 +114,11 @@ class TrainConfig:
     weight_decay: float = 0.1  # on matrices, not on norms, embeddings or routers
     clip: float = 1.0  # gradient-norm clipping; 0 disables
     lam: float | None = None  # lambda of L_reg; None = the model's AHA config value
+    # Train towards a share of full attention: after every step lambda is multiplied by
+    # exp(lam_rate * (mu_f - target_mu_f) / target_mu_f) (dual ascent on log lambda), from the lambda above
+    # (at least 1e-6; kept within [1e-6, 10]), so mu_f settles where the L_reg penalty holds it at the target. None: fixed lambda.
+    target_mu_f: float | None = None
+    lam_rate: float = 0.05  # step size of that update (a mu_f of twice the target raises lambda ~5% a step)
     router_lr_mult: float = 1.0  # router learning rate = lr * router_lr_mult
     eval_every: int = 0  # evaluate every this many steps (0 = only at the end)
     ckpt_every: int = 100  # checkpoint every this many steps (and always at the end)
@@ -139,6 +144,9 @@ class TrainConfig:
         if self.lam is not None:
             num("lam", lambda x: x >= 0, "None or a finite number >= 0")
         num("router_lr_mult", lambda x: x > 0, "a finite number > 0")
+        if self.target_mu_f is not None:
+            num("target_mu_f", lambda x: 0 < x < 1, "None or a number in (0, 1)")
+        num("lam_rate", lambda x: x > 0, "a finite number > 0")
         check(isinstance(self.device, str), c, "device", self.device, "'cpu' or 'cuda[:N]'")
         check(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), c, "device", self.device,
                "'cpu' or 'cuda[:N]'")

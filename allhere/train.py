@@ -2,7 +2,8 @@
 
 Reads top to bottom: set up the optimizer, resume if asked, then for every step draw the step's
 micro-batches (a pure function of the seed and the step, so a resumed run sees the same data), forward,
-backward, clip, step, log, evaluate, checkpoint.
+backward, clip, step (and, with ``target_mu_f``, move lambda towards the share of full attention asked
+for), log, evaluate, checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .mechanisms.base import mechanism_layers
 from .model import Decoder
 from .progress import progress as progress_bar
 from .routing import routed_layers
+from .validation import ConfigError
 
 # (step, micro-batch index, a generator seeded by both) -> token ids [batch, seq], or (ids, loss_mask), or
 # (ids, loss_mask, segment_starts): loss_mask [batch, seq] (or None) marks the target tokens that count in
@@ -84,6 +86,16 @@ def model_lam(model: torch.nn.Module, cfg: TrainConfig) -> float:
     return lams.pop() if lams else 0.0
 
 
+LAM_RANGE = (1e-6, 10.0)  # where a lambda trained towards ``target_mu_f`` is kept
+
+
+def adapt_lam(lam: float, mu_f: float, cfg: TrainConfig) -> float:
+    """One dual-ascent step on log lambda towards ``cfg.target_mu_f``: up when the step's mu_f is above the
+    target, down when below, by the relative error (so a target of 1% and one of 30% adapt alike)."""
+    lam *= math.exp(cfg.lam_rate * min(max((mu_f - cfg.target_mu_f) / cfg.target_mu_f, -1.0), 1.0))
+    return min(max(lam, LAM_RANGE[0]), LAM_RANGE[1])
+
+
 def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | Path, resume: bool = False,
           eval_fn: EvalFn | None = None, progress: bool = True, extra_state: dict | None = None,
           train_only: str | None = None, context_parallel: str | None = None) -> dict:
@@ -117,6 +129,11 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     opt = make_optimizer(model, cfg)
     lam = model_lam(model, cfg)
     state = {"step": 0, "history": [], "evals": [], "train_config": cfg.to_dict(), **(extra_state or {})}
+    if cfg.target_mu_f is not None:  # lambda is trained too: it lives in the state (and checkpoints)
+        if not routed_layers(model):
+            raise ConfigError(f"target_mu_f = {cfg.target_mu_f} needs a model with routed layers (AHA): nothing "
+                              "else has a share of full attention to steer")
+        state["lam"] = lam = max(lam, LAM_RANGE[0])
     if train_only is not None:
         state["train_only"] = train_only
     found = ckpt_path.exists() if run is None else run.has_checkpoint(ckpt_path)
@@ -133,7 +150,8 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
         else:
             check_settings(run.saved_state(ckpt_path) or {}, cfg, train_only, ckpt_path)
             meta = run.restore(ckpt_path, model, opt)
-        state.update({k: meta[k] for k in ("step", "history", "evals") if k in meta})
+        state.update({k: meta[k] for k in ("step", "history", "evals", "lam") if k in meta})
+        lam = state.get("lam", lam)
 
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda")
                 else contextlib.nullcontext())
@@ -165,11 +183,15 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        logged = {k: round(v, 5) for k, v in sums.items()}
+        if cfg.target_mu_f is not None:  # every rank saw the same summed mu_f: the same lambda everywhere
+            logged["lam"] = float(f"{lam:.4g}")  # the lambda this step trained with
+            state["lam"] = lam = adapt_lam(lam, sums["mu_f"], cfg)
         state["step"] = step + 1
         bar.update(1)
         bar.set_postfix(lm=f"{sums['lm']:.3f}", mu_f=f"{sums['mu_f']:.3f}")
         if state["step"] % cfg.log_every == 0 or state["step"] == cfg.steps:
-            state["history"].append({"step": state["step"], **{k: round(v, 5) for k, v in sums.items()}})
+            state["history"].append({"step": state["step"], **logged})
         if eval_fn is not None and cfg.eval_every and state["step"] % cfg.eval_every == 0:
             state["evals"].append({"step": state["step"], **eval_fn(model)})
             model.train()
@@ -185,7 +207,12 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
 
 
 def check_settings(meta: dict, cfg: TrainConfig, train_only: str | None, ckpt_path: Path) -> None:
-    """A checkpoint is resumed only with the settings it was written with."""
-    if meta.get("train_config") != cfg.to_dict() or meta.get("train_only") != train_only:
+    """A checkpoint is resumed only with the settings it was written with (read back through
+    ``TrainConfig``: a field added since, at its default, is no difference)."""
+    try:
+        saved = TrainConfig(**meta.get("train_config", {})).to_dict()
+    except (TypeError, ValueError):  # fields this version does not know, or values it refuses
+        saved = None
+    if saved != cfg.to_dict() or meta.get("train_only") != train_only:
         raise CheckpointError(f"{ckpt_path} was written with other training settings; resume with the "
                               "same settings or choose another output directory")

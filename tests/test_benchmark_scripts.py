@@ -86,3 +86,10 @@ def test_cpu_prefill_tables():
         out = run_script("benchmarks/cpu_prefill.py", "--lengths", "128", "--heads", "2", "--dim", "8",
                          "--window", "16", "--repeats", "1", *extra)
         assert out.count("\n| 128 |") == 2  # one row per gate pattern
+
+
+def test_target_mu_f_script_tiny(tmp_path):
+    out = run_script("benchmarks/target_mu_f.py", "--run", str(tmp_path), "--preset", "tiny", "--task", "recall",
+                     "--targets", "0.2")
+    assert "recall, target mu_f 0.2" in out and "'accuracy'" in out
+    assert (tmp_path / "recall" / "target-mu-f-0.2" / "checkpoint.safetensors").exists()

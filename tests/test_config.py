@@ -60,6 +60,7 @@ def test_mechanism_from_dict_rejects_unknown_kind_and_field():
                                          ("clip", float("inf")), ("weight_decay", -0.1), ("lam", float("nan")),
                                          ("router_lr_mult", 0.0), ("warmup_ratio", 1.0), ("beta2", 1.0),
                                          ("steps", 0), ("batch_size", 1.5), ("seed", -1), ("device", "tpu"),
+                                         ("target_mu_f", 0.0), ("target_mu_f", 1.0), ("lam_rate", 0.0),
                                          ("device", None)])
 def test_train_config_refuses_bad_values_naming_the_field(field, value):
     with pytest.raises(ConfigError, match=rf"TrainConfig\.{field} = "):

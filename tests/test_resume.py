@@ -6,9 +6,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from allhere.checkpoint import load_model
+from allhere.checkpoint import CheckpointError, load_model
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -44,3 +45,32 @@ def test_killed_training_resumes_exactly(tmp_path):
     b, _ = load_model(tmp_path / "straight" / "checkpoint.safetensors")
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_runs_of_an_earlier_version_resume(tmp_path):
+    """Settings and checkpoints written before a TrainConfig field existed (here: without target_mu_f and
+    lam_rate) are the same settings when that field is at its default; another value is refused."""
+    from allhere.config import TrainConfig
+    from allhere.experiments.plans import plan_from_dict, plans, run_settings
+    from allhere.experiments.rundir import claim
+    from allhere.train import check_settings
+    from allhere.validation import ConfigError
+
+    plan = plans("tiny")["recall"]
+    old = run_settings(plan, None)
+    for stage in ("pretrain", "finetune"):
+        del old["plan"][stage]["target_mu_f"], old["plan"][stage]["lam_rate"]
+    (tmp_path / "settings.json").write_text(json.dumps(old))
+    upgrade = lambda saved: run_settings(plan_from_dict(saved["plan"]), saved["data_path"])  # noqa: E731
+    claim(tmp_path, run_settings(plan, None), upgrade)
+    with pytest.raises(ConfigError, match="other settings"):
+        claim(tmp_path, run_settings(plan, "other.txt"), upgrade)
+
+    cfg = TrainConfig(steps=3)
+    meta = {"train_config": {k: v for k, v in cfg.to_dict().items() if k not in ("target_mu_f", "lam_rate")}}
+    check_settings(meta, cfg, None, tmp_path / "c.safetensors")
+    for other in (TrainConfig(steps=3, target_mu_f=0.1), TrainConfig(steps=4)):
+        with pytest.raises(CheckpointError, match="other training settings"):
+            check_settings(meta, other, None, tmp_path / "c.safetensors")
+    with pytest.raises(CheckpointError, match="other training settings"):  # a field this version lacks
+        check_settings({"train_config": {**cfg.to_dict(), "from_the_future": 1}}, cfg, None, tmp_path / "c")

@@ -8,6 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from allhere.checkpoint import read_checkpoint  # noqa: E402
 from allhere.data.chat import FALLBACK_CHAT_TEMPLATE, load_chat, pack, tokenize_conversation  # noqa: E402
 from allhere.data.corpus import DataError  # noqa: E402
 from allhere.hf import HFCausalLM, load_pretrained, sft  # noqa: E402
@@ -163,6 +164,10 @@ def test_cli_convert_and_sft(local_model, capsys):
     assert "argument --model: no such file or folder" in capsys.readouterr().err
     assert main(args[:-2] + ["--window", "999", "--out", str(local_model / "w")]) == 2
     assert "larger than the model's context" in capsys.readouterr().err
+    assert main(args[:-2] + ["--target-mu-f", "0.1", "--out", str(local_model / "t")]) == 0
+    assert "lambda " in capsys.readouterr().out  # the lambda the run reached
+    history = read_checkpoint(local_model / "t" / "checkpoint.safetensors")[1]["history"]
+    assert [h["lam"] for h in history][0] == 3e-4 and history[1]["lam"] != 3e-4
 
 
 def test_dar_two_stage_sft(local_model):
@@ -205,6 +210,9 @@ def test_cli_dar(local_model, capsys):
     assert main(["convert", *base, "--mechanism", "dar", "--d-down", "8", "--tau", "0.6", "--out",
                  str(local_model / "x")]) == 2
     assert "--tau is not a setting of --mechanism dar" in capsys.readouterr().err
+    assert main(["sft", *base, "--mechanism", "dar", "--d-down", "8", "--target-mu-f", "0.1", "--data",
+                 str(local_model / "chat.jsonl"), "--out", str(local_model / "x")]) == 2
+    assert "--target-mu-f is a setting of --mechanism aha" in capsys.readouterr().err
     assert not (local_model / "x").exists()
     before = sorted((local_model / "base").iterdir())
     for out, message in ((local_model / "base", "is the input model's folder"),

@@ -161,6 +161,9 @@ def sft_arguments(p: argparse.ArgumentParser) -> None:
                    help="peak learning rate (default 3e-5; DAR: stage 2)")
     p.add_argument("--stage1-lr", type=a.positive_number, default=3e-4,
                    help="DAR stage 1 (bottleneck only) learning rate (default 3e-4)")
+    p.add_argument("--target-mu-f", type=a.fraction, default=None,
+                   help="AHA: train lambda too, towards this share of full attention, 0 < x < 1 "
+                        "(default: none, lambda fixed at --lam)")
     p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out where it stopped (default: start a new run)")
@@ -171,12 +174,15 @@ def sft(args) -> None:
     from ..hf import sft as run_sft
 
     mech = _mechanism(args)
+    if args.target_mu_f is not None and args.mechanism != "aha":
+        raise ConfigError(f"--target-mu-f is a setting of --mechanism aha (it steers the routers), not of "
+                          f"{args.mechanism}")
     _check_out(args.out, args.model, resume=args.resume)
     state = run_sft(args.model, args.data, args.out, window=args.window, seq_len=args.seq_len,
                     batch_size=args.batch_size, global_batch=args.global_batch, epochs=args.epochs, lr=args.lr,
                     lam=getattr(mech, "lam", 3e-4), tau=getattr(mech, "tau", 0.5), max_steps=args.max_steps,
                     device=args.device, resume=args.resume, progress=not args.no_progress,
-                    d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr)
+                    d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr, target_mu_f=args.target_mu_f)
     from ..distributed.env import detect
 
     env = detect()
@@ -184,4 +190,5 @@ def sft(args) -> None:
         return
     last = state["history"][-1]
     mu = f", mu_f {last['mu_f']:.3f}" if last.get("mu_f") is not None else ""
+    mu += f", lambda {state['lam']:.3g}" if "lam" in state else ""
     print(f"{state['step']} steps; last step: loss {last['lm']:.4f}{mu}. Model saved to {args.out}/model")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from ..checkpoint import atomic_write
 from ..validation import ConfigError
@@ -30,14 +31,22 @@ def check_out(out: Path) -> None:
                           "(nothing was changed)")
 
 
-def claim(run: Path, settings: dict) -> None:
+def claim(run: Path, settings: dict, upgrade: Callable[[dict], dict] | None = None) -> None:
     """Reuse ``run`` for the same ``settings``, start it for new ones, refuse it (ConfigError, nothing
     changed) when it holds a run with other settings. Claim a run only once its inputs are known good:
-    a failed start must not leave a settings file behind that blocks the next, corrected one."""
+    a failed start must not leave a settings file behind that blocks the next, corrected one.
+    ``upgrade`` reads saved settings back through their dataclasses, so that a field added since (at its
+    default) does not make a run written by an earlier version look different."""
     path = Path(run) / SETTINGS
     text = json.dumps(settings, indent=1, sort_keys=True)
     if path.exists():
-        if json.loads(path.read_text()) != json.loads(text):
+        saved = json.loads(path.read_text())
+        if upgrade is not None:
+            try:
+                saved = json.loads(json.dumps(upgrade(saved)))
+            except (TypeError, KeyError, ValueError):  # unknown fields or bad values: other settings
+                pass
+        if saved != json.loads(text):
             raise ConfigError(f"{run} holds a run with other settings; choose another --out (nothing was changed)")
         return
     write_text(path, text + "\n")

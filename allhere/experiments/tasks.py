@@ -21,7 +21,7 @@ from ..data.recall import RecallTask
 from ..eval import evaluate_lm, evaluate_recall
 from ..model import Decoder, swap_mechanism
 from ..train import train
-from .plans import TaskPlan, run_settings
+from .plans import TaskPlan, plan_from_dict, run_settings
 from .rundir import check_out, claim
 
 
@@ -82,7 +82,7 @@ def start_task(out: str | Path, name: str, plan: TaskPlan, data_path: str | None
     check_out(out)
     run = Path(out) / name
     data = task_data(name, plan, data_path)  # the data first: a bad --data claims nothing
-    claim(run, run_settings(plan, data_path))
+    claim(run, run_settings(plan, data_path), upgrade=lambda old: run_settings(plan_from_dict(old["plan"]), old["data_path"]))
     full, curve = pretrain(run / "pretrain" / "checkpoint.safetensors", plan.model, plan, data, progress)
     return Task(name, plan, run, data, full, curve)
 

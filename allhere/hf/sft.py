@@ -68,11 +68,14 @@ class HFCausalLM(nn.Module):
 def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: int, seq_len: int = 2048,
         batch_size: int = 4, global_batch: int = 128, epochs: float = 1.0, lr: float = 3e-5, lam: float = 3e-4,
         tau: float = 0.5, max_steps: int | None = None, device: str = "cpu", resume: bool = False, seed: int = 0,
-        progress: bool = True, d_down: int | None = None, stage1_lr: float = 3e-4) -> dict:
+        progress: bool = True, d_down: int | None = None, stage1_lr: float = 3e-4,
+        target_mu_f: float | None = None) -> dict:
     """Convert the model at ``model_path`` and fine-tune it on the chat data; the result is saved to
     ``out/model`` (``allhere.hf.load_pretrained`` reads it back). Returns the (last) training state.
 
-    Without ``d_down``: AHA, one run with L_LM + lam L_reg, checkpoint ``out/checkpoint.safetensors``.
+    Without ``d_down``: AHA, one run with L_LM + lam L_reg, checkpoint ``out/checkpoint.safetensors``;
+    with ``target_mu_f`` lambda starts at ``lam`` and is trained towards that share of full attention
+    (``TrainConfig.target_mu_f``).
     With ``d_down``: DAR in two stages of ``epochs`` each -- stage 1 trains only W_down / W_up
     at ``stage1_lr`` with the rest frozen (``out/stage1.safetensors``), stage 2 everything at ``lr``
     (``out/stage2.safetensors``).
@@ -105,7 +108,8 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
 
     cfg = TrainConfig(steps=steps, batch_size=batch_size, grad_accum=accum, lr=lr, beta1=0.9, beta2=0.95,
                       warmup_ratio=0.03, weight_decay=0.0, lam=lam if d_down is None else 0.0,
-                      ckpt_every=max(1, min(100, steps)), log_every=1, seed=seed, device=device)
+                      ckpt_every=max(1, min(100, steps)), log_every=1, seed=seed, device=device,
+                      target_mu_f=target_mu_f if d_down is None else None)
     extra = {"chat_template_fallback": used_fallback, "sequences": n}
     lm = HFCausalLM(model)
     if d_down is None:
