@@ -114,9 +114,9 @@ class TrainConfig:
     weight_decay: float = 0.1  # on matrices, not on norms, embeddings or routers
     clip: float = 1.0  # gradient-norm clipping; 0 disables
     lam: float | None = None  # lambda of L_reg; None = the model's AHA config value
-    # Train towards a share of full attention: after every step lambda is multiplied by
-    # exp(lam_rate * (mu_f - target_mu_f) / target_mu_f) (dual ascent on log lambda), from the lambda above
-    # (at least 1e-6; kept within [1e-6, 10]), so mu_f settles where the L_reg penalty holds it at the target. None: fixed lambda.
+    # Train lambda towards this share of full attention: after every step lambda is multiplied by
+    # exp(lam_rate * e), e = (mu_f - target_mu_f) / target_mu_f clipped to [-1, 1] (dual ascent on log
+    # lambda), starting from the lambda above and kept within [1e-6, 10]. None: lambda stays fixed.
     target_mu_f: float | None = None
     lam_rate: float = 0.05  # step size of that update (a mu_f of twice the target raises lambda ~5% a step)
     router_lr_mult: float = 1.0  # router learning rate = lr * router_lr_mult

@@ -421,9 +421,8 @@ class BigBirdRandom:
         self.heads_per_draw = _check_count("heads_per_draw", heads_per_draw, 1)
         self.__name__ = f"bigbird_random_{block}x{random_blocks}" + ("" if causal else "_bidir")
         self._table = torch.zeros(0, 0, 0, dtype=torch.bool)
-        self._counts = None  # 2-D prefix sums of the table, for tiles()
         self._n_blocks = None  # encoder: the number of key blocks the table was drawn for
-        self._tables = _Tables(table=self._table)  # the table and its sums, with copies per device
+        self._tables = _Tables(table=self._table)  # the table and its 2-D prefix sums (for tiles), per device
 
     def row(self, head: int, i: int, n_blocks: int | None = None) -> list[int]:
         """The random key blocks of query block ``i`` of ``head`` (``n_blocks``: the encoder's block count)."""
@@ -459,7 +458,6 @@ class BigBirdRandom:
         self._table, self._n_blocks = t, n_blocks
         c = torch.zeros(heads, n_blocks + 1, n_blocks + 1, dtype=torch.long)
         c[:, 1:, 1:] = t.long().cumsum(1).cumsum(2)
-        self._counts = c
         self._tables = _Tables(table=t, counts=c)
         return t
 

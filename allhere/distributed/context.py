@@ -106,7 +106,8 @@ def context_parallel_loss(out, targets: torch.Tensor, lam: float, group=None) ->
 def mean_over_ranks(x: torch.Tensor | float, group=None) -> float:
     """The mean of a per-rank value over ``group`` (e.g. a ``context_parallel_loss`` field for logging)."""
     device = x.device if isinstance(x, torch.Tensor) else "cpu"  # an NCCL-only group takes CUDA tensors alone
-    t = torch.tensor(float(x.detach()) if isinstance(x, torch.Tensor) else float(x), dtype=torch.float64, device=device)
+    t = torch.tensor(float(x.detach()) if isinstance(x, torch.Tensor) else float(x), dtype=torch.float64,
+                     device=device)
     dist.all_reduce(t, group=group)
     return t.item() / dist.get_world_size(group)
 

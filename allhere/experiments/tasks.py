@@ -82,7 +82,8 @@ def start_task(out: str | Path, name: str, plan: TaskPlan, data_path: str | None
     check_out(out)
     run = Path(out) / name
     data = task_data(name, plan, data_path)  # the data first: a bad --data claims nothing
-    claim(run, run_settings(plan, data_path), upgrade=lambda old: run_settings(plan_from_dict(old["plan"]), old["data_path"]))
+    claim(run, run_settings(plan, data_path),
+          upgrade=lambda old: run_settings(plan_from_dict(old["plan"]), old["data_path"]))
     full, curve = pretrain(run / "pretrain" / "checkpoint.safetensors", plan.model, plan, data, progress)
     return Task(name, plan, run, data, full, curve)
 

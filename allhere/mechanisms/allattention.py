@@ -57,7 +57,8 @@ class AllAttentionConfig:
               self.rope_theta, "a finite number > 0")
 
 
-def unrotate_queries(q: torch.Tensor, kv_len: int, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+def unrotate_queries(q: torch.Tensor, kv_len: int, theta: float,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
     """q [b, h, lq, d] rotated by RoPE (rotate-half layout, base ``theta``) at ``positions`` [lq] (default:
     kv_len - lq + i, the last lq of kv_len keys), rotated back to position 0."""
     d, lq = q.shape[-1], q.shape[2]

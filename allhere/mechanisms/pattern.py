@@ -56,10 +56,9 @@ class PatternAttention(AttentionMechanism):
     reads_all_keys = False
     tile = 64  # query / key tile of the block-sparse op
     dense_below = 1 << 16  # calls with q_len * kv_len up to this run the dense reference instead
-    # "auto" (default): FlexAttention on CUDA (its Triton kernel skips masked tiles; measured on an H100 at
-    # a fraction of dense cost for a window), the block-sparse op elsewhere; or "blocksparse" / "flex"
-    # (``allhere.ops.flex``, compiled), set per module. Under ``allhere.use_backend("reference")`` every
-    # call runs the dense reference.
+    # "auto" (default): FlexAttention on CUDA (its Triton kernel skips masked tiles), the block-sparse op
+    # elsewhere; or "blocksparse" / "flex" (``allhere.ops.flex``, compiled), set per module. Under
+    # ``allhere.use_backend("reference")`` every call runs the dense reference.
     backend = "auto"
     flex_min_queries = 128  # calls with fewer queries take the block-sparse op (FlexAttention compiles per shape)
     _max_plans = 8
