@@ -11,7 +11,8 @@ flash-attn ``window_size=(w - 1, 0)``).
 A predicate that reads tables (per-head dilations, global-token flags, BigBird's random blocks) has
 ``prepare(heads, length, device)``: it fills its tables for that many heads and positions and copies them
 to ``device`` before the predicate is traced (FlexAttention's ``create_block_mask`` vmaps it and its
-compiled kernels read captured tensors on their own device only); ``and_masks`` / ``or_masks`` pass it on.
+compiled kernels read captured tensors on their own device only). One whose pattern differs between heads
+says ``varies_by_head = True``. ``and_masks`` / ``or_masks`` pass both on.
 """
 
 from __future__ import annotations
@@ -81,25 +82,48 @@ def _combined(pred: MaskFn, preds, combine) -> MaskFn:
                 f(heads, length, device)
 
         pred.prepare = prepare
+    if any(getattr(p, "varies_by_head", False) for p in preds):
+        pred.varies_by_head = True
     return pred
 
 
+def _device(device) -> torch.device:
+    """A device with its index ("cuda" is the current CUDA device), so that equal devices compare equal."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class _Tables:
-    """The CPU tensors a predicate reads, and copies of them made ahead of tracing on the devices it was
-    prepared for (elsewhere each read copies, which only eager evaluation can do)."""
+    """The CPU tensors a predicate reads, with one copy per device they are read on: made by ``prepare``
+    ahead of tracing (a traced evaluation cannot copy), or by the first eager read there."""
 
     def __init__(self, **tensors: torch.Tensor) -> None:
         self.cpu = tensors
         self.copies: dict[torch.device, dict[str, torch.Tensor]] = {}
 
-    def prepare(self, heads: int = 0, length: int = 0, device=None) -> None:
-        device = torch.device(device or "cpu")
-        if device not in self.copies:
+    def replace(self, **tensors: torch.Tensor) -> None:
+        """New contents (a table that grew), copied again to every device it was on."""
+        self.cpu = tensors
+        for device in list(self.copies):
+            self.prepare(device=device, again=True)
+
+    def prepare(self, heads: int = 0, length: int = 0, device=None, again: bool = False) -> None:
+        device = _device(device)
+        if device.type != "cpu" and (again or device not in self.copies):
             self.copies[device] = {k: v.to(device) for k, v in self.cpu.items()}
 
-    def get(self, name: str, device: torch.device) -> torch.Tensor:
-        copies = self.copies.get(device)
-        return copies[name] if copies is not None else self.cpu[name].to(device)
+    def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The table ``name`` on ``like``'s device."""
+        if like.device.type == "cpu":
+            return self.cpu[name]
+        if _device(like.device) not in self.copies:
+            if _tracing(like):
+                raise RuntimeError("a mask predicate's tables must be on the device before it is traced: call its "
+                                   "prepare(heads, length, device) first (allhere.ops.flex does)")
+            self.prepare(device=like.device)
+        return self.copies[_device(like.device)][name]
 
 
 def _tracing(t) -> bool:
@@ -256,7 +280,7 @@ def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
     def step(h, like):
         if not per_head:
             return dils[0]
-        return table.get("d", like.device)[torch.as_tensor(h, device=like.device)]
+        return table.get("d", like)[torch.as_tensor(h, device=like.device)]
 
     def pred(b, h, q_idx, kv_idx):
         d = step(h, q_idx)
@@ -273,7 +297,7 @@ def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
 
     name = f"dilated_window_{window}_{'x'.join(map(str, dils))}" + ("" if causal else "_bidir")
     if per_head:
-        pred.prepare = table.prepare
+        pred.prepare, pred.varies_by_head = table.prepare, True
     return _with_tiles(pred, name, tiles)
 
 
@@ -308,13 +332,13 @@ def _lookup(flags: torch.Tensor):
     tables = _Tables(flags=flags, counts=counts)
 
     def at(b, pos):
-        f = tables.get("flags", pos.device)
+        f = tables.get("flags", pos)
         i = pos.clamp(0, max(n - 1, 0))
         hit = f[i] if f.dim() == 1 else f[torch.as_tensor(b, device=pos.device), i]
         return hit & (pos >= 0) & (pos < n)
 
     def any_in(b, lo, hi):  # some flagged position in [lo, hi]
-        c = tables.get("counts", lo.device)
+        c = tables.get("counts", lo)
         lo_c, hi_c = lo.clamp(0, n), (hi + 1).clamp(0, n)
         if c.dim() == 1:
             got = c[hi_c] - c[lo_c]
@@ -420,9 +444,10 @@ class BigBirdRandom:
         self.length = None if length is None else _check_count("length", length, 1)
         self.heads_per_draw = _check_count("heads_per_draw", heads_per_draw, 1)
         self.__name__ = f"bigbird_random_{block}x{random_blocks}" + ("" if causal else "_bidir")
+        self.varies_by_head = random_blocks > 0  # a draw per head (group)
         self._table = torch.zeros(0, 0, 0, dtype=torch.bool)
         self._n_blocks = None  # encoder: the number of key blocks the table was drawn for
-        self._tables = _Tables(table=self._table)  # the table and its 2-D prefix sums (for tiles), per device
+        self._tables = _Tables()  # the table and its 2-D prefix sums (for tiles), per device
 
     def row(self, head: int, i: int, n_blocks: int | None = None) -> list[int]:
         """The random key blocks of query block ``i`` of ``head`` (``n_blocks``: the encoder's block count)."""
@@ -458,7 +483,7 @@ class BigBirdRandom:
         self._table, self._n_blocks = t, n_blocks
         c = torch.zeros(heads, n_blocks + 1, n_blocks + 1, dtype=torch.long)
         c[:, 1:, 1:] = t.long().cumsum(1).cumsum(2)
-        self._tables = _Tables(table=t, counts=c)
+        self._tables.replace(table=t, counts=c)
         return t
 
     def prepare(self, heads: int, length: int, device=None) -> None:
@@ -469,7 +494,10 @@ class BigBirdRandom:
         self._tables.prepare(device=device)
 
     def _blocks_for(self, h, q_hi, k_hi) -> tuple[int, int]:
-        if _tracing(q_hi):
+        if _tracing(q_hi):  # no position can be read: the table as ``prepare`` drew it
+            if not self._table.numel():
+                raise RuntimeError("BigBird's random blocks must be drawn before the mask is traced (vmap, "
+                                   "torch.compile): call its prepare(heads, length, device) first")
             return self._table.shape[0], self._table.shape[1]
         heads = int(torch.as_tensor(h).max()) + 1
         if self.causal:
@@ -480,7 +508,7 @@ class BigBirdRandom:
     def __call__(self, b, h, q_idx, kv_idx):
         heads, nb = self._blocks_for(h, q_idx, kv_idx)
         self.table(heads, nb)
-        t = self._tables.get("table", q_idx.device)[:heads, :nb, :nb]
+        t = self._tables.get("table", q_idx)[:heads, :nb, :nb]
         qb, kb = q_idx // self.block, kv_idx // self.block
         inside = (qb >= 0) & (qb < nb) & (kb >= 0) & (kb < t.shape[-1])
         hit = t[torch.as_tensor(h, device=q_idx.device), qb.clamp(0, nb - 1), kb.clamp(0, t.shape[-1] - 1)]
@@ -490,7 +518,7 @@ class BigBirdRandom:
     def tiles(self, b, h, ql, qh, kl, kh):
         heads, nb = self._blocks_for(h, qh, kh)
         self.table(heads, nb)
-        c = self._tables.get("counts", ql.device)
+        c = self._tables.get("counts", ql)
         n = c.shape[-1] - 1
         hh = torch.as_tensor(h, device=ql.device)
         i0, i1 = (ql // self.block).clamp(0, n), (qh // self.block + 1).clamp(0, n)

@@ -134,7 +134,7 @@ class Decoder(nn.Module):
         """input_ids [batch, tokens]. With ``cache`` the tokens continue the cached sequence.
 
         positions: optional int64 [tokens], the absolute positions of these tokens (their rotary angles),
-        for a shard of a longer sequence (context parallelism); not with a cache. Default: the next
+        for a shard of a longer sequence (context parallelism); not with a cache or segment_starts. Default: the next
         positions after the cache, from 0 without one. Mechanisms get them as ``AttentionCall.positions``
         (the patterns place their sinks / globals / windows at them over the keys at hand).
 
@@ -148,10 +148,12 @@ class Decoder(nn.Module):
         if positions is None:
             start = 0 if cache is None else cache.seen
             positions = torch.arange(start, start + n, device=input_ids.device)
-        elif positions.shape != (n,) or cache is not None:
-            raise ValueError(f"positions must be int64 [tokens] = [{n}] and come without a cache (a cache numbers "
-                             f"its tokens itself), got shape {tuple(positions.shape)}"
-                             + (" and a cache" if cache is not None else ""))
+        elif (positions.shape != (n,) or positions.dtype != torch.int64 or cache is not None
+              or segment_starts is not None):
+            raise ValueError(f"positions must be int64 [tokens] = [{n}], without a cache (it numbers its tokens "
+                             "itself) and without segment_starts (which count from the row's first token); got "
+                             f"{positions.dtype} {tuple(positions.shape)}" + (" and a cache" if cache is not None else "")
+                             + (" and segment_starts" if segment_starts is not None else ""))
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed(input_ids)
         layers, per_layer, aux = [], [], []
@@ -160,8 +162,10 @@ class Decoder(nn.Module):
             if r is not None:
                 layers.append(i)
                 per_layer.append(r)
-            if blk.attn.mechanism.aux_loss is not None:
-                aux.append(blk.attn.mechanism.aux_loss)
+            mech = blk.attn.mechanism
+            if mech.aux_loss is not None:  # handed on, not kept: a module holding a graph cannot be deep-copied
+                aux.append(mech.aux_loss)
+                mech.aux_loss = None
         x = self.norm(x)
         logits = F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
         if cache is not None:

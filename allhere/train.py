@@ -172,7 +172,8 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
             else:
                 with autocast:
                     out = model(ids, **kwargs)
-                loss = training_loss(out, ids, lam, loss_mask=loss_mask)
+                pads = kwargs["segment_starts"] < 0 if "segment_starts" in kwargs else None  # not in L_reg, mu_f
+                loss = training_loss(out, ids, lam, None if pads is None else ~pads, loss_mask)
             (loss.total / len(micros)).backward()
             sums["loss"] += loss.total.item() / share
             sums["lm"] += loss.lm.item() / share
@@ -210,8 +211,8 @@ def check_settings(meta: dict, cfg: TrainConfig, train_only: str | None, ckpt_pa
     """A checkpoint is resumed only with the settings it was written with (read back through
     ``TrainConfig``: a field added since, at its default, is no difference)."""
     try:
-        saved = TrainConfig(**meta.get("train_config", {})).to_dict()
-    except (TypeError, ValueError):  # fields this version does not know, or values it refuses
+        saved = TrainConfig(**meta["train_config"]).to_dict()
+    except (KeyError, TypeError, ValueError):  # no settings, fields this version does not know, bad values
         saved = None
     if saved != cfg.to_dict() or meta.get("train_only") != train_only:
         raise CheckpointError(f"{ckpt_path} was written with other training settings; resume with the "

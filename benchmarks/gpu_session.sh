@@ -29,6 +29,7 @@ for part in "${parts[@]}"; do
     *) echo "error: unknown part '$part' (tests, tiles, bench, sft, mechanisms, patterns)" >&2; exit 2 ;; esac
 done
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$out/versions.txt"
+status=0  # non-zero when any part failed (each part still runs)
 for part in "${parts[@]}"; do
   case "$part" in
     tests) python3 -m pytest -q tests/test_gpu.py tests/test_kernels.py 2>&1 | tee "$out/tests.log" ;;
@@ -38,10 +39,13 @@ for part in "${parts[@]}"; do
            python3 benchmarks/sft_throughput.py --device cuda --doc-len 512 --router-init local; } 2>&1 \
            | tee "$out/sft_throughput.log" ;;
     mechanisms) python3 -m pytest -q -rsx --durations=15 tests/test_gpu_mechanisms.py 2>&1 | tee "$out/mechanisms.log" ;;
-    patterns) for n in 8192 32768; do
-                for backend in blocksparse flex; do
-                  python3 benchmarks/patterns_speed.py --device cuda --n "$n" --backend "$backend"; echo
+    patterns) { rc=0
+                for n in 8192 32768; do
+                  for backend in blocksparse flex; do
+                    python3 benchmarks/patterns_speed.py --device cuda --n "$n" --backend "$backend" || rc=1; echo
+                  done
                 done
-              done 2>&1 | tee "$out/patterns.md" ;;
-  esac
+                exit $rc; } 2>&1 | tee "$out/patterns.md" ;;
+  esac || { echo "gpu_session: part '$part' failed" >&2; status=1; }
 done
+exit $status

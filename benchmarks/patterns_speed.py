@@ -86,13 +86,19 @@ def fastest_dense(q, k, v, repeats: int):
 
 
 def flex_path(pred, q, k, v):
-    """The FlexAttention path as ``PatternAttention`` runs it: (BlockMask build seconds, call)."""
+    """The FlexAttention path as ``PatternAttention`` runs it: (BlockMask build seconds, call). The mask is
+    built twice and the second build timed (the first may compile the builder on CUDA)."""
     from allhere.ops.flex import flex_block_mask, flex_pattern_attention
 
+    def build():
+        return flex_block_mask(pred, q.shape[2], k.shape[2], heads=q.shape[1], device=q.device, per_batch=False,
+                               per_head=getattr(pred, "varies_by_head", False))
+
+    build()
     if q.is_cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    mask = flex_block_mask(pred, q.shape[2], k.shape[2], heads=q.shape[1], device=q.device, per_batch=False)
+    mask = build()
     if q.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - t0, lambda: flex_pattern_attention(q, k, v, mask)

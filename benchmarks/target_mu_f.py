@@ -4,7 +4,7 @@
 
 Reuses the demo's pretrained model of ``--run`` (pretrains it when missing, as ``allhere demo`` would) and
 fine-tunes AHA with the demo's settings except that lambda is trained towards each target; each model goes
-to ``<run>/<task>/target-mu-f-<target>/``. Prints, per target, the held-out evaluation and lambda and mu_f
+to ``<run>/<task>/target-mu-f-<target>-rate-<rate>/``. Prints, per target, the held-out evaluation and lambda and mu_f
 along the training steps.
 """
 
@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     for target in args.targets:
         t0 = time.time()
         cfg = dataclasses.replace(plan.finetune, target_mu_f=target, lam_rate=args.rate, log_every=10)
-        ckpt = task.run / f"target-mu-f-{target}" / "checkpoint.safetensors"
+        ckpt = task.run / f"target-mu-f-{target}-rate-{args.rate}" / "checkpoint.safetensors"
         model, _ = finetune(task, ckpt, plan.aha, False, cfg=cfg, periodic=False)
         result = {k: round(v, 4) for k, v in task.data.evaluate(model).items() if isinstance(v, float)}
         history = read_checkpoint(ckpt)[1]["history"]

@@ -1,6 +1,7 @@
 """The AA-MoE layer: routing and log P against a brute-force reading of Eqs. 4-16, every decision switch,
 the causal budget predictor, cached decoding equal to the full forward, the config checks."""
 
+import copy
 import math
 
 import pytest
@@ -163,6 +164,8 @@ def test_predictor_loss_is_in_the_total_and_scales_with_it():
         out = model(ids)
         loss = training_loss(out, ids, lam=0.0)
         assert out.aux_loss is not None and torch.allclose(loss.total, loss.lm + out.aux_loss)
+        assert model.blocks[0].attn.mechanism.aux_loss is None  # handed on, not kept: the model deep-copies
+        copy.deepcopy(model)
         (loss.total * scale).backward()
         grads.append(pred.net[0].weight.grad.clone())
     assert grads[0].abs().sum() > 0

@@ -92,4 +92,4 @@ def test_target_mu_f_script_tiny(tmp_path):
     out = run_script("benchmarks/target_mu_f.py", "--run", str(tmp_path), "--preset", "tiny", "--task", "recall",
                      "--targets", "0.2")
     assert "recall, target mu_f 0.2" in out and "'accuracy'" in out
-    assert (tmp_path / "recall" / "target-mu-f-0.2" / "checkpoint.safetensors").exists()
+    assert (tmp_path / "recall" / "target-mu-f-0.2-rate-0.05" / "checkpoint.safetensors").exists()

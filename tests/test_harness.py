@@ -86,6 +86,8 @@ def test_cli_eval(setup, capsys):
     assert "%|" not in out.err  # no tqdm bar (lm-eval builds each task's prompts under one)
     assert main(args + ["--verbose"]) == 0
     assert "%|" in capsys.readouterr().err
+    assert main(args + ["--no-progress"]) == 0
+    assert "requests" not in capsys.readouterr().err
 
 
 def test_generate_until_is_greedy_and_stops_at_the_stop_string(setup):

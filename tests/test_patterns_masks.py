@@ -165,3 +165,7 @@ def test_prepare_is_passed_on_and_does_not_freeze_the_random_blocks():
     assert hasattr(or_masks(causal, combined), "prepare") and not hasattr(or_masks(causal, causal), "prepare")
     combined.prepare(1, 16, "cpu")
     assert torch.equal(dense_mask(rand, 32, 32), dense_mask(bigbird(4, 2, 1, 1, seed=1), 32, 32))
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    with pytest.raises(RuntimeError, match="must be drawn before the mask is traced"):  # vmap reads no position
+        create_block_mask(bigbird(4, 2, 1, 1, seed=2), 1, 1, 32, 32, device="cpu")

@@ -230,6 +230,23 @@ def test_flex_attention_backend_equals_reference():
     assert rel_err(out, reference_attention(q, k, v, cfg.mask_fn(128))) < 1e-5
 
 
+def test_flex_is_compiled_for_a_bounded_number_of_shapes(monkeypatch):
+    """Past ``flex_shapes`` (pattern, shape) pairs a new shape takes the block-sparse op: FlexAttention
+    compiles per shape, and past dynamo's limit it would run unfused over the whole score matrix."""
+    import allhere.ops.flex as flex
+
+    def no_flex(*args, **kwargs):
+        raise AssertionError("FlexAttention was called")
+
+    monkeypatch.setattr(flex, "flex_pattern_attention", no_flex)
+    cfg = CONFIGS["longformer"]
+    mech = build(cfg, DIMS)
+    mech.backend, mech.dense_below, mech.flex_min_queries, mech.flex_shapes = "flex", 0, 1, 0
+    q, k, v = qkv(37)
+    out, _ = mech(q, k, v, AttentionCall(x=None))
+    assert rel_err(out, reference_attention(q, k, v, cfg.mask_fn(37))) < 1e-5
+
+
 @pytest.mark.parametrize("cfg", [SlidingConfig(window=256), SinksConfig(window=252, n_sinks=4),
                                  LongformerConfig(window=240, global_first=16)])
 def test_cache_bytes_constant_from_4k_to_64k_generated_tokens(cfg):

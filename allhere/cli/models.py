@@ -104,13 +104,14 @@ def eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-fewshot", type=a.positive_or_zero, default=None,
                    help="few-shot examples per prompt (default: each task's own setting)")
     p.add_argument("--device", type=a.device, default="cpu", help="cpu (default), cuda[:N] or auto")
+    a.progress_flag(p)
 
 
 def evaluate(args) -> None:
     from ..eval.harness import evaluate as harness
 
     results = harness(args.model, args.tasks, args.include_path, args.limit, args.device, args.num_fewshot,
-                      verbose=args.verbose)
+                      verbose=args.verbose, show_progress=not args.no_progress)
     for task, metrics in results.items():
         shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
                           if isinstance(v, float) and "stderr" not in k)

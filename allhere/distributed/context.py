@@ -97,10 +97,11 @@ def context_parallel_loss(out, targets: torch.Tensor, lam: float, group=None) ->
     dist.all_reduce(count, group=group)
     ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
     lm = ce * world / count.clamp_min(1.0).to(ce.dtype)
+    aux = 0.0 if out.aux_loss is None else out.aux_loss  # this rank's; the gradient average takes the mean
     if out.routing is None:
-        return Loss(lm, lm, None, None)
+        return Loss(lm + aux, lm, None, None)
     l_reg = out.routing.l_reg()
-    return Loss(lm + lam * l_reg, lm, l_reg, out.routing.mu_f().detach())
+    return Loss(lm + lam * l_reg + aux, lm, l_reg, out.routing.mu_f().detach())
 
 
 def mean_over_ranks(x: torch.Tensor | float, group=None) -> float:

@@ -46,9 +46,9 @@ class _Bytes:
 @register_model("allhere")
 class AllhereLM(LM):
     def __init__(self, pretrained: str, device: str = "cpu", max_length: int = 2048, batch_size: int = 1,
-                 max_gen_toks: int = 256, progress: bool = True, **kwargs) -> None:
+                 max_gen_toks: int = 256, show_progress: bool = True, **kwargs) -> None:
         super().__init__()
-        self.progress = progress  # a bar (a line every 5% off a terminal) over each batch of requests
+        self.show_progress = show_progress  # a bar (a line every 5% off a terminal) over each batch of requests
         path = Path(pretrained)
         self._device = torch.device(device)
         self.max_length = int(max_length)
@@ -93,7 +93,7 @@ class AllhereLM(LM):
 
     def _each(self, requests, kind: str):
         """The requests one by one, with progress."""
-        bar = progress(len(requests), f"lm-eval {kind} requests", enabled=self.progress)
+        bar = progress(len(requests), f"lm-eval {kind} requests", enabled=self.show_progress)
         for req in requests:
             yield req
             bar.update(1)
@@ -152,9 +152,11 @@ class AllhereLM(LM):
 
 
 def evaluate(pretrained: str, tasks: list[str], include_path: str | None = None, limit: int | None = None,
-             device: str = "cpu", num_fewshot: int | None = None, verbose: bool = True) -> dict:
+             device: str = "cpu", num_fewshot: int | None = None, verbose: bool = True,
+             show_progress: bool = True) -> dict:
     """Run lm-eval tasks on a model; returns lm-eval's results with ``mu_f`` added to every task.
-    ``verbose`` False hides lm-eval's own bars (building each task's prompts); ours over the requests stay."""
+    ``verbose`` False hides lm-eval's own bars (building each task's prompts); ``show_progress`` is ours
+    over the scored requests."""
     import lm_eval.api.task
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -165,15 +167,16 @@ def evaluate(pretrained: str, tasks: list[str], include_path: str | None = None,
         where = "lm-eval's tasks" + (f" or {include_path}" if include_path else "")
         raise ConfigError(f"unknown lm-eval task{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not in "
                           f"{where} (lm-eval lists its tasks with: lm-eval ls tasks)")
-    lm = AllhereLM(pretrained, device=device)
-    bars = lm_eval.api.task.tqdm
-    if not verbose:
+    lm = AllhereLM(pretrained, device=device, show_progress=show_progress)
+    bars = getattr(lm_eval.api.task, "tqdm", None)  # the bar lm-eval builds each task's prompts under
+    if bars is not None and not verbose:
         lm_eval.api.task.tqdm = functools.partial(bars, disable=True)
     try:
         res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager,
                               limit=limit, num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
     finally:
-        lm_eval.api.task.tqdm = bars
+        if bars is not None:
+            lm_eval.api.task.tqdm = bars
     for task, mu in lm.mu_f().items():
         res["results"].setdefault(task, {})["mu_f"] = mu
     return res["results"]

@@ -86,6 +86,8 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     """
     if global_batch % batch_size:
         raise ConfigError(f"global_batch = {global_batch} must be a multiple of batch_size = {batch_size}")
+    if target_mu_f is not None and d_down is not None:
+        raise ConfigError("target_mu_f steers AHA's routers; DAR (d_down) has none")
     out = Path(out)
     rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
     tokenizer, model = load_local(model_path, convertible=True)
@@ -109,7 +111,7 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     cfg = TrainConfig(steps=steps, batch_size=batch_size, grad_accum=accum, lr=lr, beta1=0.9, beta2=0.95,
                       warmup_ratio=0.03, weight_decay=0.0, lam=lam if d_down is None else 0.0,
                       ckpt_every=max(1, min(100, steps)), log_every=1, seed=seed, device=device,
-                      target_mu_f=target_mu_f if d_down is None else None)
+                      target_mu_f=target_mu_f)
     extra = {"chat_template_fallback": used_fallback, "sequences": n}
     lm = HFCausalLM(model)
     if d_down is None:

@@ -27,7 +27,7 @@ def _kv_with_positions(cache, k, v, positions=None):
         return k, v, offset
     if pos is None:
         return k, v, 0
-    if pos.numel() and int(pos[-1] - pos[0]) + 1 == pos.numel():
+    if pos.numel() and bool((pos[1:] - pos[:-1] == 1).all()):
         return k, v, int(pos[0])
     return k, v, pos
 
@@ -45,12 +45,15 @@ def check_dilation(config) -> None:
 
 
 class PatternAttention(AttentionMechanism):
-    """A mechanism that attends under a fixed mask predicate: ``mask_fn(n)`` (given by its config).
+    """A mechanism that attends under a fixed mask predicate: ``mask_fn(n)`` (given by its config), at the
+    positions the call gives (``AttentionCall.positions``) or those its cache counts.
 
-    Calls whose keys are contiguous positions run the block-sparse op (``allhere.ops.blocksparse``, the
-    tile plan kept for the last few shapes) or the subclass's faster op for whole sequences (``fast``);
-    small calls (``dense_below``: decode steps) and decode steps of a cache that kept scattered positions
-    run the dense reference over the keys at hand (bounded where the cache is).
+    Calls whose keys are contiguous positions run, on CUDA, FlexAttention (``allhere.ops.flex``: compiled
+    for at most ``flex_shapes`` (pattern, call shape) pairs in the process, the block mask kept for the last few) and
+    elsewhere the block-sparse op (``allhere.ops.blocksparse``, the tile plan kept for the last few shapes)
+    or the subclass's faster op for whole sequences (``fast``); small calls (``dense_below``: decode steps)
+    and scattered key positions (a cache that dropped keys, a shard's positions) run the dense reference
+    over the keys at hand.
     """
 
     reads_all_keys = False
@@ -60,7 +63,12 @@ class PatternAttention(AttentionMechanism):
     # elsewhere; or "blocksparse" / "flex" (``allhere.ops.flex``, compiled), set per module. Under
     # ``allhere.use_backend("reference")`` every call runs the dense reference.
     backend = "auto"
-    flex_min_queries = 128  # calls with fewer queries take the block-sparse op (FlexAttention compiles per shape)
+    # FlexAttention compiles again for every call shape (and after dynamo's limit of 8 runs unfused, over the
+    # whole score matrix): calls with fewer queries (decode, small chunks), and new shapes once this many
+    # were compiled in the process (varying lengths: evaluation, generation), take the block-sparse op.
+    flex_min_queries = 128
+    flex_shapes = 6
+    _flex_seen: set = set()  # the (pattern, call shape) pairs compiled so far, shared by every pattern layer
     _max_plans = 8
 
     def __init__(self, cfg, dims) -> None:
@@ -101,6 +109,18 @@ class PatternAttention(AttentionMechanism):
                 self._plans[key] = plan
         return plan
 
+    def _flex_allowed(self, q, k, kpos) -> bool:
+        """Whether this call may take FlexAttention: enough queries, and a (pattern, shape) compiled before
+        or room for one more."""
+        key = (self.cfg, *q.shape, k.shape[1], k.shape[2], kpos if isinstance(kpos, int) else -1, q.dtype, q.device)
+        if q.shape[2] < self.flex_min_queries:
+            return False
+        if key not in self._flex_seen:
+            if len(self._flex_seen) >= self.flex_shapes:
+                return False
+            self._flex_seen.add(key)
+        return True
+
     def _flex(self, pred, q, k, v, key_offset: int, scale, per_batch: bool):
         from ..ops.flex import flex_block_mask, flex_pattern_attention
 
@@ -109,7 +129,8 @@ class PatternAttention(AttentionMechanism):
         mask = None if per_batch else self._plans.get(key)
         if mask is None:
             mask = flex_block_mask(pred, lq, k.shape[2], heads=h, batch=b, key_offset=key_offset,
-                                   device=q.device, per_batch=per_batch)
+                                   device=q.device, per_batch=per_batch,
+                                   per_head=getattr(pred, "varies_by_head", False))
             if not per_batch:
                 if len(self._plans) >= self._max_plans:
                     self._plans.pop(next(iter(self._plans)))
@@ -127,7 +148,7 @@ class PatternAttention(AttentionMechanism):
         k, v, kpos = _kv_with_positions(cache, k, v, call.positions)
         lq, lk = q.shape[2], k.shape[2]
         backend = self.backend if self.backend != "auto" else ("flex" if q.is_cuda else "blocksparse")
-        if backend == "flex" and lq < self.flex_min_queries:  # decode steps: one compile per key count
+        if backend == "flex" and not self._flex_allowed(q, k, kpos):
             backend = "blocksparse"
         if (isinstance(kpos, int) and kpos == 0 and lq == lk and starts is None and backend == "blocksparse"
                 and get_backend() != "reference"):
@@ -144,7 +165,7 @@ class PatternAttention(AttentionMechanism):
             plan = self._plan(pred, q, k, kpos, cacheable=starts is None)
             return blocksparse_attention(q, k, v, plan, call.scale), None
         # Decode steps and small calls (a plan costs more than it saves), and scattered positions (kept by a
-        # PatternKVCache, or given for a shard): dense over the keys at hand, which a bounded cache keeps few.
+        # PatternKVCache, or given for a shard): dense over the keys at hand.
         if isinstance(kpos, int):
             kpos = torch.arange(kpos, kpos + lk, device=q.device)
         qpos = kpos[-lq:]  # the new tokens are the last keys

@@ -16,7 +16,7 @@ import torch
 from ..masks import MaskFn
 from .common import check_qkv, default_scale
 
-COMPILED_MASK_FROM = 1 << 26  # (8k x 8k): eager create_block_mask holds int64 index grids of that size per head
+COMPILED_MASK_FROM = 1 << 26  # batch x heads x q x kv from which eager create_block_mask's int64 grids are too big
 _compiled: dict = {}
 
 
@@ -45,7 +45,8 @@ def flex_block_mask(pred: MaskFn, q_len: int, kv_len: int, *, heads: int = 1, ba
         return pred(b, h, q_idx + q_off, kv_idx + key_offset)
 
     build = create_block_mask
-    if torch.device(device or "cpu").type == "cuda" and q_len * kv_len >= COMPILED_MASK_FROM:
+    grid = (batch if per_batch else 1) * (heads if per_head else 1) * q_len * kv_len
+    if torch.device(device or "cpu").type == "cuda" and grid >= COMPILED_MASK_FROM:
         build = _compile("create_block_mask")  # block by block: no [heads, q_len, kv_len] intermediates
     return build(mask_mod, batch if per_batch else None, heads if per_head else None, q_len, kv_len,
                  device=device or "cpu", BLOCK_SIZE=block)
