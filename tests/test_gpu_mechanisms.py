@@ -92,10 +92,12 @@ def assert_close(got, want, tol, what=""):
 @pytest.fixture
 def flex_calls(monkeypatch):
     """The calls that reach FlexAttention. Compiled code of earlier tests is dropped first: past dynamo's
-    recompile limit the compiled flex_attention would silently fall back to its unfused eager form."""
+    recompile limit the compiled flex_attention would silently fall back to its unfused eager form (and the
+    pattern layers' count of compiled shapes, which keeps them below it, starts again)."""
     import allhere.ops.flex as flex
 
     torch._dynamo.reset()
+    PatternAttention._flex_seen.clear()
     calls, real = [], flex.flex_pattern_attention
     monkeypatch.setattr(flex, "flex_pattern_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     return calls
