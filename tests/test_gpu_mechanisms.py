@@ -294,16 +294,45 @@ def test_aamoe_op_matches_reference(own, dtype):
 
 
 @pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
+def one_rank_group():
+    """The process group as training joins it (``allhere.distributed.env.init``: on CUDA NCCL for CUDA
+    tensors and gloo for CPU ones), with one rank."""
+    import socket
+
+    from allhere.distributed.env import DistEnv, init
+
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or (ON_CUDA and not dist.is_nccl_available()):
         pytest.skip("torch.distributed with " + ("NCCL" if ON_CUDA else "gloo") + " is not available")
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("ring") / "store"), 1)
-    dist.init_process_group("nccl" if ON_CUDA else "gloo", store=store, rank=0, world_size=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    init(DistEnv(0, 1, 0), DEVICE)
     yield
     dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def test_the_training_group_reduces_cpu_and_device_tensors(one_rank_group):
+    """What training sends through the group: the logged sums (CPU tensors) and, in context parallelism,
+    values on the device."""
+    import torch.distributed as dist
+
+    from allhere.distributed.context import mean_over_ranks
+
+    for device in ("cpu", DEVICE):
+        t = torch.tensor([1.5, 2.0], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.5, 2.0]
+    assert mean_over_ranks(torch.tensor(3.0, device=DEVICE)) == 3.0 and mean_over_ranks(2.5) == 2.5
 
 
 RING_N, RING_W, RING_TAU = 64, 5, 0.7
