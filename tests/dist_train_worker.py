@@ -10,6 +10,7 @@ from allhere.config import TrainConfig
 import train_worker  # the same model and batches as the one-process resume test
 
 CFG = TrainConfig(steps=20, batch_size=2, grad_accum=4, lr=3e-3, ckpt_every=2, log_every=1)
+AAMOE_CFG = TrainConfig(steps=6, batch_size=2, grad_accum=2, lr=3e-3, ckpt_every=6, log_every=1)
 
 
 def run(path, delay=0.0):
@@ -18,6 +19,10 @@ def run(path, delay=0.0):
 
 def spawned(rank, world, tmp, path):
     return {"history": run(path)["history"]}
+
+
+def spawned_aamoe(rank, world, tmp, path):
+    return {"history": train_worker.run(path, cfg=AAMOE_CFG, model_fn=train_worker.aamoe_model)["history"]}
 
 
 if __name__ == "__main__":  # under torchrun: python -m torch.distributed.run ... dist_train_worker.py PATH DELAY

@@ -86,3 +86,21 @@ def test_killed_rank_resumes_from_sharded_checkpoint(two_process_run, tmp_path):
     assert meta["history"] == ref_meta["history"]
     for (name, p), q in zip(resumed.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_aamoe_predictor_trains_alike_in_two_processes(tmp_path):
+    """FSDP2 and a mechanism's aux_loss: AA-MoE's budget predictor gets its gradient only from that loss,
+    not through the block's output; two processes train it (and everything else) as one does."""
+    cfg = dist_train_worker.AAMOE_CFG
+    path = tmp_path / "two" / "checkpoint.safetensors"
+    per_rank = dist_worker.launch(dist_train_worker.spawned_aamoe, 2, tmp_path / "results", path)
+    single = train_worker.run(tmp_path / "one" / "checkpoint.safetensors", cfg=cfg, model_fn=train_worker.aamoe_model)
+    for a, b in zip(per_rank[0]["history"], single["history"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4, (a, b)
+    two, _ = load_model(path)
+    one, _ = load_model(tmp_path / "one" / "checkpoint.safetensors")
+    init = train_worker.aamoe_model()
+    for (name, p), q, p0 in zip(two.named_parameters(), one.parameters(), init.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name
+        if ".predictor." in name and name.endswith("weight"):
+            assert not torch.equal(p, p0), f"{name} never changed"
