@@ -219,10 +219,7 @@ class _Ring:
             if blocks:
                 self._count("forward", rounds=1)
             for blk in blocks:
-                j = blk.k_chunk if index is None else index.index(blk.k_chunk)
-                kb, vb = self._chunk(block_kv, j).float().split(d, dim=-1)
-                rows = self._gathered(sel, blk)
-                mask = self._mask(blk, t, sel, rows)
+                _, kb, vb, rows, mask = self._block_inputs(blk, t, block_kv, index, sel, d)
                 qb = self._chunk(qf, blk.q_chunk)
                 if rows is not None:
                     qb = qb.gather(2, rows[0][..., None].expand(-1, -1, -1, d))
@@ -232,6 +229,15 @@ class _Ring:
         for w, _ in sends + pending[2]:
             w.wait()
         return acc, lse
+
+    def _block_inputs(self, blk, t: int, block_kv, index, sel, d: int):
+        """The position j of a block's key chunk in this round's buffer (``index`` lists the chunks it holds,
+        None for our own), that chunk's K and V, the block's gathered query rows and its mask: the same in
+        the forward and the backward."""
+        j = blk.k_chunk if index is None else index.index(blk.k_chunk)
+        kb, vb = self._chunk(block_kv, j).float().split(d, dim=-1)
+        rows = self._gathered(sel, blk)
+        return j, kb, vb, rows, self._mask(blk, t, sel, rows)
 
     def _merge(self, acc, lse, blk, rows, o_p, l_p):
         a, l_acc = self._chunk(acc, blk.q_chunk), self._chunk(lse, blk.q_chunk)
@@ -283,10 +289,7 @@ class _Ring:
             if blocks:
                 self._count("backward", rounds=1)
             for blk in blocks:
-                j = blk.k_chunk if index is None else index.index(blk.k_chunk)
-                kb, vb = self._chunk(block_kv, j).float().split(d, dim=-1)
-                rows = self._gathered(sel, blk)
-                mask = self._mask(blk, t, sel, rows)
+                j, kb, vb, rows, mask = self._block_inputs(blk, t, block_kv, index, sel, d)
                 sl = [self._chunk(x, blk.q_chunk) for x in (qf, do, out, lse, delta)]
                 if rows is not None:
                     idx = rows[0]

@@ -104,10 +104,14 @@ class PatternAttention(AttentionMechanism):
             plan = plan_blocks(pred, lq, lk, heads=h, kv_heads=hkv, batch=b, block=self.tile,
                                key_offset=key_offset, device=q.device)
             if cacheable:
-                if len(self._plans) >= self._max_plans:
-                    self._plans.pop(next(iter(self._plans)))
-                self._plans[key] = plan
+                self._keep(key, plan)
         return plan
+
+    def _keep(self, key, plan) -> None:
+        """Keep a tile plan or block mask for its call shape, dropping the oldest beyond ``_max_plans``."""
+        if len(self._plans) >= self._max_plans:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan
 
     def _flex_allowed(self, q, k, kpos) -> bool:
         """Whether this call may take FlexAttention: enough queries, and a (pattern, shape) compiled before
@@ -132,9 +136,7 @@ class PatternAttention(AttentionMechanism):
                                    device=q.device, per_batch=per_batch,
                                    per_head=getattr(pred, "varies_by_head", False))
             if not per_batch:
-                if len(self._plans) >= self._max_plans:
-                    self._plans.pop(next(iter(self._plans)))
-                self._plans[key] = mask
+                self._keep(key, mask)
         return flex_pattern_attention(q, k, v, mask, scale)
 
     def forward(self, q, k, v, call: AttentionCall, cache=None):
