@@ -118,12 +118,13 @@ class _Tables:
         """The table ``name`` on ``like``'s device."""
         if like.device.type == "cpu":
             return self.cpu[name]
-        if _device(like.device) not in self.copies:
+        device = _device(like.device)
+        if device not in self.copies:
             if _tracing(like):
                 raise RuntimeError("a mask predicate's tables must be on the device before it is traced: call its "
                                    "prepare(heads, length, device) first (allhere.ops.flex does)")
-            self.prepare(device=like.device)
-        return self.copies[_device(like.device)][name]
+            self.prepare(device=device)
+        return self.copies[device][name]
 
 
 def _tracing(t) -> bool:
