@@ -1,6 +1,10 @@
 """Checkpoints: one safetensors file (model and optimizer tensors) with the JSON state in its metadata,
 plus a readable JSON copy beside it. Written atomically (temporary file, then rename), so a crash never
 leaves a half-written checkpoint in place of a good one. Loading never unpickles anything.
+
+Tied weights (a model whose output head shares the input embedding's tensor, as Llama-3.2, Qwen2.5, Qwen3
+and SmolLM2 do) are stored once: safetensors refuses two names for one storage. The metadata lists each
+other name (``shared``: alias -> stored name) and loading hands the stored tensor to both.
 """
 
 from __future__ import annotations
@@ -36,8 +40,18 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     from safetensors.torch import save_file
 
     path = Path(path)
-    tensors = {f"model.{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    tensors, shared = {}, {}
+    first_name: dict[tuple, str] = {}  # (storage, offset, shape, stride) -> the first name holding it
+    for k, v in model.state_dict().items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride(), v.device)
+        if v.numel() and key in first_name:  # the same tensor under a second name (tied weights)
+            shared[f"model.{k}"] = first_name[key]
+            continue
+        first_name[key] = f"model.{k}"
+        tensors[f"model.{k}"] = v.detach().contiguous().cpu()
     meta = dict(state, model_config=model.cfg.to_dict())
+    if shared:
+        meta["shared"] = shared
     if optimizer is not None:
         osd = optimizer.state_dict()
         for idx, st in osd["state"].items():
@@ -59,6 +73,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {})["allhere"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors.update({alias: tensors[stored] for alias, stored in meta.get("shared", {}).items()})
     except Exception as e:  # safetensors raises several types for a damaged file
         raise CheckpointError(f"checkpoint {path} is corrupt or not an allhere safetensors file ({e})") from e
     return tensors, meta

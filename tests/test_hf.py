@@ -153,4 +153,8 @@ def test_contract_with_transformers_interfaces():
     model = convert(build("llama"), AHAConfig(window=4))
     assert model.config._attn_implementation == "allhere"
     src = inspect.getsource(type(model.model.layers[0].self_attn).forward)
-    assert "attention_interface(" in src and "past_key_values.update" in src
+    assert "attention_interface(" in src and ("cache.update" in src or "past_key_values.update" in src)
+    from allhere.hf.attention import _CACHE_ARGS
+
+    forward = inspect.signature(type(model.model.layers[0].self_attn).forward).parameters
+    assert set(forward) & set(_CACHE_ARGS)  # the name the module takes its cache by is one allhere reads

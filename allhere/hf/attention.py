@@ -34,7 +34,7 @@ from .cache import own_layer
 
 ATTN_NAME = "allhere"
 SUBMODULE = "allhere"  # the mechanism's name inside the attention module
-_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # by transformers version and family
 
 
 @dataclass
