@@ -38,11 +38,8 @@ def _at(model, path: str):
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"unsupported architecture {model_type!r}: allhere converts "
-                          f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
-    path, attr = SUPPORTED_MODEL_TYPES[model_type]
+    check_convertible(model.config)
+    path, attr = SUPPORTED_MODEL_TYPES[model.config.model_type]
     return [getattr(layer, attr) for layer in _at(model, path)]
 
 
@@ -56,6 +53,64 @@ def dims_of(config) -> AttentionDims:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return AttentionDims(config.hidden_size, heads, getattr(config, "num_key_value_heads", None) or heads, head_dim)
+
+
+def rope_types(config) -> set[str]:
+    """The rotary types a transformers config asks for (one per layer type where it has several)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    groups = params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    return {g.get("rope_type", g.get("type", "default")) or "default" for g in groups}
+
+
+def check_rope(config) -> None:
+    """Refuse (ConfigError) a rotary type transformers does not implement: the model could not be built."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    unknown = sorted(t for t in rope_types(config) if t != "default" and t not in ROPE_INIT_FUNCTIONS)
+    if unknown:
+        raise ConfigError(f"config.json asks for rope_type {', '.join(map(repr, unknown))}, which this transformers "
+                          f"does not implement (it knows default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+
+
+LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}  # rotary frequencies that change with the sequence length
+
+
+def check_convertible(config, cfg=None) -> None:
+    """Refuse (ConfigError, one line naming the flag) what ``convert`` would compute differently from the
+    original: an unsupported family, layers that are not all full attention (a hybrid of sliding and full
+    layers: ``layer_types``, or Qwen2/Qwen3's ``use_sliding_window``), an unknown rope type, and for a
+    mechanism that rebuilds keys of earlier tokens at their own positions (DAR's compressed cache) a rotary
+    embedding whose frequencies change with the sequence length."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"unsupported architecture {model_type!r}: allhere converts "
+                          f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    check_rope(config)
+    kinds = list(getattr(config, "layer_types", None) or [])
+    local = [i for i, k in enumerate(kinds) if k != "full_attention"]
+    if local:
+        why = (f"use_sliding_window = true with max_window_layers = {config.max_window_layers}"
+               if getattr(config, "use_sliding_window", False) else "layer_types")
+        raise ConfigError(f"config.json: {why} gives layer(s) {', '.join(map(str, local[:4]))}"
+                          f"{', ...' if len(local) > 4 else ''} {kinds[local[0]]!r} instead of full attention; "
+                          "allhere converts models whose every layer attends to the whole prefix")
+    if cfg is not None and hasattr(registry.of(cfg).module, "new_hf_cache_layer"):
+        dynamic = rope_types(config) & LENGTH_DEPENDENT_ROPE
+        if dynamic:
+            raise ConfigError(f"config.json: rope_type {dynamic.pop()!r} changes the rotary frequencies with the "
+                              f"sequence length; {type(cfg).__name__} rebuilds earlier keys at their own positions "
+                              "and would rotate them with other frequencies than the original did")
+
+
+def replaced_window(config) -> str | None:
+    """What a user should know when the original model has a sliding window of its own (Mistral-7B-v0.1:
+    4096) that ``convert`` replaces by the mechanism, or None."""
+    window = getattr(config, "sliding_window", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if window is None or (context is not None and window >= context):
+        return None
+    return (f"note: the model's own sliding_window = {window} is replaced by the mechanism: global attention "
+            f"reads the whole prefix, which is the original's attention up to {window} tokens only")
 
 
 def _check_window(model, cfg) -> None:
@@ -81,6 +136,7 @@ def convert(model, cfg):
     that has neither.
     """
     entry = registry.of(cfg)
+    check_convertible(model.config, cfg)
     modules = attention_modules(model)
     if any(hasattr(attn, SUBMODULE) for attn in modules):
         raise ValueError("this model is already converted (its attention modules hold allhere mechanisms)")

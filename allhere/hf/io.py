@@ -18,7 +18,7 @@ from .. import registry
 from ..checkpoint import CheckpointError
 from ..validation import ConfigError
 from .attention import SUBMODULE
-from .convert import CONFIG_KEY, SUPPORTED_MODEL_TYPES, convert
+from .convert import CONFIG_KEY, SUPPORTED_MODEL_TYPES, check_convertible, check_rope, convert
 
 LEGACY_KEYS = {"allhere_aha": "aha", "allhere_dar": "dar"}  # config.json keys of earlier versions
 
@@ -126,13 +126,20 @@ def check_causal_lm(path: str | Path, convertible: bool = False):
     if convertible and model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{p} holds a {what} model (model_type {model_type!r}); allhere converts "
                           f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    try:
+        check_rope(config)
+        if convertible or saved_mechanism(config) is not None:
+            check_convertible(config)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
     return config
 
 
-def load_local(model_path: str | Path, convertible: bool = False):
+def load_local(model_path: str | Path, convertible: bool = False, dtype: torch.dtype | str = "auto"):
     """Tokenizer and model from a local folder with transformers' own loaders (never the network): a plain
     transformers causal LM (with ``convertible``, of a family allhere converts), or one saved converted (then
-    through ``load_pretrained``)."""
+    through ``load_pretrained``). ``dtype``: "auto" keeps the dtype the weights were saved in (what
+    lm-eval's ``hf`` model does); training asks for float32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = Path(model_path)
@@ -142,5 +149,13 @@ def load_local(model_path: str | Path, convertible: bool = False):
     except (OSError, ValueError) as e:
         raise ConfigError(f"{p} has no tokenizer transformers can load: {e}") from None
     if saved_mechanism(config) is not None:
-        return tokenizer, load_pretrained(p, local_files_only=True)
-    return tokenizer, AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, attn_implementation="sdpa")
+        return tokenizer, load_pretrained(p, local_files_only=True, dtype=dtype)
+    return tokenizer, AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, attn_implementation="sdpa",
+                                                           dtype=dtype)
+
+
+def saved_dtype(config) -> torch.dtype:
+    """The dtype a model's weights were published in (config.json ``dtype`` / ``torch_dtype``), float32 when
+    the config does not say."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, value) if isinstance(value, str) else value

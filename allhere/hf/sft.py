@@ -4,6 +4,11 @@
 Defaults are the papers': AdamW lr 3e-5, betas (0.9, 0.95), warmup ratio 0.03, global batch 128 (by
 gradient accumulation), lambda 3e-4, tau 0.5, one epoch; DAR's stage 1 at lr 3e-4. The loss counts
 assistant tokens only.
+
+Precision: the weights are trained in float32 whatever dtype the checkpoint was published in (an AdamW
+update of lr 3e-5 is below bf16's resolution for most weights, and float16 training overflows), with
+bf16 autocast on CUDA; the checkpoints for resuming hold float32, the final ``out/model`` is cast back to
+the published dtype (config.json ``torch_dtype``), so it is as large as the model it came from.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from ..routing import routed_layers
 from ..train import train
 from ..validation import ConfigError
 from .convert import collect_routing, convert
-from .io import load_local, save_pretrained
+from .io import check_causal_lm, load_local, save_pretrained, saved_dtype
 
 
 class _ConfigView:
@@ -90,7 +95,8 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
         raise ConfigError("target_mu_f steers AHA's routers; DAR (d_down) has none")
     out = Path(out)
     rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
-    tokenizer, model = load_local(model_path, convertible=True)
+    published = saved_dtype(check_causal_lm(model_path, convertible=True))
+    tokenizer, model = load_local(model_path, convertible=True, dtype=torch.float32)  # fp32 master weights
     context = getattr(model.config, "max_position_embeddings", seq_len)
     if seq_len > context:
         raise ConfigError(f"seq_len = {seq_len} is longer than the model's context ({context})")
@@ -126,13 +132,13 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     if env is not None:  # under torchrun the model is sharded: rank 0 saves the gathered weights
         sd = full_state_dict(lm)
         if env.main:
-            _, model = load_local(model_path, convertible=True)
+            _, model = load_local(model_path, convertible=True, dtype=torch.float32)
             convert(model, mech)
             HFCausalLM(model).load_state_dict(sd)
         if not env.main:
             torch.distributed.barrier()
             return state
-    save_pretrained(model, out / "model")
+    save_pretrained(model.to(published), out / "model")  # in the dtype the input model was published in
     tokenizer.save_pretrained(str(out / "model"))
     if env is not None:
         torch.distributed.barrier()
