@@ -3,7 +3,8 @@
 Reads top to bottom: set up the optimizer, resume if asked, then for every step draw the step's
 micro-batches (a pure function of the seed and the step, so a resumed run sees the same data), forward,
 backward, clip, step (and, with ``target_mu_f``, move lambda towards the share of full attention asked
-for), log, evaluate, checkpoint.
+for), log, evaluate, checkpoint. The checkpoint's folder is locked for the run (``allhere.runlock``); Ctrl-C
+or SIGTERM finishes the step in flight, checkpoints and raises ``allhere.interrupt.Interrupted``.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from .checkpoint import CheckpointError, read_checkpoint, restore_model, restore
 from .config import TrainConfig
 from .distributed.context import check_trainable as check_context_parallel, shard_loss
 from .distributed.training import distributed_run
+from .interrupt import Interrupted, stop_signals
 from .losses import training_loss
 from .mechanisms.base import mechanism_layers
 from .model import Decoder
 from .progress import progress as progress_bar
 from .routing import routed_layers
+from .runlock import run_lock
 from .validation import ConfigError
 
 # (step, micro-batch index, a generator seeded by both) -> token ids [batch, seq], or (ids, loss_mask), or
@@ -114,8 +117,19 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     every micro-batch and splits each sequence over all ranks with that layout; attention runs through the
     ring (``allhere.distributed.context``; full, sliding, AHA and the pattern mechanisms, no segment_starts).
     The gradient and the logged losses are the one-process ones. With one process it changes nothing.
+
+    No other process may write ``ckpt_path``'s folder meanwhile (``allhere.runlock.RunLocked``). SIGINT
+    (Ctrl-C) or SIGTERM during the loop: the step in flight is finished and checkpointed, then
+    ``Interrupted`` is raised (``resume=True`` continues from there); a second signal stops at once.
+    Under torchrun every rank stops after the same step.
     """
     ckpt_path = Path(ckpt_path)
+    with run_lock(ckpt_path.parent):
+        return _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_state, train_only,
+                      context_parallel)
+
+
+def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_state, train_only, context_parallel):
     run = distributed_run(cfg.device)  # None with one process
     if context_parallel is not None:
         check_context_parallel(model, context_parallel)
@@ -159,45 +173,53 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
                        progress and (run is None or run.main))
     save = save_checkpoint if run is None else run.save
     model.train()
-    for step in range(state["step"], cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(cfg, step) * group["lr_mult"]
-        sums = {"loss": 0.0, "lm": 0.0, "mu_f": 0.0}
-        micros = range(cfg.grad_accum) if run is None or cp else run.micro_batches(cfg.grad_accum)  # this rank's share
-        share = cfg.grad_accum * (run.env.world if cp else 1)  # context parallel: every rank logs 1/world
-        for micro in micros:
-            ids, loss_mask, kwargs = unpack_batch(batches(step, micro, step_generator(cfg.seed, step, micro)), device)
-            if cp:  # this rank's shard of every sequence
-                loss = shard_loss(model, ids, lam, cp, loss_mask, autocast, **kwargs)
-            else:
-                with autocast:
-                    out = model(ids, **kwargs)
-                pads = kwargs["segment_starts"] < 0 if "segment_starts" in kwargs else None  # not in L_reg, mu_f
-                loss = training_loss(out, ids, lam, None if pads is None else ~pads, loss_mask)
-            (loss.total / len(micros)).backward()
-            sums["loss"] += loss.total.item() / share
-            sums["lm"] += loss.lm.item() / share
-            sums["mu_f"] += (1.0 if loss.mu_f is None else loss.mu_f.item()) / share
-        if run is not None:
-            sums = run.sum(sums)
-        if cfg.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        logged = {k: round(v, 5) for k, v in sums.items()}
-        if cfg.target_mu_f is not None:  # every rank saw the same summed mu_f: the same lambda everywhere
-            logged["lam"] = float(f"{lam:.4g}")  # the lambda this step trained with
-            state["lam"] = lam = adapt_lam(lam, sums["mu_f"], cfg)
-        state["step"] = step + 1
-        bar.update(1)
-        bar.set_postfix(lm=f"{sums['lm']:.3f}", mu_f=f"{sums['mu_f']:.3f}")
-        if state["step"] % cfg.log_every == 0 or state["step"] == cfg.steps:
-            state["history"].append({"step": state["step"], **logged})
-        if eval_fn is not None and cfg.eval_every and state["step"] % cfg.eval_every == 0:
-            state["evals"].append({"step": state["step"], **eval_fn(model)})
-            model.train()
-        if state["step"] % cfg.ckpt_every == 0 or state["step"] == cfg.steps:
-            save(ckpt_path, model, opt, state)
+    with stop_signals() as stop:  # Ctrl-C / SIGTERM: finish the step, checkpoint, stop
+        for step in range(state["step"], cfg.steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(cfg, step) * group["lr_mult"]
+            sums = {"loss": 0.0, "lm": 0.0, "mu_f": 0.0}
+            # this rank's share of the step's micro-batches
+            micros = range(cfg.grad_accum) if run is None or cp else run.micro_batches(cfg.grad_accum)
+            share = cfg.grad_accum * (run.env.world if cp else 1)  # context parallel: every rank logs 1/world
+            for micro in micros:
+                batch = batches(step, micro, step_generator(cfg.seed, step, micro))
+                ids, loss_mask, kwargs = unpack_batch(batch, device)
+                if cp:  # this rank's shard of every sequence
+                    loss = shard_loss(model, ids, lam, cp, loss_mask, autocast, **kwargs)
+                else:
+                    with autocast:
+                        out = model(ids, **kwargs)
+                    pads = kwargs["segment_starts"] < 0 if "segment_starts" in kwargs else None  # not in L_reg, mu_f
+                    loss = training_loss(out, ids, lam, None if pads is None else ~pads, loss_mask)
+                (loss.total / len(micros)).backward()
+                sums["loss"] += loss.total.item() / share
+                sums["lm"] += loss.lm.item() / share
+                sums["mu_f"] += (1.0 if loss.mu_f is None else loss.mu_f.item()) / share
+            if run is not None:
+                sums = run.sum(sums)
+            if cfg.clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            logged = {k: round(v, 5) for k, v in sums.items()}
+            if cfg.target_mu_f is not None:  # every rank saw the same summed mu_f: the same lambda everywhere
+                logged["lam"] = float(f"{lam:.4g}")  # the lambda this step trained with
+                state["lam"] = lam = adapt_lam(lam, sums["mu_f"], cfg)
+            state["step"] = step + 1
+            bar.update(1)
+            bar.set_postfix(lm=f"{sums['lm']:.3f}", mu_f=f"{sums['mu_f']:.3f}")
+            if state["step"] % cfg.log_every == 0 or state["step"] == cfg.steps:
+                state["history"].append({"step": state["step"], **logged})
+            if eval_fn is not None and cfg.eval_every and state["step"] % cfg.eval_every == 0:
+                state["evals"].append({"step": state["step"], **eval_fn(model)})
+                model.train()
+            # a signal received by any rank stops every rank after this same step
+            signum = stop.signum if run is None else run.agree(stop.signum)
+            if state["step"] % cfg.ckpt_every == 0 or state["step"] == cfg.steps or signum:
+                save(ckpt_path, model, opt, state)
+            if signum:
+                bar.close()
+                raise Interrupted(signum, state["step"], cfg.steps, ckpt_path)
     bar.close()
     if run is not None:  # the whole model in one safetensors file, as one process writes it
         run.export(ckpt_path, model, state)

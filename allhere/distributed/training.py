@@ -42,6 +42,15 @@ class DistributedRun:
         dist.all_reduce(t)
         return dict(zip(values, t.tolist()))
 
+    def agree(self, signum: int | None) -> int | None:
+        """The stop signal any rank received (the largest number), the same on every rank, or None: every
+        rank then stops after the same step. One tiny all-reduce per step. torchrun forwards a SIGINT or
+        SIGTERM it gets to every worker, then kills those still running after ``--shutdown-timeout`` (30 s
+        by default): the step in flight and the checkpoint must fit in it."""
+        t = torch.tensor([signum or 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item()) or None
+
     def has_checkpoint(self, ckpt_path: Path) -> bool:
         return Path(ckpt_path).exists() or sharded.dcp_dir(ckpt_path).exists()
 

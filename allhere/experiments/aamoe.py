@@ -36,6 +36,7 @@ from ..mechanisms.aamoe import AAMoEConfig, aamoe_layers, set_budget_scale, set_
 from ..mechanisms.allattention import AllAttentionConfig
 from ..mechanisms.full import FullConfig
 from ..model import Decoder
+from ..runlock import run_lock
 from ..train import train
 from ..validation import ConfigError
 from .report import goal_lines, write_report
@@ -184,38 +185,39 @@ def run_aamoe(out: str | Path = "runs/aamoe", preset: str = "cpu", device: str =
     """Train every model of the comparison, evaluate, write report.md / report.json / plots."""
     t0 = time.time()
     plan = plan_for(preset, steps, budgets)
-    check_out(out)
-    run = Path(out) / "aamoe"
-    corpus = stdlib_corpus()
-    claim(run, {"plan": dataclasses.asdict(plan)})
-    L = plan.seq_len
-    windows = {f: eval_windows(corpus.val, L * f, max(1, plan.eval_windows // f)) for f in (1, 2, 4)}
-    rows = {}
-    for name, mech in models(plan).items():
-        model = train_model(run, name, mech, plan, corpus, device, progress)
-        routed = bool(aamoe_layers(model))
-        row = {"mechanism": mech.kind, "params": sum(p.numel() for p in model.parameters())}
-        causal = evaluate(model, windows[1], "predictor")
-        row.update(bpb=causal["bits_per_byte"], flops_per_token=causal["flops_per_token"])
-        row["bpb_2x"] = evaluate(model, windows[2], "predictor")["bits_per_byte"]
-        row["bpb_4x"] = evaluate(model, windows[4], "predictor")["bits_per_byte"]
-        if routed:
-            seq = evaluate(model, windows[1], "sequence")
-            row.update(bpb_sequence=seq["bits_per_byte"], layers=seq["layers"], predictor_layers=causal["layers"])
-            for label, scale in (("half", 0.5), ("double", 2.0)):
-                r = evaluate(model, windows[1], "predictor", scale)
-                row[f"bpb_budget_{label}"], row[f"flops_budget_{label}"] = r["bits_per_byte"], r["flops_per_token"]
-        rows[name] = row
-    report = {"preset": preset, "plan": dataclasses.asdict(plan), "data": corpus.describe(), "rows": rows}
-    report["goals"] = goals(rows, plan.side_budget)
-    report["seconds"] = round(time.time() - t0, 1)
-    try:
-        from .aamoe_plots import write_plots
+    with run_lock(out):  # one writer at a time
+        check_out(out)
+        run = Path(out) / "aamoe"
+        corpus = stdlib_corpus()
+        claim(run, {"plan": dataclasses.asdict(plan)})
+        L = plan.seq_len
+        windows = {f: eval_windows(corpus.val, L * f, max(1, plan.eval_windows // f)) for f in (1, 2, 4)}
+        rows = {}
+        for name, mech in models(plan).items():
+            model = train_model(run, name, mech, plan, corpus, device, progress)
+            routed = bool(aamoe_layers(model))
+            row = {"mechanism": mech.kind, "params": sum(p.numel() for p in model.parameters())}
+            causal = evaluate(model, windows[1], "predictor")
+            row.update(bpb=causal["bits_per_byte"], flops_per_token=causal["flops_per_token"])
+            row["bpb_2x"] = evaluate(model, windows[2], "predictor")["bits_per_byte"]
+            row["bpb_4x"] = evaluate(model, windows[4], "predictor")["bits_per_byte"]
+            if routed:
+                seq = evaluate(model, windows[1], "sequence")
+                row.update(bpb_sequence=seq["bits_per_byte"], layers=seq["layers"], predictor_layers=causal["layers"])
+                for label, scale in (("half", 0.5), ("double", 2.0)):
+                    r = evaluate(model, windows[1], "predictor", scale)
+                    row[f"bpb_budget_{label}"], row[f"flops_budget_{label}"] = r["bits_per_byte"], r["flops_per_token"]
+            rows[name] = row
+        report = {"preset": preset, "plan": dataclasses.asdict(plan), "data": corpus.describe(), "rows": rows}
+        report["goals"] = goals(rows, plan.side_budget)
+        report["seconds"] = round(time.time() - t0, 1)
+        try:
+            from .aamoe_plots import write_plots
 
-        report["plots"] = [p.name for p in write_plots(run, report)]
-    except ImportError:
-        report["plots"] = []
-    write_report(run, "report", report, render(report))
+            report["plots"] = [p.name for p in write_plots(run, report)]
+        except ImportError:
+            report["plots"] = []
+        write_report(run, "report", report, render(report))
     return report
 
 

@@ -22,6 +22,7 @@ from ..analysis.stats import StatsAccumulator
 from ..checkpoint import CheckpointError, load_model
 from ..data.recall import RecallTask
 from ..routing import routed_layers
+from ..runlock import run_lock
 from .plans import TASKS, plan_from_dict
 from .report import goal_lines, percent, write_report
 from .rundir import read_settings
@@ -129,11 +130,12 @@ def analyze_run(run: str | Path, tasks: tuple[str, ...] = TASKS, target_mu: floa
     present = [t for t in tasks if (run / t / "aha" / "checkpoint.safetensors").exists()]
     if not present:
         raise CheckpointError(f"{run} holds no fine-tuned AHA checkpoint of {', '.join(tasks)}; run allhere demo first")
-    results = {t: analyze_task(run, t, target_mu) for t in present}
-    out = run / "analysis"
-    write_report(out, "analysis", results, render(results))
-    from ..analysis.plots import sorted_usage_curve
+    with run_lock(run):  # not while a demo writes the run
+        results = {t: analyze_task(run, t, target_mu) for t in present}
+        out = run / "analysis"
+        write_report(out, "analysis", results, render(results))
+        from ..analysis.plots import sorted_usage_curve
 
-    sorted_usage_curve({t: [u for _, _, u in r["stats"]["sorted_usage"]] for t, r in results.items()},
-                       out / "sorted_usage.png")
+        sorted_usage_curve({t: [u for _, _, u in r["stats"]["sorted_usage"]] for t, r in results.items()},
+                           out / "sorted_usage.png")
     return results

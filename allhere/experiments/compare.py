@@ -30,6 +30,7 @@ import torch
 from ..masks import causal, dense_mask, sliding_window
 from ..mechanisms import (FullConfig, LongformerConfig, SinksConfig, SlidingConfig,
                           bigbird_schedule, dilation_schedule)
+from ..runlock import run_lock
 from ..validation import check_int
 from .plans import TASKS, plans
 from .report import write_report
@@ -113,15 +114,16 @@ def run_compare(out: str | Path = "runs/demo", preset: str = "cpu", tasks=TASKS,
     t0 = time.time()
     task_plans = plans(preset, device)
     report = {"preset": preset, "device": device, "torch": torch.__version__, "tasks": {}}
-    for name in tasks:
-        task = start_task(out, name, task_plans[name], data_path, progress)
-        report["tasks"][name] = compare_task(task, steps, progress)
-    report["seconds"] = round(time.time() - t0, 1)
-    folder = Path(out) / "compare"
-    from .compare_plot import plot_compare
+    with run_lock(out):  # one writer at a time (the demo's folder: not while a demo runs there)
+        for name in tasks:
+            task = start_task(out, name, task_plans[name], data_path, progress)
+            report["tasks"][name] = compare_task(task, steps, progress)
+        report["seconds"] = round(time.time() - t0, 1)
+        folder = Path(out) / "compare"
+        from .compare_plot import plot_compare
 
-    plot_compare(report, folder / "compare.png")
-    write_report(folder, "compare", report, render(report))
+        plot_compare(report, folder / "compare.png")
+        write_report(folder, "compare", report, render(report))
     return report
 
 

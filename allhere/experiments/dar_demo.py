@@ -18,6 +18,7 @@ from pathlib import Path
 from ..config import TrainConfig
 from ..eval.perplexity import rolling_perplexity
 from ..mechanisms import DARConfig, FullConfig
+from ..runlock import run_lock
 from .plans import plans
 from .report import goal_lines, write_report
 from .tasks import finetune, pretrain, start_task
@@ -41,47 +42,49 @@ def run_dar_demo(out: str | Path = "runs/demo", preset: str = "cpu", windows=DEF
     """The conversion comparison; with ``from_scratch`` also DAR(w=32, d/4) and uniform reduction trained
     from random weights with exactly the pretraining budget of the vanilla model (same data, steps, seed)."""
     t0 = time.time()
-    task = start_task(out, "stdlib", plans(preset, device)["stdlib"], data_path, progress)
-    plan, run = task.plan, task.run
-    steps = stage_steps or STAGE_STEPS[preset]
-    s1, s2 = stage_configs(plan.finetune, steps)
-    d_down = plan.model.d_model // 4
-    control, _ = finetune(task, run / "dar" / "vanilla-stage2" / "checkpoint.safetensors", FullConfig(), progress,
-                          cfg=s2)
-    docs = task.data.docs[: max_docs or MAX_DOCS[preset]]
-    min_len = max(windows)
-    ppl = lambda m: rolling_perplexity(m, docs, plan.seq_len, plan.seq_len // 2, min_len=min_len, device=device)  # noqa: E731
-    rows = {"vanilla (pretrained)": ppl(task.full), "vanilla (+ stage-2 steps, control)": ppl(control)}
-    for w in (*windows, 0):
-        mech = DARConfig(window=w, d_down=d_down)
-        name = "uniform reduction d/4" if w == 0 else f"DAR w={w} d/4"
-        folder = run / "dar" / f"w{w}-d{d_down}"
-        stage1, _ = finetune(task, folder / "stage1.safetensors", mech, progress, cfg=s1, train_only=".mechanism.")
-        stage2, _ = finetune(task, folder / "stage2.safetensors", mech, progress, base=stage1, cfg=s2)
-        rows[name] = ppl(stage2)
-    base = rows["vanilla (+ stage-2 steps, control)"]["perplexity"]
-    relative(rows, base)
-    dar_main = rows.get("DAR w=32 d/4") or rows[f"DAR w={windows[0]} d/4"]
-    goals = {"DAR(d/4) within 2% of vanilla perplexity": dar_main["perplexity"] <= 1.02 * base,
-             "DAR(d/4) better than uniform reduction at d/4":
-                 dar_main["perplexity"] < rows["uniform reduction d/4"]["perplexity"]}
-    report = {"preset": preset, "d_down": d_down, "stage_steps": steps, "docs": len(docs), "min_len": min_len,
-              "rows": rows, "goals": goals}
-    if from_scratch:
-        scratch = {"vanilla": dict(rows["vanilla (pretrained)"])}
-        for name, mech in (("DAR w=32 d/4", DARConfig(window=32, d_down=d_down)),
-                           ("uniform reduction d/4", DARConfig(window=0, d_down=d_down))):
-            # the vanilla model's initialisation seed, data and steps
-            ckpt = run / "dar" / f"scratch-{mech.window}-d{d_down}" / "checkpoint.safetensors"
-            model, _ = pretrain(ckpt, dataclasses.replace(plan.model, mechanism=mech), plan, task.data, progress)
-            scratch[name] = ppl(model)
-        relative(scratch, scratch["vanilla"]["perplexity"])
-        dar, van, uni = (scratch[k]["perplexity"] for k in ("DAR w=32 d/4", "vanilla", "uniform reduction d/4"))
-        goals["from scratch, same budget: DAR(d/4) within 2% of vanilla perplexity"] = dar <= 1.02 * van
-        goals["from scratch, same budget: DAR(d/4) better than uniform reduction at d/4"] = dar < uni
-        report.update(scratch_rows=scratch, scratch_steps=plan.pretrain.steps)
-    report["seconds"] = round(time.time() - t0, 1)
-    write_report(out, "dar_report", report, render(report))
+    with run_lock(out):  # one writer at a time
+        task = start_task(out, "stdlib", plans(preset, device)["stdlib"], data_path, progress)
+        plan, run = task.plan, task.run
+        steps = stage_steps or STAGE_STEPS[preset]
+        s1, s2 = stage_configs(plan.finetune, steps)
+        d_down = plan.model.d_model // 4
+        control, _ = finetune(task, run / "dar" / "vanilla-stage2" / "checkpoint.safetensors", FullConfig(), progress,
+                              cfg=s2)
+        docs = task.data.docs[: max_docs or MAX_DOCS[preset]]
+        min_len = max(windows)
+        ppl = lambda m: rolling_perplexity(m, docs, plan.seq_len, plan.seq_len // 2, min_len=min_len,  # noqa: E731
+                                           device=device)
+        rows = {"vanilla (pretrained)": ppl(task.full), "vanilla (+ stage-2 steps, control)": ppl(control)}
+        for w in (*windows, 0):
+            mech = DARConfig(window=w, d_down=d_down)
+            name = "uniform reduction d/4" if w == 0 else f"DAR w={w} d/4"
+            folder = run / "dar" / f"w{w}-d{d_down}"
+            stage1, _ = finetune(task, folder / "stage1.safetensors", mech, progress, cfg=s1, train_only=".mechanism.")
+            stage2, _ = finetune(task, folder / "stage2.safetensors", mech, progress, base=stage1, cfg=s2)
+            rows[name] = ppl(stage2)
+        base = rows["vanilla (+ stage-2 steps, control)"]["perplexity"]
+        relative(rows, base)
+        dar_main = rows.get("DAR w=32 d/4") or rows[f"DAR w={windows[0]} d/4"]
+        goals = {"DAR(d/4) within 2% of vanilla perplexity": dar_main["perplexity"] <= 1.02 * base,
+                 "DAR(d/4) better than uniform reduction at d/4":
+                     dar_main["perplexity"] < rows["uniform reduction d/4"]["perplexity"]}
+        report = {"preset": preset, "d_down": d_down, "stage_steps": steps, "docs": len(docs), "min_len": min_len,
+                  "rows": rows, "goals": goals}
+        if from_scratch:
+            scratch = {"vanilla": dict(rows["vanilla (pretrained)"])}
+            for name, mech in (("DAR w=32 d/4", DARConfig(window=32, d_down=d_down)),
+                               ("uniform reduction d/4", DARConfig(window=0, d_down=d_down))):
+                # the vanilla model's initialisation seed, data and steps
+                ckpt = run / "dar" / f"scratch-{mech.window}-d{d_down}" / "checkpoint.safetensors"
+                model, _ = pretrain(ckpt, dataclasses.replace(plan.model, mechanism=mech), plan, task.data, progress)
+                scratch[name] = ppl(model)
+            relative(scratch, scratch["vanilla"]["perplexity"])
+            dar, van, uni = (scratch[k]["perplexity"] for k in ("DAR w=32 d/4", "vanilla", "uniform reduction d/4"))
+            goals["from scratch, same budget: DAR(d/4) within 2% of vanilla perplexity"] = dar <= 1.02 * van
+            goals["from scratch, same budget: DAR(d/4) better than uniform reduction at d/4"] = dar < uni
+            report.update(scratch_rows=scratch, scratch_steps=plan.pretrain.steps)
+        report["seconds"] = round(time.time() - t0, 1)
+        write_report(out, "dar_report", report, render(report))
     return report
 
 

@@ -25,6 +25,7 @@ from ..eval import evaluate_lm
 from ..mechanisms import FullConfig, SlidingConfig
 from ..model import swap_mechanism
 from ..routing import routed_layers
+from ..runlock import run_lock
 from .plans import TASKS, plan_to_dict, plans
 from .report import goal_lines, percent, write_report
 from .tasks import Task, finetune, start_task
@@ -89,13 +90,14 @@ def run_demo(out: str | Path = "runs/demo", preset: str = "cpu", tasks: tuple[st
     task_plans = plans(preset, device, **overrides)
     report = {"preset": preset, "device": device, "torch": torch.__version__, "tasks": {}}
     t0 = time.time()
-    for name in tasks:
-        task = start_task(out, name, task_plans[name], data_path, progress)
-        res = lm_task(task, progress) if name == "stdlib" else recall_task(task, progress)
-        res["plan"] = plan_to_dict(task.plan)
-        report["tasks"][name] = res
-    report["seconds"] = round(time.time() - t0, 1)
-    write_demo_report(report, out)
+    with run_lock(out):  # one writer at a time
+        for name in tasks:
+            task = start_task(out, name, task_plans[name], data_path, progress)
+            res = lm_task(task, progress) if name == "stdlib" else recall_task(task, progress)
+            res["plan"] = plan_to_dict(task.plan)
+            report["tasks"][name] = res
+        report["seconds"] = round(time.time() - t0, 1)
+        write_demo_report(report, out)
     return report
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from .. import masks
 from ..ops.blocksparse import blocksparse_attention, plan_blocks
+from ..runlock import run_lock
 from ..validation import ConfigError, check, check_int
 from . import pattern_graph as graph
 from .pattern_family import KV_DTYPES, NAMES, PatternSettings, build, figure_settings, layer_masks
@@ -95,13 +96,13 @@ def run_patterns(out: str | Path = "runs/patterns", n: int = 2048, window: int =
                            "patterns": list(patterns), "modes": modes,
                            "window_blocks": settings.window_blocks, "global_blocks": settings.global_blocks},
               "torch": torch.__version__, "modes": {}}
-    out.mkdir(parents=True, exist_ok=True)
-    for mode in modes:
-        report["modes"][mode] = analyse_mode(settings, MODES[mode], patterns, head_dim, kv_length, kv_dtype,
-                                             time_n, repeats, device, progress, label=mode)
-    report["figures"] = {"masks": str(draw_masks(settings, patterns, modes, out / "patterns_masks.png")),
-                         "reach": str(draw_reach(report, out / "patterns_reach.png"))}
-    write_report(out, "patterns", report, render(report))
+    with run_lock(out):  # one writer at a time
+        for mode in modes:
+            report["modes"][mode] = analyse_mode(settings, MODES[mode], patterns, head_dim, kv_length, kv_dtype,
+                                                 time_n, repeats, device, progress, label=mode)
+        report["figures"] = {"masks": str(draw_masks(settings, patterns, modes, out / "patterns_masks.png")),
+                             "reach": str(draw_reach(report, out / "patterns_reach.png"))}
+        write_report(out, "patterns", report, render(report))
     progress(f"written to {out}/patterns.md, patterns.json, patterns_masks.png, patterns_reach.png")
     return report
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..checkpoint import atomic_write
+from ..runlock import LOCK_NAME
 from ..validation import ConfigError
 
 SETTINGS = "settings.json"
@@ -24,9 +25,10 @@ def write_json(path: Path, data, indent: int | None = 1) -> None:
 
 def check_out(out: Path) -> None:
     """Refuse (ConfigError) an output folder that holds files but no allhere run: a model, a checkpoint,
-    anybody's other files. A folder of runs (``*/settings.json``) is for ``claim`` to judge."""
+    anybody's other files. A folder of runs (``*/settings.json``) is for ``claim`` to judge; the lock of the
+    run that writes it (``allhere.runlock``) is no file of anybody's."""
     out = Path(out)
-    if out.is_dir() and any(out.iterdir()) and not any(out.glob(f"*/{SETTINGS}")):
+    if out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir()) and not any(out.glob(f"*/{SETTINGS}")):
         raise ConfigError(f"--out {out} holds files but no allhere run; choose a new or empty folder "
                           "(nothing was changed)")
 
@@ -40,7 +42,7 @@ def claim(run: Path, settings: dict, upgrade: Callable[[dict], dict] | None = No
     path = Path(run) / SETTINGS
     text = json.dumps(settings, indent=1, sort_keys=True)
     if path.exists():
-        saved = json.loads(path.read_text())
+        saved = _read_json(path)
         if upgrade is not None:
             try:
                 saved = json.loads(json.dumps(upgrade(saved)))
@@ -57,4 +59,12 @@ def read_settings(run: Path, job: str = "demo") -> dict:
     path = Path(run) / SETTINGS
     if not path.exists():
         raise ConfigError(f"{run} holds no finished {job} task (no {SETTINGS}); run allhere {job} first")
-    return json.loads(path.read_text())
+    return _read_json(path)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is damaged ({e}); move the run folder away or choose another --out "
+                          "(nothing was changed)") from None

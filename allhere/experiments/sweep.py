@@ -13,6 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ..runlock import run_lock
 from .plans import TASKS, plans
 from .report import percent, write_report
 from .rundir import write_json
@@ -33,35 +34,37 @@ def run_sweep(out: str | Path = "runs/sweep", preset: str = "cpu", windows=DEFAU
     """Run (or resume) the sweeps in ``out``; write sweep.md, sweep.json and mu_f_vs_window.png there.
     ``lam_window``: the window of the lambda sweep (default the preset's)."""
     out = Path(out)
-    results = {"preset": preset, "windows": list(windows), "lams": list(lams), "tasks": {}}
-    for name in tasks:
-        task = start_task(out, name, plans(preset, device)[name], data_path, progress)
-        plan, data = task.plan, task.data
-        base = data.evaluate(task.full)[data.metric]
-        w_lam = lam_window or plan.aha.window
-        configs = [("window", w, plan.aha.lam) for w in windows] + [("lambda", w_lam, lam) for lam in lams]
-        rows = []
-        for kind, w, lam in configs:
-            if w >= plan.seq_len:
-                rows.append({"sweep": kind, "window": w, "lam": lam, "skipped": f"window >= seq_len {plan.seq_len}"})
-                continue
-            folder = task.run / f"w{w}-lam{lam:g}"
-            done = folder / "result.json"
-            if done.exists():
-                r = json.loads(done.read_text())
-            else:
-                mech = dataclasses.replace(plan.aha, window=w, lam=lam)
-                model, _ = finetune(task, folder / "checkpoint.safetensors", mech, progress)
-                ev = data.evaluate(model)
-                r = {"window": w, "lam": lam, data.metric: ev[data.metric], "mu_f": ev["mu_f"],
-                     "retain_percent": retain(data.metric, base, ev[data.metric])}
-                write_json(done, r, indent=None)
-            rows.append({"sweep": kind, **r})
-        results["tasks"][name] = {"metric": data.metric, "full": base, "seq_len": plan.seq_len, "rows": rows,
-                                  "finetune_steps": plan.finetune.steps, "lam_window": w_lam,
-                                  "default_lam": plan.aha.lam}
-    write_report(out, "sweep", results, render(results))
-    plot(results, out / "mu_f_vs_window.png")
+    with run_lock(out):  # one writer at a time
+        results = {"preset": preset, "windows": list(windows), "lams": list(lams), "tasks": {}}
+        for name in tasks:
+            task = start_task(out, name, plans(preset, device)[name], data_path, progress)
+            plan, data = task.plan, task.data
+            base = data.evaluate(task.full)[data.metric]
+            w_lam = lam_window or plan.aha.window
+            configs = [("window", w, plan.aha.lam) for w in windows] + [("lambda", w_lam, lam) for lam in lams]
+            rows = []
+            for kind, w, lam in configs:
+                if w >= plan.seq_len:
+                    rows.append({"sweep": kind, "window": w, "lam": lam,
+                                 "skipped": f"window >= seq_len {plan.seq_len}"})
+                    continue
+                folder = task.run / f"w{w}-lam{lam:g}"
+                done = folder / "result.json"
+                if done.exists():
+                    r = json.loads(done.read_text())
+                else:
+                    mech = dataclasses.replace(plan.aha, window=w, lam=lam)
+                    model, _ = finetune(task, folder / "checkpoint.safetensors", mech, progress)
+                    ev = data.evaluate(model)
+                    r = {"window": w, "lam": lam, data.metric: ev[data.metric], "mu_f": ev["mu_f"],
+                         "retain_percent": retain(data.metric, base, ev[data.metric])}
+                    write_json(done, r, indent=None)
+                rows.append({"sweep": kind, **r})
+            results["tasks"][name] = {"metric": data.metric, "full": base, "seq_len": plan.seq_len, "rows": rows,
+                                      "finetune_steps": plan.finetune.steps, "lam_window": w_lam,
+                                      "default_lam": plan.aha.lam}
+        write_report(out, "sweep", results, render(results))
+        plot(results, out / "mu_f_vs_window.png")
     return results
 
 

@@ -28,6 +28,7 @@ from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversa
 from ..mechanisms import AHAConfig, DARConfig
 from ..model import DecoderOutput
 from ..routing import routed_layers
+from ..runlock import run_lock
 from ..train import train
 from ..validation import ConfigError
 from .convert import collect_routing, convert
@@ -89,57 +90,60 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     training is FSDP2 data-parallel (``allhere.train.train``); ``global_batch / batch_size`` must then be
     a multiple of N. Rank 0 writes ``out/model``.
     """
+    if seq_len < 2:
+        raise ConfigError(f"seq_len = {seq_len}: a sequence needs at least 2 tokens (one to predict the next from)")
     if global_batch % batch_size:
         raise ConfigError(f"global_batch = {global_batch} must be a multiple of batch_size = {batch_size}")
     if target_mu_f is not None and d_down is not None:
         raise ConfigError("target_mu_f steers AHA's routers; DAR (d_down) has none")
     out = Path(out)
-    rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
-    published = saved_dtype(check_causal_lm(model_path, convertible=True))
-    tokenizer, model = load_local(model_path, convertible=True, dtype=torch.float32)  # fp32 master weights
-    context = getattr(model.config, "max_position_embeddings", seq_len)
-    if seq_len > context:
-        raise ConfigError(f"seq_len = {seq_len} is longer than the model's context ({context})")
-    used_fallback = ensure_chat_template(tokenizer)
-    ids, mask, starts = pack([tokenize_conversation(tokenizer, r["messages"]) for r in rows], seq_len)
-    mech = AHAConfig(window=window, tau=tau, lam=lam) if d_down is None else DARConfig(window=window, d_down=d_down)
-    convert(model, mech)
-    accum = global_batch // batch_size
-    n = ids.shape[0]
-    steps = max_steps or max(1, math.ceil(epochs * n / global_batch))
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    with run_lock(out):  # one writer per run folder; train() takes it again (reentrant)
+        rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
+        published = saved_dtype(check_causal_lm(model_path, convertible=True))
+        tokenizer, model = load_local(model_path, convertible=True, dtype=torch.float32)  # fp32 master weights
+        context = getattr(model.config, "max_position_embeddings", seq_len)
+        if seq_len > context:
+            raise ConfigError(f"seq_len = {seq_len} is longer than the model's context ({context})")
+        used_fallback = ensure_chat_template(tokenizer)
+        ids, mask, starts = pack([tokenize_conversation(tokenizer, r["messages"]) for r in rows], seq_len)
+        mech = AHAConfig(window=window, tau=tau, lam=lam) if d_down is None else DARConfig(window=window, d_down=d_down)
+        convert(model, mech)
+        accum = global_batch // batch_size
+        n = ids.shape[0]
+        steps = max_steps or max(1, math.ceil(epochs * n / global_batch))
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
-    def batches(step: int, micro: int, g: torch.Generator):
-        first = (step * accum + micro) * batch_size
-        idx = order[(first + torch.arange(batch_size)) % n]
-        return ids[idx], mask[idx], starts[idx]
+        def batches(step: int, micro: int, g: torch.Generator):
+            first = (step * accum + micro) * batch_size
+            idx = order[(first + torch.arange(batch_size)) % n]
+            return ids[idx], mask[idx], starts[idx]
 
-    cfg = TrainConfig(steps=steps, batch_size=batch_size, grad_accum=accum, lr=lr, beta1=0.9, beta2=0.95,
-                      warmup_ratio=0.03, weight_decay=0.0, lam=lam if d_down is None else 0.0,
-                      ckpt_every=max(1, min(100, steps)), log_every=1, seed=seed, device=device,
-                      target_mu_f=target_mu_f)
-    extra = {"chat_template_fallback": used_fallback, "sequences": n}
-    lm = HFCausalLM(model)
-    if d_down is None:
-        state = train(lm, batches, cfg, out / "checkpoint.safetensors", resume=resume, progress=progress,
-                      extra_state=extra)
-    else:
-        train(lm, batches, dataclasses.replace(cfg, lr=stage1_lr), out / "stage1.safetensors", resume=resume,
-              progress=progress, extra_state={**extra, "stage": 1}, train_only=".allhere.")
-        state = train(lm, batches, cfg, out / "stage2.safetensors", resume=resume, progress=progress,
-                      extra_state={**extra, "stage": 2})
-    env = detect()
-    if env is not None:  # under torchrun the model is sharded: rank 0 saves the gathered weights
-        sd = full_state_dict(lm)
-        if env.main:
-            _, model = load_local(model_path, convertible=True, dtype=torch.float32)
-            convert(model, mech)
-            HFCausalLM(model).load_state_dict(sd)
-        if not env.main:
+        cfg = TrainConfig(steps=steps, batch_size=batch_size, grad_accum=accum, lr=lr, beta1=0.9, beta2=0.95,
+                          warmup_ratio=0.03, weight_decay=0.0, lam=lam if d_down is None else 0.0,
+                          ckpt_every=max(1, min(100, steps)), log_every=1, seed=seed, device=device,
+                          target_mu_f=target_mu_f)
+        extra = {"chat_template_fallback": used_fallback, "sequences": n}
+        lm = HFCausalLM(model)
+        if d_down is None:
+            state = train(lm, batches, cfg, out / "checkpoint.safetensors", resume=resume, progress=progress,
+                          extra_state=extra)
+        else:
+            train(lm, batches, dataclasses.replace(cfg, lr=stage1_lr), out / "stage1.safetensors", resume=resume,
+                  progress=progress, extra_state={**extra, "stage": 1}, train_only=".allhere.")
+            state = train(lm, batches, cfg, out / "stage2.safetensors", resume=resume, progress=progress,
+                          extra_state={**extra, "stage": 2})
+        env = detect()
+        if env is not None:  # under torchrun the model is sharded: rank 0 saves the gathered weights
+            sd = full_state_dict(lm)
+            if env.main:
+                _, model = load_local(model_path, convertible=True, dtype=torch.float32)
+                convert(model, mech)
+                HFCausalLM(model).load_state_dict(sd)
+            if not env.main:
+                torch.distributed.barrier()
+                return state
+        save_pretrained(model.to(published), out / "model")  # in the dtype the input model was published in
+        tokenizer.save_pretrained(str(out / "model"))
+        if env is not None:
             torch.distributed.barrier()
-            return state
-    save_pretrained(model.to(published), out / "model")  # in the dtype the input model was published in
-    tokenizer.save_pretrained(str(out / "model"))
-    if env is not None:
-        torch.distributed.barrier()
-    return state
+        return state

@@ -1,0 +1,66 @@
+"""One writer per run folder (``allhere.runlock``): reentrant in a process, refused to a second one with its
+PID named, taken over from a process that died holding it, gone without a trace when released."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from allhere.cli import main
+from allhere.runlock import LOCK_NAME, RunLocked, run_lock
+
+# Holds the lock on argv[1], says so on stdout, then waits to be killed.
+HOLDER = """
+import sys, time
+from allhere.runlock import run_lock
+with run_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A process that holds the lock of ``tmp_path / "run"`` until killed (kill -9)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_reentrant_and_gone_when_released(tmp_path):
+    run = tmp_path / "new" / "run"
+    with run_lock(run):
+        assert (run / LOCK_NAME).read_text() == f"{os.getpid()}\n"
+        with run_lock(tmp_path / "new" / "." / "run"):  # the same folder, however it is spelled
+            (run / "result.txt").write_text("kept")
+        assert (run / LOCK_NAME).exists()  # still held by the outer block
+    assert sorted(p.name for p in run.iterdir()) == ["result.txt"]
+    with run_lock(tmp_path / "empty"):
+        pass
+    assert not (tmp_path / "empty").exists()  # made for the lock, nothing written: removed again
+
+
+def test_second_process_is_refused_with_the_pid(holder, tmp_path, capsys):
+    run = tmp_path / "run"
+    with pytest.raises(RunLocked, match=f"{run} is in use by process {holder.pid}, which writes a run there"):
+        with run_lock(run):
+            pass
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]
+    # the command line: one line, exit 2, nothing written
+    assert main(["demo", "--preset", "tiny", "--device", "cpu", "--no-progress", "--out", str(run)]) == 2
+    assert capsys.readouterr().err.startswith(f"allhere demo: error: {run} is in use by process {holder.pid}, ")
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]
+    assert (run / LOCK_NAME).read_text() == f"{holder.pid}\n"
+
+
+def test_lock_of_a_killed_process_is_taken_over(holder, tmp_path):
+    run = tmp_path / "run"
+    holder.kill()
+    holder.wait()
+    assert (run / LOCK_NAME).read_text() == f"{holder.pid}\n"  # left behind
+    with run_lock(run):
+        assert (run / LOCK_NAME).read_text() == f"{os.getpid()}\n"
+    assert list(run.iterdir()) == []
