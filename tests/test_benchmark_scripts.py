@@ -93,3 +93,12 @@ def test_target_mu_f_script_tiny(tmp_path):
                      "--targets", "0.2")
     assert "recall, target mu_f 0.2" in out and "'accuracy'" in out
     assert (tmp_path / "recall" / "target-mu-f-0.2-rate-0.05" / "checkpoint.safetensors").exists()
+
+
+def test_lmeval_speed_tiny():
+    for module in ("transformers", "lm_eval", "accelerate", "tokenizers"):
+        pytest.importorskip(module)
+    out = run_script("benchmarks/lmeval_speed.py", "--tiny", "--rounds", "1", "--requests", "4", "--gen-tokens", "4")
+    rows = [line for line in out.splitlines() if line.startswith("| loglikelihood") or line.startswith("| generate")]
+    assert len(rows) == 3 and all(row.count("x |") == 2 for row in rows), out
+    assert "load average" in out and "mu_f 0." in out

@@ -60,23 +60,36 @@ def test_evaluate_reports_metrics_and_mu_f(setup):
 
 
 def test_rolling_loglikelihood_matches_a_direct_forward(setup):
+    """Every byte is scored, the first one after the prefix token (a newline, as documents start in the
+    training corpus); with a short max_length in lm-eval's windows: each predicts the next max_length
+    bytes from the byte before them, the last one reads max_length bytes back."""
     from allhere.eval.harness import AllhereLM
     from lm_eval.api.instance import Instance
 
     _, ckpt, model = setup
-    lm = AllhereLM(str(ckpt), max_length=4096)
     text = "def f(x):\n    return x + 1\n" * 3
     req = Instance("loglikelihood_rolling", {}, (text,), 0, ("t", 0, 1))
-    got = lm.loglikelihood_rolling([req])[0]
-    ids = torch.tensor([list(text.encode())])
+    ids = [10] + list(text.encode())
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-    assert got == pytest.approx(logp.gather(1, ids[0, 1:, None]).sum().item(), rel=1e-5)
+        def score(first, end, width):  # targets ids[first + 1:end + 1], from the width ids before each
+            logp = torch.log_softmax(model(torch.tensor([ids[max(0, end - width):end]])).logits[0].float(), -1)
+            return logp[first - end:].gather(1, torch.tensor(ids[first + 1:end + 1])[:, None]).sum().item()
+
+        whole = score(0, len(ids) - 1, 4096)
+        windows = sum(score(s, min(s + 32, len(ids) - 1), 32) for s in range(0, len(ids) - 1, 32))
+    assert AllhereLM(str(ckpt), max_length=4096).loglikelihood_rolling([req])[0] == pytest.approx(whole, rel=1e-5)
+    assert AllhereLM(str(ckpt), max_length=32).loglikelihood_rolling([req])[0] == pytest.approx(windows, rel=1e-5)
 
 
-def test_cli_eval(setup, capsys):
-    """Results on stdout; on stderr our progress over the requests, lm-eval's own bars only with --verbose."""
+def test_cli_eval(setup, capsys, monkeypatch):
+    """Results on stdout; on stderr our progress over the requests, lm-eval's own bars only with --verbose;
+    --batch-size reaches the model."""
+    from allhere.eval import harness
+
     tasks_dir, ckpt, _ = setup
+    sizes, real = [], harness.AllhereLM
+    monkeypatch.setattr(harness, "AllhereLM", type("Spy", (real,), {
+        "__init__": lambda self, *a, **kw: sizes.append(kw["batch_size"]) or real.__init__(self, *a, **kw)}))
     args = ["eval", "--model", str(ckpt), "--tasks", "allhere_tiny_choice", "--include-path", str(tasks_dir),
             "--limit", "4"]
     assert main(args) == 0
@@ -86,8 +99,9 @@ def test_cli_eval(setup, capsys):
     assert "%|" not in out.err  # no tqdm bar (lm-eval builds each task's prompts under one)
     assert main(args + ["--verbose"]) == 0
     assert "%|" in capsys.readouterr().err
-    assert main(args + ["--no-progress"]) == 0
+    assert main(args + ["--no-progress", "--batch-size", "2"]) == 0
     assert "requests" not in capsys.readouterr().err
+    assert sizes == [16, 16, 2]
 
 
 def test_generate_until_is_greedy_and_stops_at_the_stop_string(setup):
@@ -107,3 +121,57 @@ def test_generate_until_is_greedy_and_stops_at_the_stop_string(setup):
     assert lm.generate_until([req([])]) == [text]
     stop = text[3:5]  # a stop string that occurs in the greedy text: the answer ends before it
     assert lm.generate_until([req([stop])]) == [text.split(stop)[0]]
+
+
+def requests(kinds=("loglikelihood", "loglikelihood_rolling")):
+    from lm_eval.api.instance import Instance
+
+    texts = ["def f(x):\n    return x + 1\n", "import os", "class A:\n    pass\n" * 3, "x = [1, 2, 3]"]
+    out = {}
+    if "loglikelihood" in kinds:
+        conts = [" y", "\n", " = 1", "", " b", " ok", " z", "x"]
+        out["loglikelihood"] = [Instance("loglikelihood", {}, (t, c), i, ("ll", 0, 1))
+                                for i, (t, c) in enumerate(zip(texts * 2, conts))]
+    if "loglikelihood_rolling" in kinds:
+        out["loglikelihood_rolling"] = [Instance("loglikelihood_rolling", {}, (t * 3,), i, ("roll", 0, 1))
+                                        for i, t in enumerate(texts)]
+    if "generate_until" in kinds:
+        out["generate_until"] = [Instance("generate_until", {}, (t, {"until": ["\n"], "max_gen_toks": 6}), i,
+                                          ("gen", 0, 1)) for i, t in enumerate(texts)]
+    return out
+
+
+def test_decoder_batches_equal_one_request_at_a_time(setup):
+    """Right-padded batches through the segment path (padding: segment start -1) give what batches of 1
+    give, in the requests' order; mu_f per task counts the real tokens only, so it is the same too."""
+    from allhere.eval.harness import AllhereLM
+
+    _, ckpt, _ = setup
+    batched, single = (AllhereLM(str(ckpt), batch_size=n, max_length=40, show_progress=False) for n in (3, 1))
+    calls = []
+    inner = batched.runner.model.forward
+    batched.runner.model.forward = lambda ids, **kw: calls.append(kw.get("segment_starts")) or inner(ids, **kw)
+    for kind, reqs in requests(("loglikelihood", "loglikelihood_rolling", "generate_until")).items():
+        got, want = getattr(batched, kind)(reqs), getattr(single, kind)(reqs)
+        if kind == "loglikelihood":
+            assert [g for _, g in got] == [g for _, g in want] and got[3] == (0.0, True)  # an empty continuation
+            got, want = [s for s, _ in got], [s for s, _ in want]
+        assert got == (want if kind == "generate_until" else pytest.approx(want, rel=1e-5))
+    assert any(s is not None and bool((s == -1).any()) for s in calls)  # padded batches went through segments
+    mu = batched.mu_f()
+    assert set(mu) == {"ll", "roll", "gen"} and mu == pytest.approx(single.mu_f(), rel=1e-6)
+
+
+def test_a_model_that_refuses_padding_gets_unpadded_batches(tmp_path):
+    """AA-MoE shares its budget over the whole sequence and refuses segment boundaries: its requests run
+    in batches of equal lengths, unpadded, and still equal one request at a time."""
+    from allhere import AAMoEConfig
+    from allhere.eval.harness import AllhereLM
+
+    model = Decoder(ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2,
+                                mechanism=AAMoEConfig(chunk=4, experts=2)))
+    save_checkpoint(tmp_path / "m.safetensors", model, None, {"step": 0})
+    batched, single = (AllhereLM(str(tmp_path / "m.safetensors"), batch_size=n, show_progress=False) for n in (4, 1))
+    reqs = requests(("loglikelihood",))["loglikelihood"]
+    assert batched.loglikelihood(reqs) == pytest.approx(single.loglikelihood(reqs), rel=1e-5)
+    assert batched.runner.pads is False

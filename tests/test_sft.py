@@ -263,4 +263,4 @@ def test_lm_eval_model_loads_dar_folders(local_model):
               for name in ("base", "same", "small")}
     assert scores["same"] == pytest.approx(scores["base"], rel=1e-5)
     assert abs(scores["small"] - scores["base"]) > 1e-2  # the bottleneck was loaded and used
-    assert AllhereLM(str(local_model / "small")).model.config.allhere_mechanism["d_down"] == 8
+    assert AllhereLM(str(local_model / "small")).runner.model.config.allhere_mechanism["d_down"] == 8

@@ -6,7 +6,10 @@ the model name ``allhere`` with lm-eval, then ``lm_eval.simple_evaluate(model="a
 model_args="pretrained=PATH", ...)`` works, or pass ``AllhereLM(PATH)`` as the model.
 
 ``pretrained`` is an allhere checkpoint (``*.safetensors``, byte-level tokens) or a folder with a
-transformers model (converted by allhere to AHA or DAR, or plain). Requests are scored one sequence at a time.
+transformers model (converted by allhere to AHA or DAR, or plain). On a plain transformers model every
+request is scored as lm-eval's own ``hf`` model scores it: the same tokens (``requests``), the same
+windows for rolling log-likelihoods, the same greedy generations and stop rules. Requests run in batches
+of ``batch_size`` (``runners``: padding, KV caches, mu_f).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .._optional import require
 
@@ -26,134 +28,144 @@ from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
 from ..progress import progress  # noqa: E402
-from ..routing import routed_layers  # noqa: E402
 from ..validation import ConfigError  # noqa: E402
-from .perplexity import rolling_windows  # noqa: E402
-
-
-class _Bytes:
-    """The byte tokenizer of allhere's own models."""
-
-    eos_token_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
+from .requests import (chunks, cut_at_stops, encode_pair, gen_group_key, generation_settings,  # noqa: E402
+                       max_length_of, share_inputs)
 
 
 @register_model("allhere")
 class AllhereLM(LM):
-    def __init__(self, pretrained: str, device: str = "cpu", max_length: int = 2048, batch_size: int = 1,
-                 max_gen_toks: int = 256, show_progress: bool = True, **kwargs) -> None:
+    """``batch_size``: requests per forward pass or generation batch (lm-eval's "auto" is taken as 16).
+    ``max_length``: tokens the model reads at most (default: a transformers model's own, as lm-eval reads
+    it off the config; 2048 for allhere checkpoints). ``max_gen_toks``: new tokens when a task sets none.
+    ``add_bos_token``: None keeps the tokenizer's default, as lm-eval's ``hf`` model does. Other
+    arguments lm-eval hands every model (``max_batch_size``, ...) are ignored."""
+
+    def __init__(self, pretrained: str, device: str = "cpu", max_length: int | None = None,
+                 batch_size: int | str = 16, max_gen_toks: int = 256, add_bos_token: bool | None = None,
+                 show_progress: bool = True, **kwargs) -> None:
         super().__init__()
         self.show_progress = show_progress  # a bar (a line every 5% off a terminal) over each batch of requests
         path = Path(pretrained)
         self._device = torch.device(device)
-        self.max_length = int(max_length)
+        self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         if path.suffix == ".safetensors":
             from ..checkpoint import load_model
+            from .runners import DecoderRunner
 
-            self.model, _ = load_model(path, device=device)
-            self.tok, self.hf = _Bytes(), False
+            model, _ = load_model(path, device=device)
+            self.runner = DecoderRunner(model.eval(), self._device)
+            self.max_length = int(max_length or 2048)
         else:
             from ..hf.io import load_local
+            from .runners import HFRunner
 
-            self.tok, self.model = load_local(path)  # plain, or saved converted to AHA / DAR
-            self.model.to(self._device)
-            self.hf = True
-        self.model.eval()
-        self.gates = defaultdict(lambda: [0.0, 0])  # task -> [sum of mu_f x tokens, tokens]
-
-    # -- model plumbing -------------------------------------------------------------------------------
-    def _forward(self, ids: list[int], task: str | None) -> torch.Tensor:
-        """Log-probabilities [len(ids), vocab] of one sequence; records its mu_f for ``task``."""
-        x = torch.tensor([ids], device=self._device)
-        with torch.no_grad():
-            if self.hf:
-                logits = self.model(input_ids=x).logits
-                routing = None
-                if routed_layers(self.model):
-                    from ..hf import collect_routing
-
-                    routing = collect_routing(self.model)
-            else:
-                out = self.model(x)
-                logits, routing = out.logits, out.routing
-        if routing is not None and task is not None:
-            g = self.gates[task]
-            g[0] += routing.mu_f().item() * len(ids)
-            g[1] += len(ids)
-        return F.log_softmax(logits[0].float(), dim=-1)
+            tokenizer, model = load_local(path)  # plain, or saved converted to AHA / DAR
+            self.runner = HFRunner(model.to(self._device).eval(), tokenizer, self._device,
+                                   None if add_bos_token is None else _flag(add_bos_token))
+            self.max_length = int(max_length or max_length_of(model.config, tokenizer))
 
     def mu_f(self) -> dict[str, float]:
-        return {task: s / n for task, (s, n) in self.gates.items() if n}
-
-    def _each(self, requests, kind: str):
-        """The requests one by one, with progress."""
-        bar = progress(len(requests), f"lm-eval {kind} requests", enabled=self.show_progress)
-        for req in requests:
-            yield req
-            bar.update(1)
-        bar.close()
+        return self.runner.mu_f()
 
     # -- the three request types ------------------------------------------------------------------------
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        out = []
-        for req in self._each(requests, "loglikelihood"):
-            context, continuation = req.args
-            ctx, cont = self.tok.encode(context), self.tok.encode(continuation)
-            if not ctx:  # the first continuation token needs something to be predicted from
-                ctx = [self.tok.eos_token_id if self.tok.eos_token_id is not None else 10]
-            ids = (ctx + cont)[-(self.max_length + 1):]
-            logp = self._forward(ids[:-1], req.task_name)
-            n = len(cont)
-            targets = torch.tensor(ids[-n:], device=logp.device)
-            picked = logp[-n:].gather(1, targets[:, None]).squeeze(1)
-            out.append((picked.sum().item(), bool((logp[-n:].argmax(-1) == targets).all())))
+        r = self.runner
+        pairs = [encode_pair(r.encode, lambda s: r.encode(s, special=False), r.prefix_id, *req.args)
+                 for req in requests]
+        bar = progress(len(requests), "lm-eval loglikelihood requests", enabled=self.show_progress)
+        out = self._score(pairs, [req.task_name for req in requests], bar)
+        bar.close()
         return out
 
     def loglikelihood_rolling(self, requests) -> list[float]:
-        out = []
-        for req in self._each(requests, "rolling loglikelihood"):
-            ids = self.tok.encode(req.args[0])
-            total = 0.0
-            for start, end, first in rolling_windows(len(ids), self.max_length, self.max_length // 2):
-                logp = self._forward(ids[start:end], req.task_name)
-                targets = torch.tensor(ids[first:end], device=logp.device)
-                total += logp[first - start - 1: end - start - 1].gather(1, targets[:, None]).sum().item()
-            out.append(total)  # the first token has no prediction and is not scored
-        return out
+        """The sum over every token of a text, in lm-eval's disjoint windows of ``max_length`` tokens: the
+        first token predicted from the prefix token, each later window from the token before it."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        pairs, owner, tasks = [], [], []
+        for i, req in enumerate(requests):
+            windows = get_rolling_token_windows(token_list=self.runner.encode(req.args[0]),
+                                                prefix_token=self.runner.prefix_id, max_seq_len=self.max_length,
+                                                context_len=1)
+            for ctx, cont in map(make_disjoint_window, windows):
+                pairs.append((ctx, cont))
+                owner.append(i)
+                tasks.append(req.task_name)
+        bar = progress(len(pairs), "lm-eval rolling loglikelihood windows", enabled=self.show_progress)
+        scores = self._score(pairs, tasks, bar)
+        bar.close()
+        totals = [0.0] * len(requests)
+        for i, (logp, _) in zip(owner, scores):
+            totals[i] += logp
+        return totals
 
     def generate_until(self, requests) -> list[str]:
-        out = []
-        for req in self._each(requests, "generation"):
-            context, gen_kwargs = req.args
-            until = gen_kwargs.get("until", []) or []
-            until = [until] if isinstance(until, str) else until
-            limit = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
-            ids = self.tok.encode(context)[-self.max_length:]
-            new: list[int] = []
-            for _ in range(limit):  # greedy, re-reading the context each step (simple and exact)
-                nxt = int(self._forward(ids + new, req.task_name)[-1].argmax())
-                if nxt == self.tok.eos_token_id:
-                    break
-                new.append(nxt)
-                text = self.tok.decode(new)
-                if any(u in text for u in until):
-                    break
-            text = self.tok.decode(new)
-            for u in until:
-                text = text.split(u)[0]
-            out.append(text)
+        """Greedy generation (unless a task asks to sample) with the KV cache, batched by equal generation
+        settings, longest prompt first; each answer ends before its first stop string."""
+        r = self.runner
+        groups = defaultdict(list)
+        for i, req in enumerate(requests):
+            groups[gen_group_key(req.args[1])].append(i)
+        out: list[str | None] = [None] * len(requests)
+        bar = progress(len(requests), "lm-eval generation requests", enabled=self.show_progress)
+        for members in groups.values():
+            until, limit, settings = generation_settings(requests[members[0]].args[1], self.max_gen_toks, r.eos_text)
+            room = self.max_length - limit
+            if room < 1:
+                raise ConfigError(f"a task asks for {limit} new tokens, as many as the model's max_length "
+                                  f"({self.max_length}): no room is left for the prompt")
+            contexts = {i: requests[i].args[0] for i in members}
+            order = sorted(members, key=lambda i: (-len(r.encode(contexts[i])), contexts[i]))
+            for batch in chunks(order, self.batch_size):
+                prompts = [p[-room:] for p in r.encode_batch([contexts[i] for i in batch])]
+                new = r.generate(prompts, limit, until, settings, [requests[i].task_name for i in batch])
+                for i, ids in zip(batch, new):
+                    out[i] = cut_at_stops(r.decode(ids), until)
+                bar.update(len(batch))
+        bar.close()
         return out
+
+    def _score(self, pairs, tasks, bar) -> list[tuple[float, bool]]:
+        """(log-probability, greedy) of each (context tokens, continuation tokens) pair: requests with the
+        same model input share a forward pass; those run longest first in batches."""
+        out = [(0.0, True)] * len(pairs)  # an empty continuation: nothing to score
+        bar.update(sum(1 for _, cont in pairs if not cont))
+        for batch in chunks(share_inputs(pairs, self.max_length), self.batch_size):
+            logps = self.runner.logprobs([g.input for g in batch], [g.keep for g in batch],
+                                         [tasks[g.members[0][0]] for g in batch])
+            for group, logp in zip(batch, logps):
+                for i, cont in group.members:
+                    target = torch.tensor(cont[-len(logp):], device=logp.device)
+                    rows = logp[-len(target):]
+                    out[i] = (rows.gather(1, target[:, None]).sum().item(), bool((rows.argmax(-1) == target).all()))
+                bar.update(len(group.members))
+        return out
+
+
+def _flag(value) -> bool:
+    """A boolean model argument, given as a bool or as lm-eval passes ``model_args`` strings."""
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false"):
+            raise ConfigError(f"add_bos_token must be true or false, got {value!r}")
+        return value.lower() == "true"
+    return bool(value)
+
+
+def _dataset_not_found() -> type[Exception]:
+    try:
+        from datasets.exceptions import DatasetNotFoundError
+    except ImportError:  # older datasets
+        return ConnectionError
+    return DatasetNotFoundError
 
 
 def evaluate(pretrained: str, tasks: list[str], include_path: str | None = None, limit: int | None = None,
              device: str = "cpu", num_fewshot: int | None = None, verbose: bool = True,
-             show_progress: bool = True) -> dict:
+             show_progress: bool = True, batch_size: int = 16) -> dict:
     """Run lm-eval tasks on a model; returns lm-eval's results with ``mu_f`` added to every task.
     ``verbose`` False hides lm-eval's own bars (building each task's prompts); ``show_progress`` is ours
     over the scored requests."""
@@ -167,13 +179,17 @@ def evaluate(pretrained: str, tasks: list[str], include_path: str | None = None,
         where = "lm-eval's tasks" + (f" or {include_path}" if include_path else "")
         raise ConfigError(f"unknown lm-eval task{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not in "
                           f"{where} (lm-eval lists its tasks with: lm-eval ls tasks)")
-    lm = AllhereLM(pretrained, device=device, show_progress=show_progress)
+    lm = AllhereLM(pretrained, device=device, show_progress=show_progress, batch_size=batch_size)
     bars = getattr(lm_eval.api.task, "tqdm", None)  # the bar lm-eval builds each task's prompts under
     if bars is not None and not verbose:
         lm_eval.api.task.tqdm = functools.partial(bars, disable=True)
     try:
         res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager,
                               limit=limit, num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
+    except (ConnectionError, _dataset_not_found()) as e:  # a task's dataset is neither cached nor reachable
+        raise ConfigError(f"a task's dataset could not be loaded ({' '.join(str(e).split())[:200]}); allhere runs "
+                          "offline: put the dataset in the datasets cache first, or give local data through "
+                          "--include-path task YAMLs") from None
     finally:
         if bars is not None:
             lm_eval.api.task.tqdm = bars

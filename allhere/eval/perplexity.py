@@ -21,6 +21,8 @@ from ..validation import ConfigError
 
 def rolling_windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
     """(start, end, first scored target position) of each window over a document of n tokens."""
+    if seq_len < 2:
+        raise ConfigError(f"seq_len = {seq_len}: a window needs at least 2 tokens (one to predict the next from)")
     if not 1 <= stride <= seq_len:
         raise ConfigError(f"stride must be in [1, seq_len = {seq_len}], got {stride}")
     spans, start, first = [], 0, 1  # position 0 has no prediction
