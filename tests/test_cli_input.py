@@ -46,6 +46,7 @@ def bad_values(type_name: str, paths: dict) -> list[str]:
         "checkpoint or model folder": [paths["missing"], paths["file"], paths["folder"]],
         "output folder": [paths["file"], paths["under a file"]],
         "comma-separated names": ["", "a,,b", " , "],
+        "text": ["", " "],
     }
     assert type_name in table, f"no bad values listed for argument type {type_name!r}: add them here"
     return table[type_name]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from pathlib import Path
 
 Bad = argparse.ArgumentTypeError
@@ -149,6 +150,18 @@ def out_folder(value: str) -> str:
         raise Bad(f"cannot create the folder {value!r}: {base} is a file")
     if not os.access(base, os.W_OK | os.X_OK):
         raise Bad(f"cannot write in {base} (permission denied)")
+    try:  # the permission bits do not tell everything (root, read-only mounts, /proc): try it
+        os.rmdir(tempfile.mkdtemp(prefix=".allhere-check-", dir=base))
+    except OSError as e:
+        raise Bad(f"cannot create the folder {value!r} in {base} ({e.strerror})") from None
+    return value
+
+
+@_named("text")
+def text(value: str) -> str:
+    """Non-empty text."""
+    if not value.strip():
+        raise Bad(f"expected some text, got {value!r}")
     return value
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 from ..validation import ConfigError
@@ -44,7 +45,10 @@ def _check_out(out: str, model: str, resume: bool | None = None) -> None:
     if out_p == model_p or model_p in out_p.parents:
         raise ConfigError(f"--out {out} is the input model's folder{'' if out_p == model_p else ' or inside it'}; "
                           "choose a new folder (nothing was written)")
-    busy = out_p.is_dir() and any(out_p.iterdir())
+    from ..runlock import LOCK_NAME, ensure_free
+
+    ensure_free(out_p)  # a folder another process writes is refused as such
+    busy = out_p.is_dir() and any(f.name != LOCK_NAME for f in out_p.iterdir())  # a lock left by a killed run
     if busy and not resume:
         hint = "choose" if resume is None else "pass --resume to continue the run there, or choose"
         raise ConfigError(f"--out {out} already holds files; {hint} a new folder (nothing was written)")
@@ -104,6 +108,8 @@ def eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-fewshot", type=a.positive_or_zero, default=None,
                    help="few-shot examples per prompt (default: each task's own setting)")
     p.add_argument("--device", type=a.device, default="cpu", help="cpu (default), cuda[:N] or auto")
+    p.add_argument("--batch-size", type=a.positive, default=16,
+                   help="requests per forward pass or generation batch, longest first (default 16)")
     a.progress_flag(p)
 
 
@@ -111,7 +117,7 @@ def evaluate(args) -> None:
     from ..eval.harness import evaluate as harness
 
     results = harness(args.model, args.tasks, args.include_path, args.limit, args.device, args.num_fewshot,
-                      verbose=args.verbose, show_progress=not args.no_progress)
+                      verbose=args.verbose, show_progress=not args.no_progress, batch_size=args.batch_size)
     for task, metrics in results.items():
         shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
                           if isinstance(v, float) and "stderr" not in k)
@@ -119,6 +125,14 @@ def evaluate(args) -> None:
 
 
 # convert, sft -----------------------------------------------------------------------------------------
+
+def _note_window(config) -> None:
+    from ..hf.convert import replaced_window
+
+    note = replaced_window(config)
+    if note:
+        print(note, file=sys.stderr)
+
 
 def convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=a.model_folder, required=True,
@@ -136,6 +150,7 @@ def convert(args) -> None:
     mech = _mechanism(args)
     _check_out(args.out, args.model)
     tokenizer, model = load_local(args.model, convertible=True)
+    _note_window(model.config)
     hf_convert(model, mech)
     save_pretrained(model, args.out)
     tokenizer.save_pretrained(args.out)
@@ -179,6 +194,9 @@ def sft(args) -> None:
         raise ConfigError(f"--target-mu-f is a setting of --mechanism aha (it steers the routers), not of "
                           f"{args.mechanism}")
     _check_out(args.out, args.model, resume=args.resume)
+    from ..hf.io import check_causal_lm
+
+    _note_window(check_causal_lm(args.model, convertible=True))
     state = run_sft(args.model, args.data, args.out, window=args.window, seq_len=args.seq_len,
                     batch_size=args.batch_size, global_batch=args.global_batch, epochs=args.epochs, lr=args.lr,
                     lam=getattr(mech, "lam", 3e-4), tau=getattr(mech, "tau", 0.5), max_steps=args.max_steps,

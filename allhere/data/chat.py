@@ -31,6 +31,9 @@ def load_chat(path: str | Path):
     if not files:
         raise DataError(f"chat data folder {p} holds no .jsonl, .json or .parquet file")
     kind = "parquet" if files[0].suffix == ".parquet" else "json"
+    empty = [f for f in files if f.stat().st_size == 0]
+    if empty:
+        raise DataError(f"chat data file {empty[0]} is empty")
     try:
         ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
     except Exception as e:  # datasets raises many kinds for a malformed file

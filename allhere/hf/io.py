@@ -140,6 +140,7 @@ def load_local(model_path: str | Path, convertible: bool = False, dtype: torch.d
     transformers causal LM (with ``convertible``, of a family allhere converts), or one saved converted (then
     through ``load_pretrained``). ``dtype``: "auto" keeps the dtype the weights were saved in (what
     lm-eval's ``hf`` model does); training asks for float32."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = Path(model_path)
@@ -148,10 +149,14 @@ def load_local(model_path: str | Path, convertible: bool = False, dtype: torch.d
         tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{p} has no tokenizer transformers can load: {e}") from None
-    if saved_mechanism(config) is not None:
-        return tokenizer, load_pretrained(p, local_files_only=True, dtype=dtype)
-    return tokenizer, AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, attn_implementation="sdpa",
-                                                           dtype=dtype)
+    try:
+        if saved_mechanism(config) is not None:
+            return tokenizer, load_pretrained(p, local_files_only=True, dtype=dtype)
+        return tokenizer, AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True,
+                                                               attn_implementation="sdpa", dtype=dtype)
+    except (OSError, RuntimeError, SafetensorError) as e:  # no weight file, a truncated or corrupt one, wrong shapes
+        first = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"{p}: the weights could not be loaded ({type(e).__name__}: {first})") from e
 
 
 def saved_dtype(config) -> torch.dtype:
