@@ -55,10 +55,10 @@ class Routing:
 
 def routed_layers(model) -> list[tuple[int, "torch.nn.Module"]]:
     """(layer index, mechanism module) of every layer whose mechanism routes (e.g. AHA), in our decoder
-    or in a converted Hugging Face model."""
+    or in a converted Hugging Face model (whose mechanisms know their layer: ``layer_index``)."""
     from .mechanisms.base import mechanism_layers
 
-    return [(i, m) for i, m in enumerate(mechanism_layers(model)) if m.routed]
+    return [(getattr(m, "layer_index", i), m) for i, m in enumerate(mechanism_layers(model)) if m.routed]
 
 
 def set_forced_gate(model, value) -> None:

@@ -14,7 +14,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from real_configs import tiny
+from real_configs import STORED_DTYPE, tiny
 
 WORDS = [f"w{i}" for i in range(90)]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
@@ -51,7 +51,9 @@ def write_model(name: str, folder: Path, shards: bool = False, seed: int = 0, **
     config = transformers.AutoConfig.from_pretrained(str(folder))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    model.to(getattr(torch, published.get("torch_dtype", "float32")))
+    # the published dtype: torch_dtype, or dtype (files written by transformers >= 4.56), or STORED_DTYPE
+    dtype = published.get("torch_dtype") or published.get("dtype") or STORED_DTYPE.get(name, "float32")
+    model.to(getattr(torch, dtype))
     model.save_pretrained(str(folder), max_shard_size="20KB" if shards else "5GB")
     (folder / "config.json").write_text(json.dumps(published, indent=2))  # as published, not re-serialised
     tok.save_pretrained(str(folder))

@@ -1,11 +1,13 @@
 """Hugging Face conversion, offline: tiny random-weight configs built here, no downloads."""
 
+import copy
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from allhere import AHAConfig, ConfigError, set_forced_gate, use_backend  # noqa: E402  (the one set_forced_gate, for HF models too)
+from allhere import AHAConfig, ConfigError, DARConfig, set_forced_gate, use_backend  # noqa: E402  (the one set_forced_gate, for HF models too)
 from allhere.hf import collect_routing, convert, load_pretrained, save_pretrained  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
@@ -126,11 +128,29 @@ def test_left_padded_batch_and_generation_equal_one_by_one(monkeypatch, path):
     assert torch.equal(batched[0], alone[0]) and torch.equal(batched[1], alone[1])
 
 
-def test_unsupported_architecture_and_bad_window():
-    gpt2 = transformers.AutoModelForCausalLM.from_config(
-        transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2, n_positions=64))
-    with pytest.raises(ConfigError, match="unsupported architecture 'gpt2'.*llama"):
-        convert(gpt2, AHAConfig(window=4))
+def test_any_decoder_on_the_attention_interface_converts_and_others_are_refused():
+    """GPT-2 is in no table of allhere's, but its attention goes through transformers' attention interface:
+    it converts (learned absolute positions: K/V do not depend on the position, so DAR too). Mamba has no
+    attention module on that interface: one line saying so."""
+    config = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    torch.manual_seed(0)
+    gpt2 = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+    ids = torch.randint(0, 50, (2, 20))
+    with torch.no_grad():
+        ref = gpt2(ids).logits
+        for mech in (AHAConfig(window=4), DARConfig(window=4, d_down=32)):
+            model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+            model.load_state_dict(gpt2.state_dict())
+            convert(model, mech)
+            set_forced_gate(model, True) if isinstance(mech, AHAConfig) else None
+            assert rel_err(model(ids).logits, ref) < 1e-5, mech
+            kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+            assert torch.equal(model.generate(ids[:, :6], use_cache=True, **kw),
+                               model.generate(ids[:, :6], use_cache=False, **kw))
+    mamba = transformers.AutoModelForCausalLM.from_config(
+        transformers.MambaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, state_size=4))
+    with pytest.raises(ConfigError, match="no attention module calls transformers' attention interface"):
+        convert(mamba, AHAConfig(window=4))
     with pytest.raises(ConfigError, match="larger than the model's context"):
         convert(build("llama"), AHAConfig(window=1000))
     with pytest.raises(ConfigError, match="qproj"):

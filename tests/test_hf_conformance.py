@@ -18,13 +18,22 @@ from allhere import AHAConfig, DARConfig, SinksConfig, SlidingConfig, set_forced
 from allhere.checkpoint import read_checkpoint  # noqa: E402
 from allhere.cli import main  # noqa: E402
 from allhere.hf import convert, load_pretrained, save_pretrained  # noqa: E402
+from allhere.hf.convert import LENGTH_DEPENDENT_ROPE, attention_modules, rope_types, softmax_extras  # noqa: E402
+from allhere.validation import ConfigError  # noqa: E402
 from allhere.hf.io import saved_dtype  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
 from hf_fixtures import write_chat, write_model, write_texts  # noqa: E402
-from real_configs import NAMES, PUBLISHED  # noqa: E402
+from real_configs import ALL_NAMES as NAMES, PUBLISHED, stored_dtype, tied  # noqa: E402
 
 SHARDED = "Qwen3-0.6B"  # saved as model-0000x-of-0000y.safetensors + index, as the big ones are
+# Every layer of Mistral-7B-v0.1 has a sliding window (4096): there is no full-attention layer for the default
+# layers="full", so its mechanisms go on every layer, in place of the window (shorter than the tests' sequences)
+LAYERS = {"Mistral-7B-v0.1": "all"}
+
+
+def layers_of(name):
+    return LAYERS.get(name, "full")
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 
 
@@ -53,37 +62,54 @@ def test_the_fixtures_carry_the_published_flags(folders):
     for name in NAMES:
         folder = models[name]
         config = transformers.AutoConfig.from_pretrained(str(folder))
-        assert saved_dtype(config) == getattr(torch, PUBLISHED[name]["torch_dtype"]), name
+        assert saved_dtype(config, folder) == getattr(torch, stored_dtype(name)), name
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
-        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-        assert tied == PUBLISHED[name]["tie_word_embeddings"], name
-        if "rope_scaling" in PUBLISHED[name] and PUBLISHED[name]["rope_scaling"]:
+        shared = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert shared == tied(name), name
+        scaling = PUBLISHED[name].get("rope_scaling")
+        if scaling and scaling.get("rope_type") == "llama3":
             assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["factor"] > 1
     assert len(list(models[SHARDED].glob("model-*-of-*.safetensors"))) > 1
     assert (models[SHARDED] / "model.safetensors.index.json").exists()
 
 
+def plain_softmax(model) -> bool:
+    """Whether no layer's softmax has sinks or soft-capping (gpt-oss, Gemma-2 have them)."""
+    return not any(softmax_extras(attn) for attn in attention_modules(model))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_conversions_keep_the_original_logits(folders, name):
     """AHA (forced global, and its all-open initial routers), DAR with d_down = d, and sliding / sinks with a
-    window covering the sequence compute what the original computes; forced local AHA = sliding."""
+    window covering the sequence compute what the original computes; forced local AHA = sliding. Where a
+    layer's softmax has sink logits or soft-capping, AHA computes them too and the others are refused."""
     folder = folders[0][name]
     ref_model = fp32(folder)
     ids = ids_for(ref_model)
+    layers = layers_of(name)
+    plain = plain_softmax(ref_model)
     with torch.no_grad():
         ref = ref_model(ids).logits
         d = ref_model.config.hidden_size
         for mech in (AHAConfig(window=4), DARConfig(window=4, d_down=d), SlidingConfig(window=ids.shape[1]),
                      SinksConfig(window=ids.shape[1] - 2, n_sinks=2)):
-            model = convert(fp32(folder), mech)
+            refusal = "does not compute" if not plain and not isinstance(mech, AHAConfig) else None
+            if isinstance(mech, DARConfig) and rope_types(ref_model.config) & LENGTH_DEPENDENT_ROPE:
+                refusal = "changes the rotary frequencies with the sequence length"  # Phi-4-mini's longrope
+            if refusal:
+                with pytest.raises(ConfigError, match=refusal):
+                    convert(fp32(folder), mech, layers=layers)
+                continue
+            model = convert(fp32(folder), mech, layers=layers)
             if isinstance(mech, AHAConfig):
                 set_forced_gate(model, True)
             assert rel_err(model(ids).logits, ref) < 1e-5, mech
-        local = convert(fp32(folder), AHAConfig(window=5))
+        local = convert(fp32(folder), AHAConfig(window=5), layers=layers)
         set_forced_gate(local, False)
-        sliding = convert(fp32(folder), SlidingConfig(window=5))
-        assert rel_err(local(ids).logits, sliding(ids).logits) < 1e-5
         assert rel_err(local(ids).logits, ref) > 1e-3  # the window is felt at 40 tokens
+        if plain:
+            sliding = convert(fp32(folder), SlidingConfig(window=5), layers=layers)
+            assert rel_err(local(ids).logits, sliding(ids).logits) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["Llama-3.2-1B", "Pythia-160M"])
@@ -112,14 +138,16 @@ def test_the_user_path(folders, name, tmp_path, capsys):
     """convert -> sft -> load_pretrained -> generate (cache = no cache) -> perplexity -> eval."""
     models, data = folders
     folder = models[name]
-    published = getattr(torch, PUBLISHED[name]["torch_dtype"])
-    run_cli(["convert", "--model", folder, "--out", tmp_path / "aha", "--mechanism", "aha", "--window", 4], capsys)
-    run_cli(["sft", "--model", folder, "--data", data["chat"], "--out", tmp_path / "sft", "--window", 4,
+    published = getattr(torch, stored_dtype(name))
+    layers = ["--layers", layers_of(name)]
+    run_cli(["convert", "--model", folder, "--out", tmp_path / "aha", "--mechanism", "aha", "--window", 4, *layers],
+            capsys)
+    run_cli(["sft", "--model", folder, "--data", data["chat"], "--out", tmp_path / "sft", "--window", 4, *layers,
              "--seq-len", 48, "--batch-size", 2, "--global-batch", 4, "--max-steps", 2, "--lr", 1e-3,
              "--no-progress"], capsys)
     tuned = load_pretrained(tmp_path / "sft" / "model").eval()
     assert tuned.dtype == published  # trained in float32, saved as published
-    if PUBLISHED[name]["tie_word_embeddings"]:
+    if tied(name):
         assert tuned.get_output_embeddings().weight is tuned.get_input_embeddings().weight
     trained, _ = read_checkpoint(tmp_path / "sft" / "checkpoint.safetensors")  # float32 master weights
     base = fp32(folder).state_dict()
@@ -169,16 +197,25 @@ def edited(folder, tmp_path, **changes):
     return copy
 
 
-def test_qwen_sliding_window_layers_are_refused(folders, tmp_path, capfd):
+def test_qwen_sliding_window_layers_keep_their_window(folders, tmp_path, capsys):
+    """Qwen2 with use_sliding_window and max_window_layers: the layers from max_window_layers on keep their
+    window (and transformers' rolling cache), AHA goes on the others; forced global = the original."""
     folder = edited(folders[0]["Qwen2.5-0.5B"], tmp_path, use_sliding_window=True, max_window_layers=1,
                     sliding_window=16)
-    assert main(["convert", "--model", str(folder), "--out", str(tmp_path / "o"), "--mechanism", "aha",
-                 "--window", "4"]) == 2
-    line = one_line(capfd)
-    assert "use_sliding_window" in line and "max_window_layers = 1" in line and "'sliding_attention'" in line
-    assert not (tmp_path / "o").exists()
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        convert(transformers.AutoModelForCausalLM.from_pretrained(str(folder)), AHAConfig(window=4))
+    original = fp32(folder)
+    assert original.config.layer_types == ["full_attention", "sliding_attention"]
+    model = convert(fp32(folder), AHAConfig(window=4))
+    assert [hasattr(a, "allhere") for a in attention_modules(model)] == [True, False]
+    set_forced_gate(model, True)
+    ids = ids_for(original)
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, original(ids).logits) < 1e-5
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(ids[:, :20], **kw), original.generate(ids[:, :20], **kw))
+    run_cli(["convert", "--model", folder, "--out", tmp_path / "o", "--mechanism", "aha", "--window", 4], capsys)
+    again = load_pretrained(tmp_path / "o", dtype=torch.float32)
+    assert again.config.layer_types == ["full_attention", "sliding_attention"]
+    assert [hasattr(a, "allhere") for a in attention_modules(again)] == [True, False]
 
 
 def test_unknown_rope_type_is_refused(folders, tmp_path, capfd):
@@ -201,7 +238,12 @@ def test_dar_refuses_a_length_dependent_rope(folders, tmp_path, capfd):
 
 
 def test_mistral_window_replaced_is_said(folders, tmp_path, capfd):
-    assert main(["convert", "--model", str(folders[0]["Mistral-7B-v0.1"]), "--out", str(tmp_path / "o"),
-                 "--mechanism", "aha", "--window", "4"]) == 0
+    """Every layer of Mistral-7B-v0.1 is sliding: the default (full layers only) is refused in one line naming
+    --layers all, which converts them all and says the window is replaced."""
+    command = ["convert", "--model", str(folders[0]["Mistral-7B-v0.1"]), "--out", str(tmp_path / "o"),
+               "--mechanism", "aha", "--window", "4"]
+    assert main(command) == 2
+    assert "--layers all" in one_line(capfd) and not (tmp_path / "o").exists()
+    assert main([*command, "--layers", "all"]) == 0
     err = capfd.readouterr().err
-    assert "sliding_window = 4096" in err and "whole prefix" in err
+    assert "sliding window of 4096" in err and "whole prefix" in err

@@ -89,6 +89,10 @@ def perplexity(args) -> None:
     else:
         res = rolling_perplexity(load_model(args.checkpoint, device=args.device)[0], docs, *settings)
     mu = "" if res["mu_f"] is None else f", mu_f {100 * res['mu_f']:.1f}%"
+    if "global_share" in res:
+        share = res["global_share"]
+        mu += (f"; (layer, head, token) triples reading the whole prefix: {100 * share['before']:.1f}% before "
+               f"conversion, {100 * share['after']:.1f}% after")
     print(f"{res['tokens']:,} tokens in {len(docs) - res['skipped_docs']} documents "
           f"({res['skipped_docs']} skipped): loss {res['loss']:.4f} nats, perplexity {res['perplexity']:.3f}, "
           f"{res['bits_per_token']:.4f} bits/token{mu}")
@@ -126,11 +130,10 @@ def evaluate(args) -> None:
 
 # convert, sft -----------------------------------------------------------------------------------------
 
-def _note_window(config) -> None:
-    from ..hf.convert import replaced_window
+def _print_notes(config, layers: str) -> None:
+    from ..hf.convert import conversion_notes
 
-    note = replaced_window(config)
-    if note:
+    for note in conversion_notes(config, layers):
         print(note, file=sys.stderr)
 
 
@@ -140,21 +143,38 @@ def convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=a.out_folder, required=True,
                    help="a new or empty folder to save the converted model into (required)")
     a.conversion_flags(p, _hf_kinds())
+    p.add_argument("--format", choices=("allhere", "faolmo"), default="allhere",
+                   help="allhere: transformers' files plus allhere's settings (default); faolmo: the checkpoint "
+                        "format of the AHA paper's authors (OLMo-2 and AHA only, tau 0.5, a router without bias: "
+                        "every head starts local until fine-tuned)")
 
 
 def convert(args) -> None:
     from ..hf import convert as hf_convert
     from ..hf import save_pretrained
-    from ..hf.io import load_local
+    from ..hf.io import check_causal_lm, load_local, saved_mechanism
 
     mech = _mechanism(args)
+    if args.format == "faolmo":  # the AHA authors' format: the paper's router, no bias, gate at 0.5
+        from ..hf.faolmo import check_mechanism
+
+        mech = dataclasses.replace(mech, router_bias=False) if getattr(mech, "kind", None) == "aha" else mech
+        check_mechanism(mech)
     _check_out(args.out, args.model)
-    tokenizer, model = load_local(args.model, convertible=True)
-    _note_window(model.config)
-    hf_convert(model, mech)
-    save_pretrained(model, args.out)
+    config = check_causal_lm(args.model)
+    if args.format == "faolmo" and config.model_type != "olmo2":
+        raise ConfigError(f"--format faolmo holds OLMo-2 models; {args.model} holds model_type {config.model_type!r}")
+    saved = saved_mechanism(config)
+    if saved is not None:
+        raise ConfigError(f"--model {args.model} is already converted ({type(saved).__name__}); every command "
+                          "taking --model loads it as it is (Python: allhere.hf.load_pretrained)")
+    tokenizer, model = load_local(args.model, convertible=True, layers=args.layers)
+    _print_notes(model.config, args.layers)
+    hf_convert(model, mech, layers=args.layers)
+    save_pretrained(model, args.out, format=args.format)
     tokenizer.save_pretrained(args.out)
-    print(f"{args.mechanism.upper()} model ({mech}) saved to {args.out}; load it with allhere.hf.load_pretrained")
+    fmt = " in the AHA authors' faolmo format" if args.format == "faolmo" else ""
+    print(f"{args.mechanism.upper()} model ({mech}) saved to {args.out}{fmt}; load it with allhere.hf.load_pretrained")
 
 
 def sft_arguments(p: argparse.ArgumentParser) -> None:
@@ -196,12 +216,13 @@ def sft(args) -> None:
     _check_out(args.out, args.model, resume=args.resume)
     from ..hf.io import check_causal_lm
 
-    _note_window(check_causal_lm(args.model, convertible=True))
+    _print_notes(check_causal_lm(args.model, convertible=True, layers=args.layers, mechanism=mech), args.layers)
     state = run_sft(args.model, args.data, args.out, window=args.window, seq_len=args.seq_len,
                     batch_size=args.batch_size, global_batch=args.global_batch, epochs=args.epochs, lr=args.lr,
                     lam=getattr(mech, "lam", 3e-4), tau=getattr(mech, "tau", 0.5), max_steps=args.max_steps,
                     device=args.device, resume=args.resume, progress=not args.no_progress,
-                    d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr, target_mu_f=args.target_mu_f)
+                    d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr, target_mu_f=args.target_mu_f,
+                    layers=args.layers)
     from ..distributed.env import detect
 
     env = detect()

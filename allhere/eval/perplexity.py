@@ -69,11 +69,16 @@ def rolling_perplexity(model: Decoder, docs: list[torch.Tensor], seq_len: int, s
 def hf_perplexity(model_path, byte_docs: list[torch.Tensor], seq_len: int, stride: int | None = None,
                   min_len: int = 0, device: str = "cpu", progress: bool = False) -> dict:
     """``rolling_perplexity`` of a Hugging Face model folder (plain, or saved converted to AHA / DAR) on
-    documents given as UTF-8 bytes, tokenized with the model's own tokenizer; losses are per model token."""
-    from ..hf import HFCausalLM
+    documents given as UTF-8 bytes, tokenized with the model's own tokenizer; losses are per model token.
+    A converted model also gets ``global_share`` (``allhere.hf.global_share`` at the measured mu_f)."""
+    from ..hf import HFCausalLM, global_share
     from ..hf.io import load_local
+    from ..mechanisms.base import mechanism_layers
 
     tokenizer, model = load_local(model_path)
     texts = [bytes(d.to(torch.uint8).tolist()).decode("utf-8", errors="replace") for d in byte_docs]
     docs = [torch.tensor(tokenizer(t)["input_ids"], dtype=torch.long) for t in texts]
-    return rolling_perplexity(HFCausalLM(model), docs, seq_len, stride, min_len, device, progress)
+    res = rolling_perplexity(HFCausalLM(model), docs, seq_len, stride, min_len, device, progress)
+    if mechanism_layers(model) and (res["mu_f"] is not None or not any(m.routed for m in mechanism_layers(model))):
+        res["global_share"] = global_share(model, res["mu_f"])
+    return res

@@ -10,9 +10,20 @@ require("transformers", "hf")
 
 from ..routing import set_forced_gate  # noqa: E402
 from .cache import cache_nbytes, new_cache  # noqa: E402
-from .convert import SUPPORTED_MODEL_TYPES, collect_routing, convert, converted_mechanism  # noqa: E402
+from .convert import attention_layers, collect_routing, convert, converted_mechanism, global_share  # noqa: E402
 from .io import load_pretrained, save_pretrained  # noqa: E402
 from .sft import HFCausalLM, sft  # noqa: E402
 
-__all__ = ["HFCausalLM", "SUPPORTED_MODEL_TYPES", "cache_nbytes", "collect_routing", "convert", "converted_mechanism",
+__all__ = ["HFCausalLM", "attention_layers", "cache_nbytes", "collect_routing", "convert", "converted_mechanism", "global_share",
            "load_pretrained", "new_cache", "save_pretrained", "set_forced_gate", "sft"]
+
+
+def __getattr__(name):
+    if name == "SUPPORTED_MODEL_TYPES":  # removed: conversion follows the model's structure, not a table
+        import warnings
+
+        warnings.warn("allhere.hf.SUPPORTED_MODEL_TYPES is deprecated: any decoder whose attention goes through "
+                      "transformers' attention interface converts (allhere.hf.attention_layers finds its layers)",
+                      DeprecationWarning, stacklevel=2)
+        return ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gpt_neox")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

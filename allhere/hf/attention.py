@@ -15,17 +15,22 @@ KV cache: mechanisms that decode with transformers' own layers (every key kept) 
 hands over; a mechanism with its own cache layer (``new_hf_cache_layer``, see ``allhere.hf.cache``) also
 gets that layer's view of the call as ``cache``.
 
-Sequence boundaries: the registered mask function builds transformers' usual mask once per forward and
-reads the segment starts off it there (``allhere.masks.segment_starts``); every layer then gets them as
-an explicit argument (``SegmentMask``).
+Sequence boundaries: the registered mask function builds transformers' usual mask once per forward (one
+per layer type: full and sliding); the segment starts are read off it (``allhere.masks.segment_starts``)
+once, by the first converted layer that needs them (``SegmentMask``).
+
+Layers without a mechanism (a hybrid model's sliding-window layers, by default) run the attention
+function the model had before conversion (``HOST_IMPL``: SDPA, or the model's own eager function, which
+computes gpt-oss's sinks and Gemma-2's soft-capping) on the mask transformers built for them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..masks import segment_starts
@@ -34,23 +39,69 @@ from .cache import own_layer
 
 ATTN_NAME = "allhere"
 SUBMODULE = "allhere"  # the mechanism's name inside the attention module
+HOST_IMPL = "allhere_host_attention"  # attribute of every attention module: "sdpa" or "eager" for its layer
 _CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # by transformers version and family
 
 
-@dataclass
 class SegmentMask:
-    """What the mask function hands every layer: transformers' dense mask and its segment starts."""
+    """What the mask function hands every layer: transformers' dense mask (bool [b, 1, q, kv], as built for
+    SDPA) and, read off it on first use, its segment starts ([b, q] first key of each query's segment, -1:
+    none; None: the mask is not causal attention within segments, e.g. a sliding window)."""
 
-    dense: torch.Tensor  # bool [b, 1, q, kv] as transformers builds it for SDPA
-    starts: torch.Tensor | None  # [b, q] first key of each query's segment (-1: none); None: not segments
+    def __init__(self, dense: torch.Tensor) -> None:
+        self.dense = dense
+        self._starts: torch.Tensor | None | bool = False  # False: not read yet
+
+    @property
+    def starts(self) -> torch.Tensor | None:
+        if self._starts is False:
+            self._starts = segment_starts(self.dense, self.dense.shape[-2], self.dense.shape[-1])
+        return self._starts
 
 
 def mask_function(*args, **kwargs):
-    """transformers mask-interface signature: SDPA's boolean mask, converted once into segment starts."""
+    """transformers mask-interface signature: SDPA's boolean mask (None: plain causal attention)."""
     dense = sdpa_mask(*args, **kwargs)
-    if dense is None:  # plain causal attention
+    return None if dense is None else SegmentMask(dense)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = may attend) as the additive float mask the eager attention functions take."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def _eager(module):
+    """The model family's own eager attention function (it computes sinks and soft-capping)."""
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def host_attention(module, query, key, value, attention_mask, **kwargs):
+    """A layer without a mechanism: the attention function the model had (``HOST_IMPL``) on its own mask; the
+    family's eager one where SDPA cannot compute the layer's softmax (sinks, soft-capping)."""
+    dense = attention_mask.dense if isinstance(attention_mask, SegmentMask) else attention_mask
+    plain = all(kwargs.get(k) is None for k in ("s_aux", "softcap"))
+    if plain and getattr(module, HOST_IMPL, "sdpa") != "eager":
+        return sdpa_attention_forward(module, query, key, value, dense, **kwargs)
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if dense is None:  # plain causal: the eager functions take an explicit mask
+        j = torch.arange(kv_len, device=query.device)
+        dense = (j <= torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len))[None, None]
+    return _eager(module)(module, query, key, value, _additive(dense, query.dtype), **kwargs)
+
+
+def _host_softmax(module, kwargs):
+    """``AttentionCall.attend`` for a layer whose softmax has terms of its own (gpt-oss's sink logits in
+    ``s_aux``, Gemma-2's ``softcap``): the family's eager function under any bool mask; None for a plain one."""
+    if all(kwargs.get(k) is None for k in ("s_aux", "softcap")):
         return None
-    return SegmentMask(dense, segment_starts(dense, dense.shape[-2], dense.shape[-1]))
+    eager = _eager(module)
+
+    def attend(q, k, v, allowed):
+        allowed = allowed if allowed.dim() == 4 else allowed[None, None]
+        out, _ = eager(module, q, k, v, _additive(allowed, q.dtype), **kwargs)
+        return out.transpose(1, 2)
+
+    return attend
 
 
 def stash_call(module, args, kwargs, rotary=None):
@@ -73,10 +124,11 @@ def _host_cache(kwargs):
 def project_kv(module, args, kwargs, rotary, h: torch.Tensor, positions=None):
     """K/V of ``h`` [b, n, d] through the attention module's own path (called again on h, without a
     cache), at the positions of the current call, or at ``positions`` ([n] or [b, n]: rotary positions,
-    embedded by the model's rotary module)."""
+    embedded by the model's rotary module; a model without rotary embeddings, e.g. GPT-2's learned absolute
+    positions added to the input, has K/V that do not depend on the position)."""
     mech = getattr(module, SUBMODULE)
     kwargs = {k: (None if k in _CACHE_ARGS else v) for k, v in kwargs.items()}
-    if positions is not None:
+    if positions is not None and (rotary is not None or "position_embeddings" in kwargs):
         if rotary is None or "position_embeddings" not in kwargs:
             raise NotImplementedError("this Hugging Face host projects K/V only at the positions of the current "
                                       "call (no rotary module, or position embeddings not passed by keyword)")
@@ -98,7 +150,9 @@ def project_kv(module, args, kwargs, rotary, h: torch.Tensor, positions=None):
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers attention-interface signature; returns (output [b, q, h, d], None)."""
-    mech = getattr(module, SUBMODULE)
+    mech = getattr(module, SUBMODULE, None)
+    if mech is None:
+        return host_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if mech.hf_captured is not None:  # the inner call of project_kv: hand K/V over, the output is unused
         mech.hf_captured = (key, value)
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
@@ -107,6 +161,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if mech.hf_call is None:
         raise RuntimeError("allhere attention called without its input: was the model converted with allhere.hf.convert?")
     (args, call_kwargs, rotary), mech.hf_call = mech.hf_call, None
+    attend = _host_softmax(module, {**kwargs, "dropout": 0.0, "scaling": scaling})
+    if attend is not None and not mech.host_softmax:
+        raise NotImplementedError(f"{type(mech).__name__} does not compute this layer's softmax (sinks or "
+                                  "soft-capping); convert refuses such layers")
     starts = None
     if isinstance(attention_mask, SegmentMask):
         starts = attention_mask.starts
@@ -115,7 +173,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                                       "this model built another mask (a static cache or a custom mask function?)")
     elif attention_mask is not None:
         raise NotImplementedError(f"allhere attention got a mask it did not build ({type(attention_mask).__name__})")
-    call = AttentionCall(x=_hidden_states(args, call_kwargs), segment_starts=starts, scale=scaling,
+    call = AttentionCall(x=_hidden_states(args, call_kwargs), segment_starts=starts, scale=scaling, attend=attend,
                          project_kv=lambda h, positions=None: project_kv(module, args, call_kwargs, rotary, h,
                                                                          positions))
     host_cache, cache = _host_cache(call_kwargs), None

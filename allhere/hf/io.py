@@ -18,7 +18,7 @@ from .. import registry
 from ..checkpoint import CheckpointError
 from ..validation import ConfigError
 from .attention import SUBMODULE
-from .convert import CONFIG_KEY, SUPPORTED_MODEL_TYPES, check_convertible, check_rope, convert
+from .convert import CONFIG_KEY, LAYERS_KEY, check_convertible, check_rope, convert
 
 LEGACY_KEYS = {"allhere_aha": "aha", "allhere_dar": "dar"}  # config.json keys of earlier versions
 
@@ -35,8 +35,15 @@ def saved_mechanism(config):
     return None
 
 
-def save_pretrained(model, path: str | Path, **kwargs) -> None:
-    """``model.save_pretrained`` (safetensors); the settings travel in config.json."""
+def save_pretrained(model, path: str | Path, format: str = "allhere", **kwargs) -> None:
+    """``model.save_pretrained`` (safetensors); the settings travel in config.json. ``format="faolmo"``: the
+    AHA authors' checkpoint format instead (``allhere.hf.faolmo.save``; kwargs: ``max_shard_size`` in bytes)."""
+    if format == "faolmo":  # the AHA authors' format: an OLMo-2 converted to AHA without router bias
+        from .faolmo import save
+
+        return save(model, path, **kwargs)
+    if format != "allhere":
+        raise ConfigError(f"format must be 'allhere' or 'faolmo', got {format!r}")
     if saved_mechanism(model.config) is None:
         raise ValueError("this model is not converted by allhere; save it with model.save_pretrained")
     model.save_pretrained(str(path), **kwargs)
@@ -54,13 +61,19 @@ def _weight_files(path: Path) -> list[Path]:
 
 def load_pretrained(path: str | Path, **kwargs):
     """Load a model saved by ``save_pretrained``: the same weights, routers or bottlenecks included.
-    kwargs go to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map, ...)."""
+    kwargs go to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map, ...). A folder in the AHA
+    authors' format (config.json ``model_type: "faolmo"``) loads through ``allhere.hf.faolmo.load`` (kwargs:
+    dtype), without its remote code."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} is not a saved model folder (no config.json)")
+    from .faolmo import load as load_faolmo, read_config as faolmo_config
+
+    if faolmo_config(path) is not None:  # the AHA authors' format: transformers does not know model_type faolmo
+        return load_faolmo(path, **kwargs)
     config = AutoConfig.from_pretrained(str(path))
     mech = saved_mechanism(config)
     if mech is None:
@@ -71,13 +84,13 @@ def load_pretrained(path: str | Path, **kwargs):
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the added weights are "unexpected" until the conversion adds them
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)  # SDPA where the family has it
     finally:
         hf_logging.set_verbosity(level)
     for key in LEGACY_KEYS:  # converted again below, under the current key
         if hasattr(model.config, key):
             delattr(model.config, key)
-    convert(model, mech)
+    convert(model, mech, layers=getattr(config, LAYERS_KEY, None) or "full")
     wanted = {k for k in model.state_dict() if f".{SUBMODULE}." in k}
     legacy = {k.replace(f".{SUBMODULE}.", f".{kind}."): k for k in wanted for kind in LEGACY_KEYS.values()}
     added: dict[str, torch.Tensor] = {}
@@ -103,39 +116,55 @@ def _causal_lm_classes() -> set[str]:
     return names
 
 
-def check_causal_lm(path: str | Path, convertible: bool = False):
+def meta_model(config):
+    """The model of ``config`` on the meta device: its structure, no memory for weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def check_causal_lm(path: str | Path, convertible: bool = False, layers="full", mechanism=None):
     """The transformers config of the model folder ``path``, after checking that it is a causal
-    (decoder-only) LM -- and with ``convertible`` one of the families ``allhere.hf.convert`` knows --
-    before any weight is loaded: ConfigError naming what it is otherwise."""
+    (decoder-only) LM -- and with ``convertible`` one ``allhere.hf.convert`` can convert (with ``mechanism``
+    where given, on ``layers`` as there) -- before any weight is loaded: ConfigError naming what it is
+    otherwise."""
     from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     p = Path(path)
     if not (p / "config.json").exists():
         raise ConfigError(f"model path {p} is not a saved transformers model (no config.json)")
+    from .faolmo import olmo2_config, read_config as faolmo_config
+
+    raw = faolmo_config(p)
+    if raw is not None:  # the AHA authors' format (OLMo-2 with AHA routers), which AutoConfig does not know
+        return olmo2_config(raw, f"{p}/config.json")
     try:
-        config = AutoConfig.from_pretrained(str(p), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:  # malformed json, unknown model_type, ...
         raise ConfigError(f"{p}/config.json is not a config transformers can read: {e}") from None
     model_type = getattr(config, "model_type", None)
     architectures = list(getattr(config, "architectures", None) or [])
     what = architectures[0] if architectures else model_type
     causal = (not getattr(config, "is_encoder_decoder", False)
-              and (bool(_causal_lm_classes() & set(architectures)) if architectures else model_type in SUPPORTED_MODEL_TYPES))
+              and (bool(_causal_lm_classes() & set(architectures)) if architectures
+                   else model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
     if not causal:
         raise ConfigError(f"{p} holds a {what} model, not a causal (decoder-only) language model")
-    if convertible and model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"{p} holds a {what} model (model_type {model_type!r}); allhere converts "
-                          f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
     try:
         check_rope(config)
-        if convertible or saved_mechanism(config) is not None:
-            check_convertible(config)
+        saved = saved_mechanism(config)
+        if saved is not None:
+            check_convertible(meta_model(config), saved, getattr(config, LAYERS_KEY, None) or "full")
+        elif convertible:
+            check_convertible(meta_model(config), mechanism, layers)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
     return config
 
 
-def load_local(model_path: str | Path, convertible: bool = False, dtype: torch.dtype | str = "auto"):
+def load_local(model_path: str | Path, convertible: bool = False, dtype: torch.dtype | str = "auto", layers="full"):
     """Tokenizer and model from a local folder with transformers' own loaders (never the network): a plain
     transformers causal LM (with ``convertible``, of a family allhere converts), or one saved converted (then
     through ``load_pretrained``). ``dtype``: "auto" keeps the dtype the weights were saved in (what
@@ -144,23 +173,32 @@ def load_local(model_path: str | Path, convertible: bool = False, dtype: torch.d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = Path(model_path)
-    config = check_causal_lm(p, convertible)
+    config = check_causal_lm(p, convertible, layers)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        # the config read above (a faolmo one is not AutoConfig's to read); never the folder's own code
+        tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True, config=config, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{p} has no tokenizer transformers can load: {e}") from None
     try:
         if saved_mechanism(config) is not None:
             return tokenizer, load_pretrained(p, local_files_only=True, dtype=dtype)
-        return tokenizer, AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True,
-                                                               attn_implementation="sdpa", dtype=dtype)
+        return tokenizer, AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype)
     except (OSError, RuntimeError, SafetensorError) as e:  # no weight file, a truncated or corrupt one, wrong shapes
         first = " ".join(str(e).split())[:300]
         raise CheckpointError(f"{p}: the weights could not be loaded ({type(e).__name__}: {first})") from e
 
 
-def saved_dtype(config) -> torch.dtype:
-    """The dtype a model's weights were published in (config.json ``dtype`` / ``torch_dtype``), float32 when
-    the config does not say."""
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+def saved_dtype(config, path: str | Path | None = None) -> torch.dtype:
+    """The dtype a model's weights were published in: config.json's ``dtype`` / ``torch_dtype``; where the
+    config does not say (gpt-oss), that of the first floating-point tensor in the weight files of ``path``;
+    float32 when neither tells."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if value is None and path is not None:
+        from safetensors import safe_open
+
+        with safe_open(str(_weight_files(Path(path))[0]), framework="pt") as fh:
+            value = next((fh.get_slice(k).get_dtype() for k in fh.keys()
+                          if fh.get_slice(k).get_dtype() in ("BF16", "F16", "F32", "F64")), None)
+        value = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}.get(value)
+    value = value or torch.float32
     return getattr(torch, value) if isinstance(value, str) else value

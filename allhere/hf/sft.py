@@ -31,7 +31,7 @@ from ..routing import routed_layers
 from ..runlock import run_lock
 from ..train import train
 from ..validation import ConfigError
-from .convert import collect_routing, convert
+from .convert import collect_routing, convert, converted_mechanism
 from .io import check_causal_lm, load_local, save_pretrained, saved_dtype
 
 
@@ -71,13 +71,31 @@ class HFCausalLM(nn.Module):
         return DecoderOutput(out.logits, collect_routing(self.hf) if routed_layers(self.hf) else None, None)
 
 
+def _continue_or_convert(model, mech, layers):
+    """Convert a plain model; a model that comes converted (saved by allhere, or the AHA authors' checkpoint)
+    is fine-tuned as it is, if it is the mechanism asked for with the same window and threshold. Returns the
+    mechanism config trained (the saved one, with lambda as asked)."""
+    saved = converted_mechanism(model)
+    if saved is None:
+        convert(model, mech, layers=layers)
+        return mech
+    same = type(saved) is type(mech) and all(getattr(saved, f) == getattr(mech, f) for f in ("window", "tau", "d_down")
+                                             if hasattr(mech, f))
+    if not same:
+        raise ConfigError(f"the model is already converted to {saved}; fine-tune it with the same mechanism, window "
+                          "and threshold, or start from the plain model")
+    return dataclasses.replace(saved, lam=mech.lam) if hasattr(saved, "lam") else saved
+
+
 def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: int, seq_len: int = 2048,
         batch_size: int = 4, global_batch: int = 128, epochs: float = 1.0, lr: float = 3e-5, lam: float = 3e-4,
         tau: float = 0.5, max_steps: int | None = None, device: str = "cpu", resume: bool = False, seed: int = 0,
         progress: bool = True, d_down: int | None = None, stage1_lr: float = 3e-4,
-        target_mu_f: float | None = None) -> dict:
+        target_mu_f: float | None = None, layers="full") -> dict:
     """Convert the model at ``model_path`` and fine-tune it on the chat data; the result is saved to
     ``out/model`` (``allhere.hf.load_pretrained`` reads it back). Returns the (last) training state.
+    ``layers``: which layers get the mechanism, as ``allhere.hf.convert`` takes it (default: the
+    full-attention ones).
 
     Without ``d_down``: AHA, one run with L_LM + lam L_reg, checkpoint ``out/checkpoint.safetensors``;
     with ``target_mu_f`` lambda starts at ``lam`` and is trained towards that share of full attention
@@ -99,15 +117,16 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     out = Path(out)
     with run_lock(out):  # one writer per run folder; train() takes it again (reentrant)
         rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
-        published = saved_dtype(check_causal_lm(model_path, convertible=True))
-        tokenizer, model = load_local(model_path, convertible=True, dtype=torch.float32)  # fp32 master weights
+        mech = AHAConfig(window=window, tau=tau, lam=lam) if d_down is None else DARConfig(window=window, d_down=d_down)
+        published = saved_dtype(check_causal_lm(model_path, convertible=True, layers=layers, mechanism=mech),
+                                model_path)
+        tokenizer, model = load_local(model_path, convertible=True, dtype=torch.float32, layers=layers)  # fp32 master weights
         context = getattr(model.config, "max_position_embeddings", seq_len)
         if seq_len > context:
             raise ConfigError(f"seq_len = {seq_len} is longer than the model's context ({context})")
         used_fallback = ensure_chat_template(tokenizer)
         ids, mask, starts = pack([tokenize_conversation(tokenizer, r["messages"]) for r in rows], seq_len)
-        mech = AHAConfig(window=window, tau=tau, lam=lam) if d_down is None else DARConfig(window=window, d_down=d_down)
-        convert(model, mech)
+        mech = _continue_or_convert(model, mech, layers)
         accum = global_batch // batch_size
         n = ids.shape[0]
         steps = max_steps or max(1, math.ceil(epochs * n / global_batch))
@@ -136,8 +155,8 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
         if env is not None:  # under torchrun the model is sharded: rank 0 saves the gathered weights
             sd = full_state_dict(lm)
             if env.main:
-                _, model = load_local(model_path, convertible=True, dtype=torch.float32)
-                convert(model, mech)
+                _, model = load_local(model_path, convertible=True, dtype=torch.float32, layers=layers)
+                _continue_or_convert(model, mech, layers)
                 HFCausalLM(model).load_state_dict(sd)
             if not env.main:
                 torch.distributed.barrier()

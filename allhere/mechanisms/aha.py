@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..ops.aha import aha_attention
+from ..ops.aha.naive import aha_attention_naive
 from ..ops.ste import straight_through
 from ..registry import register
 from ..routing import LayerRouting
@@ -86,6 +87,7 @@ class AHAAttention(AttentionMechanism):
     bool tensor [heads] fixes each head (the static baseline)."""
 
     routed = True
+    host_softmax = True
 
     def __init__(self, cfg: AHAConfig, dims: AttentionDims) -> None:
         super().__init__(cfg, dims)
@@ -137,5 +139,9 @@ class AHAAttention(AttentionMechanism):
         gate, hard = self.gate(s)
         if cache is not None:
             k, v = cache.update(k, v)
-        out = aha_attention(q, k, v, gate, self.cfg.window, scale=call.scale, row_start=call.segment_starts)
+        if call.attend is not None:  # the host's softmax has terms of its own: both attentions through it, dense
+            out = aha_attention_naive(q, k, v, gate, self.cfg.window, call.scale, row_start=call.segment_starts,
+                                      attend=call.attend)
+        else:
+            out = aha_attention(q, k, v, gate, self.cfg.window, scale=call.scale, row_start=call.segment_starts)
         return out, LayerRouting(scores=s, gates=hard)

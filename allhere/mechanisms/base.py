@@ -20,7 +20,9 @@ need travels in one ``AttentionCall``. A mechanism brings:
   predictor's regression loss; our decoder sums them into ``DecoderOutput.aux_loss`` and
   ``allhere.losses.training_loss`` into the total, so gradient accumulation scales it like the LM loss;
 - on Hugging Face models, either transformers' own KV cache (``hf_cache = True``: every key kept) or,
-  optionally, its own transformers cache layer (``new_hf_cache_layer()``, as DAR's compressed cache).
+  optionally, its own transformers cache layer (``new_hf_cache_layer()``, as DAR's compressed cache);
+- ``host_softmax``: True when it computes its attention through the host's own (``AttentionCall.attend``)
+  where the host's softmax has terms of its own (attention sinks, soft-capped scores).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class AttentionCall:
     # norms, rotary at ``positions``, by default the new tokens'), in our decoder and on HF models alike.
     project_kv: Callable | None = None
     kv_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # (W_K, W_V) where the host's K/V are plain linear maps
+    # attend(q, k, v, allowed) -> [b, h, n, d]: the host's own attention under a bool mask ``allowed`` [b, h or 1,
+    # n, kv], given where its softmax has more than scaled scores (gpt-oss's sink logits, Gemma-2's soft-capping);
+    # a mechanism that honours it (``host_softmax``) attends through it, and no other may be installed there.
+    attend: Callable | None = None
 
 
 class AttentionMechanism(nn.Module):
@@ -67,6 +73,7 @@ class AttentionMechanism(nn.Module):
     reads_all_keys = True  # without routing: whether every query reads every preceding token (mu_f 1 or 0)
     hf_support = True  # whether ``allhere.hf.convert`` may install it in a Hugging Face attention module
     hf_cache = True  # whether it decodes with transformers' own KV cache (every key kept) on HF models
+    host_softmax = False  # whether it attends through ``AttentionCall.attend`` when the host gives one
     replaces_mlp = False  # whether the host block drops its MLP (the mechanism holds the feed-forward memory)
     aux_loss: torch.Tensor | None = None  # a scalar loss of the last forward for the training objective
 

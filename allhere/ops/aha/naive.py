@@ -11,7 +11,7 @@ from ..ste import add_gate_gradient, trains_gate
 
 def aha_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
                         scale: float | None = None, mask: torch.Tensor | None = None,
-                        row_start: torch.Tensor | None = None) -> torch.Tensor:
+                        row_start: torch.Tensor | None = None, attend=None) -> torch.Tensor:
     """All-or-Here attention, computed densely in fp32 (``aha_attention(..., backend="reference")``).
 
     q: [batch, heads, q_len, dim]; k, v: [batch, kv_heads, kv_len, dim] (heads % kv_heads == 0);
@@ -22,7 +22,9 @@ def aha_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate:
     row_start: optional int [batch, q_len], per query the first key of its segment, -1 = no key
     (``allhere.ops.common.segment_mask``). mask: optional bool, broadcastable to [batch, heads, q_len,
     kv_len]. Both are ANDed with both patterns; a query that may see no key gets a zero output.
-    Returns [batch, heads, q_len, dim] in q's dtype.
+    attend: optional ``attend(q, k, v, allowed bool [batch, heads or 1, q_len, kv_len]) -> [batch, heads,
+    q_len, dim]`` computing both attentions instead of the fp32 softmax (a host whose softmax has sink logits
+    or soft-capped scores; ``AttentionCall.attend``). Returns [batch, heads, q_len, dim] in q's dtype.
     """
     lq, lk, d = check_aha(q, k, v, gate, window, row_start)
     scale = default_scale(d, scale)
@@ -30,8 +32,10 @@ def aha_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate:
     for m in (mask, None if row_start is None else segment_mask(row_start, lq, lk)):
         if m is not None:
             full, local = full & m, local & m
-    a_full = masked_attention_fp32(q, k, v, full, scale)
-    a_local = masked_attention_fp32(q, k, v, local, scale)
+    if attend is None:
+        a_full, a_local = masked_attention_fp32(q, k, v, full, scale), masked_attention_fp32(q, k, v, local, scale)
+    else:
+        a_full, a_local = attend(q, k, v, full), attend(q, k, v, local)
     out = torch.where(hard_gate(gate)[..., None], a_full, a_local)
     if trains_gate(gate):
         out = add_gate_gradient(out, gate, a_full, a_local)
