@@ -189,6 +189,11 @@ def test_round_trip_gives_the_same_files_and_logits(tmp_path):
     for again in (tmp_path / "out", tmp_path / "sharded"):
         with torch.no_grad():
             assert torch.equal(load_pretrained(again)(ids).logits, before)
+    other, _ = write_faolmo(tmp_path / "other", seed=5)  # saved over the sharded folder as one file:
+    save_pretrained(load_pretrained(other), tmp_path / "sharded", format="faolmo")  # no stale index or shard left
+    assert sorted(p.name for p in (tmp_path / "sharded").glob("model*")) == ["model.safetensors"]
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(tmp_path / "sharded")(ids).logits, load_pretrained(other)(ids).logits)
 
 
 # (c) an OLMo-2 converted by allhere, written in the format --------------------------------------------

@@ -147,6 +147,16 @@ def test_any_decoder_on_the_attention_interface_converts_and_others_are_refused(
             kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
             assert torch.equal(model.generate(ids[:, :6], use_cache=True, **kw),
                                model.generate(ids[:, :6], use_cache=False, **kw))
+    model = convert(transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)), AHAConfig(window=4))
+    model.train()  # GPT-2's attention dropout (attn_pdrop 0.1) is off on the converted layers: training runs
+    model(ids).logits.float().pow(2).mean().backward()
+    assert model.transformer.h[0].attn.allhere.router.weight.grad is not None
+    deepseek = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(
+        vocab_size=50, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1))
+    with pytest.raises(ConfigError, match="v_head_dim = 8 differs"):
+        convert(deepseek, AHAConfig(window=4))
     mamba = transformers.AutoModelForCausalLM.from_config(
         transformers.MambaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, state_size=4))
     with pytest.raises(ConfigError, match="no attention module calls transformers' attention interface"):

@@ -66,9 +66,10 @@ def test_the_fixtures_carry_the_published_flags(folders):
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
         shared = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         assert shared == tied(name), name
-        scaling = PUBLISHED[name].get("rope_scaling")
-        if scaling and scaling.get("rope_type") == "llama3":
-            assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["factor"] > 1
+        scaling = PUBLISHED[name].get("rope_scaling") or {}
+        published = scaling.get("rope_type", scaling.get("type"))
+        if published:  # the rope type as published (llama3, yarn, linear, longrope) is the one transformers builds
+            assert published in rope_types(config), name
     assert len(list(models[SHARDED].glob("model-*-of-*.safetensors"))) > 1
     assert (models[SHARDED] / "model.safetensors.index.json").exists()
 

@@ -69,11 +69,24 @@ def test_sinks_and_softcapping_enter_both_attentions(folders, name):
     model's own window and every gate local is the same model with every layer sliding, computed by
     transformers' own code; every gate global is the original. Mixed gates train (gradient to the router)."""
     folder = folders[name]
-    original = fp32(folder)
+
+    def load(**overrides):  # q/k weights x 30: scores well past Gemma-2's cap of 50, so that soft-capping shows
+        m = fp32(folder, **overrides)
+        with torch.no_grad():
+            for attn in attention_modules(m):
+                attn.q_proj.weight.mul_(30.0)
+                attn.k_proj.weight.mul_(30.0)
+        return m
+
+    original = load()
     window = original.config.sliding_window
-    all_sliding = fp32(folder, layer_types=["sliding_attention"] * original.config.num_hidden_layers)
+    all_sliding = load(layer_types=["sliding_attention"] * original.config.num_hidden_layers)
     ids = ids_for(original)
-    model = convert(fp32(folder), AHAConfig(window=window, router_init="neutral"))
+    if name.startswith("Gemma-2"):
+        with torch.no_grad():
+            uncapped = load(attn_logit_softcapping=None)
+            assert rel_err(uncapped(ids).logits, original(ids).logits) > 1e-2  # the cap is felt
+    model = convert(load(), AHAConfig(window=window, router_init="neutral"))
     with torch.no_grad():
         set_forced_gate(model, True)
         assert rel_err(model(ids).logits, original(ids).logits) < 1e-5
@@ -120,3 +133,19 @@ def test_perplexity_reports_the_share_before_and_after(folders, tmp_path, capsys
                  "32", "--no-progress"]) == 0
     line = capsys.readouterr().out
     assert "mu_f 100.0%" in line and "16.7% before conversion, 16.7% after" in line, line
+
+
+@pytest.mark.parametrize("name", ["Gemma-3-1B-it", "gpt-oss-20b", "OLMo-3-7B"])
+def test_cached_generation_of_a_left_padded_batch_is_the_originals(folders, name):
+    """Every gate global: greedy generation of a left-padded batch, with transformers' cache (rolling on the
+    sliding layers), equals the original model's, token for token."""
+    original = fp32(folders[name])
+    model = convert(fp32(folders[name]), AHAConfig(window=4))
+    set_forced_gate(model, True)
+    ids = ids_for(original, n=20)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ids[1, :7] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kw), original.generate(ids, **kw))

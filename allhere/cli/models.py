@@ -168,6 +168,7 @@ def convert(args) -> None:
     if saved is not None:
         raise ConfigError(f"--model {args.model} is already converted ({type(saved).__name__}); every command "
                           "taking --model loads it as it is (Python: allhere.hf.load_pretrained)")
+    check_causal_lm(args.model, convertible=True, layers=args.layers, mechanism=mech)  # before any weight is read
     tokenizer, model = load_local(args.model, convertible=True, layers=args.layers)
     _print_notes(model.config, args.layers)
     hf_convert(model, mech, layers=args.layers)

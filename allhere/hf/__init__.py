@@ -19,11 +19,8 @@ __all__ = ["HFCausalLM", "attention_layers", "cache_nbytes", "collect_routing", 
 
 
 def __getattr__(name):
-    if name == "SUPPORTED_MODEL_TYPES":  # removed: conversion follows the model's structure, not a table
-        import warnings
+    if name == "SUPPORTED_MODEL_TYPES":  # deprecated (allhere.hf.convert says why)
+        import importlib
 
-        warnings.warn("allhere.hf.SUPPORTED_MODEL_TYPES is deprecated: any decoder whose attention goes through "
-                      "transformers' attention interface converts (allhere.hf.attention_layers finds its layers)",
-                      DeprecationWarning, stacklevel=2)
-        return ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gpt_neox")
+        return importlib.import_module(".convert", __name__).__getattr__(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -124,17 +124,21 @@ def _host_cache(kwargs):
 def project_kv(module, args, kwargs, rotary, h: torch.Tensor, positions=None):
     """K/V of ``h`` [b, n, d] through the attention module's own path (called again on h, without a
     cache), at the positions of the current call, or at ``positions`` ([n] or [b, n]: rotary positions,
-    embedded by the model's rotary module; a model without rotary embeddings, e.g. GPT-2's learned absolute
-    positions added to the input, has K/V that do not depend on the position)."""
+    embedded by the model's rotary module, and handed over as ``position_ids`` where the module takes them;
+    a model without rotary embeddings, e.g. GPT-2's learned absolute positions added to the input, has K/V
+    that do not depend on the position)."""
     mech = getattr(module, SUBMODULE)
     kwargs = {k: (None if k in _CACHE_ARGS else v) for k, v in kwargs.items()}
-    if positions is not None and (rotary is not None or "position_embeddings" in kwargs):
-        if rotary is None or "position_embeddings" not in kwargs:
-            raise NotImplementedError("this Hugging Face host projects K/V only at the positions of the current "
-                                      "call (no rotary module, or position embeddings not passed by keyword)")
+    if positions is not None:
         ids = positions.reshape(-1, positions.shape[-1]).long()
-        kwargs["position_embeddings"] = rotary(h, ids)
-        kwargs["position_ids"] = ids
+        if (rotary is None) != ("position_embeddings" not in kwargs):
+            raise NotImplementedError("this Hugging Face host projects K/V only at the positions of the current "
+                                      "call (a rotary module without position embeddings passed by keyword, or "
+                                      "the other way round)")
+        if rotary is not None:
+            kwargs["position_embeddings"] = rotary(h, ids)
+        if "position_ids" in kwargs:  # hosts that rotate inside the module from position_ids (GPT-J)
+            kwargs["position_ids"] = ids
     if "hidden_states" in kwargs:
         kwargs["hidden_states"] = h
     else:
@@ -153,11 +157,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     mech = getattr(module, SUBMODULE, None)
     if mech is None:
         return host_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    # ``dropout``: a converted layer has no attention dropout (``convert`` says so), whatever the host passes
     if mech.hf_captured is not None:  # the inner call of project_kv: hand K/V over, the output is unused
         mech.hf_captured = (key, value)
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
-    if dropout:
-        raise NotImplementedError("allhere attention does not implement attention dropout; set it to 0")
     if mech.hf_call is None:
         raise RuntimeError("allhere attention called without its input: was the model converted with allhere.hf.convert?")
     (args, call_kwargs, rotary), mech.hf_call = mech.hf_call, None

@@ -35,6 +35,18 @@ FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names in 
 LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}  # rotary frequencies that change with the sequence length
 
 
+def __getattr__(name):
+    if name == "SUPPORTED_MODEL_TYPES":  # removed: conversion follows the model's structure, not a table
+        import warnings
+
+        warnings.warn("SUPPORTED_MODEL_TYPES is deprecated: any decoder whose attention goes through transformers' "
+                      "attention interface converts (allhere.hf.attention_layers finds its layers)",
+                      DeprecationWarning, stacklevel=2)
+        return {t: ("gpt_neox.layers", "attention") if t == "gpt_neox" else ("model.layers", "self_attn")
+                for t in ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gpt_neox")}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @cache
 def _calls_attention_interface(cls) -> bool:
     """Whether ``cls.forward`` dispatches to transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``)."""
@@ -50,14 +62,17 @@ def attention_layers(model) -> list[tuple[int, torch.nn.Module]]:
     """(layer index, attention module) of every decoder layer of a transformers causal LM, in layer order:
     the modules whose forward calls transformers' attention interface, numbered by their ``layer_idx``.
     ConfigError (one line) when the model has none, or they do not number the layers 0..L-1 once each."""
-    found = [m for m in model.modules() if _calls_attention_interface(type(m))]
     what = type(model).__name__
+    if model.config.get_text_config() is not model.config:
+        raise ConfigError(f"{what} is a multimodal model; allhere converts language models: load its text "
+                          "decoder alone (e.g. Gemma3ForCausalLM from its text_config)")
+    found = [m for m in model.modules() if _calls_attention_interface(type(m))]
     if not found:
         raise ConfigError(f"{what}: no attention module calls transformers' attention interface "
                           "(ALL_ATTENTION_FUNCTIONS); allhere converts decoders whose attention does")
     indices = [getattr(m, "layer_idx", None) for m in found]
     layers = getattr(model.config, "num_hidden_layers", len(found))
-    if sorted(i for i in indices if isinstance(i, int)) != list(range(layers)):
+    if sorted(i for i in indices if isinstance(i, int)) != list(range(layers)) or None in indices:
         raise ConfigError(f"{what}: its {len(found)} attention modules ({type(found[0]).__name__}) do not carry the "
                           f"layer indices 0..{layers - 1} (layer_idx), so allhere cannot tell its layers apart")
     return sorted(zip(indices, found), key=lambda pair: pair[0])
@@ -101,12 +116,17 @@ def chosen_layers(config, layers: str | Sequence[int] = "full") -> list[int]:
         if layers not in LAYER_CHOICES:
             raise ConfigError(f"layers must be one of {LAYER_CHOICES} or a list of layer indices, got {layers!r}")
         chosen = [i for i, k in enumerate(kinds) if layers == "all" or k == FULL]
+        if not chosen and getattr(config, "layer_types", None):
+            raise ConfigError("every layer of config.layer_types is a sliding-window layer: none can take a "
+                              "mechanism (their masks, caches and RoPE follow that list)")
         if not chosen:
             raise ConfigError(f"every layer of this model attends within a sliding window of "
                               f"{getattr(config, 'sliding_window', None)} tokens (no full-attention layer to "
                               "convert); layers='all' (--layers all) puts the mechanism on them in place of the window")
     else:
-        chosen = sorted({int(i) for i in layers})
+        if not isinstance(layers, (list, tuple, range)) or not all(isinstance(i, int) for i in layers):
+            raise ConfigError(f"layers must be one of {LAYER_CHOICES} or a list of layer indices, got {layers!r}")
+        chosen = sorted(set(layers))
         bad = [i for i in chosen if not 0 <= i < len(kinds)]
         if bad or not chosen:
             raise ConfigError(f"layers: {bad or 'none'} is not a list of layer indices 0..{len(kinds) - 1}")
@@ -179,6 +199,11 @@ def check_convertible(model, cfg=None, layers: str | Sequence[int] = "full") -> 
     config = model.config
     check_rope(config)
     found = attention_layers(model)
+    v_dim = getattr(config, "v_head_dim", None)
+    if v_dim is not None and v_dim != dims_of(config).head_dim:
+        raise ConfigError(f"config.json: v_head_dim = {v_dim} differs from the query/key head_dim "
+                          f"{dims_of(config).head_dim} (multi-head latent attention); allhere's attention takes "
+                          "values of the keys' width")
     chosen = chosen_layers(config, layers)
     if cfg is None:
         return chosen
@@ -187,8 +212,8 @@ def check_convertible(model, cfg=None, layers: str | Sequence[int] = "full") -> 
     for index, attn in found:
         extras = softmax_extras(attn) if index in chosen and not module.host_softmax else []
         if extras:
-            raise ConfigError(f"layer {index} has {extras[0]}, which {name} does not compute; convert the layers "
-                              "without it, or use a model whose softmax is plain")
+            raise ConfigError(f"layer {index} has {extras[0]}, which {name} does not compute; AHA does "
+                              "(--mechanism aha)")
     if hasattr(module, "new_hf_cache_layer"):
         dynamic = rope_types(config) & LENGTH_DEPENDENT_ROPE
         if dynamic:
@@ -237,9 +262,10 @@ def conversion_notes(config, layers: str | Sequence[int] = "full") -> list[str]:
     if replaced:
         notes.append(f"note: {len(replaced)} layer(s) had a sliding window of {config.sliding_window} tokens, "
                      "replaced by the mechanism: their global attention reads the whole prefix")
-    if getattr(config, "attention_dropout", 0.0):
-        notes.append(f"note: attention_dropout = {config.attention_dropout} is switched off on the converted layers "
-                     "(allhere's attention has no dropout); the rest of the model trains as before")
+    dropout = getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", None)
+    if dropout:
+        notes.append(f"note: attention dropout ({dropout}) is off on the converted layers (allhere's attention has "
+                     "none); the rest of the model trains as before")
     return notes
 
 
@@ -290,15 +316,11 @@ def convert(model, cfg, layers: str | Sequence[int] = "full"):
         mech.to(device=ref.device, dtype=ref.dtype)
         mech.hf_call = mech.hf_captured = mech.last_routing = None
         mech.layer_index = index  # the model's layer number (a hybrid's converted layers are not 0..n-1)
-        if getattr(attn, "attention_dropout", 0.0):  # read by the module while training (Granite: 0.1)
-            attn.attention_dropout = 0.0
         attn.add_module(SUBMODULE, mech)
         # K/V at other positions (DAR) need the layer's rotary embedding
         attn.register_forward_pre_hook(partial(stash_call, rotary=_rotary_for(model, index)), with_kwargs=True)
     config = model.config
     _replace_windows(config, chosen)
-    if getattr(config, "attention_dropout", 0.0) and len(chosen) == len(found):
-        config.attention_dropout = 0.0
     if not entry.module.hf_cache and not hasattr(entry.module, "new_hf_cache_layer"):  # no cache it could use
         config.use_cache = False
         if getattr(model, "generation_config", None) is not None:
@@ -333,6 +355,8 @@ def global_share(model, mu_f: float | None = None) -> dict[str, float]:
     mechs = {m.layer_index: m for m in mechanism_layers(model)}
     routed = [i for i, m in mechs.items() if m.routed]
     if routed and mu_f is None:
+        if any(mechs[i].last_routing is None for i in routed):
+            raise ValueError("global_share: run a forward pass first, or pass mu_f")
         mu_f = float(collect_routing(model).mu_f())
     static = sum(float(bool(mechs[i].reads_all_keys)) if i in mechs else float(kind == FULL)
                  for i, kind in enumerate(kinds) if i not in routed)

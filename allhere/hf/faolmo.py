@@ -265,6 +265,8 @@ def save(model, path: str | Path, max_shard_size: int = SHARD_BYTES) -> None:
         size += nbytes
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:  # an earlier save's
+        old.unlink(missing_ok=True)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for name, shard in zip(names, shards):
