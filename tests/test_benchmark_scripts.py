@@ -102,3 +102,10 @@ def test_lmeval_speed_tiny():
     rows = [line for line in out.splitlines() if line.startswith("| loglikelihood") or line.startswith("| generate")]
     assert len(rows) == 3 and all(row.count("x |") == 2 for row in rows), out
     assert "load average" in out and "mu_f 0." in out
+
+
+def test_train_step_benchmark_smoke():
+    out = run_script("benchmarks/train_step.py", "--batch", "2", "--seq", "32", "--d-model", "32", "--layers", "1",
+                     "--heads", "2", "--window", "8", "--repeats", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
+    assert len(rows) == 3 and rows[0].endswith("| 1.00x |")

@@ -41,7 +41,7 @@ def aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch
 
 
 def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
-                       scale: float | None = None, chunk: int = 64, dense_above: float = 0.5,
+                       scale: float | None = None, chunk: int = 1024, dense_above: float = 0.5,
                        row_start: torch.Tensor | None = None) -> torch.Tensor:
     """``aha_attention`` never on the reference: the backend of the enclosing ``use_backend`` block when it
     is "torch" or "triton", else "auto". chunk, dense_above: the PyTorch path's tuning

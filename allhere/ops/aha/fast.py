@@ -3,21 +3,26 @@ local (token, head) pairs.
 
 Inference (the gate needs no gradient):
   1. local attention for every query with the blocked sliding-window op (``block + w - 1`` keys each);
-  2. the global queries are compacted per (batch, head) -- a different count for every head, never
-     padded to the busiest head -- and only they run full causal attention, in chunks of ``chunk``
-     queries that read the keys up to the chunk's last position (a head that is global for more
-     than ``dense_above`` of its queries runs plain causal SDPA instead);
+  2. only the global queries run full causal attention, in few large SDPA calls (a few hundred small
+     calls cost more than the attention on the CPU): the sequence is cut into bands of ``chunk`` query
+     positions and each band is one call over the keys up to the band's end, every (batch, head) with
+     its own global queries of the band, padded to the busiest (batch, head) of that band (so a
+     long-tailed head pays for itself, per band, not for the whole sequence); a head that is global
+     for more than ``dense_above`` of its queries runs plain causal SDPA, all such heads in one call;
   3. their outputs are scattered over the local result.
 The local result of a global query is computed and thrown away (a fraction mu_f of the local work).
 
 Training (a straight-through gate, ``allhere.ops.ste``): the gate's gradient needs the value of both
 outputs for every (token, head) -- dL/dgate = sum dL/da (a_full - a_local) -- but q, k and v get
 gradients only through the output that was used. The backward is chosen here, not by the caller:
-  - sparse (off CUDA): full attention runs for every query without autograd (a forward pass, only for
-    that difference) and the differentiable part as in inference, so the backward is as sparse as
-    inference (the Triton training kernels do the same on the GPU);
-  - dense (on CUDA, where cuDNN's dense backward beats many small gathered calls): both outputs with
-    autograd, combined.
+  - sparse (off CUDA, from ``SPARSE_BACKWARD_FROM`` queries on): full attention runs for every query
+    without autograd (a forward pass, only for that difference) and the differentiable part as in
+    inference, so the backward is as sparse as inference (the Triton training kernels do the same on the
+    GPU);
+  - dense (on CUDA, where cuDNN's dense backward beats many small gathered calls, and on short sequences,
+    where the full attention is a small part of the step and one call beats gathering: a training step
+    of the demo's shape, T = 256, is 1.29x the plain decoder's dense against 1.58x sparse, measured by
+    ``benchmarks/train_step.py``): both outputs with autograd, combined.
 Both give the same gradients (``tests/test_ops_aha.py``).
 
 Segments (``row_start``): each run of queries of one segment runs alone over its segment's keys.
@@ -33,14 +38,17 @@ from ..full import causal_attention
 from ..sliding.blocked import sliding_window_attention
 from ..ste import add_gate_gradient, trains_gate
 
+SPARSE_BACKWARD_FROM = 1024  # queries: the sparse backward (off CUDA) from this length on, dense below
+
 
 def aha_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
-                        scale: float, row_start: torch.Tensor | None = None, chunk: int = 64,
+                        scale: float, row_start: torch.Tensor | None = None, chunk: int = 1024,
                         dense_above: float = 0.5, sparse_backward: bool | None = None) -> torch.Tensor:
     """The "torch" backend of ``allhere.ops.aha.aha_attention`` (arguments checked there; ``scale`` given).
-    Computes in q's dtype. chunk: global queries per full-attention call. dense_above: a (batch, head)
-    whose share of global queries exceeds this runs plain causal SDPA over all its queries instead of
-    gathering them. sparse_backward: None = the module docstring's choice (True off CUDA); tests set it."""
+    Computes in q's dtype. chunk: query positions per band of the global queries' calls (one SDPA call
+    per band, over the keys up to its end). dense_above: a (batch, head) whose share of global queries
+    exceeds this runs plain causal SDPA over all its queries instead of gathering them. sparse_backward:
+    None = the module docstring's choice (True off CUDA); tests set it."""
     if row_start is not None:
         if bool(row_start.any()):
             return _per_segment(q, k, v, gate, window, scale, row_start,
@@ -48,8 +56,9 @@ def aha_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate:
         # every query sees the whole prefix: plain causal
     hard = hard_gate(gate)
     training = trains_gate(gate)
+    lq = q.shape[2]
     if sparse_backward is None:
-        sparse_backward = not q.is_cuda
+        sparse_backward = not q.is_cuda and lq >= SPARSE_BACKWARD_FROM
     a_local = sliding_window_attention(q, k, v, window, scale=scale)
     if training and not sparse_backward:
         a_full = causal_attention(q, k, v, scale=scale)
@@ -84,34 +93,67 @@ def _per_segment(q, k, v, gate, window, scale, row_start, options):
     return torch.cat(rows, dim=0)
 
 
-def _scatter_global(q, k, v, hard, out, scale, chunk, dense_above):
+def _scatter_global(q, k, v, hard, out, scale, band, dense_above):
+    """``out`` with the full causal attention of every global (batch, head, query) put in, in few large SDPA
+    calls: the busy (batch, head) pairs (more than ``dense_above`` of their queries global) in one causal
+    call; the others by bands of ``band`` query positions, one call per band over the keys up to the band's
+    end, each (batch, head) with its own global queries of the band (padded to the busiest one in it)."""
     b, h, lq, d = q.shape
-    g = h // k.shape[1]
+    hkv = k.shape[1]
+    g = h // hkv
     off = k.shape[2] - lq
-    idx = hard.nonzero()  # [P, 3] rows (batch, head, query), sorted
-    if idx.numel() == 0:
-        return out
-    group = idx[:, 0] * h + idx[:, 1]
-    groups, counts = torch.unique_consecutive(group, return_counts=True)
-    # Per-(batch, head) views made once: with autograd, each piece's backward then touches its own head's
-    # rows only, instead of allocating a gradient of the whole tensor per piece.
-    qs = q.reshape(b * h, lq, d).unbind(0)
-    ks, vs = (t.reshape(-1, t.shape[2], d).unbind(0) for t in (k, v))
+    counts = hard.sum(-1)  # [b, h]
+    busy = counts > dense_above * lq
     rows, pieces = [], []
-    for bh, qi in zip(groups.tolist(), idx[:, 2].split(counts.tolist())):
-        kv = (bh // h) * (h // g) + (bh % h) // g
-        if qi.numel() > dense_above * lq:  # a busy head: dense causal is cheaper than gathering
-            o = causal_attention(qs[bh][None, None], ks[kv][None, None], vs[kv][None, None], scale=scale)
-            pieces.append(o[0, 0, qi])
-            rows.append(bh * lq + qi)
-            continue
-        for qc in qi.split(chunk):
-            n_keys = off + int(qc[-1]) + 1
-            qpos = qc + off
-            mask = torch.arange(n_keys, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(qs[bh][qc][None], ks[kv][:n_keys][None], vs[kv][:n_keys][None],
-                                               attn_mask=mask[None], scale=scale)
-            pieces.append(o[0])
-            rows.append(bh * lq + qc)
+    if bool(busy.any()):
+        bi, hi = busy.nonzero(as_tuple=True)
+        o = causal_attention(q[bi, hi][None], k[bi, hi // g][None], v[bi, hi // g][None], scale=scale)[0]
+        used = hard[bi, hi]  # [busy pairs, lq]
+        pieces.append(o[used])
+        rows.append(((bi * h + hi)[:, None] * lq + torch.arange(lq, device=q.device))[used])
+    sparse = hard & ~busy[..., None]
+    for start in range(0, lq, band):
+        end = min(lq, start + band)
+        piece, row = _band(q, k, v, sparse[:, :, start:end], start, off + end, scale)
+        if piece is not None:
+            pieces.append(piece)
+            rows.append(row)
+    if not rows:
+        return out
     flat = out.reshape(b * h * lq, d).index_put((torch.cat(rows),), torch.cat(pieces))
     return flat.view(b, h, lq, d)
+
+
+def _band(q, k, v, sub, start, n_keys, scale):
+    """Full causal attention of the global queries ``sub`` [b, h, L] (True = global) at positions start ..
+    start + L - 1 over the first ``n_keys`` keys, in one SDPA call: per (batch, head) its own queries, padded
+    to the busiest (batch, head) of the band with copies of its first position (computed, never used).
+    Grouped-query heads are stacked as rows of their kv head's call; only the (batch, kv head) pairs that
+    have a global query are gathered when that is under half of them. Returns (outputs [P, d], their rows
+    in the flat [b * h * lq] layout), or (None, None) when the band has no global query."""
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    per = sub.sum(-1)  # [b, h]
+    m = int(per.max()) if per.numel() else 0
+    if m == 0:
+        return None, None
+    bi, hi, ti = sub.nonzero(as_tuple=True)
+    rank = sub.cumsum(-1)[bi, hi, ti] - 1
+    pos = torch.full((b, h, m), start, dtype=torch.long, device=q.device)
+    pos[bi, hi, rank] = ti + start
+    pairs = per.view(b, hkv, g).sum(-1) > 0  # [b, hkv]: the (batch, kv head) pairs with work in this band
+    qg = q.gather(2, pos[..., None].expand(b, h, m, d)).view(b * hkv, g * m, d)
+    qpos = (pos + (k.shape[2] - lq)).view(b * hkv, g * m)
+    ks, vs = (t[:, :, :n_keys].reshape(b * hkv, n_keys, d) for t in (k, v))
+    take = None
+    if int(pairs.sum()) * 2 <= pairs.numel():  # few pairs: gather them instead of computing every one
+        take = pairs.view(-1).nonzero().squeeze(1)
+        qg, qpos, ks, vs = qg[take], qpos[take], ks[take], vs[take]
+    mask = torch.arange(n_keys, device=q.device) <= qpos[..., None]
+    o = F.scaled_dot_product_attention(qg[:, None], ks[:, None], vs[:, None], attn_mask=mask[:, None], scale=scale)
+    o = o[:, 0]
+    if take is not None:
+        o = q.new_zeros(b * hkv, g * m, d).index_copy(0, take, o)
+    o = o.view(b, h, m, d)
+    return o[bi, hi, rank], (bi * h + hi) * lq + ti + start

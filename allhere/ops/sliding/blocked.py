@@ -6,6 +6,11 @@ end at its last query, so every block runs one small dense SDPA over its own key
 padding in front of the first keys. Work per query is ``block + window - 1`` keys instead of the whole
 prefix. Grouped-query heads that share a kv head are stacked as extra query rows of the same block, so
 keys are never copied per query head.
+
+Up to ``DENSE_UP_TO`` keys one SDPA call under the band mask is faster than the blocks, forward and
+backward (measured on the CPU: T = 256, w = 32, B = 16, 6 heads of 32: 92 ms against 168 ms for forward +
+backward; at 1024 keys and w = 128 the blocks win), so short sequences take that call unless a block size
+is asked for.
 """
 
 from __future__ import annotations
@@ -13,19 +18,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...masks import dense_mask, sliding_window
 from ..common import check_qkv, check_window, default_scale
+
+DENSE_UP_TO = 512  # keys: up to this many, one dense SDPA call under the band mask
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
                              scale: float | None = None, block: int | None = None) -> torch.Tensor:
     """Same contract as ``sliding_window_attention_naive``; output in q's dtype.
 
-    block: query rows per block (default ``min(window, 64)``, at least 1, at most q_len).
+    block: query rows per block (default ``min(window, 64)``, at least 1, at most q_len); given, the blocks
+    are used whatever the length (default: one dense call up to ``DENSE_UP_TO`` keys).
     """
     b, h, lq, d, hkv, lk = check_qkv(q, k, v)
     check_window(window)
     scale = default_scale(d, scale)
     g = h // hkv
+    if block is None and lk <= DENSE_UP_TO:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(sliding_window(window), lq, lk, q.device),
+                                              scale=scale, enable_gqa=g > 1)
     w = min(window, lk)  # a window longer than the keys is the keys
     bq = max(1, min(block or min(w, 64), lq))
     nb = -(-lq // bq)
