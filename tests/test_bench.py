@@ -11,7 +11,8 @@ from allhere.cli import main
 def test_bench_smoke_run_on_cpu(tmp_path, capsys):
     out = tmp_path / "bench"
     args = ["bench", "--device", "cpu", "--lengths", "256", "--decode-lengths", "128", "--train-length", "128",
-            "--heads", "2", "--dim", "16", "--window", "32", "--repeats", "1", "--out", str(out)]
+            "--heads", "2", "--dim", "16", "--window", "32", "--repeats", "1", "--model-lengths", "300",
+            "--out", str(out)]
     assert main(args) == 0
     report = json.loads((out / "bench.json").read_text())
     assert all(v < 1e-4 for v in report["check"].values())  # every path against the fp32 reference
@@ -25,7 +26,11 @@ def test_bench_smoke_run_on_cpu(tmp_path, capsys):
         assert r["limit"] == pytest.approx(1 / (r["mu_f"] + (1 - r["mu_f"]) * min(1, w / r["n"])))
     for r in report["training"]:
         assert r["overhead"] == pytest.approx(r["aha_ms"] / r["dense_ms"])
-    assert "## Decode" in (out / "bench.md").read_text() and "speed-up" in capsys.readouterr().out
+    assert [(r["model"], r["n"]) for r in report["model"]] == [("Decoder", 300), ("converted Llama", 300)]
+    for r in report["model"]:  # the routers set per (layer, head) give about 6.7% global tokens
+        assert 0.02 < r["mu_f"] < 0.15 and r["speedup"] == pytest.approx(r["dense_ms"] / r["aha_ms"])
+    md = (out / "bench.md").read_text()
+    assert "## Decode" in md and "## Whole-model prefill" in md and "speed-up" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

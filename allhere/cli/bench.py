@@ -21,6 +21,8 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-lengths", type=a.positive, nargs="+", default=None,
                    help="decode cache lengths (default 8192 32768 131072)")
     p.add_argument("--train-length", type=a.positive, default=None, help="training length (default 16384)")
+    p.add_argument("--model-lengths", type=a.positive, nargs="+", default=None,
+                   help="whole-model prefill lengths (default on the CPU 2048 4096 8192 16384; none on a GPU)")
     p.add_argument("--heads", type=a.positive, default=16, help="attention heads (default 16)")
     p.add_argument("--dim", type=a.positive, default=128, help="head dimension (default 128)")
     p.add_argument("--window", type=a.positive, default=256, help="AHA window w (default 256)")
@@ -32,7 +34,7 @@ def bench(args) -> None:
 
     cfg = bench_config(args.device, heads=args.heads, dim=args.dim, window=args.window, repeats=args.repeats,
                        prefill_lengths=args.lengths, decode_lengths=args.decode_lengths,
-                       train_length=args.train_length)
+                       train_length=args.train_length, model_lengths=args.model_lengths)
     if (Path(args.out) / "bench.json").exists() and not args.force:
         raise ConfigError(f"--out {args.out} holds the results of an earlier bench; pass --force to replace "
                           "them, or choose another folder (nothing was written)")

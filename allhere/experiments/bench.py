@@ -9,7 +9,8 @@ checked against the fp32 dense reference at a small size. Default settings: B = 
 B = 8 at n in 8k, 32k, 128k, training forward + backward at n = 16k. Writes bench.md and bench.json.
 
 On the CPU (``--device cpu``) it runs the same code through the PyTorch paths (no Triton, no
-FlexAttention): a smoke run of the script, not a measurement of the goals.
+FlexAttention): a smoke run of the op-level tables, not a measurement of the GPU goals; its main table
+is the whole-model prefill (``model_bench``: allhere's Decoder and a converted Llama, dense against AHA).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class BenchConfig:
     patterns: tuple = ("long-tailed", "uniform")
     repeats: int = 10
     check_length: int = 1024
+    model_lengths: tuple = ()  # whole-model prefill (``model_bench``); on the CPU by default 2k..16k
 
     @property
     def dtype(self):
@@ -67,6 +69,8 @@ def bench_config(device: str | None = None, **sizes) -> BenchConfig:
                               "--device cpu for a smoke run of the script (its numbers are not the goals)")
         device = "cuda"
     given = {k: tuple(v) if isinstance(v, list) else v for k, v in sizes.items() if v is not None}
+    if device == "cpu":
+        given.setdefault("model_lengths", (2048, 4096, 8192, 16384))
     return BenchConfig(device=device, **given)
 
 
@@ -199,6 +203,10 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     progress(f"AHA runs the {report['aha_path']}")
     report["check"] = check_paths(cfg)
     progress(f"check against the fp32 reference: {report['check']}")
+    if cfg.model_lengths:
+        from .model_bench import run_model_bench
+
+        report["model"] = run_model_bench(cfg.model_lengths, progress=progress)
     report["prefill"], report["decode"], report["training"] = [], [], []
     for pattern in cfg.patterns:
         for mu in cfg.mus:
@@ -244,6 +252,10 @@ def render(report: dict) -> str:
     for r in report["training"]:
         out.append(f"| {r['n']} | {r['pattern']} | {_mu(r)} | {r['dense_ms']:.2f} ms ({r['dense_backend']}) "
                    f"| {r['aha_ms']:.2f} ms | {r['overhead']:.2f}x | {r['torch_path_ms']:.2f} ms |")
+    if report.get("model"):
+        from .model_bench import render_model
+
+        out += ["", *render_model(report["model"])]
     return "\n".join(out) + "\n"
 
 
