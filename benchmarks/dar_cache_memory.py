@@ -3,7 +3,8 @@
     python benchmarks/dar_cache_memory.py     # d = 1024, 16 heads (MHA), d_down = d/4, w = 128, fp16
 
 The caches are filled through their own ``update`` with tensors of the real shapes (no attention is
-computed), and their tensors' bytes are counted: one layer, batch 1. The DAR cache also holds the
+computed), and the bytes of what they keep are counted (``used_nbytes``: the spare room of their
+in-place buffers is not): one layer, batch 1. The DAR cache also holds the
 absorbed weights W_K W_up and W_V W_up (a constant per layer, counted). With transformers installed, a
 last column counts the cache layer a converted Hugging Face model decodes with (``allhere.hf.cache``:
 no absorbed weights, one int32 position per token), filled the same way.
@@ -20,7 +21,7 @@ from allhere.mechanisms.dar import cache_bytes
 
 def hf_layer_bytes(tokens: int, kv_heads: int, head_dim: int, d_down: int, window: int, dtype,
                    chunk: int = 4096) -> int | None:
-    """Storage bytes of ``allhere.hf.cache.DARCacheLayer`` after ``tokens`` tokens; None without transformers."""
+    """Bytes ``allhere.hf.cache.DARCacheLayer`` keeps after ``tokens`` tokens; None without transformers."""
     try:
         from allhere.hf.cache import DARCacheLayer
     except ImportError:
@@ -30,7 +31,7 @@ def hf_layer_bytes(tokens: int, kv_heads: int, head_dim: int, d_down: int, windo
         k = torch.zeros(1, kv_heads, min(chunk, tokens - done), head_dim, dtype=dtype)
         layer.update(k, k.clone())
         layer.add_latents(torch.zeros(1, k.shape[2], d_down, dtype=dtype), None)
-    return layer.nbytes()
+    return layer.used_nbytes()
 
 
 def main(argv=None):

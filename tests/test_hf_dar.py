@@ -93,8 +93,8 @@ def test_chunked_prefill_and_decode_equal_full_forward(name, window):
 
 
 def test_cache_holds_window_full_kv_and_latents_only():
-    """Exactly w tokens' full K/V + every token's latent (and int32 position) per layer, counted as storage
-    bytes, against the every-key DynamicCache the original model fills."""
+    """Exactly w tokens' full K/V + every token's latent (and int32 position) per layer, counted as used
+    bytes (and the buffers' storage), against the every-key DynamicCache the original model fills."""
     w, d_down, b, t = 4, 8, 2, 64
     model = convert(build("llama"), DARConfig(window=w, d_down=d_down))
     ids = torch.randint(3, 97, (b, t))
@@ -106,8 +106,11 @@ def test_cache_holds_window_full_kv_and_latents_only():
             model(ids[:, i:i + 1], past_key_values=cache)
     layers, kv_dim, f32 = 2, 2 * 16, 4  # 2 kv heads x head_dim 16
     assert cache_nbytes(dynamic) == layers * 2 * b * t * kv_dim * f32
-    assert cache_nbytes(cache) == layers * (2 * b * w * kv_dim * f32 + b * t * (d_down * f32 + 4))
-    assert cache_nbytes(cache) / cache_nbytes(dynamic) < 0.25  # per further token: 36 bytes instead of 256
+    used = layers * (2 * b * w * kv_dim * f32 + b * t * (d_down * f32 + 4))
+    assert cache_nbytes(cache, used=True) == used
+    assert used / cache_nbytes(dynamic) < 0.25  # per further token: 36 bytes instead of 256
+    # Storage: the window's buffer (w + 16 tokens of slack) and latent / position buffers of 64 tokens (= t)
+    assert cache_nbytes(cache) == layers * (2 * b * (w + 16) * kv_dim * f32 + b * 64 * (d_down * f32 + 4))
     layer = cache.layers[0]
     assert layer.keys.shape == (b, 2, w, 16) and layer.latent.shape == (b, t, d_down)
 

@@ -25,17 +25,24 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..mechanisms.base import mechanism_layers
+from ..mechanisms.caches import GrowingTensor, RollingKVCache, storage_bytes
 
 
 def nbytes(t: torch.Tensor | None) -> int:
     """Bytes of the storage behind ``t`` (a view holding a larger tensor alive counts it all)."""
-    return 0 if t is None else t.untyped_storage().nbytes()
+    return storage_bytes(t)
 
 
 class DARCacheLayer(DynamicLayer):
     """One DAR layer's cache: ``keys`` / ``values`` hold the full K/V of the last ``window`` tokens (a rolling
     buffer), ``latent`` [b, tokens, d_down] and ``positions`` [b, tokens] (int32, the rotary position of
     each token, per row: left padding shifts them) of every token.
+
+    Written in place (``allhere.mechanisms.caches``): the window lives in a buffer of ``window + slack``
+    tokens, the latents and positions in buffers that double their capacity when full, so a decode step
+    copies its own token only. ``keys``, ``values``, ``latent``, ``positions`` are views of the used parts,
+    and what ``update`` returns is valid until the layer's next update. ``nbytes()`` counts the buffers'
+    storage (capacity), ``used_nbytes()`` the tokens kept.
 
     Trade-off: per token d_down numbers (+ one int32) instead of 2 x kv_heads x head_dim. In exchange, at
     every call the distant K/V of every cached token are rebuilt, one layer at a time: h' = c W_up
@@ -50,19 +57,20 @@ class DARCacheLayer(DynamicLayer):
         super().__init__()
         self.window = window
         self.cumulative_length = 0  # tokens seen (zeroed by ``reset``)
-        self.latent: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
+        self._near = RollingKVCache(window)
+        self._latent, self._positions = GrowingTensor(1), GrowingTensor(1)
+
+    latent = property(lambda self: self._latent.view())  # [b, tokens, d_down]
+    positions = property(lambda self: self._positions.view())  # int32 [b, tokens]
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Return the kept keys/values followed by the new ones (contiguous positions, the last ones), then
-        keep (copies of) the last ``window``."""
+        keep the last ``window``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
-        start = keys.shape[-2] - min(self.window, keys.shape[-2])
-        self.keys, self.values = keys[..., start:, :].clone(), values[..., start:, :].clone()
+        keys, values = self._near.update(key_states, value_states)
+        self.keys, self.values = self._near.k, self._near.v
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -73,25 +81,30 @@ class DARCacheLayer(DynamicLayer):
         cached tokens); return every latent."""
         b, n, _ = latent.shape
         if position_ids is None:
-            seen = 0 if self.latent is None else self.latent.shape[1]
+            seen = self._latent.length
             position_ids = torch.arange(seen, seen + n, device=latent.device)
         pos = position_ids.to(torch.int32).reshape(-1, n).expand(b, n)
-        self.latent = latent if self.latent is None else torch.cat([self.latent, latent], dim=1)
-        self.positions = pos.contiguous() if self.positions is None else torch.cat([self.positions, pos], dim=1)
-        return self.latent
+        self._positions.append(pos)
+        return self._latent.append(latent)
 
     def for_call(self, position_ids: torch.Tensor | None) -> DARCall:
         return DARCall(self, position_ids)
 
     def nbytes(self) -> int:
-        return sum(nbytes(t) for t in (self.keys, self.values, self.latent, self.positions))
+        """Bytes of storage held: the window's buffer and the latent / position buffers at their capacity."""
+        return self._near.nbytes() + self._latent.nbytes() + self._positions.nbytes()
+
+    def used_nbytes(self) -> int:
+        """Bytes of what is kept: the full K/V of at most ``window`` tokens, every latent and position."""
+        return self._near.used_nbytes() + self._latent.used_nbytes() + self._positions.used_nbytes()
 
     def _per_row(self, pick) -> None:
-        """Apply ``pick`` to the batch dimension of every tensor held (beam search, batch selection)."""
+        """Apply ``pick`` to the batch dimension of every buffer (beam search, batch selection)."""
+        self._near.map_rows(pick)
+        self._latent.map(pick)
+        self._positions.map(pick)
         if self.is_initialized:
-            self.keys, self.values = pick(self.keys), pick(self.values)
-        if self.latent is not None:
-            self.latent, self.positions = pick(self.latent), pick(self.positions)
+            self.keys, self.values = self._near.k, self._near.v
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._per_row(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -102,8 +115,17 @@ class DARCacheLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._per_row(lambda t: t[indices, ...])
 
+    def offload(self) -> None:
+        self._per_row(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self._near.k is not None and self._near.k.device != self.device:
+            self._per_row(lambda t: t.to(self.device, non_blocking=True))
+
     def reset(self) -> None:
-        self.latent = self.positions = None
+        self._near = RollingKVCache(self.window)
+        self._latent.clear()
+        self._positions.clear()
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -162,7 +184,13 @@ def new_cache(model) -> Cache:
     return Cache(layers=[m() for m in make])
 
 
-def cache_nbytes(cache: Cache) -> int:
-    """Bytes held by a transformers cache: storage of every layer's tensors."""
-    return sum(layer.nbytes() if hasattr(layer, "nbytes") else nbytes(layer.keys) + nbytes(layer.values)
-               for layer in cache.layers)
+def cache_nbytes(cache: Cache, used: bool = False) -> int:
+    """Bytes held by a transformers cache: the storage of every layer's tensors (the in-place layers'
+    capacity, spare room included), or with ``used=True`` the bytes of the tokens they keep."""
+    def layer_bytes(layer):
+        if hasattr(layer, "nbytes"):
+            return layer.used_nbytes() if used else layer.nbytes()
+        size = (lambda t: 0 if t is None else t.numel() * t.element_size()) if used else nbytes
+        return size(layer.keys) + size(layer.values)
+
+    return sum(layer_bytes(layer) for layer in cache.layers)

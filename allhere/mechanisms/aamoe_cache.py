@@ -24,8 +24,13 @@ class AAMoECache:
         return self.seen
 
     def nbytes(self) -> int:
-        held = (self.kv.k, self.kv.v, self.summaries, self.lse)
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+        """Bytes of storage held: the K/V buffers at their capacity (``KVCache.nbytes``), summaries, normaliser."""
+        return self.kv.nbytes() + sum(t.numel() * t.element_size() for t in (self.summaries, self.lse) if t is not None)
+
+    def used_nbytes(self) -> int:
+        """Bytes of what is kept: the tokens' K/V, summaries, normaliser."""
+        return self.kv.used_nbytes() + sum(t.numel() * t.element_size() for t in (self.summaries, self.lse)
+                                           if t is not None)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                    torch.Tensor | None]:

@@ -34,7 +34,7 @@ from ..ops.common import segment_mask
 from ..registry import register
 from ..validation import ConfigError, check_int
 from .base import AttentionCall, AttentionDims, AttentionMechanism
-from .caches import KVCache, RollingKVCache
+from .caches import GrowingTensor, KVCache, RollingKVCache, view_bytes
 
 
 @dataclass(frozen=True)
@@ -63,40 +63,55 @@ class DARConfig:
 
 
 class DARCache:
-    """Rolling full K/V of the last ``window`` tokens plus the d_down latent of every token."""
+    """Rolling full K/V of the last ``window`` tokens plus the d_down latent of every token, both written in
+    place (``allhere.mechanisms.caches``: a rolling buffer, and a latent buffer that doubles when full);
+    ``update`` returns views valid until the next update."""
 
     def __init__(self, window: int) -> None:
         self.near = RollingKVCache(window) if window else None  # window 0: no full K/V is kept
-        self.latent: torch.Tensor | None = None  # [b, tokens, d_down]
+        self._latent = GrowingTensor(1)  # [b, tokens, d_down]
         self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None  # (W_K W_up, W_V W_up), set once
 
     k = property(lambda self: None if self.near is None else self.near.k)
     v = property(lambda self: None if self.near is None else self.near.v)
+    latent = property(lambda self: self._latent.view())  # [b, tokens, d_down]
 
     def __len__(self) -> int:
-        return 0 if self.latent is None else self.latent.shape[1]
+        return self._latent.length
 
     def nbytes(self) -> int:
-        """Bytes held: near K/V, latents and the absorbed weights (a per-layer constant)."""
-        held = (self.k, self.v, self.latent, *(self.absorbed or ()))
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+        """Bytes of storage held: the near buffer and latent buffer at their capacity, and the absorbed
+        weights (a per-layer constant)."""
+        near = 0 if self.near is None else self.near.nbytes()
+        return near + self._latent.nbytes() + sum(view_bytes(t) for t in self.absorbed or ())
+
+    def used_nbytes(self) -> int:
+        """Bytes of what is kept: the near K/V of at most ``window`` tokens, every latent, the absorbed weights."""
+        near = 0 if self.near is None else self.near.used_nbytes()
+        return near + self._latent.used_nbytes() + sum(view_bytes(t) for t in self.absorbed or ())
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` latents in all: no reallocation until then."""
+        self._latent.reserve(tokens)
 
     def update(self, k, v, latent):
         """Add the new tokens; return (near k, near v, all latents). Near k/v cover the last positions."""
-        self.latent = latent if self.latent is None else torch.cat([self.latent, latent], dim=1)
+        latents = self._latent.append(latent)
         k_near, v_near = (k, v) if self.near is None else self.near.update(k, v)
-        return k_near, v_near, self.latent
+        return k_near, v_near, latents
 
     def positions(self) -> torch.Tensor:
         """[tokens] the position of every cached latent, as the host's ``project_kv`` takes them."""
-        return torch.arange(len(self), device=self.latent.device)
+        return torch.arange(len(self), device=self._latent.data.device)
 
 
 def cache_bytes(tokens: int, d_model: int, heads: int, kv_heads: int, d_down: int, window: int, dtype,
                 chunk: int = 4096) -> tuple[int, int]:
     """(DAR cache bytes, plain KV cache bytes) of one layer, batch 1, after ``tokens`` tokens: both caches
     filled through their own ``update`` with tensors of the real shapes (no attention computed); the DAR
-    cache also holds the absorbed weights W_K W_up and W_V W_up (a constant per layer, counted)."""
+    cache also holds the absorbed weights W_K W_up and W_V W_up (a constant per layer, counted). The bytes
+    of what each cache keeps (``used_nbytes``): their buffers' spare room (both grow by doubling; the
+    rolling window has a quarter of ``window`` to spare) is an implementation choice, not counted."""
     hd = d_model // heads
     dar, vanilla = DARCache(window), KVCache()
     dar.absorbed = tuple(torch.zeros(kv_heads * hd, d_down, dtype=dtype) for _ in range(2))
@@ -104,7 +119,7 @@ def cache_bytes(tokens: int, d_model: int, heads: int, kv_heads: int, d_down: in
         k = torch.zeros(1, kv_heads, min(chunk, tokens - done), hd, dtype=dtype)
         dar.update(k, k.clone(), torch.zeros(1, k.shape[2], d_down, dtype=dtype))
         vanilla.update(k, k.clone())
-    return dar.nbytes(), vanilla.nbytes()
+    return dar.used_nbytes(), vanilla.used_nbytes()
 
 
 @register(DARConfig, summary="full K/V near the query, a d_down bottleneck far from it")
