@@ -39,6 +39,8 @@ from ..sliding.blocked import sliding_window_attention
 from ..ste import add_gate_gradient, trains_gate
 
 SPARSE_BACKWARD_FROM = 1024  # queries: the sparse backward (off CUDA) from this length on, dense below
+BUSY_FROM = 64  # queries: from this many on, a mostly-global (batch, head) runs dense causal attention
+FEW_PAIRS = 16  # (batch, kv head) pairs with global queries in a band: up to this many, one call each
 
 
 def aha_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
@@ -103,7 +105,7 @@ def _scatter_global(q, k, v, hard, out, scale, band, dense_above):
     g = h // hkv
     off = k.shape[2] - lq
     counts = hard.sum(-1)  # [b, h]
-    busy = counts > dense_above * lq
+    busy = (counts > dense_above * lq) & (lq >= BUSY_FROM)  # a decode step gathers nothing: no head is "busy"
     rows, pieces = [], []
     if bool(busy.any()):
         bi, hi = busy.nonzero(as_tuple=True)
@@ -128,8 +130,9 @@ def _band(q, k, v, sub, start, n_keys, scale):
     """Full causal attention of the global queries ``sub`` [b, h, L] (True = global) at positions start ..
     start + L - 1 over the first ``n_keys`` keys, in one SDPA call: per (batch, head) its own queries, padded
     to the busiest (batch, head) of the band with copies of its first position (computed, never used).
-    Grouped-query heads are stacked as rows of their kv head's call; only the (batch, kv head) pairs that
-    have a global query are gathered when that is under half of them. Returns (outputs [P, d], their rows
+    Grouped-query heads are stacked as rows of their kv head's call; when at most ``FEW_PAIRS`` (batch, kv
+    head) pairs have a global query, and under half of them (a decode step), each of those runs alone on a
+    view of its keys and the others read nothing. Returns (outputs [P, d], their rows
     in the flat [b * h * lq] layout), or (None, None) when the band has no global query."""
     b, h, lq, d = q.shape
     hkv = k.shape[1]
@@ -145,15 +148,16 @@ def _band(q, k, v, sub, start, n_keys, scale):
     pairs = per.view(b, hkv, g).sum(-1) > 0  # [b, hkv]: the (batch, kv head) pairs with work in this band
     qg = q.gather(2, pos[..., None].expand(b, h, m, d)).view(b * hkv, g * m, d)
     qpos = (pos + (k.shape[2] - lq)).view(b * hkv, g * m)
-    ks, vs = (t[:, :, :n_keys].reshape(b * hkv, n_keys, d) for t in (k, v))
-    take = None
-    if int(pairs.sum()) * 2 <= pairs.numel():  # few pairs: gather them instead of computing every one
-        take = pairs.view(-1).nonzero().squeeze(1)
-        qg, qpos, ks, vs = qg[take], qpos[take], ks[take], vs[take]
+    ks, vs = (t[:, :, :n_keys].reshape(b * hkv, n_keys, d) for t in (k, v))  # a view when k, v are contiguous
     mask = torch.arange(n_keys, device=q.device) <= qpos[..., None]
-    o = F.scaled_dot_product_attention(qg[:, None], ks[:, None], vs[:, None], attn_mask=mask[:, None], scale=scale)
-    o = o[:, 0]
-    if take is not None:
-        o = q.new_zeros(b * hkv, g * m, d).index_copy(0, take, o)
+    busy = pairs.view(-1).nonzero().squeeze(1)
+    if busy.numel() <= FEW_PAIRS and 2 * busy.numel() <= pairs.numel():  # decode: a few heads read their keys
+        o = q.new_zeros(b * hkv, g * m, d)
+        for j in busy.tolist():  # each on its own view of the keys (gathering them would copy the cache)
+            o[j] = F.scaled_dot_product_attention(qg[j][None, None], ks[j][None, None], vs[j][None, None],
+                                                  attn_mask=mask[j][None, None], scale=scale)[0, 0]
+    else:
+        o = F.scaled_dot_product_attention(qg[:, None], ks[:, None], vs[:, None], attn_mask=mask[:, None],
+                                           scale=scale)[:, 0]
     o = o.view(b, h, m, d)
     return o[bi, hi, rank], (bi * h + hi) * lq + ti + start

@@ -35,6 +35,9 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_window(window)
     scale = default_scale(d, scale)
     g = h // hkv
+    if block is None and lq == 1:  # a decode step: the last w keys, read in place
+        return F.scaled_dot_product_attention(q, k[:, :, max(0, lk - window):], v[:, :, max(0, lk - window):],
+                                              scale=scale, enable_gqa=g > 1)
     if block is None and lk <= DENSE_UP_TO:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(sliding_window(window), lq, lk, q.device),
                                               scale=scale, enable_gqa=g > 1)
