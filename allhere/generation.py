@@ -153,7 +153,7 @@ def _decoder_loop(model, prompt: list[int], max_new_tokens: int, temperature: fl
                   stream: TextStream, stats: Stats, eos: set[int], use_cache: bool) -> list[int]:
     """allhere's Decoder: one forward per token, over its own KV cache (or the whole sequence without)."""
     device = next(model.parameters()).device
-    cache = model.new_cache() if use_cache else None
+    cache = model.new_cache(len(prompt) + max_new_tokens) if use_cache else None
     out = model(torch.tensor([prompt], device=device), cache=cache)
     new: list[int] = []
     while True:

@@ -126,8 +126,15 @@ class Decoder(nn.Module):
         for mech in mechanism_layers(self):  # the mechanisms' own weights as they define them
             mech.reset_parameters()
 
-    def new_cache(self) -> DecoderCache:
-        return DecoderCache([b.attn.mechanism.new_cache() for b in self.blocks])
+    def new_cache(self, tokens: int | None = None) -> DecoderCache:
+        """One empty cache per layer; ``tokens``: the length it will reach (prompt + new tokens), reserved up
+        front by the caches that grow (no reallocation while decoding)."""
+        layers = [b.attn.mechanism.new_cache() for b in self.blocks]
+        if tokens is not None:
+            for layer in layers:
+                if hasattr(layer, "reserve"):
+                    layer.reserve(tokens)
+        return DecoderCache(layers)
 
     def forward(self, input_ids: torch.Tensor, cache: DecoderCache | None = None,
                 segment_starts: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> DecoderOutput:
@@ -176,7 +183,7 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Greedy decoding with the KV cache: [batch, prompt] -> [batch, prompt + max_new_tokens]."""
-        cache = self.new_cache()
+        cache = self.new_cache(input_ids.shape[1] + max_new_tokens)
         out = self(input_ids, cache=cache)
         tokens = [input_ids]
         for _ in range(max_new_tokens):

@@ -252,7 +252,7 @@ class DecoderRunner(_Bytes, Runner):
             raise NotImplementedError("allhere checkpoints decode greedily; this task asks for sampling (do_sample)")
         results = []
         for prompt, task in zip(prompts, tasks):
-            cache = self.model.new_cache()
+            cache = self.model.new_cache(max(1, len(prompt)) + limit)
             step = torch.tensor([prompt or [self.prefix_id]], device=self.device)
             new: list[int] = []
             while len(new) < limit:
