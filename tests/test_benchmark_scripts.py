@@ -109,3 +109,10 @@ def test_train_step_benchmark_smoke():
                      "--heads", "2", "--window", "8", "--repeats", "1")
     rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
     assert len(rows) == 3 and rows[0].endswith("| 1.00x |")
+
+
+def test_aamoe_speed_smoke():
+    out = run_script("benchmarks/aamoe_speed.py", "--quick")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
+    assert len(rows) == 4 and rows[0].endswith("| 1.00x |") and "AA-MoE B=2" in rows[1], out
+    assert out.count("load average") == 2

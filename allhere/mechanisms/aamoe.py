@@ -34,8 +34,8 @@ from ..registry import register
 from ..validation import check, check_int, is_number
 from .aamoe_budget import BudgetPredictor, prefix_log_share, sequence_log_share
 from .aamoe_cache import AAMoECache
-from .aamoe_route import choose, floor_budget, router_scores
-from .allattention import MEMORY_POSITIONS, unrotate_queries
+from .aamoe_route import angle_table, choose, floor_budget, rope_table, rotate, router_scores
+from .allattention import MEMORY_POSITIONS
 from .base import AttentionCall, AttentionDims, AttentionMechanism
 
 OWN_CHUNK = ("always", "never")
@@ -170,7 +170,6 @@ class AAMoEAttention(AttentionMechanism):
         else:
             k, v, summaries = cache.update(k, v, x)
         n, lk = x.shape[1], k.shape[2]
-        positions = lk - n + torch.arange(n, device=x.device)
         u = self.w_b(x).squeeze(-1).float()
         source = "predictor" if cache is not None else self.budget_source
         beta = cfg.budget * self.budget_scale
@@ -179,12 +178,12 @@ class AAMoEAttention(AttentionMechanism):
                                                   or self.record) else None
         share = beta * torch.exp(t_seq if source == "sequence" else t_pred)
         hq = self.w_c(x)
-        r, avail, n_routed = router_scores(x, hq, positions, summaries if cfg.route_context else None,
+        r, avail, n_routed = router_scores(x, hq, lk - n, summaries if cfg.route_context else None,
                                            self.expert_emb, cfg.chunk, cfg.rope_theta)
         route = choose(r, avail, share, n_routed, -(-lk // cfg.chunk), cfg.sigmoid_budget, cfg.router_softmax)
         op = aamoe_attention_naive if self.reference else aamoe_attention
         relative = cfg.memory_positions == "relative"  # the rotation of the queries as the host applied it
-        q_mem = unrotate_queries(q, lk, cfg.rope_theta, call.positions) if relative else None
+        q_mem = unrotate(q, lk - n, cfg.rope_theta, call.positions) if relative else None
         out = op(q, k, v, self.mem_k, self.mem_v, route.choice, route.logp, cfg.chunk, cfg.own_chunk == "always",
                  call.scale, q_mem)
         self.aux_loss = None
@@ -192,7 +191,7 @@ class AAMoEAttention(AttentionMechanism):
                 and cfg.predictor_weight > 0):
             self.aux_loss = cfg.predictor_weight * F.mse_loss(t_pred, t_seq.detach())
         if self.record:
-            self.stats = self._stats(route, positions, share, t_pred, beta)
+            self.stats = self._stats(route, lk - n + torch.arange(n, device=x.device), share, t_pred, beta)
         return out, None
 
     def _stats(self, route, positions, share, t_pred, beta) -> dict:
@@ -203,6 +202,15 @@ class AAMoEAttention(AttentionMechanism):
         if t_pred is not None:
             stats["predicted_budget"] = floor_budget(beta * torch.exp(t_pred))
         return stats
+
+
+def unrotate(q: torch.Tensor, first: int, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """q [b, h, n, d] rotated by RoPE (rotate-half layout, base ``theta``) at positions first, first + 1, ...
+    (or at ``positions`` [n]), rotated back to position 0: the queries that read the experts (as
+    ``allattention.unrotate_queries``, with the cached tables of ``aamoe_route.rope_table``)."""
+    n, d = q.shape[-2:]
+    cos, sin = rope_table(first, n, 1, d, theta, q.device) if positions is None else angle_table(positions, d, theta)
+    return rotate(q, cos, -sin).to(q.dtype)
 
 
 def aamoe_layers(model) -> list[AAMoEAttention]:
