@@ -128,12 +128,15 @@ def _scatter_global(q, k, v, hard, out, scale, band, dense_above):
 
 def _band(q, k, v, sub, start, n_keys, scale):
     """Full causal attention of the global queries ``sub`` [b, h, L] (True = global) at positions start ..
-    start + L - 1 over the first ``n_keys`` keys, in one SDPA call: per (batch, head) its own queries, padded
-    to the busiest (batch, head) of the band with copies of its first position (computed, never used).
-    Grouped-query heads are stacked as rows of their kv head's call; when at most ``FEW_PAIRS`` (batch, kv
-    head) pairs have a global query, and under half of them (a decode step), each of those runs alone on a
-    view of its keys and the others read nothing. Returns (outputs [P, d], their rows
-    in the flat [b * h * lq] layout), or (None, None) when the band has no global query."""
+    start + L - 1 over the first ``n_keys`` keys, in few SDPA calls. The work unit is a (batch, kv head)
+    pair with the global queries of its query heads stacked as rows (their keys are read once); each pair
+    has ``c`` rows per query head, c its busiest head's count in the band (shorter heads padded with copies
+    of their first position: computed, never used). Pairs go into buckets of counts within a factor 2 of
+    each other (a head global for 27% of the band is not padded onto one at 2%), one call per bucket over
+    views of the keys when it holds every pair, over gathered keys otherwise; a decode-like band (at most
+    ``FEW_PAIRS`` pairs with work, under half of them) runs one call per pair on views of its keys (no
+    copy of a cache). Returns (outputs [P, d], their rows in the flat [b * h * lq] layout), or (None, None)
+    when the band has no global query."""
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
@@ -145,19 +148,37 @@ def _band(q, k, v, sub, start, n_keys, scale):
     rank = sub.cumsum(-1)[bi, hi, ti] - 1
     pos = torch.full((b, h, m), start, dtype=torch.long, device=q.device)
     pos[bi, hi, rank] = ti + start
-    pairs = per.view(b, hkv, g).sum(-1) > 0  # [b, hkv]: the (batch, kv head) pairs with work in this band
-    qg = q.gather(2, pos[..., None].expand(b, h, m, d)).view(b * hkv, g * m, d)
-    qpos = (pos + (k.shape[2] - lq)).view(b * hkv, g * m)
+    qg = q.gather(2, pos[..., None].expand(b, h, m, d)).view(b * hkv, g, m, d)
+    qpos = (pos + (k.shape[2] - lq)).view(b * hkv, g, m)
     ks, vs = (t[:, :, :n_keys].reshape(b * hkv, n_keys, d) for t in (k, v))  # a view when k, v are contiguous
-    mask = torch.arange(n_keys, device=q.device) <= qpos[..., None]
-    busy = pairs.view(-1).nonzero().squeeze(1)
-    if busy.numel() <= FEW_PAIRS and 2 * busy.numel() <= pairs.numel():  # decode: a few heads read their keys
-        o = q.new_zeros(b * hkv, g * m, d)
-        for j in busy.tolist():  # each on its own view of the keys (gathering them would copy the cache)
-            o[j] = F.scaled_dot_product_attention(qg[j][None, None], ks[j][None, None], vs[j][None, None],
-                                                  attn_mask=mask[j][None, None], scale=scale)[0, 0]
+    counts = per.view(b * hkv, g).amax(-1)  # rows per query head each pair needs
+    order = counts.argsort(descending=True)
+    order = order[: int((counts > 0).sum())].tolist()
+    counts = counts.tolist()
+    keys = torch.arange(n_keys, device=q.device)
+    o = q.new_zeros(b * hkv, g, m, d)
+
+    def attend(ids, c, keys_k, keys_v):
+        rows = qg[ids, :, :c].reshape(len(ids), g * c, d)
+        visible = keys <= qpos[ids, :, :c].reshape(len(ids), g * c)[..., None]
+        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+        out = F.scaled_dot_product_attention(rows[:, None], keys_k[:, None], keys_v[:, None], attn_mask=bias[:, None],
+                                             scale=scale)
+        o[ids, :, :c] = out[:, 0].view(len(ids), g, c, d)
+
+    if len(order) <= FEW_PAIRS and 2 * len(order) <= b * hkv:  # decode-like: each pair alone, on views
+        for j in order:
+            attend([j], counts[j], ks[j:j + 1], vs[j:j + 1])  # views
     else:
-        o = F.scaled_dot_product_attention(qg[:, None], ks[:, None], vs[:, None], attn_mask=mask[:, None],
-                                           scale=scale)[:, 0]
+        while order:
+            c = counts[order[0]]
+            bucket = [j for j in order if 2 * counts[j] > c]
+            order = order[len(bucket):]
+            if len(bucket) == b * hkv:  # every pair: the keys as they are
+                attend(list(range(b * hkv)), c, ks, vs)
+            elif len(bucket) == 1:  # one pair: a view of its keys
+                attend(bucket, c, ks[bucket[0]:bucket[0] + 1], vs[bucket[0]:bucket[0] + 1])
+            else:
+                attend(bucket, c, ks[bucket], vs[bucket])
     o = o.view(b, h, m, d)
     return o[bi, hi, rank], (bi * h + hi) * lq + ti + start
