@@ -29,7 +29,7 @@ class TaskPlan:
 
 
 def preset_plans(preset: str, device: str) -> dict[str, TaskPlan]:
-    """Presets: "cpu" (the default, about 15 minutes on 2 CPU cores), "tiny" (seconds, for tests), "gpu"."""
+    """Presets: "cpu" (the default, about 9 minutes on 2 CPU cores), "tiny" (seconds, for tests), "gpu"."""
     if preset == "tiny":
         lm = ModelConfig(vocab_size=VOCAB_SIZE, d_model=32, n_layers=2, n_heads=2)
         rc = ModelConfig(vocab_size=RecallTask(seq_len=48).vocab_size, d_model=32, n_layers=2, n_heads=2)
