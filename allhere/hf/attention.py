@@ -39,6 +39,7 @@ from .cache import own_layer
 
 ATTN_NAME = "allhere"
 SUBMODULE = "allhere"  # the mechanism's name inside the attention module
+SOFTMAX_TERMS = ("s_aux", "softcap")  # what hosts pass for softmax terms beyond scaled scores (sinks, capping)
 HOST_IMPL = "allhere_host_attention"  # attribute of every attention module: "sdpa" or "eager" for its layer
 _CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # by transformers version and family
 
@@ -79,7 +80,7 @@ def host_attention(module, query, key, value, attention_mask, **kwargs):
     """A layer without a mechanism: the attention function the model had (``HOST_IMPL``) on its own mask; the
     family's eager one where SDPA cannot compute the layer's softmax (sinks, soft-capping)."""
     dense = attention_mask.dense if isinstance(attention_mask, SegmentMask) else attention_mask
-    plain = all(kwargs.get(k) is None for k in ("s_aux", "softcap"))
+    plain = all(kwargs.get(k) is None for k in SOFTMAX_TERMS)
     if plain and getattr(module, HOST_IMPL, "sdpa") != "eager":
         return sdpa_attention_forward(module, query, key, value, dense, **kwargs)
     q_len, kv_len = query.shape[-2], key.shape[-2]
@@ -92,7 +93,7 @@ def host_attention(module, query, key, value, attention_mask, **kwargs):
 def _host_softmax(module, kwargs):
     """``AttentionCall.attend`` for a layer whose softmax has terms of its own (gpt-oss's sink logits in
     ``s_aux``, Gemma-2's ``softcap``): the family's eager function under any bool mask; None for a plain one."""
-    if all(kwargs.get(k) is None for k in ("s_aux", "softcap")):
+    if all(kwargs.get(k) is None for k in SOFTMAX_TERMS):
         return None
     eager = _eager(module)
 

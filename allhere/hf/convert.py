@@ -112,9 +112,10 @@ def chosen_layers(config, layers: str | Sequence[int] = "full") -> list[int]:
         at = kinds.index(unknown[0])
         raise ConfigError(f"config.json: layer_types has {unknown[0]!r} (layer {at}); allhere knows "
                           f"{FULL!r} and {SLIDING!r} layers")
-    if isinstance(layers, str):
-        if layers not in LAYER_CHOICES:
-            raise ConfigError(f"layers must be one of {LAYER_CHOICES} or a list of layer indices, got {layers!r}")
+    indices = isinstance(layers, (list, tuple, range)) and all(isinstance(i, int) for i in layers)
+    if layers not in LAYER_CHOICES and not indices:
+        raise ConfigError(f"layers must be one of {LAYER_CHOICES} or a list of layer indices, got {layers!r}")
+    if not indices:
         chosen = [i for i, k in enumerate(kinds) if layers == "all" or k == FULL]
         if not chosen and getattr(config, "layer_types", None):
             raise ConfigError("every layer of config.layer_types is a sliding-window layer: none can take a "
@@ -124,8 +125,6 @@ def chosen_layers(config, layers: str | Sequence[int] = "full") -> list[int]:
                               f"{getattr(config, 'sliding_window', None)} tokens (no full-attention layer to "
                               "convert); layers='all' (--layers all) puts the mechanism on them in place of the window")
     else:
-        if not isinstance(layers, (list, tuple, range)) or not all(isinstance(i, int) for i in layers):
-            raise ConfigError(f"layers must be one of {LAYER_CHOICES} or a list of layer indices, got {layers!r}")
         chosen = sorted(set(layers))
         bad = [i for i in chosen if not 0 <= i < len(kinds)]
         if bad or not chosen:

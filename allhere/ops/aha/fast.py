@@ -50,7 +50,8 @@ def aha_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate:
     Computes in q's dtype. chunk: query positions per band of the global queries' calls (one SDPA call
     per band, over the keys up to its end). dense_above: a (batch, head) whose share of global queries
     exceeds this runs plain causal SDPA over all its queries instead of gathering them. sparse_backward:
-    None = the module docstring's choice (True off CUDA); tests set it."""
+    None = the module docstring's choice (True off CUDA from ``SPARSE_BACKWARD_FROM`` queries on); tests
+    set it."""
     if row_start is not None:
         if bool(row_start.any()):
             return _per_segment(q, k, v, gate, window, scale, row_start,
@@ -98,8 +99,8 @@ def _per_segment(q, k, v, gate, window, scale, row_start, options):
 def _scatter_global(q, k, v, hard, out, scale, band, dense_above):
     """``out`` with the full causal attention of every global (batch, head, query) put in, in few large SDPA
     calls: the busy (batch, head) pairs (more than ``dense_above`` of their queries global) in one causal
-    call; the others by bands of ``band`` query positions, one call per band over the keys up to the band's
-    end, each (batch, head) with its own global queries of the band (padded to the busiest one in it)."""
+    call; the others by bands of ``band`` query positions over the keys up to the band's end (``_band``:
+    a call per bucket of (batch, kv head) pairs with similar counts)."""
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
