@@ -1,6 +1,9 @@
-"""Mechanisms with their own KV cache on Hugging Face models, through transformers' Cache API.
+"""KV caches of converted Hugging Face models, through transformers' Cache API.
 
-A mechanism whose cache is not transformers' every-key ``DynamicLayer`` (DAR keeps full K/V of the last
+Every converted layer decodes with a cache written in place (``allhere.mechanisms.caches``): a mechanism
+that keeps every key (full attention, AHA, sliding window and sinks, which mask what they read) gets
+``InPlaceLayer``, transformers' ``DynamicLayer`` with a buffer that doubles when full instead of a
+concatenation of the whole cache at every token. A mechanism whose cache is not transformers' every-key ``DynamicLayer`` (DAR keeps full K/V of the last
 ``window`` tokens and a d_down latent per token) defines ``new_hf_cache_layer()``: a transformers cache
 layer (``CacheLayerMixin``) that the attention module updates itself (``past_key_values.update``, before
 the attention function) and whose ``for_call(position_ids)`` gives what the mechanism decodes with
@@ -8,11 +11,12 @@ the attention function) and whose ``for_call(position_ids)`` gives what the mech
 
 Where such layers come from:
 
-- ``generate`` and a forward with ``use_cache=True`` build transformers' own ``DynamicCache``; each of
-  its layers that was empty before the call is replaced by the mechanism's layer on the first forward
-  (``own_layer``), so the cache a converted model returns, and decodes with, is the compressed one. No
-  ``generate`` or ``forward`` is patched; the one transient cost: the prompt's full K/V of one layer
-  stay alive until that layer's attention function runs.
+- ``generate`` and a forward with ``use_cache=True`` build transformers' own ``DynamicCache``; each
+  converted layer's ``DynamicLayer`` that was empty before the call is replaced by the mechanism's layer
+  (or ``InPlaceLayer``) on the first forward (``own_layer``), so the cache a converted model returns,
+  and decodes with, is the compressed / in-place one. No ``generate`` or ``forward`` is patched; the one
+  transient cost: the prompt's K/V of one layer are copied once more on the first call. Layers left
+  unconverted (a hybrid's sliding layers) keep transformers' own.
 - ``new_cache(model)`` builds the cache up front (pass it as ``past_key_values=``).
 
 A cache that already holds every key of earlier calls (a ``DynamicCache`` filled by another model) is
@@ -22,15 +26,68 @@ refused with an error: its keys carry no latents to rebuild distant K/V from.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..mechanisms.base import mechanism_layers
-from ..mechanisms.caches import GrowingTensor, RollingKVCache, storage_bytes
+from ..mechanisms.caches import GrowingTensor, KVCache, RollingKVCache, storage_bytes
 
 
 def nbytes(t: torch.Tensor | None) -> int:
     """Bytes of the storage behind ``t`` (a view holding a larger tensor alive counts it all)."""
     return storage_bytes(t)
+
+
+class InPlaceLayer(DynamicLayer):
+    """transformers' ``DynamicLayer`` (every key and value kept, [b, kv_heads, tokens, d]) written in place:
+    a ``KVCache`` whose buffers double when full, so a decode step copies its own token, not the whole
+    cache. ``keys`` / ``values`` are views of the used part, valid until the layer's next update (the rule
+    of ``allhere.mechanisms.caches``); while autograd records, it concatenates as ``DynamicLayer`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kv = KVCache()
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = self._kv.update(key_states, value_states)
+        return self.keys, self.values
+
+    def nbytes(self) -> int:
+        return self._kv.nbytes()
+
+    def used_nbytes(self) -> int:
+        return self._kv.used_nbytes()
+
+    def _per_row(self, pick) -> None:
+        self._kv.map_rows(pick)
+        if self.is_initialized:
+            self.keys, self.values = self._kv.k, self._kv.v
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._per_row(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._per_row(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._per_row(lambda t: t[indices, ...])
+
+    def offload(self) -> None:
+        self._per_row(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.keys is not None and self.keys.device != self.device:
+            self._per_row(lambda t: t.to(self.device, non_blocking=True))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)  # checks the argument, crops the views
+        if self.is_initialized and self.keys is not None:
+            self._kv.truncate(self.keys.shape[-2])
+
+    def reset(self) -> None:
+        self._kv = KVCache()
+        super().reset()
 
 
 class DARCacheLayer(DynamicLayer):
@@ -152,14 +209,18 @@ class DARCall:
 
 def own_layer(cache: Cache, layer_idx: int, mech, new_tokens: int, key: torch.Tensor, value: torch.Tensor):
     """The mechanism's own layer of ``cache`` at ``layer_idx``, or None when the mechanism decodes with
-    transformers' own layers. The attention module has just updated the layer with this call's
-    ``new_tokens`` tokens and handed over ``key``, ``value``: an ordinary layer that was empty before
-    this call (then ``key``, ``value`` are the new tokens') is replaced by the mechanism's, holding the
-    same tokens; one holding earlier keys is refused."""
+    every key (then the layer becomes an ``InPlaceLayer``). The attention module has just updated the layer
+    with this call's ``new_tokens`` tokens and handed over ``key``, ``value``: a ``DynamicLayer`` that was
+    empty before this call (then ``key``, ``value`` are the new tokens') is replaced by the mechanism's
+    layer, holding the same tokens; for a mechanism with its own layer, one holding earlier keys is
+    refused (a plain mechanism leaves it as it is)."""
     make = getattr(mech, "new_hf_cache_layer", None)
-    if make is None:
-        return None
     layer = cache.layers[layer_idx]
+    if make is None:
+        if type(layer) is DynamicLayer and layer.get_seq_length() == new_tokens:
+            cache.layers[layer_idx] = fresh = InPlaceLayer()
+            fresh.update(key, value)
+        return None
     if hasattr(layer, "for_call"):
         return layer
     if not isinstance(layer, DynamicLayer) or layer.get_seq_length() != new_tokens:
@@ -174,14 +235,17 @@ def own_layer(cache: Cache, layer_idx: int, mech, new_tokens: int, key: torch.Te
 
 
 def new_cache(model) -> Cache:
-    """An empty transformers ``Cache`` for a converted model: each layer the mechanism's own
-    (``new_hf_cache_layer``) or transformers' ``DynamicLayer``. Pass it as ``past_key_values=`` to
-    ``generate`` or ``forward``; ``generate`` builds an equivalent one by itself."""
+    """An empty transformers ``Cache`` for a converted model: each converted layer the mechanism's own
+    (``new_hf_cache_layer``) or an ``InPlaceLayer``; the layers left unconverted (a hybrid's sliding
+    layers) transformers' own. Pass it as ``past_key_values=`` to ``generate`` or ``forward``;
+    ``generate`` builds an equivalent one by itself."""
     mechs = mechanism_layers(model)
     if not mechs:
         raise ValueError("this model has no allhere mechanisms: convert it with allhere.hf.convert first")
-    make = [getattr(m, "new_hf_cache_layer", DynamicLayer) for m in mechs]
-    return Cache(layers=[m() for m in make])
+    cache = DynamicCache(config=model.config)
+    for mech in mechs:
+        cache.layers[mech.layer_index] = getattr(mech, "new_hf_cache_layer", InPlaceLayer)()
+    return cache
 
 
 def cache_nbytes(cache: Cache, used: bool = False) -> int:

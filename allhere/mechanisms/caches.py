@@ -118,6 +118,10 @@ class GrowingTensor:
         if self.data is not None and n > self.capacity and not recording(self.data):
             self.reallocate(n, self.data)
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` elements (the rest of the buffer becomes spare room)."""
+        self.length = min(self.length, length)
+
     def map(self, fn) -> None:
         """Replace the buffer by ``fn(buffer)`` (a selection along another dim: beam search)."""
         if self.data is not None:
@@ -179,6 +183,11 @@ class KVCache:
         """Apply ``fn`` to the batch dimension of the buffers (beam search reordering, batch selection)."""
         self._k.map(fn)
         self._v.map(fn)
+
+    def truncate(self, tokens: int) -> None:
+        """Keep the first ``tokens`` tokens (assisted generation rolling back rejected drafts)."""
+        self._k.truncate(tokens)
+        self._v.truncate(tokens)
 
 
 class RollingKVCache:

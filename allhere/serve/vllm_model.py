@@ -1,0 +1,199 @@
+"""vLLM model classes for folders written by ``allhere convert``: vLLM's own implementation of the family
+(Llama, Mistral, Qwen2), with the converted layers' attention replaced after vLLM has built the model.
+Imported by vLLM (lazily, through ``allhere.serve.vllm_plugin``), never by ``import allhere``.
+
+A folder without allhere settings (config.json lacks ``allhere_mechanism``) gets vLLM's own model,
+unchanged: the classes below only add to ``__init__``.
+
+Mechanisms served (per converted layer, ``config.allhere_layers``):
+
+- ``aha`` (All-or-Here attention, "Learning When Not to Attend Globally"): two vLLM ``Attention`` layers
+  over ONE paged KV cache. The layer's own ``attn`` (full causal) owns the cache and writes each token's
+  K/V; a second ``Attention`` (``allhere.local``) with ``per_layer_sliding_window = window`` and
+  ``kv_sharing_target_layer_name`` = the first one reads the same cache, writes nothing and allocates
+  nothing. The router ``S = sigmoid(X W_router + b)`` on the attention block's input X (the same weights as
+  allhere saved: ``...self_attn.allhere.router.{weight,bias}``) gives the hard gate ``g = S > tau`` per
+  (token, query head); the output of head h at token t is the full attention's where g, the windowed one
+  elsewhere. Both attentions are computed for every token (no compute is saved yet; the cache is shared).
+- ``sliding``: the layer's ``Attention`` rebuilt with ``per_layer_sliding_window = window`` (vLLM then
+  keeps a sliding-window KV cache for it).
+
+Window convention: allhere's window w = the w most recent keys, the query's own included
+(``q_idx - kv_idx < w``); vLLM's ``sliding_window`` follows Hugging Face's, the same (flash-attn's
+``(w - 1, 0)``); so w is handed over as it is (``VLLM_WINDOW_OFFSET`` is that one place).
+
+Routing statistics: every AHA layer counts its (token, head) pairs and the global ones over every forward
+pass (prefill and decode tokens alike, vLLM's warm-up passes included until ``reset_routing_stats``);
+``routing_stats(model)`` (through ``LLM.apply_model``) returns them and mu_f.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.mistral import MistralForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.utils import extract_layer_index
+
+CONFIG_KEY = "allhere_mechanism"  # as allhere.hf.convert writes them (not imported: no transformers import here)
+LAYERS_KEY = "allhere_layers"
+SUBMODULE = "allhere"  # the mechanism's name inside the attention block, as in allhere.hf
+VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
+SERVED = ("aha", "sliding")
+
+
+class AHAServe(nn.Module):
+    """AHA's router and windowed attention for one layer; ``gate`` is set by the block's pre-hook."""
+
+    def __init__(self, settings: dict, full: Attention, d_model: int, n_heads: int, prefix: str) -> None:
+        super().__init__()
+        self.window, self.tau = int(settings["window"]), float(settings["tau"])
+        if settings.get("router", "linear") != "linear":
+            raise NotImplementedError("allhere vLLM serving: AHA router='qproj' is not supported (use 'linear')")
+        self.router = nn.Linear(d_model, n_heads, bias=bool(settings.get("router_bias", True)))
+        self.local = Attention(full.num_heads, full.head_size, full.impl.scale, num_kv_heads=full.num_kv_heads,
+                               cache_config=get_current_vllm_config().cache_config,
+                               per_layer_sliding_window=self.window + VLLM_WINDOW_OFFSET,
+                               prefix=f"{prefix}.{SUBMODULE}.local",
+                               kv_sharing_target_layer_name=full.layer_name)
+        self.gate: torch.Tensor | None = None
+        self.forced_gate: bool | None = None  # True / False: every gate global / local; None: route
+        self.register_buffer("n_global", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("n_pairs", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def route(self, x: torch.Tensor) -> None:
+        """x [tokens, d_model]: the attention block's input. Sets the hard gate [tokens, heads]."""
+        s = torch.sigmoid(self.router(x).float())  # as allhere's AHAAttention.scores
+        gate = s > self.tau
+        if self.forced_gate is not None:
+            gate = torch.full_like(gate, bool(self.forced_gate))
+        self.gate = gate
+        self.n_global += gate.sum()
+        self.n_pairs += gate.numel()
+
+
+class AHAJoin(nn.Module):
+    """Stands where the block's ``attn`` stood: full and windowed attention, joined per (token, head)."""
+
+    def __init__(self, full: Attention, mech: AHAServe) -> None:
+        super().__init__()
+        self.full = full
+        self._mech = [mech]  # a plain reference: the mechanism is registered once, under the block
+
+    def forward(self, q, k, v, *args, **kwargs):
+        mech = self._mech[0]
+        full = self.full(q, k, v, *args, **kwargs)  # writes this step's K/V into the shared cache first
+        gate = mech.gate
+        if gate is None:
+            raise RuntimeError("allhere AHA layer called without its router input")
+        mech.gate = None
+        if bool(gate.all()):
+            return full
+        local = mech.local(q, k, v, *args, **kwargs)  # reads the cache written above
+        n, heads = gate.shape
+        out = torch.where(gate[:, :, None], full.view(n, heads, -1), local.view(n, heads, -1))
+        return out.view_as(full)
+
+
+def _route_hook(module, args, kwargs):
+    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
+    getattr(module, SUBMODULE).route(x)
+
+
+def _attention_blocks(model: nn.Module) -> dict[int, tuple[nn.Module, Attention]]:
+    """layer index -> (attention block, its vLLM Attention child ``attn``), found by structure."""
+    found = {}
+    for name, module in model.named_modules():
+        attn = getattr(module, "attn", None)
+        if isinstance(attn, Attention):
+            found[extract_layer_index(attn.layer_name)] = (module, attn)
+    return found
+
+
+def _rebuild_sliding(block: nn.Module, attn: Attention, window: int) -> None:
+    vllm_config = get_current_vllm_config()
+    vllm_config.compilation_config.static_forward_context.pop(attn.layer_name)  # the same name, rebuilt
+    block.attn = Attention(attn.num_heads, attn.head_size, attn.impl.scale, num_kv_heads=attn.num_kv_heads,
+                           cache_config=vllm_config.cache_config, per_layer_sliding_window=window + VLLM_WINDOW_OFFSET,
+                           prefix=attn.layer_name)
+
+
+def install(model: nn.Module, config) -> list[int]:
+    """Put the mechanism of ``config`` (a converted folder's transformers config) on ``model``'s converted
+    layers; returns their indices. No-op (returns []) for a config without allhere settings."""
+    settings = getattr(config, CONFIG_KEY, None)
+    if settings is None:
+        return []
+    kind = settings.get("kind")
+    if kind not in SERVED:
+        raise NotImplementedError(f"allhere vLLM serving: mechanism {kind!r} is not served (served: {SERVED})")
+    vllm_config = get_current_vllm_config()
+    if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise NotImplementedError("allhere vLLM serving: tensor / pipeline parallelism is not supported yet")
+    blocks = _attention_blocks(model)
+    layers = list(getattr(config, LAYERS_KEY, None) or sorted(blocks))
+    missing = [i for i in layers if i not in blocks]
+    if missing:
+        raise ValueError(f"allhere vLLM serving: converted layers {missing} have no vLLM Attention")
+    for i in layers:
+        block, attn = blocks[i]
+        if attn.sliding_window is not None:
+            raise NotImplementedError(f"allhere vLLM serving: layer {i} already has a sliding window")
+        if kind == "sliding":
+            _rebuild_sliding(block, attn, int(settings["window"]))
+            continue
+        prefix = attn.layer_name.rpartition(".")[0]
+        mech = AHAServe(settings, attn, config.hidden_size, config.num_attention_heads, prefix)
+        block.add_module(SUBMODULE, mech)
+        block.attn = AHAJoin(attn, mech)
+        block.register_forward_pre_hook(_route_hook, with_kwargs=True)
+    return layers
+
+
+def aha_layers(model: nn.Module) -> dict[int, AHAServe]:
+    return {extract_layer_index(m.local.layer_name): m for m in model.modules() if isinstance(m, AHAServe)}
+
+
+def routing_stats(model: nn.Module) -> dict:
+    """Global and total (token, head) pairs per AHA layer since the last reset, and mu_f over all of them
+    (``LLM.apply_model(routing_stats)``)."""
+    layers = {i: (int(m.n_global), int(m.n_pairs)) for i, m in sorted(aha_layers(model).items())}
+    g, n = sum(a for a, _ in layers.values()), sum(b for _, b in layers.values())
+    return {"layers": layers, "mu_f": g / n if n else None}
+
+
+def reset_routing_stats(model: nn.Module) -> None:
+    for m in aha_layers(model).values():
+        m.n_global.zero_()
+        m.n_pairs.zero_()
+
+
+def set_forced_gate(model: nn.Module, value: bool | None) -> int:
+    """Force every AHA gate global (True) / local (False), or route again (None); returns the layers set."""
+    layers = aha_layers(model)
+    for m in layers.values():
+        m.forced_gate = value
+    return len(layers)
+
+
+class _Converted:
+    """Mixin: build vLLM's model, then install the folder's mechanism (nothing for an unconverted folder)."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.allhere_layers = install(self, vllm_config.model_config.hf_config)
+
+
+class AllhereLlamaForCausalLM(_Converted, LlamaForCausalLM):
+    pass
+
+
+class AllhereMistralForCausalLM(_Converted, MistralForCausalLM):
+    pass
+
+
+class AllhereQwen2ForCausalLM(_Converted, Qwen2ForCausalLM):
+    pass
