@@ -125,9 +125,14 @@ class TrainConfig:
     log_every: int = 10  # record loss/mu_f in the history every this many steps
     seed: int = 0  # seeds the model init and every batch (batch k of step s is a pure function of both)
     device: str = "cpu"  # "cpu" or "cuda"; bf16 autocast is used on CUDA
+    # torch.compile the training forward (inductor). On the CPU a step of the demo's stdlib shape takes
+    # ~0.87x the eager time after 10-20 s of compilation (docs/performance.md): it pays over runs of
+    # thousands of steps, not over the presets' hundreds, so it is off by default. One process only.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         c = "TrainConfig"
+        check(isinstance(self.compile, bool), c, "compile", self.compile, "true or false")
         for name in ("steps", "batch_size", "grad_accum", "ckpt_every", "log_every"):
             check_int(c, name, getattr(self, name), 1)
         check_int(c, "eval_every", self.eval_every, 0)

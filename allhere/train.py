@@ -172,6 +172,7 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
     bar = progress_bar(cfg.steps, f"{ckpt_path.parent.parent.name}/{ckpt_path.parent.name}", state["step"],
                        progress and (run is None or run.main))
     save = save_checkpoint if run is None else run.save
+    forward = torch.compile(model) if cfg.compile and run is None else model  # shares the model's parameters
     model.train()
     with stop_signals() as stop:  # Ctrl-C / SIGTERM: finish the step, checkpoint, stop
         for step in range(state["step"], cfg.steps):
@@ -188,7 +189,7 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
                     loss = shard_loss(model, ids, lam, cp, loss_mask, autocast, **kwargs)
                 else:
                     with autocast:
-                        out = model(ids, **kwargs)
+                        out = forward(ids, **kwargs)
                     pads = kwargs["segment_starts"] < 0 if "segment_starts" in kwargs else None  # not in L_reg, mu_f
                     loss = training_loss(out, ids, lam, None if pads is None else ~pads, loss_mask)
                 (loss.total / len(micros)).backward()

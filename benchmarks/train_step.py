@@ -70,7 +70,7 @@ def step_fn(model, ids, lam: float):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        if isinstance(model, PlainDecoder):
+        if isinstance(getattr(model, "_orig_mod", model), PlainDecoder):
             logits = model(ids)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         else:
@@ -101,8 +101,14 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--profile", choices=["plain", "full", "aha"], default=None)
+    p.add_argument("--compile", action="store_true",
+                   help="also time each model under torch.compile (inductor; compile time printed apart)")
     a = p.parse_args(argv)
     models, counts = build(a)
+    if a.compile:
+        for name in list(models):
+            models[f"{name}, compiled"] = torch.compile(models[name])
+            counts[f"{name}, compiled"] = counts[name]
     ids = torch.randint(0, 256, (a.batch, a.seq), generator=torch.Generator().manual_seed(1))
     steps = {name: step_fn(m, ids, 3e-4) for name, m in models.items()}
     if a.profile:
@@ -116,8 +122,12 @@ def main(argv=None) -> None:
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
           f"threads; B={a.batch}, T={a.seq}, d={a.d_model}, {a.layers} layers, {a.heads} heads; load average "
           f"{os.getloadavg()[0]:.2f} before")
-    for step in steps.values():  # warm-up
+    for name, step in steps.items():  # warm-up (and compilation)
+        t = time.perf_counter()
         step()
+        step()
+        if a.compile:
+            print(f"# {name}: first two steps {time.perf_counter() - t:.1f} s")
     times = {name: [] for name in steps}
     names = list(steps)
     for r in range(a.repeats):

@@ -29,6 +29,9 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--finetune-steps", type=a.positive, default=None,
                    help="optimizer steps of the AHA fine-tuning and its control (default: the preset's; tiny 4, "
                         "cpu 250 for stdlib and 200 for recall, gpu 1000 and 200)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every training run's forward (default off: on 2 CPU cores a step takes "
+                        "~0.87x after 10-20 s of compiling per model, which the cpu preset's runs do not win back)")
     a.progress_flag(p)
     p.add_argument("--mechanism", default="aha", choices=["aha", "dar"],
                    help="aha (default): the AHA demo; dar: DAR against vanilla and uniform reduction")
@@ -42,7 +45,7 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
 def _check_demo_flags(args) -> None:
     """A flag of the other demo is an error, not silently ignored."""
     only = {"aha": {"window": "--window", "lam": "--lam", "pretrain_steps": "--pretrain-steps",
-                    "finetune_steps": "--finetune-steps", "tasks": "--task"},
+                    "finetune_steps": "--finetune-steps", "tasks": "--task", "compile": "--compile"},
             "dar": {"windows": "--windows", "from_scratch": "--from-scratch"}}
     other = "dar" if args.mechanism == "aha" else "aha"
     given = [flag for name, flag in only[other].items() if getattr(args, name, None) not in (None, False)]
@@ -66,7 +69,7 @@ def demo(args) -> None:
 
     report = run_demo(out=args.out, preset=args.preset, tasks=tuple(args.tasks or TASKS), data_path=args.data,
                       device=args.device, progress=not args.no_progress, window=args.window, lam=args.lam,
-                      pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps)
+                      pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps, compile=args.compile)
     print(render(report))
     print(f"Report written to {args.out}/report.md, report.json and mu_f_heatmap.png")
 

@@ -60,13 +60,15 @@ def preset_plans(preset: str, device: str) -> dict[str, TaskPlan]:
 
 
 def plans(preset: str = "cpu", device: str = "cpu", window: int | None = None, lam: float | None = None,
-          pretrain_steps: int | None = None, finetune_steps: int | None = None) -> dict[str, TaskPlan]:
-    """The preset's plans with the command-line overrides applied (each one validated)."""
+          pretrain_steps: int | None = None, finetune_steps: int | None = None,
+          compile: bool = False) -> dict[str, TaskPlan]:
+    """The preset's plans with the command-line overrides applied (each one validated); ``compile``:
+    ``TrainConfig.compile`` for every training run."""
     out = {}
     for name, p in preset_plans(preset, device).items():
         aha = dataclasses.replace(p.aha, **{k: v for k, v in (("window", window), ("lam", lam)) if v is not None})
-        pre = p.pretrain if pretrain_steps is None else dataclasses.replace(p.pretrain, steps=pretrain_steps)
-        ft = p.finetune if finetune_steps is None else dataclasses.replace(p.finetune, steps=finetune_steps)
+        pre = dataclasses.replace(p.pretrain, compile=compile, steps=p.pretrain.steps if pretrain_steps is None else pretrain_steps)
+        ft = dataclasses.replace(p.finetune, compile=compile, steps=p.finetune.steps if finetune_steps is None else finetune_steps)
         if aha.window >= p.seq_len:
             raise ConfigError(f"window = {aha.window} must be smaller than the sequence length {p.seq_len}, "
                               "or AHA has nothing to decide")

