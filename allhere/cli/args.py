@@ -61,6 +61,14 @@ def number(low: float, strict: bool = False, below: float | None = None):
 
 
 positive, positive_or_zero = integer(1), integer(0)
+
+
+@_named("port")
+def port(value: str) -> int:
+    n = integer(1)(value)
+    if n > 65535:
+        raise Bad(f"expected a port number in 1..65535, got {value!r}")
+    return n
 nonnegative, positive_number, fraction = number(0), number(0, strict=True), number(0, strict=True, below=1)
 
 

@@ -28,6 +28,7 @@ from .models import (convert, convert_arguments, eval_arguments, evaluate, perpl
                      sft_arguments)
 from .patterns import compare, compare_arguments, patterns, patterns_arguments
 from .quiet import quiet_third_party
+from .serve import serve, serve_arguments
 from .runs import (aamoe, aamoe_arguments, analyze, analyze_arguments, demo, demo_arguments, sweep,
                    sweep_arguments)
 
@@ -64,6 +65,8 @@ COMMANDS = (
             sft_arguments, sft, "run the same command with --resume to continue"),
     Command("generate", "try a model: continue a prompt or chat over stdin, streamed (tokens/s; mu_f for AHA)",
             generate_arguments, generate),
+    Command("serve", "serve a model (plain or converted) with vLLM's OpenAI-compatible server until Ctrl-C",
+            serve_arguments, serve),
     Command("patterns", "sparse attention patterns side by side: masks, scores, receptive field, hops, KV cache, "
             "time", patterns_arguments, patterns),
     Command("compare", "full, sliding, sinks, dilated, Longformer, BigBird and AHA fine-tuned at the same attention "

