@@ -178,15 +178,15 @@ def train_spawned(rank, world, tmp, path, layout):
     from allhere.distributed import context
 
     seen = []
-    original = context.ring_aha_attention
+    original = context.ring_gated_attention
 
     def counting(q, *args, **kwargs):
         seen.append(q.shape[2])
         return original(q, *args, **kwargs)
 
-    context.ring_aha_attention = counting
+    context.ring_gated_attention = counting
     try:
         state = train_run(path, layout)
     finally:
-        context.ring_aha_attention = original
+        context.ring_gated_attention = original
     return {"history": state["history"], "seen": seen}

@@ -7,8 +7,8 @@ from .context import ContextParallel, ShardBatch, context_parallel, context_para
 from .layouts import LAYOUTS, positions, shard, unshard
 from .patterns import Pattern, causal, pattern_from, sliding
 from .plan import RingSpec, make_plan
-from .ring import RingStats, ring_aha_attention, ring_attention
+from .ring import RingStats, ring_aha_attention, ring_attention, ring_gated_attention
 
 __all__ = ["LAYOUTS", "ContextParallel", "Pattern", "RingSpec", "RingStats", "ShardBatch", "causal", "context_parallel",
            "context_parallel_loss", "make_plan", "pattern_from", "positions", "ring_aha_attention", "ring_attention",
-           "shard", "shard_batch", "shard_loss", "sliding", "unshard"]
+           "ring_gated_attention", "shard", "shard_batch", "shard_loss", "sliding", "unshard"]

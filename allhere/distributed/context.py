@@ -9,20 +9,16 @@ process group, and each layer's attention runs through the ring (``ring.py``).
         loss = cp.loss(out, targets, lam)                     # mean over ranks = the one-process loss
         loss.total.backward()                                 # then average gradients over the group
 
-Inside the ``with`` block, each layer's mechanism runs its ring counterpart (the module tree, parameter
-names and state dict stay as they are: only the mechanisms' ``forward`` is replaced, and restored on exit):
+Inside the ``with`` block, each layer's mechanism runs through the ring (the module tree, parameter names
+and state dict stay as they are: only the mechanisms' ``forward`` is replaced, and restored on exit). What
+the ring computes is the mechanism's own declaration, ``context_parallel_plan(call, n)`` of the mechanism
+interface (``allhere.mechanisms.base.ContextParallelPlan``): the mask predicates of the keys its queries
+read, optionally a per-(token, head) gate between two of them (with its straight-through gradient while
+the router trains; the layer's routing then covers this rank's tokens) and its own block logits.
 
-  - ``full``: the causal ring;
-  - ``sliding``: the ring under the sliding-window pattern (only the neighbouring blocks are read);
-  - ``aha``: the router scores and gates this rank's tokens locally, then ``ring_aha_attention`` (with the
-    gate's straight-through gradient while the router trains); the layer's ``LayerRouting`` covers this
-    rank's tokens, as the mechanism returns it for a whole sequence;
-  - the pattern mechanisms (``sinks``, ``dilated``, ``longformer``, ``bigbird``: a ``PatternAttention``
-    with ``mask_fn``): the ring under their predicate at the global sequence length.
-
-Anything else (DAR, AA-MoE, All-Attention, ...) raises on entry, naming the layer and the mechanism; a KV
-cache or ``segment_starts`` raises on the call. The ring needs every rank of the group to run the same
-layers in the same order, forward and backward.
+A mechanism that cannot run so (its ``context_parallel_refusal()`` gives the reason) is refused on entry
+in one line naming the layer, the mechanism and why; a KV cache or ``segment_starts`` raises on the call.
+The ring needs every rank of the group to run the same layers in the same order, forward and backward.
 
 Losses: the next-token target of a shard's last token lives on another shard, so ``shard_batch`` shifts
 the whole sequence before sharding; ``context_parallel_loss`` weights each rank's sum so that the *mean*
@@ -41,16 +37,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..losses import Loss
-from ..mechanisms.aha import AHAAttention
 from ..mechanisms.base import AttentionCall, mechanism_layers
-from ..mechanisms.full import FullAttention
-from ..mechanisms.pattern import PatternAttention
-from ..mechanisms.sliding import SlidingAttention
 from ..model import Decoder
-from ..routing import LayerRouting
 from . import layouts
-from .patterns import causal, pattern_from, sliding
-from .ring import RingStats, ring_aha_attention, ring_attention
+from .ring import RingStats, ring_attention, ring_gated_attention
 
 IGNORE = -100  # target of a position with no next token (or masked out of the loss)
 
@@ -113,39 +103,25 @@ def mean_over_ranks(x: torch.Tensor | float, group=None) -> float:
     return t.item() / dist.get_world_size(group)
 
 
-# -- the mechanisms' ring counterparts -----------------------------------------------------------------------
-
-
-def ring_kind(mech) -> str | None:
-    """How a mechanism runs under context parallelism ("full", "sliding", "aha", "pattern"), or None."""
-    t = type(mech)
-    if t is FullAttention:
-        return "full"
-    if t is SlidingAttention:
-        return "sliding"
-    if t is AHAAttention:
-        return "aha"
-    if isinstance(mech, PatternAttention) and t.forward is PatternAttention.forward and hasattr(mech.cfg, "mask_fn"):
-        return "pattern"
-    return None
+# -- the mechanisms under the ring ----------------------------------------------------------------------------
 
 
 def check_supported(model: torch.nn.Module) -> None:
-    """Raise ``NotImplementedError`` naming every layer whose mechanism has no ring counterpart."""
-    bad = [f"layer {i}: {type(m).__name__} ({getattr(m.cfg, 'kind', '?')})"
-           for i, m in enumerate(mechanism_layers(model)) if ring_kind(m) is None]
+    """Raise ``NotImplementedError`` (one line) naming every layer whose mechanism cannot run context-parallel
+    (its class, its config's kind and its ``context_parallel_refusal()``)."""
+    bad = [f"layer {i}: {type(m).__name__} ({getattr(m.cfg, 'kind', '?')}): {why}"
+           for i, m in enumerate(mechanism_layers(model)) if (why := m.context_parallel_refusal()) is not None]
     if bad:
-        raise NotImplementedError("context parallelism supports the mechanisms full, sliding, aha and the pattern "
-                                  "mechanisms (sinks, dilated, longformer, bigbird); not: " + "; ".join(bad))
+        raise NotImplementedError("context parallelism cannot run " + "; ".join(bad))
 
 
 @dataclass
 class _RingForward:
     """The ``forward`` a mechanism runs under ``context_parallel``: the same contract (q [b, h, n/d, dim],
-    k, v [b, kv_heads, n/d, dim] of this rank's shard -> (out, LayerRouting or None)), through the ring."""
+    k, v [b, kv_heads, n/d, dim] of this rank's shard -> (out, routing or None)), through the ring under
+    the mechanism's ``context_parallel_plan``."""
 
     mech: torch.nn.Module
-    kind: str
     group: object
     layout: str
     stats: RingStats | None
@@ -158,21 +134,16 @@ class _RingForward:
         if call.segment_starts is not None:
             raise NotImplementedError(f"{name} under context parallelism: segment_starts (padding, packed "
                                       "documents) are not supported")
-        kw = dict(group=self.group, layout=self.layout, scale=call.scale, stats=self.stats)
-        if self.kind == "aha":
-            s = self.mech.scores(call.x, call.q_extra)
-            gate, hard = self.mech.gate(s)
-            out = ring_aha_attention(q, k, v, gate, self.mech.cfg.window, **kw)
-            return out, LayerRouting(scores=s, gates=hard)
-        if self.kind == "full":
-            pattern = causal()
-        elif self.kind == "sliding":
-            pattern = sliding(self.mech.cfg.window)
-        else:
-            n = q.shape[2] * dist.get_world_size(self.group)
-            pattern = pattern_from(self.mech.mask_fn(n), name=type(self.mech.cfg).__name__,
-                                   batch=q.shape[0], heads=q.shape[1])
-        return ring_attention(q, k, v, pattern, **kw), None
+        if call.attend is not None:
+            raise NotImplementedError(f"{name} under context parallelism: a host softmax with terms of its own "
+                                      "(sinks, soft-capping) is not supported")
+        plan = self.mech.context_parallel_plan(call, q.shape[2] * dist.get_world_size(self.group))
+        kw = dict(group=self.group, layout=self.layout, scale=call.scale, stats=self.stats, scores=plan.scores)
+        if plan.gate is None:
+            return ring_attention(q, k, v, plan.reads, **kw), plan.routing
+        if plan.local is None:
+            raise ValueError(f"{name}.context_parallel_plan gave a gate without the local predicate")
+        return ring_gated_attention(q, k, v, plan.gate, plan.reads, plan.local, **kw), plan.routing
 
 
 @dataclass
@@ -212,7 +183,7 @@ def context_parallel(model: torch.nn.Module, group=None, layout: str = "zigzag",
         hook = model.register_forward_pre_hook(_require_positions, with_kwargs=True)
     try:
         for m in mechs:
-            m.forward = _RingForward(m, ring_kind(m), group, layout, stats)
+            m.forward = _RingForward(m, group, layout, stats)
         yield ContextParallel(group, layout, dist.get_rank(group), dist.get_world_size(group), stats)
     finally:
         for m in mechs:

@@ -15,10 +15,15 @@ travel. Sliding-window attention with w <= n/d reads one neighbouring block; AHA
 pairs read only their window, and only chunks with global rows read the far blocks -- computing only
 those rows, gathered per (batch, head).
 
-AHA's gate: the forward pass uses the hard gate exactly; a straight-through gate (``allhere.ops.ste``)
-gets dL/dgate = sum dL/dout (a_full - a_local), the single-process op's gradient. That needs the full
-causal output of *every* row, so while the gate is trained two more ring passes run without autograd
-(full causal, and the window), exactly as the single-process op computes its a_full without autograd.
+A gate (``ring_gated_attention``: AHA's, per (token, head), between the causal prefix and the window):
+the forward pass uses the hard gate exactly; a straight-through gate (``allhere.ops.ste``) gets dL/dgate
+= sum dL/dout (a_wide - a_narrow), the single-process op's gradient. That needs both outputs of *every*
+row, so while the gate is trained two more ring passes run without autograd, exactly as the
+single-process op computes its a_full without autograd.
+
+A block's logits are (q @ k^T) * scale, or any differentiable function ``scores(q, k, q_pos, k_pos,
+scale)`` of the block (``allhere.mechanisms.base.ContextParallelPlan.scores``): the backward pass then
+recomputes the block's logits under autograd and takes their gradient from the flash-attention dS.
 """
 
 from __future__ import annotations
@@ -52,16 +57,34 @@ class RingStats:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern | MaskFn | None = None, *,
                    group=None, layout: str = "contiguous", scale: float | None = None,
-                   stats: RingStats | None = None) -> torch.Tensor:
+                   stats: RingStats | None = None, scores=None) -> torch.Tensor:
     """Attention of this rank's query shard over the whole sequence under ``pattern`` (a ``Pattern``, or
     any ``allhere.masks`` predicate on absolute positions, evaluated for every batch row and head;
     default causal).
 
     q [b, h, n/d, dim], k, v [b, kv_heads, n/d, dim]: this rank's shard (``layouts.shard``) of a sequence
     of n tokens split over the d ranks of ``group`` (default: the world). Returns [b, h, n/d, dim] in
-    q's dtype; a query that sees no key gets zeros. Differentiable in q, k and v."""
+    q's dtype; a query that sees no key gets zeros. Differentiable in q, k and v. ``scores``: the block's
+    logits as a function of q and k (see the module docstring); None: (q @ k^T) * scale."""
     spec = RingSpec(causal() if pattern is None else pattern_from(pattern, batch=q.shape[0], heads=q.shape[1]))
-    return _run(q, k, v, None, spec, group, layout, scale, stats)
+    return _run(q, k, v, None, spec, group, layout, scale, stats, scores)
+
+
+def ring_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
+                         wide: Pattern | MaskFn, narrow: Pattern | MaskFn, *, group=None, layout: str = "contiguous",
+                         scale: float | None = None, stats: RingStats | None = None, scores=None) -> torch.Tensor:
+    """Attention of this rank's shard under ``wide`` where ``gate`` [b, h, n/d] is 1 and ``narrow`` (a subset
+    of ``wide``) where it is 0: a bool gate, or a 0/1 float gate; a straight-through gate gets dL/dgate =
+    sum dL/dout (a_wide - a_narrow), as ``allhere.ops.aha.aha_attention`` gives its gate."""
+    pat = lambda p: pattern_from(p, batch=q.shape[0], heads=q.shape[1])  # noqa: E731
+    wide, narrow = pat(wide), pat(narrow)
+    out = _run(q, k, v, hard_gate(gate), RingSpec(wide, narrow), group, layout, scale, stats, scores)
+    if trains_gate(gate):
+        with torch.no_grad():
+            a_wide = _run(q, k, v, None, RingSpec(wide), group, layout, scale, stats, scores)
+            a_narrow = _run(q, k, v, None, RingSpec(narrow), group, layout, scale, stats, scores)
+        out = add_gate_gradient(out, gate, a_wide, a_narrow)
+    return out
 
 
 def ring_aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int, *,
@@ -69,15 +92,9 @@ def ring_aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
                        stats: RingStats | None = None) -> torch.Tensor:
     """All-or-Here attention (AHA paper Eq. 4) of this rank's shard: full causal where ``gate`` [b, h,
     n/d] is 1, the ``window`` most recent keys where it is 0 -- the contract of
-    ``allhere.ops.aha.aha_attention`` (bool gate, or a 0/1 float gate; a straight-through gate gets the
-    same gradient as there)."""
-    out = _run(q, k, v, hard_gate(gate), RingSpec(causal(), sliding(window)), group, layout, scale, stats)
-    if trains_gate(gate):
-        with torch.no_grad():
-            a_full = _run(q, k, v, None, RingSpec(causal()), group, layout, scale, stats)
-            a_local = _run(q, k, v, None, RingSpec(sliding(window)), group, layout, scale, stats)
-        out = add_gate_gradient(out, gate, a_full, a_local)
-    return out
+    ``allhere.ops.aha.aha_attention`` (``ring_gated_attention`` with the causal and window patterns)."""
+    return ring_gated_attention(q, k, v, gate, causal(), sliding(window), group=group, layout=layout, scale=scale,
+                                stats=stats)
 
 
 def ring_plan(spec: RingSpec, shard_len: int, group, layout: str, sel: torch.Tensor | None = None) -> RingPlan:
@@ -96,11 +113,11 @@ def ring_plan(spec: RingSpec, shard_len: int, group, layout: str, sel: torch.Ten
     return make_plan(spec, shard_len * world, world, layout, wide_rows)
 
 
-def _run(q, k, v, sel, spec, group, layout, scale, stats):
+def _run(q, k, v, sel, spec, group, layout, scale, stats, scores=None):
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ring attention needs an initialised torch.distributed process group")
     plan = ring_plan(spec, q.shape[2], group, layout, sel)
-    ring = _Ring(plan, group, default_scale(q.shape[-1], scale), stats)
+    ring = _Ring(plan, group, default_scale(q.shape[-1], scale), stats, scores)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _RingFunction.apply(q, k, v, sel, ring)
     return ring.forward(q, k, v, sel)[0].to(q.dtype)
@@ -125,8 +142,8 @@ class _RingFunction(torch.autograd.Function):
 class _Ring:
     """One ring pass of one rank: the plan, the process group, the transfers and the block arithmetic."""
 
-    def __init__(self, plan: RingPlan, group, scale: float, stats: RingStats | None) -> None:
-        self.plan, self.group, self.scale, self.stats = plan, group, scale, stats
+    def __init__(self, plan: RingPlan, group, scale: float, stats: RingStats | None, scores=None) -> None:
+        self.plan, self.group, self.scale, self.stats, self.scores = plan, group, scale, stats, scores
         self.rank, self.world = dist.get_rank(group), plan.world
         self.c = plan.chunk
 
@@ -219,11 +236,11 @@ class _Ring:
             if blocks:
                 self._count("forward", rounds=1)
             for blk in blocks:
-                _, kb, vb, rows, mask = self._block_inputs(blk, t, block_kv, index, sel, d)
+                _, kb, vb, rows, mask, logits = self._block_inputs(blk, t, block_kv, index, sel, d)
                 qb = self._chunk(qf, blk.q_chunk)
                 if rows is not None:
                     qb = qb.gather(2, rows[0][..., None].expand(-1, -1, -1, d))
-                o_p, l_p = _attend(qb, kb, vb, mask, self.scale)
+                o_p, l_p = _attend(qb, kb, vb, mask, self.scale, logits)
                 self._count("forward", flops=4 * b * h * qb.shape[2] * kb.shape[2] * d)
                 self._merge(acc, lse, blk, rows, o_p, l_p)
         for w, _ in sends + pending[2]:
@@ -232,12 +249,18 @@ class _Ring:
 
     def _block_inputs(self, blk, t: int, block_kv, index, sel, d: int):
         """The position j of a block's key chunk in this round's buffer (``index`` lists the chunks it holds,
-        None for our own), that chunk's K and V, the block's gathered query rows and its mask: the same in
-        the forward and the backward."""
+        None for our own), that chunk's K and V, the block's gathered query rows, its mask and its logits
+        function (q, k -> scores; None: q k^T * scale): the same in the forward and the backward."""
         j = blk.k_chunk if index is None else index.index(blk.k_chunk)
         kb, vb = self._chunk(block_kv, j).float().split(d, dim=-1)
         rows = self._gathered(sel, blk)
-        return j, kb, vb, rows, self._mask(blk, t, sel, rows)
+        logits = None
+        if self.scores is not None:  # the block's absolute positions, for the mechanism's own logits
+            q_pos = self._chunk(self.q_pos, blk.q_chunk)
+            q_pos = q_pos.view(1, 1, -1, 1) if rows is None else q_pos[rows[0]][..., None]
+            k_pos = self._chunk(self.k_pos[t], blk.k_chunk).view(1, 1, 1, -1)
+            logits = lambda qb, kb: self.scores(qb, kb, q_pos, k_pos, self.scale)  # noqa: E731
+        return j, kb, vb, rows, self._mask(blk, t, sel, rows), logits
 
     def _merge(self, acc, lse, blk, rows, o_p, l_p):
         a, l_acc = self._chunk(acc, blk.q_chunk), self._chunk(lse, blk.q_chunk)
@@ -289,13 +312,13 @@ class _Ring:
             if blocks:
                 self._count("backward", rounds=1)
             for blk in blocks:
-                j, kb, vb, rows, mask = self._block_inputs(blk, t, block_kv, index, sel, d)
+                j, kb, vb, rows, mask, logits = self._block_inputs(blk, t, block_kv, index, sel, d)
                 sl = [self._chunk(x, blk.q_chunk) for x in (qf, do, out, lse, delta)]
                 if rows is not None:
                     idx = rows[0]
                     sl = [x.gather(2, idx[..., None].expand(-1, -1, -1, d)) if x.dim() == 4 else x.gather(2, idx)
                           for x in sl]
-                dq_p, dk_p, dv_p = _attend_backward(*sl, kb, vb, mask, self.scale)
+                dq_p, dk_p, dv_p = _attend_backward(*sl, kb, vb, mask, self.scale, logits)
                 self._count("backward", flops=10 * b * h * sl[0].shape[2] * kb.shape[2] * d)
                 dq_c = self._chunk(dq, blk.q_chunk)
                 if rows is None:
@@ -332,27 +355,38 @@ def _merge(o1, l1, o2, l2):
     return o1 * torch.exp(l1 - ref)[..., None] + o2 * torch.exp(l2 - ref)[..., None], l_new
 
 
-def _attend(q, k, v, mask, scale):
+def _attend(q, k, v, mask, scale, logits=None):
     """Normalised partial attention of q [b, h, m, d] over one key block and its log-sum-exp (fp32)."""
     h = q.shape[1]
-    s = (q @ repeat_kv(k, h).transpose(-1, -2)) * scale
+    kr = repeat_kv(k, h)
+    s = (q @ kr.transpose(-1, -2)) * scale if logits is None else logits(q, kr).float()
     s = s.masked_fill(~mask, NEG_INF)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
     return p @ repeat_kv(v, h), lse
 
 
-def _attend_backward(q, do, out, lse, delta, k, v, mask, scale):
-    """Gradients of one block from the final output's log-sum-exp (the flash-attention backward)."""
+def _attend_backward(q, do, out, lse, delta, k, v, mask, scale, logits=None):
+    """Gradients of one block from the final output's log-sum-exp (the flash-attention backward); with a
+    ``logits`` function, dS goes back through it by autograd."""
     b, h, m, d = q.shape
     hkv = k.shape[1]
     kr, vr = repeat_kv(k, h), repeat_kv(v, h)
-    s = (q @ kr.transpose(-1, -2)) * scale
+    if logits is None:
+        s = (q @ kr.transpose(-1, -2)) * scale
+    else:
+        with torch.enable_grad():
+            qg, kg = q.detach().requires_grad_(True), kr.detach().requires_grad_(True)
+            s_g = logits(qg, kg).float()
+        s = s_g.detach()
     p = torch.exp(s.masked_fill(~mask, NEG_INF) - _finite(lse)[..., None])
     dv = p.transpose(-1, -2) @ do
     dp = do @ vr.transpose(-1, -2)
     ds = p * (dp - delta[..., None])
-    dq = (ds @ kr) * scale
-    dk = (ds.transpose(-1, -2) @ q) * scale
+    if logits is None:
+        dq = (ds @ kr) * scale
+        dk = (ds.transpose(-1, -2) @ q) * scale
+    else:
+        dq, dk = torch.autograd.grad(s_g, (qg, kg), ds)
     fold = lambda x: x.view(b, hkv, h // hkv, *x.shape[2:]).sum(2)  # noqa: E731
     return dq, fold(dk), fold(dv)

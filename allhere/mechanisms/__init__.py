@@ -3,7 +3,7 @@
 from .aamoe import AAMoEAttention, AAMoEConfig
 from .aha import AHAConfig, AHAAttention
 from .allattention import AllAttention, AllAttentionConfig
-from .base import AttentionCall, AttentionDims, AttentionMechanism, mechanism_layers
+from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan, mechanism_layers
 from .bigbird import BigBirdAttention, BigBirdConfig, bigbird_schedule
 from .dar import DARAttention, DARConfig
 from .dilated import DilatedAttention, DilatedConfig, dilation_schedule
@@ -13,6 +13,6 @@ from .sinks import SinksAttention, SinksConfig
 from .sliding import SlidingAttention, SlidingConfig
 
 __all__ = ["AAMoEAttention", "AAMoEConfig", "AHAAttention", "AHAConfig", "AllAttention", "AllAttentionConfig", "AttentionCall", "AttentionDims", "AttentionMechanism", "BigBirdAttention",
-           "BigBirdConfig", "DARAttention", "DARConfig", "DilatedAttention", "DilatedConfig", "FullAttention",
-           "FullConfig", "LongformerAttention", "LongformerConfig", "SinksAttention", "SinksConfig",
+           "BigBirdConfig", "ContextParallelPlan", "DARAttention", "DARConfig", "DilatedAttention", "DilatedConfig",
+           "FullAttention", "FullConfig", "LongformerAttention", "LongformerConfig", "SinksAttention", "SinksConfig",
            "SlidingAttention", "SlidingConfig", "bigbird_schedule", "dilation_schedule", "mechanism_layers"]

@@ -118,6 +118,10 @@ class AAMoEAttention(AttentionMechanism):
     hf_support = False  # a Hugging Face block cannot drop its MLP
     reads_all_keys = False
 
+    def context_parallel_refusal(self) -> str:
+        return ("each token reads the chunks and experts its router picks within a budget set over the whole "
+                "sequence, not a fixed mask of positions the ring can plan")
+
     def __init__(self, cfg: AAMoEConfig, dims: AttentionDims) -> None:
         super().__init__(cfg, dims)
         d, h, e, m = dims.d_model, dims.n_heads, cfg.experts, cfg.chunk

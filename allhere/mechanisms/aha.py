@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..masks import causal, sliding_window
 from ..ops.aha import aha_attention
 from ..ops.aha.naive import aha_attention_naive
 from ..ops.ste import straight_through
 from ..registry import register
 from ..routing import LayerRouting
 from ..validation import check, check_int, is_number
-from .base import AttentionCall, AttentionDims, AttentionMechanism
+from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan
 
 ROUTER_KINDS = ("linear", "qproj")
 ROUTER_INITS = ("global", "neutral", "local")
@@ -145,3 +146,12 @@ class AHAAttention(AttentionMechanism):
         else:
             out = aha_attention(q, k, v, gate, self.cfg.window, scale=call.scale, row_start=call.segment_starts)
         return out, LayerRouting(scores=s, gates=hard)
+
+    def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:
+        """The router scores and gates the shard's own tokens (its input is per token); the ring then reads
+        the whole causal prefix for the global (token, head) pairs and the window for the others, and gives
+        the straight-through gate the gradient of the one-process op while the router trains."""
+        s = self.scores(call.x, call.q_extra)
+        gate, hard = self.gate(s)
+        return ContextParallelPlan(reads=causal, local=sliding_window(self.cfg.window), gate=gate,
+                                   routing=LayerRouting(scores=s, gates=hard))

@@ -95,6 +95,9 @@ class AllAttention(AttentionMechanism):
     replaces_mlp = True
     hf_support = False  # a Hugging Face block cannot drop its MLP
 
+    def context_parallel_refusal(self) -> str:
+        return "its persistent memory slots are keys outside the sequence, which the ring does not carry"
+
     def __init__(self, cfg: AllAttentionConfig, dims: AttentionDims) -> None:
         super().__init__(cfg, dims)
         self.mem_k = nn.Parameter(torch.empty(dims.n_heads, cfg.n_mem, dims.head_dim))

@@ -22,7 +22,12 @@ need travels in one ``AttentionCall``. A mechanism brings:
 - on Hugging Face models, either transformers' own KV cache (``hf_cache = True``: every key kept) or,
   optionally, its own transformers cache layer (``new_hf_cache_layer()``, as DAR's compressed cache);
 - ``host_softmax``: True when it computes its attention through the host's own (``AttentionCall.attend``)
-  where the host's softmax has terms of its own (attention sinks, soft-capped scores).
+  where the host's softmax has terms of its own (attention sinks, soft-capped scores);
+- context parallelism (``allhere.distributed.context``: one sequence split across ranks, attention through
+  the ring): ``context_parallel_plan(call, n)`` returns a ``ContextParallelPlan`` -- which keys each query
+  reads, as mask predicates on absolute positions, optionally a per-(token, head) gate between two of them
+  and a function of the block's scores; a mechanism that cannot run so leaves it out, and
+  ``context_parallel_refusal()`` says why.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from ..masks import MaskFn
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,32 @@ class AttentionCall:
     # n, kv], given where its softmax has more than scaled scores (gpt-oss's sink logits, Gemma-2's soft-capping);
     # a mechanism that honours it (``host_softmax``) attends through it, and no other may be installed there.
     attend: Callable | None = None
+
+
+@dataclass
+class ContextParallelPlan:
+    """What one call of a mechanism computes, in the terms the ring (context parallelism) runs on.
+
+    The ring splits the sequence of n tokens into chunks held by different ranks. For every (query chunk,
+    key chunk) block it asks the predicates whether any score is kept: a block none is kept in is skipped
+    with its transfer, one where only gated rows read it computes only those rows, others every row. Each
+    block's softmax attention (output and log-sum-exp) is merged exactly by log-sum-exp, forward and backward.
+    """
+
+    # (b, h, q_idx, kv_idx) -> bool on absolute positions (``allhere.masks``): the keys a query reads (with a
+    # gate: where the gate is set). A ``tiles`` test on the predicate lets the ring skip blocks cheaply;
+    # without one it evaluates the predicate over each block once.
+    reads: MaskFn
+    local: MaskFn | None = None  # with a gate: the keys read where the gate is not set (a subset of ``reads``)
+    # [b, h, n / world]: per (token, head) of this rank's shard, 1 = ``reads``, 0 = ``local``; a bool gate, or
+    # a 0/1 float gate whose gradient is the straight-through one of ``allhere.ops.ste``.
+    gate: torch.Tensor | None = None
+    routing: object = None  # what the layer returns beside its output (``LayerRouting`` of the shard's tokens)
+    # scores(q, k, q_pos, k_pos, scale) -> [b, h, m, c]: the logits of one block, q [b, h, m, dim] and k [b, h,
+    # c, dim] in fp32 (k already repeated to the query heads), q_pos [b|1, h|1, m, 1] and k_pos [1, 1, 1, c]
+    # their absolute positions. None: (q @ k^T) * scale. Any differentiable function of q and k; the ring
+    # masks, normalises and merges it, and gets its gradient by autograd on the block.
+    scores: Callable | None = None
 
 
 class AttentionMechanism(nn.Module):
@@ -101,6 +134,20 @@ class AttentionMechanism(nn.Module):
         """Returns (out [b, h, n, d], LayerRouting or None). With ``cache`` the new k, v are added to it
         first and the queries are the last n positions of everything cached."""
         raise NotImplementedError
+
+    def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:
+        """What this call computes when the sequence of ``n`` tokens is split across ranks (``call`` is the
+        rank's shard: ``call.x`` and ``call.q_extra`` hold its tokens, ``call.positions`` their absolute
+        positions). Must equal what ``forward`` computes on the whole sequence. Not implemented by default."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run context-parallel: "
+                                  f"{self.context_parallel_refusal()}")
+
+    def context_parallel_refusal(self) -> str | None:
+        """None when this module runs under context parallelism, otherwise the reason it cannot (one line).
+        By default: supported exactly when the class implements ``context_parallel_plan``."""
+        if type(self).context_parallel_plan is AttentionMechanism.context_parallel_plan:
+            return "it does not implement context_parallel_plan"
+        return None
 
 
 def mechanism_layers(model: nn.Module) -> list[AttentionMechanism]:

@@ -130,6 +130,10 @@ class DARAttention(AttentionMechanism):
 
     hf_cache = False  # not transformers' own every-key cache: it brings its layer (``new_hf_cache_layer``)
 
+    def context_parallel_refusal(self) -> str:
+        return ("its distant keys and values are rebuilt from a d_down bottleneck of the hidden state, which the "
+                "ring does not carry (it passes only the host's full-dimensional keys and values)")
+
     def __init__(self, cfg: DARConfig, dims: AttentionDims) -> None:
         super().__init__(cfg, dims)
         cfg.check_dims(dims.d_model)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import masks
 from ..ops.common import segment_mask
 from ..ops.full import causal_attention, masked_attention
 from ..registry import register
-from .base import AttentionCall, AttentionMechanism
+from .base import AttentionCall, AttentionMechanism, ContextParallelPlan
 
 
 @dataclass(frozen=True)
@@ -28,3 +29,6 @@ class FullAttention(AttentionMechanism):
             return causal_attention(q, k, v, scale=call.scale), None
         mask = segment_mask(call.segment_starts, q.shape[2], k.shape[2])
         return masked_attention(q, k, v, mask, call.scale), None
+
+    def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:
+        return ContextParallelPlan(reads=masks.causal)  # the causal ring

@@ -10,7 +10,7 @@ from ..masks import MaskFn, and_masks, within_segments
 from ..ops.blocksparse import BlockPlan, blocksparse_attention, plan_blocks
 from ..ops.full import masked_attention
 from ..validation import ConfigError, check, check_int
-from .base import AttentionCall, AttentionMechanism
+from .base import AttentionCall, AttentionMechanism, ContextParallelPlan
 
 
 def _kv_with_positions(cache, k, v, positions=None):
@@ -90,6 +90,18 @@ class PatternAttention(AttentionMechanism):
                 self._preds.clear()
             pred = self._preds[key] = self.cfg.mask_fn(n)
         return pred
+
+    def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:
+        """The ring under the config's predicate at the global length n (its ``tiles`` test skips the blocks
+        the pattern never reads)."""
+        return ContextParallelPlan(reads=self.mask_fn(n))
+
+    def context_parallel_refusal(self) -> str | None:
+        if not hasattr(self.cfg, "mask_fn"):
+            return "its config has no mask_fn predicate"
+        if type(self).forward is not PatternAttention.forward:
+            return "it overrides PatternAttention.forward, so its mask predicate may not be all it computes"
+        return None
 
     def fast(self, q, k, v, scale):
         """A faster exact op for a whole sequence (no cache, no segments), or None to use the plan."""

@@ -11,7 +11,7 @@ from ..ops.full import masked_attention
 from ..ops.sliding import sliding_window_attention
 from ..registry import register
 from ..validation import check_int
-from .base import AttentionCall, AttentionMechanism
+from .base import AttentionCall, AttentionMechanism, ContextParallelPlan
 from .caches import RollingKVCache
 
 
@@ -42,3 +42,7 @@ class SlidingAttention(AttentionMechanism):
             return sliding_window_attention(q, k, v, self.cfg.window, scale=call.scale), None
         mask = segment_mask(call.segment_starts, q.shape[2], k.shape[2], sliding_window(self.cfg.window), offset)
         return masked_attention(q, k, v, mask, call.scale), None
+
+    def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:
+        # the window's block test is exact: the ring reads only the neighbouring chunks within reach
+        return ContextParallelPlan(reads=sliding_window(self.cfg.window))
