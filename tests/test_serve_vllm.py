@@ -70,7 +70,7 @@ def _vllm(folder, prompts, forced="none"):
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     out = {}
-    for name, family in (("Llama-3.2-1B", "llama"), ("Qwen2.5-0.5B", "qwen2")):
+    for name, family in (("Llama-3.2-1B", "llama"), ("Qwen2.5-0.5B", "qwen2"), ("Qwen3-0.6B", "qwen3")):
         plain = write_model(name, root / f"{family}_plain", **SIZES)
         out[family] = plain
         out[f"{family}_aha"] = _convert(plain, root / f"{family}_aha", ah.AHAConfig(window=WINDOW, router_init="neutral"))
@@ -93,11 +93,12 @@ def test_llama_aha_routed_forced_global_and_local(folders):
     assert routed["tokens"] != plain and served["false"]["tokens"] != plain  # the test can tell them apart
 
 
-def test_qwen2_aha_routed(folders):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_aha_routed(folders, family):
     prompts = folders["prompts"]
-    routed = _vllm(folders["qwen2_aha"], prompts)["none"]
+    routed = _vllm(folders[f"{family}_aha"], prompts)["none"]
     assert 0.1 < routed["routing"]["mu_f"] < 0.9, routed["routing"]
-    assert routed["tokens"] == _allhere(folders["qwen2_aha"], prompts)
+    assert routed["tokens"] == _allhere(folders[f"{family}_aha"], prompts)
 
 
 def test_llama_sliding(folders):

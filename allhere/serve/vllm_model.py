@@ -1,5 +1,5 @@
 """vLLM model classes for folders written by ``allhere convert``: vLLM's own implementation of the family
-(Llama, Mistral, Qwen2), with the converted layers' attention replaced after vLLM has built the model.
+(Llama, Mistral, Qwen2, Qwen3), with the converted layers' attention replaced after vLLM has built the model.
 Imported by vLLM (lazily, through ``allhere.serve.vllm_plugin``), never by ``import allhere``.
 
 A folder without allhere settings (config.json lacks ``allhere_mechanism``) gets vLLM's own model,
@@ -49,6 +49,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .vllm_plugin import RESET_SUFFIX, SERVED, STATS_ENV
@@ -247,4 +248,8 @@ class AllhereMistralForCausalLM(_Converted, MistralForCausalLM):
 
 
 class AllhereQwen2ForCausalLM(_Converted, Qwen2ForCausalLM):
+    pass
+
+
+class AllhereQwen3ForCausalLM(_Converted, Qwen3ForCausalLM):
     pass

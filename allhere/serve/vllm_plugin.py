@@ -21,6 +21,7 @@ MODELS = {  # architecture name in config.json -> allhere's class (a subclass of
     "LlamaForCausalLM": "AllhereLlamaForCausalLM",
     "MistralForCausalLM": "AllhereMistralForCausalLM",
     "Qwen2ForCausalLM": "AllhereQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "AllhereQwen3ForCausalLM",
 }
 
 

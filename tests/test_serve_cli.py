@@ -1,0 +1,70 @@
+"""``allhere serve`` refuses what would fail after vLLM's half-minute start, before starting it: one line on
+stderr, exit code 2. These run without vLLM; the served model itself is tested in test_serve_vllm.py and
+test_serve_e2e.py (in the environment of scripts/install_serve.sh, see test_serve_env.py)."""
+
+import importlib.util
+import json
+import socket
+
+import pytest
+import torch
+
+from allhere.cli import main
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "num_hidden_layers": 2, "vocab_size": 100}
+AHA = {"kind": "aha", "window": 8, "tau": 0.5}
+
+
+def folder(tmp_path, config) -> str:
+    (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    return str(tmp_path)
+
+
+def refused(capfd, *argv) -> str:
+    assert main(["serve", *argv]) == 2
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("allhere serve: error: "), err
+    return err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("config, says", [
+    ("{not json", "cannot be read as JSON"),
+    ({**LLAMA, "allhere_mechanism": {"kind": "dar", "window": 4, "d_down": 8}}, "mechanism 'dar' is not served"),
+    ({**LLAMA, "architectures": ["GPTNeoXForCausalLM"], "allhere_mechanism": AHA},
+     "does not serve converted GPTNeoXForCausalLM"),
+])
+def test_models_the_plugin_cannot_serve(tmp_path, capfd, config, says):
+    assert says in refused(capfd, "--model", folder(tmp_path, config), "--port", str(free_port()))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU attention only")
+def test_head_size_without_a_cpu_kernel(tmp_path, capfd):
+    tiny = {**LLAMA, "hidden_size": 32, "allhere_mechanism": AHA}  # head_dim 16
+    err = refused(capfd, "--model", folder(tmp_path, tiny), "--port", str(free_port()))
+    assert "head_dim 16 is not supported by vLLM's CPU attention" in err
+
+
+def test_port_in_use(tmp_path, capfd):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        err = refused(capfd, "--model", folder(tmp_path, LLAMA), "--port", str(s.getsockname()[1]))
+    assert "cannot listen on 127.0.0.1" in err
+
+
+def test_bad_flags(tmp_path, capfd):
+    assert "--port" in refused(capfd, "--model", folder(tmp_path, LLAMA), "--port", "70000")
+    assert "--model" in refused(capfd, "--model", str(tmp_path / "missing"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_without_vllm_says_how_to_install(tmp_path, capfd):
+    err = refused(capfd, "--model", folder(tmp_path, LLAMA), "--port", str(free_port()))
+    assert "vLLM is not installed" in err and "scripts/install_serve.sh" in err
