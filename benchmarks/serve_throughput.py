@@ -80,7 +80,8 @@ class Server:
         self.lines: list[str] = []
         self.proc = subprocess.Popen([sys.executable, "-m", "allhere.cli", "serve", "--model", str(folder), "--port",
                                       str(port), "--dtype", "float32", "--max-model-len", "4096", "--kv-cache-gib", "2"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "ALLHERE_SERVE_STATS_EVERY": "1"})
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
         while not any("OpenAI-compatible" in line for line in self.lines):
             if self.proc.poll() is not None:
@@ -148,6 +149,7 @@ def main() -> None:
         server = Server(folder, a.port)
         try:
             results[name] = workload(a.port, folder.name, prompts, a.new, a.rounds)
+            time.sleep(2)  # the last routing line
             stats = [line.strip() for line in server.lines if "mu_f" in line]
             if stats:
                 print(f"# {name}: {stats[-1]}")
