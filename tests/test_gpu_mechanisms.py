@@ -26,13 +26,12 @@ from allhere.masks import and_masks, dense_mask, longformer, sliding_with_sinks,
 from allhere.mechanisms import (AAMoEConfig, AHAConfig, AllAttentionConfig, AttentionCall, AttentionDims, BigBirdConfig,
                                 DARConfig, DilatedConfig, FullConfig, LongformerConfig, SinksConfig, SlidingConfig,
                                 mechanism_layers)
-from allhere.mechanisms.pattern import PatternAttention
+from allhere.mechanisms.masked_base import PatternAttention
 from allhere.ops.aamoe import aamoe_attention, aamoe_attention_naive
 from allhere.ops.aha import aha_attention
-from allhere.ops.full import causal_attention, masked_attention
+from allhere.ops.full import causal_attention, masked_attention, reference_attention
 from allhere.ops.sliding import sliding_window_attention
 from allhere.ops.ste import straight_through
-from allhere.patterns import reference_attention
 
 from helpers import rel_err
 from test_aamoe_ops import random_case

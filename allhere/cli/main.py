@@ -26,7 +26,7 @@ from .bench import bench, bench_arguments
 from .generate import generate, generate_arguments
 from .models import (convert, convert_arguments, eval_arguments, evaluate, perplexity, perplexity_arguments, sft,
                      sft_arguments)
-from .patterns import compare, compare_arguments, patterns, patterns_arguments
+from .comparisons import compare, compare_arguments, patterns, patterns_arguments
 from .quiet import quiet_third_party
 from .serve import serve, serve_arguments
 from .runs import (aamoe, aamoe_arguments, analyze, analyze_arguments, demo, demo_arguments, sweep,

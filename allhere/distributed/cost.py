@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .layouts import chunks_per_rank
 from .plan import RingPlan, RingSpec, make_plan
-from .patterns import causal, sliding
+from .ring_blocks import causal, sliding
 
 PHASES = ("forward", "backward")
 
@@ -93,7 +93,7 @@ def plan_for(mechanism: str, n: int, world: int, layout: str, window: int = 4096
         return make_plan(RingSpec(sliding(window)), n, world, layout), False
     if mechanism == "longformer":
         from .. import masks
-        from .patterns import pattern_from
+        from .ring_blocks import pattern_from
 
         return make_plan(RingSpec(pattern_from(masks.longformer(window, is_global))), n, world, layout), False
     if mechanism == "aha":

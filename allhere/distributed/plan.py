@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .layouts import chunk_len, chunks_per_rank, rank_chunks
-from .patterns import Pattern
+from .ring_blocks import Pattern
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from ..masks import MaskFn
 from ..ops.common import default_scale, hard_gate, repeat_kv
 from ..ops.ste import add_gate_gradient, trains_gate
 from .layouts import chunks_per_rank, positions
-from .patterns import Pattern, causal, pattern_from, sliding
+from .ring_blocks import Pattern, causal, pattern_from, sliding
 from .plan import Block, RingPlan, RingSpec, make_plan
 
 NEG_INF = float("-inf")

@@ -8,6 +8,8 @@ Each job writes its report as markdown and json; those that train resume from th
   - ``tasks``: a task's data and evaluations, pretraining and fine-tuning in a run directory;
   - ``demo`` (``allhere demo``), ``dar_demo`` (``allhere demo --mechanism dar``), ``sweep``
     (``allhere sweep``), ``analyze`` (``allhere analyze``), ``bench`` (``allhere bench``);
+  - ``sparse_patterns`` (``allhere patterns``), with its pieces ``sparse_family`` (the patterns compared),
+    ``sparse_graph`` (receptive field and hops over the masks) and ``sparse_plot`` (its figures);
   - ``gates``, ``timing``: gate patterns and timers of the benchmarks (also used by ``benchmarks/``).
 
 The library never imports it: only the command line (``allhere.cli``) and the scripts in ``benchmarks/`` do.

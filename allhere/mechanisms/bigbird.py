@@ -20,7 +20,7 @@ from ..masks import MaskFn, bigbird
 from ..registry import register
 from ..validation import check, check_int
 from .caches import KVCache
-from .pattern import PatternAttention
+from .masked_base import PatternAttention
 
 
 @dataclass(frozen=True)

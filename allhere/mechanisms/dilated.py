@@ -13,7 +13,7 @@ from ..ops.dilated import dilated_window_attention
 from ..registry import register
 from ..validation import check, check_int
 from .caches import RollingKVCache
-from .pattern import PatternAttention, check_dilation
+from .masked_base import PatternAttention, check_dilation
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ seen by every query (with ``causal``: keys at or before the query only).
 
 Global tokens are given by position: the first ``global_first`` tokens and/or ``global_positions``. By
 token id (a separator, a question mark) they are not offered here: a mechanism sees q, k, v and the block
-input, never the input ids (``allhere.patterns.global_from_ids`` builds the flags for code that has them,
+input, never the input ids (``allhere.masks.global_from_ids`` builds the flags for code that has them,
 e.g. for ``allhere.masks.longformer``).
 
 The paper gives global attention its own q/k/v projections. This mechanism does not: it lives in a host
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..masks import MaskFn, longformer
-from ..patterns import global_at, global_first
+from ..masks import global_at, global_first
 from ..registry import register
 from ..validation import check, check_int
 from .caches import PatternKVCache
-from .pattern import PatternAttention, check_dilation
+from .masked_base import PatternAttention, check_dilation
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from ..masks import MaskFn, sliding_with_sinks
 from ..registry import register
 from ..validation import check, check_int
 from .caches import PatternKVCache
-from .pattern import PatternAttention
+from .masked_base import PatternAttention
 
 
 @dataclass(frozen=True)

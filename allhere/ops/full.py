@@ -1,11 +1,12 @@
-"""Causal attention over the whole prefix, and attention under any boolean mask, through PyTorch SDPA."""
+"""Causal attention over the whole prefix, attention under any boolean mask, and the dense reference of any
+mask predicate (``allhere.masks``), through PyTorch SDPA."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..masks import causal, dense_mask
+from ..masks import MaskFn, causal, dense_mask
 from .common import check_qkv, default_scale
 
 
@@ -31,3 +32,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~seen, scale=default_scale(d, scale),
                                          enable_gqa=h != hkv)
     return out * seen.to(out.dtype)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pred: MaskFn, scale: float | None = None,
+                        key_offset: int = 0) -> torch.Tensor:
+    """The dense reference of a pattern: ``masked_attention`` under ``dense_mask(pred)``, the keys at absolute
+    positions ``key_offset`` .. and the queries the last q_len of them. The fast paths of a predicate
+    (``allhere.ops.blocksparse``, ``allhere.ops.flex``) are tested against it."""
+    b, h, lq = q.shape[:3]
+    mask = dense_mask(pred, lq, k.shape[2], q.device, batch=b, heads=h, key_offset=key_offset)
+    return masked_attention(q, k, v, mask, scale)

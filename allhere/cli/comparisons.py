@@ -1,5 +1,7 @@
-"""``allhere patterns``: the sparse attention family side by side (masks, scores, receptive field, hops,
-KV cache, time against dense SDPA)."""
+"""The two comparison commands: ``allhere patterns``, the sparse attention family side by side (masks,
+scores, receptive field, hops, KV cache, time against dense SDPA; ``allhere.experiments.sparse_patterns``),
+and ``allhere compare``, the sparse patterns and AHA fine-tuned at about one attention budget
+(``allhere.experiments.compare``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from . import args as a
 
 
 def patterns_arguments(p: argparse.ArgumentParser) -> None:
-    from ..experiments.pattern_family import KV_DTYPES, NAMES
+    from ..experiments.sparse_family import KV_DTYPES, NAMES
 
     p.add_argument("--out", type=a.out_folder, default="runs/patterns",
                    help="folder for patterns.md / .json / _masks.png / _reach.png (default runs/patterns)")
@@ -50,7 +52,7 @@ def patterns_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def patterns(args) -> None:
-    from ..experiments.patterns import render, run_patterns
+    from ..experiments.sparse_patterns import render, run_patterns
 
     settings = {k: getattr(args, k) for k in ("n", "window", "n_global", "sinks", "random_blocks", "block",
                                                "layers", "heads", "head_dim", "kv_length", "kv_dtype", "time_n",

@@ -2,11 +2,11 @@
 
 For full causal attention, the sliding window, window + sinks, a dilated window on a per-layer schedule,
 Longformer (window + global tokens) and BigBird (window, global and random blocks), in the decoder and
-optionally the encoder version (``pattern_family``):
+optionally the encoder version (``sparse_family``):
 
   - ``patterns_masks.png``: the masks at n = 64, edges coloured by component;
   - per pattern: scores (allowed query-key pairs of a layer) and density against dense attention; the
-    receptive field after L layers by reachability over the masks (``pattern_graph``) against the rule of
+    receptive field after L layers by reachability over the masks (``sparse_graph``) against the rule of
     thumb L x w; hops between token pairs (shortest paths; BigBird's small-diameter claim); KV-cache
     bytes at a generation length; the time of the block-sparse op (``allhere.ops.blocksparse``) against
     dense SDPA measured in the same run, with the limit dense scores / pattern scores;
@@ -31,9 +31,9 @@ from .. import masks
 from ..ops.blocksparse import blocksparse_attention, plan_blocks
 from ..runlock import run_lock
 from ..validation import ConfigError, check, check_int
-from . import pattern_graph as graph
-from .pattern_family import KV_DTYPES, NAMES, PatternSettings, build, figure_settings, layer_masks
-from .pattern_plot import mask_figure, receptive_figure
+from . import sparse_graph as graph
+from .sparse_family import KV_DTYPES, NAMES, PatternSettings, build, figure_settings, layer_masks
+from .sparse_plot import mask_figure, receptive_figure
 from .report import write_report
 from .timing import median_time
 

@@ -1,4 +1,4 @@
-"""Attention patterns for the ring: a mask predicate plus a block test.
+"""Which blocks the ring computes: a ``Pattern`` is a mask predicate plus a block test.
 
 The ring decides per (query chunk, key chunk) whether *any* score of that block is kept. A ``Pattern``
 answers, in this order: with ``reach(q0, q1, k0, k1)`` -- exact, O(1), for half-open position ranges --

@@ -10,7 +10,7 @@ from allhere.masks import (and_masks, bigbird, causal, dense_mask, dilated_windo
                            sliding_window, sliding_with_sinks, within_segments)
 from allhere.ops.blocksparse import blocksparse_attention, pattern_attention, plan_blocks
 from allhere.ops.dilated import dilated_window_attention
-from allhere.patterns import reference_attention
+from allhere.ops.full import reference_attention
 
 FLAGS = torch.zeros(2, 64, dtype=torch.bool)
 FLAGS[0, [0, 17, 40]] = True

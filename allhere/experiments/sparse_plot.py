@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..analysis.plots import require_matplotlib
-from .pattern_family import KINDS
+from .sparse_family import KINDS
 
 COLOURS = {"dense": (0.55, 0.55, 0.55), "window": (0.27, 0.45, 0.69), "global": (0.87, 0.52, 0.32),
            "sink": (0.51, 0.37, 0.66), "random": (0.33, 0.66, 0.41)}

@@ -8,10 +8,9 @@ import torch
 from allhere import ConfigError, Decoder, ModelConfig
 from allhere.checkpoint import load_model, save_checkpoint
 from allhere.masks import dense_mask, starts_from
-from allhere.ops.full import masked_attention
 from allhere.mechanisms import (AttentionCall, AttentionDims, BigBirdConfig, DilatedConfig, LongformerConfig,
                                 SinksConfig, SlidingConfig, bigbird_schedule, dilation_schedule, mechanism_layers)
-from allhere.patterns import reference_attention
+from allhere.ops.full import masked_attention, reference_attention
 from allhere.registry import build, from_dict, to_dict
 
 from helpers import rel_err

@@ -1,0 +1,99 @@
+"""Window predicates: the sliding window (the project's one window definition), the dilated window, and
+attention sinks with the window they go with (StreamingLLM)."""
+
+from __future__ import annotations
+
+import torch
+
+from .predicates import MaskFn, _check_count, _with_tiles, or_masks
+from .tables import _Tables
+
+
+def sliding_window(window: int, causal: bool = True) -> MaskFn:
+    """Causal window of ``window`` keys, the current one included; with ``causal=False`` (an encoder)
+    ``window - 1`` keys on each side: ``|q - k| < window``."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+
+    if causal:
+        def pred(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+    else:
+        def pred(b, h, q_idx, kv_idx):
+            d = q_idx - kv_idx
+            return (d < window) & (d > -window)
+
+    def tiles(b, h, ql, qh, kl, kh):  # exact: every difference in [ql - kh, qh - kl] occurs
+        return (qh - kl >= (0 if causal else 1 - window)) & (ql - kh < window)
+
+    pred.__name__ = f"sliding_window_{window}" + ("" if causal else "_bidir")
+    pred.tiles = tiles
+    return pred
+
+
+def _range_hits(diff_lo, diff_hi, step, count):
+    """Whether some m in [0, count) has m * step in [diff_lo, diff_hi] (step >= 1; tensors broadcast)."""
+    lo = diff_lo.clamp_min(0)
+    m = (lo + step - 1) // step
+    return (diff_hi >= lo) & (m < count) & (m * step <= diff_hi)
+
+
+def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
+    """``window`` keys at stride ``dilation``: q - k in {0, d, 2d, ..., (window-1) d} (span (window-1) d + 1),
+    or |q - k| in that set when ``causal=False``. ``dilation``: an int, or a tuple of one int per query head
+    (indexed by the predicate's ``h``: Longformer's per-head dilation, "Longformer: The Long-Document
+    Transformer", arXiv:2004.05150). ``dilation=1`` is ``sliding_window``."""
+    _check_count("window", window, 1)
+    per_head = isinstance(dilation, (tuple, list))
+    dils = tuple(dilation) if per_head else (dilation,)
+    if not dils:
+        raise ValueError("dilation must be an integer >= 1 or a non-empty tuple of them")
+    for d in dils:
+        _check_count("dilation", d, 1)
+    table = _Tables(d=torch.tensor(dils, dtype=torch.long))
+
+    def step(h, like):
+        if not per_head:
+            return dils[0]
+        return table.get("d", like)[torch.as_tensor(h, device=like.device)]
+
+    def pred(b, h, q_idx, kv_idx):
+        d = step(h, q_idx)
+        diff = q_idx - kv_idx
+        if not causal:
+            diff = diff.abs()
+        return (diff >= 0) & (diff % d == 0) & (diff <= (window - 1) * d)
+
+    def tiles(b, h, ql, qh, kl, kh):
+        d = step(h, ql)
+        lo, hi = ql - kh, qh - kl  # every difference in between occurs in the rectangle
+        ahead = _range_hits(lo, hi, d, window)
+        return ahead if causal else ahead | _range_hits(-hi, -lo, d, window)
+
+    name = f"dilated_window_{window}_{'x'.join(map(str, dils))}" + ("" if causal else "_bidir")
+    if per_head:
+        pred.prepare, pred.varies_by_head = table.prepare, True
+    return _with_tiles(pred, name, tiles)
+
+
+def sinks(n_sinks: int, causal: bool = True) -> MaskFn:
+    """Attention sinks: every query sees the keys at positions < ``n_sinks`` (earlier ones if causal), as in
+    StreamingLLM ("Efficient Streaming Language Models with Attention Sinks", arXiv:2309.17453). A
+    component: ``sliding_with_sinks`` ORs it with a window."""
+    _check_count("n_sinks", n_sinks, 0)
+
+    def pred(b, h, q_idx, kv_idx):
+        out = kv_idx < n_sinks
+        return out & (kv_idx <= q_idx) if causal else out
+
+    def tiles(b, h, ql, qh, kl, kh):
+        out = kl < n_sinks
+        return out & (kl <= qh) if causal else out
+
+    return _with_tiles(pred, f"sinks_{n_sinks}" + ("" if causal else "_bidir"), tiles)
+
+
+def sliding_with_sinks(window: int, n_sinks: int, causal: bool = True) -> MaskFn:
+    """StreamingLLM's pattern (arXiv:2309.17453): the window of ``window`` keys OR the first ``n_sinks`` keys."""
+    pred = or_masks(sliding_window(window, causal=causal), sinks(n_sinks, causal=causal))
+    return _with_tiles(pred, f"sliding_{window}_sinks_{n_sinks}" + ("" if causal else "_bidir"))

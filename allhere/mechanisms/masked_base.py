@@ -1,0 +1,193 @@
+"""The base of the sparse-pattern mechanisms (``sinks``, ``dilated``, ``longformer``, ``bigbird``): one forward
+pass for any mask predicate, with the KV cache, segment boundaries and grouped-query heads."""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import get_backend
+from ..masks import MaskFn, and_masks, within_segments
+from ..ops.blocksparse import BlockPlan, blocksparse_attention, plan_blocks
+from ..ops.full import masked_attention
+from ..validation import ConfigError, check, check_int
+from .base import AttentionCall, AttentionMechanism, ContextParallelPlan
+
+
+def _kv_with_positions(cache, k, v, positions=None):
+    """Add k, v to the cache; return (keys, values, key positions) where positions is the absolute position
+    of the first key (an int: contiguous keys) or an int64 tensor [keys] (a cache that drops keys in the
+    middle, ``PatternKVCache``, or the given ``positions`` of a shard of a longer sequence)."""
+    if cache is None:
+        pos = positions
+    elif hasattr(cache, "update_at"):
+        k, v, pos = cache.update_at(k, v)
+    else:
+        offset = getattr(cache, "dropped", 0)  # RollingKVCache: the first key returned
+        k, v = cache.update(k, v)
+        return k, v, offset
+    if pos is None:
+        return k, v, 0
+    if pos.numel() and bool((pos[1:] - pos[:-1] == 1).all()):
+        return k, v, int(pos[0])
+    return k, v, pos
+
+
+def check_dilation(config) -> None:
+    """Validate ``config.dilation`` (a frozen config's field): an integer >= 1, or a non-empty tuple of them
+    with one stride per query head (a JSON list becomes a tuple)."""
+    c, value = type(config).__name__, config.dilation
+    if isinstance(value, (list, tuple)):
+        object.__setattr__(config, "dilation", tuple(value))
+        check(len(value) > 0 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in value),
+              c, "dilation", value, "an integer >= 1 or a non-empty tuple of them (one per query head)")
+    else:
+        check_int(c, "dilation", value, 1)
+
+
+class PatternAttention(AttentionMechanism):
+    """A mechanism that attends under a fixed mask predicate: ``mask_fn(n)`` (given by its config), at the
+    positions the call gives (``AttentionCall.positions``) or those its cache counts.
+
+    Calls whose keys are contiguous positions run, on CUDA, FlexAttention (``allhere.ops.flex``: compiled
+    for at most ``flex_shapes`` (pattern, call shape) pairs in the process, the block mask kept for the last few) and
+    elsewhere the block-sparse op (``allhere.ops.blocksparse``, the tile plan kept for the last few shapes)
+    or the subclass's faster op for whole sequences (``fast``); small calls (``dense_below``: decode steps)
+    and scattered key positions (a cache that dropped keys, a shard's positions) run the dense reference
+    over the keys at hand.
+    """
+
+    reads_all_keys = False
+    tile = 64  # query / key tile of the block-sparse op
+    dense_below = 1 << 16  # calls with q_len * kv_len up to this run the dense reference instead
+    # "auto" (default): FlexAttention on CUDA (its Triton kernel skips masked tiles), the block-sparse op
+    # elsewhere; or "blocksparse" / "flex" (``allhere.ops.flex``, compiled), set per module. Under
+    # ``allhere.use_backend("reference")`` every call runs the dense reference.
+    backend = "auto"
+    # FlexAttention compiles again for every call shape (and after dynamo's limit of 8 runs unfused, over the
+    # whole score matrix): calls with fewer queries (decode, small chunks), and new shapes once this many
+    # were compiled in the process (varying lengths: evaluation, generation), take the block-sparse op.
+    flex_min_queries = 128
+    flex_shapes = 6
+    _flex_seen: set = set()  # the (pattern, call shape) pairs compiled so far, shared by every pattern layer
+    _max_plans = 8
+
+    def __init__(self, cfg, dims) -> None:
+        super().__init__(cfg, dims)
+        dilation = getattr(cfg, "dilation", None)
+        if isinstance(dilation, tuple) and len(dilation) != dims.n_heads:
+            raise ConfigError(f"{type(cfg).__name__}.dilation = {dilation!r} is invalid: expected one dilation per "
+                              f"query head ({dims.n_heads})")
+        self._plans: dict[tuple, BlockPlan] = {}
+        self._preds: dict = {}
+
+    def mask_fn(self, n: int | None = None) -> MaskFn:
+        """The config's predicate (``cfg.mask_fn(n)``), built once per length (once for a causal pattern:
+        its predicate does not depend on the length)."""
+        key = None if getattr(self.cfg, "causal", True) else n
+        pred = self._preds.get(key)
+        if pred is None:
+            if len(self._preds) >= self._max_plans:
+                self._preds.clear()
+            pred = self._preds[key] = self.cfg.mask_fn(n)
+        return pred
+
+    def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:
+        """The ring under the config's predicate at the global length n (its ``tiles`` test skips the blocks
+        the pattern never reads)."""
+        return ContextParallelPlan(reads=self.mask_fn(n))
+
+    def context_parallel_refusal(self) -> str | None:
+        if not hasattr(self.cfg, "mask_fn"):
+            return "its config has no mask_fn predicate"
+        if type(self).forward is not PatternAttention.forward:
+            return "it overrides PatternAttention.forward, so its mask predicate may not be all it computes"
+        return None
+
+    def fast(self, q, k, v, scale):
+        """A faster exact op for a whole sequence (no cache, no segments), or None to use the plan."""
+        return None
+
+    def _plan(self, pred, q, k, key_offset: int, cacheable: bool) -> BlockPlan:
+        b, h, lq = q.shape[:3]
+        hkv, lk = k.shape[1], k.shape[2]
+        key = (b, h, hkv, lq, lk, key_offset, q.device)
+        plan = self._plans.get(key) if cacheable else None
+        if plan is None:
+            plan = plan_blocks(pred, lq, lk, heads=h, kv_heads=hkv, batch=b, block=self.tile,
+                               key_offset=key_offset, device=q.device)
+            if cacheable:
+                self._keep(key, plan)
+        return plan
+
+    def _keep(self, key, plan) -> None:
+        """Keep a tile plan or block mask for its call shape, dropping the oldest beyond ``_max_plans``."""
+        if len(self._plans) >= self._max_plans:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan
+
+    def _flex_allowed(self, q, k, kpos) -> bool:
+        """Whether this call may take FlexAttention: enough queries, and a (pattern, shape) compiled before
+        or room for one more."""
+        key = (self.cfg, *q.shape, k.shape[1], k.shape[2], kpos if isinstance(kpos, int) else -1, q.dtype, q.device)
+        if q.shape[2] < self.flex_min_queries:
+            return False
+        if key not in self._flex_seen:
+            if len(self._flex_seen) >= self.flex_shapes:
+                return False
+            self._flex_seen.add(key)
+        return True
+
+    def _flex(self, pred, q, k, v, key_offset: int, scale, per_batch: bool):
+        from ..ops.flex import flex_block_mask, flex_pattern_attention
+
+        b, h, lq = q.shape[:3]
+        key = ("flex", b, h, lq, k.shape[2], key_offset, q.device)
+        mask = None if per_batch else self._plans.get(key)
+        if mask is None:
+            mask = flex_block_mask(pred, lq, k.shape[2], heads=h, batch=b, key_offset=key_offset,
+                                   device=q.device, per_batch=per_batch,
+                                   per_head=getattr(pred, "varies_by_head", False))
+            if not per_batch:
+                self._keep(key, mask)
+        return flex_pattern_attention(q, k, v, mask, scale)
+
+    def forward(self, q, k, v, call: AttentionCall, cache=None):
+        if cache is not None and not getattr(self.cfg, "causal", True):
+            raise ValueError(f"{type(self.cfg).__name__}(causal=False) cannot decode with a KV cache: later keys "
+                             "change earlier outputs")
+        starts = call.segment_starts
+        if starts is not None and not getattr(self.cfg, "causal", True):
+            raise NotImplementedError("segment boundaries (padding, packed documents) bound keys from below only; "
+                                      "with causal=False a query would read later segments")
+        k, v, kpos = _kv_with_positions(cache, k, v, call.positions)
+        lq, lk = q.shape[2], k.shape[2]
+        backend = self.backend if self.backend != "auto" else ("flex" if q.is_cuda else "blocksparse")
+        if backend == "flex" and not self._flex_allowed(q, k, kpos):
+            backend = "blocksparse"
+        if (isinstance(kpos, int) and kpos == 0 and lq == lk and starts is None and backend == "blocksparse"
+                and get_backend() != "reference"):
+            out = self.fast(q, k, v, call.scale)
+            if out is not None:
+                return out, None
+        if isinstance(kpos, int) and lq * lk > self.dense_below and get_backend() != "reference":
+            n = kpos + lk  # the sequence length so far
+            pred = self.mask_fn(n)
+            if starts is not None:
+                pred = and_masks(pred, within_segments(starts, q_offset=n - lq))
+            if backend == "flex":
+                return self._flex(pred, q, k, v, kpos, call.scale, starts is not None), None
+            plan = self._plan(pred, q, k, kpos, cacheable=starts is None)
+            return blocksparse_attention(q, k, v, plan, call.scale), None
+        # Decode steps and small calls (a plan costs more than it saves), and scattered positions (kept by a
+        # PatternKVCache, or given for a shard): dense over the keys at hand.
+        if isinstance(kpos, int):
+            kpos = torch.arange(kpos, kpos + lk, device=q.device)
+        qpos = kpos[-lq:]  # the new tokens are the last keys
+        b, h = q.shape[:2]
+        mask = self.mask_fn(int(kpos.max()) + 1)(torch.arange(b, device=q.device).view(-1, 1, 1, 1),
+                                                  torch.arange(h, device=q.device).view(1, -1, 1, 1),
+                                                  qpos.view(1, 1, -1, 1), kpos.view(1, 1, 1, -1))
+        if starts is not None:  # within each query's segment (starts are absolute positions)
+            s = starts[:, None, :, None]
+            mask = mask & (s >= 0) & (kpos.view(1, 1, 1, -1) >= s)
+        return masked_attention(q, k, v, mask.expand(b, h, lq, lk), call.scale), None
