@@ -47,6 +47,8 @@ def bad_values(type_name: str, paths: dict) -> list[str]:
         "output folder": [paths["file"], paths["under a file"]],
         "comma-separated names": ["", "a,,b", " , "],
         "text": ["", " "],
+        "host": ["", "no such host", "1.2.3.999", "-bad", "a..b"],
+        "port": ["0", "70000", "x"],
     }
     assert type_name in table, f"no bad values listed for argument type {type_name!r}: add them here"
     return table[type_name]

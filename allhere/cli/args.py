@@ -63,6 +63,25 @@ def number(low: float, strict: bool = False, below: float | None = None):
 positive, positive_or_zero = integer(1), integer(0)
 
 
+HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+
+
+@_named("host")
+def host(value: str) -> str:
+    """An IP address or a host name (labels of letters, digits and '-'); a dotted number must be an address."""
+    import ipaddress
+    import re
+
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+", value) or not re.fullmatch(rf"{HOST_LABEL}(?:\.{HOST_LABEL})*", value):
+        raise Bad(f"expected an IP address or a host name, got {value!r}")
+    return value
+
+
 @_named("port")
 def port(value: str) -> int:
     n = integer(1)(value)
