@@ -37,7 +37,31 @@ def nbytes(t: torch.Tensor | None) -> int:
     return storage_bytes(t)
 
 
-class InPlaceLayer(DynamicLayer):
+class BufferRows:
+    """Beam search, batch selection and offloading for a cache layer whose tensors live in allhere's
+    buffers: each applies a function to the batch rows of every buffer (the layer's ``_per_row``)."""
+
+    def _per_row(self, pick) -> None:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._per_row(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._per_row(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._per_row(lambda t: t[indices, ...])
+
+    def offload(self) -> None:
+        self._per_row(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.keys is not None and self.keys.device != self.device:
+            self._per_row(lambda t: t.to(self.device, non_blocking=True))
+
+
+class InPlaceLayer(BufferRows, DynamicLayer):
     """transformers' ``DynamicLayer`` (every key and value kept, [b, kv_heads, tokens, d]) written in place:
     a ``KVCache`` whose buffers double when full, so a decode step copies its own token, not the whole
     cache. ``keys`` / ``values`` are views of the used part, valid until the layer's next update (the rule
@@ -64,22 +88,6 @@ class InPlaceLayer(DynamicLayer):
         if self.is_initialized:
             self.keys, self.values = self._kv.k, self._kv.v
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._per_row(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._per_row(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._per_row(lambda t: t[indices, ...])
-
-    def offload(self) -> None:
-        self._per_row(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self) -> None:
-        if self.is_initialized and self.keys is not None and self.keys.device != self.device:
-            self._per_row(lambda t: t.to(self.device, non_blocking=True))
-
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)  # checks the argument, crops the views
         if self.is_initialized and self.keys is not None:
@@ -90,7 +98,7 @@ class InPlaceLayer(DynamicLayer):
         super().reset()
 
 
-class DARCacheLayer(DynamicLayer):
+class DARCacheLayer(BufferRows, DynamicLayer):
     """One DAR layer's cache: ``keys`` / ``values`` hold the full K/V of the last ``window`` tokens (a rolling
     buffer), ``latent`` [b, tokens, d_down] and ``positions`` [b, tokens] (int32, the rotary position of
     each token, per row: left padding shifts them) of every token.
@@ -162,22 +170,6 @@ class DARCacheLayer(DynamicLayer):
         self._positions.map(pick)
         if self.is_initialized:
             self.keys, self.values = self._near.k, self._near.v
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._per_row(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._per_row(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._per_row(lambda t: t[indices, ...])
-
-    def offload(self) -> None:
-        self._per_row(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self) -> None:
-        if self.is_initialized and self._near.k is not None and self._near.k.device != self.device:
-            self._per_row(lambda t: t.to(self.device, non_blocking=True))
 
     def reset(self) -> None:
         self._near = RollingKVCache(self.window)
