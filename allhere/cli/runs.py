@@ -124,21 +124,39 @@ def sweep(args) -> None:
 # aamoe ------------------------------------------------------------------------------------------------
 
 def aamoe_arguments(p: argparse.ArgumentParser) -> None:
+    from ..experiments.aamoe import PRESETS as AAMOE_PRESETS, TASKS as AAMOE_TASKS
+
     p.add_argument("--out", type=a.out_folder, default="runs/aamoe",
-                   help="run folder (models in <out>/aamoe), resumed with the same settings (default runs/aamoe)")
-    p.add_argument("--preset", default="cpu", choices=("cpu", "tiny"),
-                   help="sizes and steps: cpu (default, about 25 min on 2 shared cores), tiny (seconds)")
+                   help="run folder (models in <out>/aamoe/<model>/seed<k>), resumed with the same settings; one "
+                        "task per folder (default runs/aamoe)")
+    p.add_argument("--preset", default="cpu", choices=tuple(AAMOE_PRESETS),
+                   help="sizes and steps: cpu (default, 300 steps: minutes per run on 2 shared cores), cpu-long "
+                        "(10000 steps, the runs that decide the claim; see docs/aamoe.md), tiny (seconds)")
+    p.add_argument("--task", default="stdlib", choices=AAMOE_TASKS,
+                   help="stdlib (default): the embedded byte corpus; mixed: table facts only parameters can hold "
+                        "and pairs only the context answers, in stdlib filler (accuracy per kind of query)")
+    p.add_argument("--models", type=a.text, nargs="+", default=None,
+                   help="train only these models: report names or keys dense, all-attention, context-only, "
+                        "experts-only, aamoe-<B>, aamoe (every budget) (default: all)")
+    p.add_argument("--seeds", type=a.positive_or_zero, nargs="+", default=[0, 1, 2],
+                   help="train these seeds of every chosen model (default 0 1 2); the report covers every "
+                        "finished seed of the folder")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing; report on the runs of the folder that have finished (default: train "
+                        "the chosen runs first)")
     p.add_argument("--device", type=a.device, default="cpu", help="cpu (default), cuda[:N] or auto")
     p.add_argument("--steps", type=a.positive, default=None,
-                   help="training steps of every model (default: the preset's; cpu 300, tiny 3)")
+                   help="training steps of every model (default: the preset's; cpu 300, cpu-long 10000, tiny 3)")
     p.add_argument("--budgets", type=a.positive_number, nargs="+", default=None,
-                   help="AA-MoE budgets B, resources per token (default: the preset's; cpu 1 2 4, tiny 2)")
+                   help="AA-MoE budgets B, resources per token (default: the preset's; cpu 1 2 4, cpu-long 2, "
+                        "tiny 2)")
     a.progress_flag(p)
 
 
 def aamoe(args) -> None:
     from ..experiments.aamoe import render, run_aamoe
 
-    report = run_aamoe(args.out, args.preset, args.device, not args.no_progress, args.steps, args.budgets)
+    report = run_aamoe(args.out, args.preset, args.device, not args.no_progress, args.steps, args.budgets,
+                       wanted=args.models, seeds=args.seeds, task=args.task, train_runs=not args.report_only)
     print(render(report))
     print(f"Written to {args.out}/aamoe/: report.md, report.json and plots")

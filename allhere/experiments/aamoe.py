@@ -1,20 +1,26 @@
 """``allhere aamoe``: AA-MoE against a dense transformer, All-Attention, context-only and experts-only
 budgets ("Attention Is All You Need 2: Seriously, All We Are Using Is Attention", Ohad Rubin), at small
-scale, offline, on the embedded byte corpus.
+scale, offline, with several seeds.
 
-Every model is trained from the same seed on the same batches for the same steps: a dense transformer
-(attention + SwiGLU FFN), All-Attention ("Augmenting Self-attention with Persistent Memory",
-arXiv:1907.01470; persistent memory instead of the FFN), AA-MoE with context chunks only (experts = 0)
-and with experts only (no routed chunks), and AA-MoE at several budgets B (resources per token). Then on
-held-out windows:
+Every model is trained with each seed (the seed sets the initialisation and the batches; every model of
+a seed sees the same batches) for the same steps: a dense transformer (attention + SwiGLU FFN),
+All-Attention ("Augmenting Self-attention with Persistent Memory", arXiv:1907.01470; persistent memory
+instead of the FFN), AA-MoE with context chunks only (experts = 0) and with experts only (no routed
+chunks), and AA-MoE at several budgets B (resources per token). Two tasks: ``stdlib`` (the embedded byte
+corpus) and ``mixed`` (``allhere.data.mixed_recall``: facts of a fixed table that only parameters can
+hold, and pairs stated in the sequence that only reading the context answers). Then on held-out windows:
   - bits per byte with the sequence-level budgets (as trained; they read the whole sequence, so they
     are not a causal model) and with the causal budget predictor (honest: the number the goals use);
+    on the mixed task also the accuracy per kind of query;
   - FLOPs per token counted from what runs (projections, attention over the keys actually read, FFN,
     routers and predictor, the output head) with the predictor's budgets;
   - the histogram of B_i, the split of the chosen resources between context and experts per layer,
     and how far the predictor's budgets drift from the sequence-level ones;
-  - evaluation at 2x and 4x the training length (same tokens, longer windows) and at budgets B/2, 2B.
-Writes report.md, report.json and the plots into ``<out>/aamoe``; trained models are reused from there.
+  - evaluation at 2x and 4x the training length and at budgets B/2, 2B.
+Each (model, seed) is its own resumable run folder ``<out>/aamoe/<model>/seed<k>``; a sitting trains the
+models and seeds asked for, and the report (mean and standard deviation over seeds, the runs still
+missing, the decision of docs/aamoe.md) covers whatever has finished. Writes report.md, report.json and
+the plots into ``<out>/aamoe``.
 
 The command line: ``allhere aamoe`` (``allhere.cli.runs``).
 """
@@ -22,6 +28,7 @@ The command line: ``allhere aamoe`` (``allhere.cli.runs``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -29,8 +36,10 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import load_model
 from ..config import ModelConfig, TrainConfig
 from ..data.corpus import VOCAB_SIZE, eval_windows, sample_batch, stdlib_corpus
+from ..data.mixed_recall import KINDS, PAIR_ITEM, TABLE_ITEM, MixedTask, score
 from ..losses import lm_loss
 from ..mechanisms.aamoe import AAMoEConfig, aamoe_layers, set_budget_scale, set_budget_source, set_record
 from ..mechanisms.allattention import AllAttentionConfig
@@ -39,8 +48,11 @@ from ..model import Decoder
 from ..runlock import run_lock
 from ..train import train
 from ..validation import ConfigError
-from .report import goal_lines, write_report
-from .rundir import check_out, claim
+from .aamoe_grid import (CKPT, EVAL, aggregate, cell_dir, cell_state, check_seeds, decide, seeds_on_disk,
+                         select_models, verdict)
+from .aamoe_render import render
+from .report import write_report
+from .rundir import check_out, claim, write_json
 
 
 @dataclass(frozen=True)
@@ -57,17 +69,26 @@ class AAMoEPlan:
     n_mem: int  # All-Attention slots per head (E m: the same memory as AA-MoE)
     budgets: tuple  # AA-MoE budgets per token
     side_budget: float  # the budget of context-only and experts-only
-    eval_windows: int  # held-out windows of seq_len (the longer lengths use as many tokens)
-    seed: int = 0
+    eval_windows: int  # held-out windows of seq_len (the longer lengths use as many tokens; mixed: 4x)
+    seed: int = 0  # for scripts that train one model (benchmarks/aamoe_speed.py); the grid's seeds: run_aamoe
 
 
 PRESETS = {
     "tiny": AAMoEPlan(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, steps=3, lr=3e-3, chunk=4,
                       experts=4, n_mem=16, budgets=(2.0,), side_budget=2.0, eval_windows=4),
     "cpu": AAMoEPlan(d_model=96, n_layers=2, n_heads=4, seq_len=128, batch_size=8, steps=300, lr=3e-3,
-                         chunk=8, experts=32, n_mem=256, budgets=(1.0, 2.0, 4.0), side_budget=2.0,
-                         eval_windows=24),
+                     chunk=8, experts=32, n_mem=256, budgets=(1.0, 2.0, 4.0), side_budget=2.0,
+                     eval_windows=24),
+    # The runs that decide the claim: the cpu sizes trained until dense is below ~2.2 bits/byte on the
+    # stdlib corpus (~4000 steps) and has learnt both kinds of query of the mixed task (the pairs after a
+    # jump near step 6500). 10000 steps is an estimate from two dense runs of seed 0 (docs/aamoe.md), not a
+    # measurement of every model; only the budget the ablations use, and 4x the held-out windows.
+    "cpu-long": AAMoEPlan(d_model=96, n_layers=2, n_heads=4, seq_len=128, batch_size=8, steps=10000, lr=3e-3,
+                          chunk=8, experts=32, n_mem=256, budgets=(2.0,), side_budget=2.0, eval_windows=96),
 }
+TASKS = ("stdlib", "mixed")
+EVAL_SEED = 12345  # the held-out sequences of the mixed task
+CKPT_EVERY = 250  # steps between checkpoints of a run (and always at its end)
 
 
 def plan_for(preset: str, steps: int | None = None, budgets=None) -> AAMoEPlan:
@@ -124,8 +145,9 @@ def flops_per_token(model: Decoder, n: int, keys: list | None) -> float:
 
 @torch.no_grad()
 def evaluate(model: Decoder, windows: torch.Tensor, source: str = "sequence", scale: float = 1.0,
-             batch: int = 8) -> dict:
-    """bits per byte and, for AA-MoE, the budget statistics over ``windows``."""
+             batch: int = 8, kinds: torch.Tensor | None = None) -> dict:
+    """bits per byte and, for AA-MoE, the budget statistics over ``windows``; with ``kinds`` (the mixed
+    task's answer positions) also "accuracy" per kind of query."""
     model.eval()
     layers = aamoe_layers(model)
     set_budget_source(model, source)
@@ -133,11 +155,16 @@ def evaluate(model: Decoder, windows: torch.Tensor, source: str = "sequence", sc
     set_record(model, True)
     total, count = 0.0, 0
     acc = [dict(budget=[], used=[], chunks=[], experts=[], keys=[], predicted=[]) for _ in layers]
-    for ids in windows.split(batch):
+    hits = {name: [0, 0] for name in KINDS.values()}
+    for i, ids in enumerate(windows.split(batch)):
         out = model(ids)
         n = ids.shape[0] * (ids.shape[1] - 1)
         total += lm_loss(out.logits, ids).item() * n
         count += n
+        if kinds is not None:
+            for name, (c, k) in score(out.logits, ids, kinds[i * batch:(i + 1) * batch]).items():
+                hits[name][0] += c
+                hits[name][1] += k
         for a, m in zip(acc, layers):
             s = m.stats
             for key in ("budget", "used", "chunks", "experts", "keys"):
@@ -147,6 +174,8 @@ def evaluate(model: Decoder, windows: torch.Tensor, source: str = "sequence", sc
     set_budget_scale(model, 1.0)
     set_budget_source(model, "sequence")
     result = {"bits_per_byte": total / count / math.log(2)}
+    if kinds is not None:
+        result["accuracy"] = {name: c / k if k else float("nan") for name, (c, k) in hits.items()}
     if layers:
         per_layer = []
         for a in acc:
@@ -166,49 +195,125 @@ def evaluate(model: Decoder, windows: torch.Tensor, source: str = "sequence", sc
     return result
 
 
-def train_model(run: Path, name: str, mech, plan: AAMoEPlan, corpus, device: str, progress: bool) -> Decoder:
-    """A model with ``mech`` trained from the plan's seed on the same batches (reused when finished)."""
-    torch.manual_seed(plan.seed)
+def mixed_task(plan: AAMoEPlan, seq_len: int | None = None) -> MixedTask:
+    """The mixed task of a plan: 4 pairs and 2 table queries per 128 bytes (at least 1 each), queried at
+    least 4 chunks after the statements (2 where the sequence is too short), at ``seq_len`` (default the
+    plan's; longer sequences keep the items and lengthen the filler)."""
+    pairs, queries = max(1, plan.seq_len // 32), max(1, plan.seq_len // 64)
+    room = plan.seq_len - 2 * PAIR_ITEM * pairs - TABLE_ITEM * queries
+    gap = 4 * plan.chunk if room >= 4 * plan.chunk else 2 * plan.chunk
+    return MixedTask(seq_len=seq_len or plan.seq_len, pairs=pairs, table_queries=queries, min_gap=gap)
+
+
+def task_data(task: str, plan: AAMoEPlan) -> dict:
+    """batches(step, micro, generator), held-out windows {1, 2, 4: (ids, kinds or None)}, a description
+    and the task's settings."""
+    corpus = stdlib_corpus()
+    L = plan.seq_len
+    if task == "stdlib":
+        return {"batches": lambda step, micro, g: sample_batch(corpus.train, plan.batch_size, L, g),
+                "windows": {f: (eval_windows(corpus.val, L * f, max(1, plan.eval_windows // f)), None)
+                            for f in (1, 2, 4)},
+                "describe": corpus.describe(), "settings": {}}
+    t = mixed_task(plan)
+    held_out = lambda f: mixed_task(plan, L * f).batch(max(1, 4 * plan.eval_windows // f),  # noqa: E731
+                                                       torch.Generator().manual_seed(EVAL_SEED), corpus.val)
+    return {"batches": lambda step, micro, g: t.batch(plan.batch_size, g, corpus.train)[0],
+            "windows": {f: held_out(f) for f in (1, 2, 4)},
+            "describe": f"mixed recall task {dataclasses.asdict(t)}, filler from {corpus.describe()}",
+            "settings": {"mixed": dataclasses.asdict(t)}}
+
+
+def train_model(run: Path, name: str, mech, plan: AAMoEPlan, batches, seed: int, device: str,
+                progress: bool) -> Decoder:
+    """A model with ``mech`` trained from ``seed`` on the seed's batches, resumed where it stopped."""
+    torch.manual_seed(seed)
     model = Decoder(ModelConfig(vocab_size=VOCAB_SIZE, d_model=plan.d_model, n_layers=plan.n_layers,
                                 n_heads=plan.n_heads, mechanism=mech))
-    cfg = TrainConfig(steps=plan.steps, batch_size=plan.batch_size, lr=plan.lr, ckpt_every=plan.steps,
-                      log_every=max(1, plan.steps // 10), eval_every=0, device=device, seed=plan.seed,
-                      router_lr_mult=1.0)
-    batches = lambda step, micro, g: sample_batch(corpus.train, plan.batch_size, plan.seq_len, g)  # noqa: E731
-    folder = name.replace(" ", "_").replace("=", "")
-    train(model, batches, cfg, run / folder / "checkpoint.safetensors", resume=True, progress=progress)
+    cfg = TrainConfig(steps=plan.steps, batch_size=plan.batch_size, lr=plan.lr,
+                      ckpt_every=min(plan.steps, CKPT_EVERY), log_every=max(1, plan.steps // 10), eval_every=0,
+                      device=device, seed=seed, router_lr_mult=1.0)
+    train(model, batches, cfg, cell_dir(run, name, seed) / CKPT, resume=True, progress=progress)
     return model.to("cpu").eval()
 
 
+def measure(model: Decoder, windows: dict) -> dict:
+    """Every number of one trained model (one seed): a row of the report."""
+    row = {"mechanism": model.cfg.mechanism.kind, "params": sum(p.numel() for p in model.parameters())}
+    ids, kinds = windows[1]
+
+    def put(suffix: str, r: dict) -> dict:
+        row[f"bpb{suffix}"] = r["bits_per_byte"]
+        row.update({f"acc_{k}{suffix}": v for k, v in r.get("accuracy", {}).items()})
+        return r
+
+    causal = put("", evaluate(model, ids, "predictor", kinds=kinds))
+    row["flops_per_token"] = causal["flops_per_token"]
+    for f in (2, 4):
+        put(f"_{f}x", evaluate(model, windows[f][0], "predictor", kinds=windows[f][1]))
+    if aamoe_layers(model):
+        seq = put("_sequence", evaluate(model, ids, "sequence", kinds=kinds))
+        row.update(layers=seq["layers"], predictor_layers=causal["layers"])
+        for label, scale in (("half", 0.5), ("double", 2.0)):
+            r = put(f"_budget_{label}", evaluate(model, ids, "predictor", scale, kinds=kinds))
+            row[f"flops_budget_{label}"] = r["flops_per_token"]
+    return row
+
+
+def measured(run: Path, name: str, seed: int, plan: AAMoEPlan, model: Decoder | None, windows: dict) -> dict:
+    """The row of a finished run: from its eval.json, else measured (``model`` or its checkpoint) and saved."""
+    folder = cell_dir(run, name, seed)
+    saved = folder / EVAL
+    if saved.exists():
+        try:
+            data = json.loads(saved.read_text())
+            if data.get("step") == plan.steps:
+                return data["row"]
+        except (ValueError, UnicodeDecodeError, KeyError, AttributeError):
+            pass  # measured again below
+    if model is None:
+        model = load_model(folder / CKPT)[0].eval()
+    row = measure(model, windows)
+    write_json(saved, {"step": plan.steps, "row": row})
+    return row
+
+
 def run_aamoe(out: str | Path = "runs/aamoe", preset: str = "cpu", device: str = "cpu", progress: bool = True,
-              steps: int | None = None, budgets=None) -> dict:
-    """Train every model of the comparison, evaluate, write report.md / report.json / plots."""
+              steps: int | None = None, budgets=None, wanted=None, seeds=(0, 1, 2), task: str = "stdlib",
+              train_runs: bool = True) -> dict:
+    """Train the (model, seed) runs asked for (``wanted``: model names or keys, None = all; resumed where they
+    stopped; none with ``train_runs=False``), then report on every run of the folder that has finished.
+    Writes report.md / report.json / plots into ``<out>/aamoe``."""
     t0 = time.time()
     plan = plan_for(preset, steps, budgets)
+    if task not in TASKS:
+        raise ConfigError(f"task = {task!r} is invalid: expected one of {', '.join(TASKS)}")
+    grid = models(plan)
+    chosen, seeds = select_models(grid, wanted), check_seeds(seeds)
     with run_lock(out):  # one writer at a time
         check_out(out)
         run = Path(out) / "aamoe"
-        corpus = stdlib_corpus()
-        claim(run, {"plan": dataclasses.asdict(plan)})
-        L = plan.seq_len
-        windows = {f: eval_windows(corpus.val, L * f, max(1, plan.eval_windows // f)) for f in (1, 2, 4)}
-        rows = {}
-        for name, mech in models(plan).items():
-            model = train_model(run, name, mech, plan, corpus, device, progress)
-            routed = bool(aamoe_layers(model))
-            row = {"mechanism": mech.kind, "params": sum(p.numel() for p in model.parameters())}
-            causal = evaluate(model, windows[1], "predictor")
-            row.update(bpb=causal["bits_per_byte"], flops_per_token=causal["flops_per_token"])
-            row["bpb_2x"] = evaluate(model, windows[2], "predictor")["bits_per_byte"]
-            row["bpb_4x"] = evaluate(model, windows[4], "predictor")["bits_per_byte"]
-            if routed:
-                seq = evaluate(model, windows[1], "sequence")
-                row.update(bpb_sequence=seq["bits_per_byte"], layers=seq["layers"], predictor_layers=causal["layers"])
-                for label, scale in (("half", 0.5), ("double", 2.0)):
-                    r = evaluate(model, windows[1], "predictor", scale)
-                    row[f"bpb_budget_{label}"], row[f"flops_budget_{label}"] = r["bits_per_byte"], r["flops_per_token"]
-            rows[name] = row
-        report = {"preset": preset, "plan": dataclasses.asdict(plan), "data": corpus.describe(), "rows": rows}
+        data = task_data(task, plan)
+        claim(run, {"plan": dataclasses.asdict(plan), "task": task, **data["settings"]})
+        if train_runs:
+            for name in chosen:
+                for seed in seeds:
+                    model = train_model(run, name, grid[name], plan, data["batches"], seed, device, progress)
+                    measured(run, name, seed, plan, model, data["windows"])
+        all_seeds = sorted(set(seeds) | seeds_on_disk(run, grid))
+        runs, missing = {}, []
+        for name in grid:
+            for seed in all_seeds:
+                state, step = cell_state(run, name, seed, plan.steps)
+                if state == "finished":
+                    runs.setdefault(name, {})[str(seed)] = measured(run, name, seed, plan, None, data["windows"])
+                else:
+                    missing.append({"model": name, "seed": seed, "state": state, "step": step})
+        rows = {name: aggregate({int(s): r for s, r in by_seed.items()}) for name, by_seed in runs.items()}
+        report = {"preset": preset, "task": task, "plan": dataclasses.asdict(plan), "data": data["describe"],
+                  "seeds": all_seeds, "rows": rows, "runs": runs, "missing": missing}
+        report["decision"] = decide(rows, task, plan.side_budget)
+        report["verdict"] = verdict(report["decision"])
         report["goals"] = goals(rows, plan.side_budget)
         report["seconds"] = round(time.time() - t0, 1)
         try:
@@ -222,51 +327,18 @@ def run_aamoe(out: str | Path = "runs/aamoe", preset: str = "cpu", device: str =
 
 
 def goals(rows: dict, side_budget: float) -> dict:
-    """The document's central claim at this scale (causal bits/byte, predictor budgets)."""
-    dense = rows["dense"]
+    """The document's central claim at this scale, on the seed means (causal bits/byte, predictor
+    budgets); the decision with error bars is ``aamoe_grid.decide``."""
+    mean = lambda r, k: r[k]["mean"]  # noqa: E731
+    dense = rows.get("dense")
     aamoe = {k: r for k, r in rows.items() if k.startswith("AA-MoE")}
-    cheap = [r for r in aamoe.values() if r["flops_per_token"] <= 0.6 * dense["flops_per_token"]]
-    best = min(cheap, key=lambda r: r["bpb"], default=None)
+    cheap = [r for r in aamoe.values() if dense and mean(r, "flops_per_token") <= 0.6 * mean(dense, "flops_per_token")]
+    best = min(cheap, key=lambda r: mean(r, "bpb"), default=None)
     same = aamoe.get(f"AA-MoE B={side_budget:g}")
     side = [r for k, r in rows.items() if k.startswith(("context-only", "experts-only"))]
     return {
-        "an AA-MoE model within 3% of dense bits/byte at <= 60% of its FLOPs per token":
-            best is not None and best["bpb"] <= 1.03 * dense["bpb"],
-        f"AA-MoE B={side_budget:g} better than context-only and experts-only at the same budget":
-            same is not None and all(same["bpb"] < r["bpb"] for r in side),
+        "an AA-MoE model within 3% of dense bits/byte at <= 60% of its FLOPs per token (seed means)":
+            best is not None and mean(best, "bpb") <= 1.03 * mean(dense, "bpb"),
+        f"AA-MoE B={side_budget:g} better than context-only and experts-only at the same budget (seed means)":
+            same is not None and len(side) == 2 and all(mean(same, "bpb") < mean(r, "bpb") for r in side),
     }
-
-
-def render(report: dict) -> str:
-    rows = report["rows"]
-    dense = rows["dense"]
-    out = ["# AA-MoE against dense, All-Attention, context-only and experts-only", "",
-           f"Preset `{report['preset']}`: {report['data']}. Plan: `{report['plan']}`.", "",
-           "bits/byte on held-out windows with the causal budget predictor (the honest number); "
-           "\"seq. budgets\" uses the non-causal sequence-level budgets the models were trained with. "
-           "FLOPs per token: forward, counted from what runs (keys actually read), the output head included.", "",
-           "| model | params | FLOPs/token | FLOPs vs dense | bits/byte | bits/byte, seq. budgets | 2x length | "
-           "4x length | budget B/2 | budget 2B |", "|---|---|---|---|---|---|---|---|---|---|"]
-    f = lambda r, k: f"{r[k]:.4f}" if k in r else "-"  # noqa: E731
-    for name, r in rows.items():
-        out.append(f"| {name} | {r['params']:,} | {r['flops_per_token'] / 1e3:.0f}k | "
-                   f"{100 * r['flops_per_token'] / dense['flops_per_token']:.0f}% | {r['bpb']:.4f} | "
-                   f"{f(r, 'bpb_sequence')} | {r['bpb_2x']:.4f} | {r['bpb_4x']:.4f} | {f(r, 'bpb_budget_half')} | "
-                   f"{f(r, 'bpb_budget_double')} |")
-    out += ["", "Per AA-MoE layer (sequence-level budgets): mean B_i, share of the chosen resources that are "
-            "context chunks / experts, histogram of B_i (tokens with 0, 1, 2, ... resources, in %), and the "
-            "drift of the causal predictor (mean |B^_i - B_i|, share of tokens with B^_i = B_i):", "",
-            "| model | layer | mean B_i | context | experts | histogram of B_i | drift mean abs | drift equal |",
-            "|---|---|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        for i, lay in enumerate(r.get("layers", [])):
-            n = sum(lay["budget_histogram"])
-            hist = " / ".join(f"{100 * c / n:.0f}" for c in lay["budget_histogram"][:9])
-            out.append(f"| {name} | {i} | {lay['mean_budget']:.2f} | {100 * lay['context_share']:.0f}% | "
-                       f"{100 * lay['expert_share']:.0f}% | {hist} | {lay['drift_mean_abs']:.2f} | "
-                       f"{100 * lay['drift_equal']:.0f}% |")
-    out += ["", "Goals (the document's central claim, at this scale):"] + goal_lines(report["goals"])
-    if report.get("plots"):
-        out += [""] + [f"![{p}]({p})" for p in report["plots"]]
-    out.append(f"\n{report['seconds']:.0f} s.")
-    return "\n".join(out) + "\n"
