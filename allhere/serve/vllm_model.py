@@ -1,5 +1,5 @@
 """vLLM model classes for folders written by ``allhere convert``: vLLM's own implementation of the family
-(Llama, Mistral, Qwen2, Qwen3), with the converted layers' attention replaced after vLLM has built the model.
+(Llama, Mistral, Qwen2, Qwen3, Gemma-3), with the converted layers' attention replaced after vLLM has built the model.
 Imported by vLLM (lazily, through ``allhere.serve.vllm_plugin``), never by ``import allhere``.
 
 A folder without allhere settings (config.json lacks ``allhere_mechanism``) gets vLLM's own model,
@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -253,3 +254,7 @@ class AllhereQwen2ForCausalLM(_Converted, Qwen2ForCausalLM):
 
 class AllhereQwen3ForCausalLM(_Converted, Qwen3ForCausalLM):
     pass
+
+
+class AllhereGemma3ForCausalLM(_Converted, Gemma3ForCausalLM):
+    """Gemma-3 (text): allhere converts its full-attention layers; the sliding ones stay vLLM's own."""
