@@ -71,8 +71,10 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     out = {}
     for name, family in (("Llama-3.2-1B", "llama"), ("Qwen2.5-0.5B", "qwen2"), ("Qwen3-0.6B", "qwen3"),
-                         ("Gemma-3-1B-it", "gemma3")):
-        sizes = {k: v for k, v in SIZES.items() if family != "gemma3" or k != "num_hidden_layers"}  # 5 sliding : 1 full
+                         ("Gemma-3-1B-it", "gemma3"), ("Gemma-2-2B-it", "gemma2")):
+        sizes = {k: v for k, v in SIZES.items() if not family.startswith("gemma") or k != "num_hidden_layers"}  # their layer_types
+        if family == "gemma2":  # a cap the random scores reach (the published 50 changes no token here; 0.1 does)
+            sizes["attn_logit_softcapping"] = 0.1
         plain = write_model(name, root / f"{family}_plain", **sizes)
         out[family] = plain
         out[f"{family}_aha"] = _convert(plain, root / f"{family}_aha", ah.AHAConfig(window=WINDOW, router_init="neutral"))
@@ -95,10 +97,11 @@ def test_llama_aha_routed_forced_global_and_local(folders):
     assert routed["tokens"] != plain and served["false"]["tokens"] != plain  # the test can tell them apart
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3", "gemma2"])
 def test_aha_routed(folders, family):
     """Qwen2 (q/k/v bias), Qwen3 (q/k norms), Gemma-3 (5 sliding : 1 full layers, only the full ones
-    converted: vLLM's own sliding layers beside AHA's shared cache)."""
+    converted: vLLM's own sliding layers beside AHA's shared cache), Gemma-2 (soft-capped scores, sliding and
+    full layers alternating)."""
     prompts = folders["prompts"]
     routed = _vllm(folders[f"{family}_aha"], prompts)["none"]
     assert 0.1 < routed["routing"]["mu_f"] < 0.9, routed["routing"]

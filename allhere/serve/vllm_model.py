@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
@@ -70,11 +71,16 @@ class AHAServe(nn.Module):
         if settings.get("router", "linear") != "linear":
             raise NotImplementedError("allhere vLLM serving: AHA router='qproj' is not supported (use 'linear')")
         self.router = nn.Linear(d_model, n_heads, bias=bool(settings.get("router_bias", True)))
+        # the host's softmax terms too: soft-capped scores (Gemma-2) and learned sinks (gpt-oss; the same
+        # tensor, loaded once into the full attention)
+        extra = {"logits_soft_cap": getattr(full.impl, "logits_soft_cap", 0) or None}
+        if getattr(full.impl, "sinks", None) is not None:
+            extra["sinks"] = full.impl.sinks
         self.local = Attention(full.num_heads, full.head_size, full.impl.scale, num_kv_heads=full.num_kv_heads,
                                cache_config=get_current_vllm_config().cache_config,
                                per_layer_sliding_window=self.window + VLLM_WINDOW_OFFSET,
                                prefix=f"{prefix}.{SUBMODULE}.local",
-                               kv_sharing_target_layer_name=full.layer_name)
+                               kv_sharing_target_layer_name=full.layer_name, **extra)
         self.gate: torch.Tensor | None = None
         self.forced_gate: bool | None = None  # True / False: every gate global / local; None: route
         self.register_buffer("n_global", torch.zeros((), dtype=torch.long), persistent=False)
@@ -254,6 +260,10 @@ class AllhereQwen2ForCausalLM(_Converted, Qwen2ForCausalLM):
 
 class AllhereQwen3ForCausalLM(_Converted, Qwen3ForCausalLM):
     pass
+
+
+class AllhereGemma2ForCausalLM(_Converted, Gemma2ForCausalLM):
+    """Gemma-2: its full layers converted (the windowed attention soft-caps its scores as the full one does)."""
 
 
 class AllhereGemma3ForCausalLM(_Converted, Gemma3ForCausalLM):

@@ -22,6 +22,7 @@ MODELS = {  # architecture name in config.json -> allhere's class (a subclass of
     "MistralForCausalLM": "AllhereMistralForCausalLM",
     "Qwen2ForCausalLM": "AllhereQwen2ForCausalLM",
     "Qwen3ForCausalLM": "AllhereQwen3ForCausalLM",
+    "Gemma2ForCausalLM": "AllhereGemma2ForCausalLM",
     "Gemma3ForCausalLM": "AllhereGemma3ForCausalLM",
 }
 
