@@ -34,10 +34,10 @@ NEW_TOKENS = 32
 WINDOW = 8
 
 
-def _convert(plain, out, mech, seed=0):
+def _convert(plain, out, mech, seed=0, layers="full"):
     """``allhere convert`` in Python: load, convert, set a router that routes, save with the tokenizer."""
-    tokenizer, model = load_local(plain, convertible=True, dtype=torch.float32)
-    convert(model, mech)
+    tokenizer, model = load_local(plain, convertible=True, dtype=torch.float32, layers=layers)
+    convert(model, mech, layers=layers)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -71,13 +71,14 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     out = {}
     for name, family in (("Llama-3.2-1B", "llama"), ("Qwen2.5-0.5B", "qwen2"), ("Qwen3-0.6B", "qwen3"),
-                         ("Gemma-3-1B-it", "gemma3"), ("Gemma-2-2B-it", "gemma2")):
+                         ("Gemma-3-1B-it", "gemma3"), ("Gemma-2-2B-it", "gemma2"), ("Mistral-7B-v0.1", "mistral")):
         sizes = {k: v for k, v in SIZES.items() if not family.startswith("gemma") or k != "num_hidden_layers"}  # their layer_types
         if family == "gemma2":  # a cap the random scores reach (the published 50 changes no token here; 0.1 does)
             sizes["attn_logit_softcapping"] = 0.1
         plain = write_model(name, root / f"{family}_plain", **sizes)
         out[family] = plain
-        out[f"{family}_aha"] = _convert(plain, root / f"{family}_aha", ah.AHAConfig(window=WINDOW, router_init="neutral"))
+        out[f"{family}_aha"] = _convert(plain, root / f"{family}_aha", ah.AHAConfig(window=WINDOW, router_init="neutral"),
+                                        layers="all" if family == "mistral" else "full")
     out["llama_sliding"] = _convert(out["llama"], root / "llama_sliding", ah.SlidingConfig(window=WINDOW))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out["llama"]))
     out["prompts"] = [tokenizer.encode(t) for t in TEXTS]
@@ -97,11 +98,11 @@ def test_llama_aha_routed_forced_global_and_local(folders):
     assert routed["tokens"] != plain and served["false"]["tokens"] != plain  # the test can tell them apart
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3", "gemma2", "mistral"])
 def test_aha_routed(folders, family):
     """Qwen2 (q/k/v bias), Qwen3 (q/k norms), Gemma-3 (5 sliding : 1 full layers, only the full ones
     converted: vLLM's own sliding layers beside AHA's shared cache), Gemma-2 (soft-capped scores, sliding and
-    full layers alternating)."""
+    full layers alternating), Mistral (a sliding window on every layer, replaced by AHA's)."""
     prompts = folders["prompts"]
     routed = _vllm(folders[f"{family}_aha"], prompts)["none"]
     assert 0.1 < routed["routing"]["mu_f"] < 0.9, routed["routing"]
