@@ -81,6 +81,8 @@ def server(tmp_path_factory):
         assert proc.poll() is None, "".join(lines)
         assert time.monotonic() - start < 600, "".join(lines)
         time.sleep(0.5)
+    time.sleep(2)  # routing lines come every second here: none before a request (vLLM's warm-up is not counted)
+    assert not any("mu_f" in line for line in lines), "".join(lines)
     model, tok = load(str(folder))
     info = {"proc": proc, "lines": lines, "folder": folder, "name": folder.name, "model": model, "tokenizer": tok,
             "client": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)}

@@ -166,7 +166,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
             if time.monotonic() - start > ready_timeout:
                 raise ConfigError(f"vLLM was not ready after {ready_timeout:.0f} s (log: {log})")
             time.sleep(0.5)
-        Path(str(stats_file) + RESET_SUFFIX).touch()  # vLLM's warm-up passes are not counted
+        reset = Path(str(stats_file) + RESET_SUFFIX)
+        reset.touch()  # vLLM's warm-up passes are not counted: the counts start again at the next forward
         print(f"allhere serve: {model} at {url}/v1 (OpenAI-compatible: /v1/models, /v1/completions, "
               f"/v1/chat/completions); started in {time.monotonic() - start:.0f} s; Ctrl-C stops it", flush=True)
         if not verbose:
@@ -174,7 +175,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
         shown, shown_at = None, 0.0
         while proc.poll() is None:  # until a signal (raised here by the CLI's handlers) or vLLM's own end
             time.sleep(1.0)
-            stats = _read_stats(stats_file)
+            stats = None if reset.exists() else _read_stats(stats_file)  # until then, the warm-up's
             if stats and stats.get("mu_f") is not None and stats != shown and time.monotonic() - shown_at >= stats_every:
                 print(f"allhere serve: {format_stats(stats)}", flush=True)
                 shown, shown_at = stats, time.monotonic()

@@ -211,17 +211,22 @@ class StatsFile:
         self.every, self.written = (1.0 if cuda else 0.0), 0.0
 
     def before_forward(self, model: nn.Module) -> None:
+        """Zero the counts when asked to: the file says so (no pairs) before the reset file goes, so that
+        a reader who sees the reset file gone never reads the counts of before."""
         if self.reset.exists():
             reset_routing_stats(model)
+            self.write(model)
             self.reset.unlink(missing_ok=True)
 
     def after_step(self, model: nn.Module) -> None:
-        now = time.monotonic()
-        if now - self.written >= self.every:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(routing_stats(model)))
-            os.replace(tmp, self.path)
-            self.written = now
+        if time.monotonic() - self.written >= self.every:
+            self.write(model)
+
+    def write(self, model: nn.Module) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(routing_stats(model)))
+        os.replace(tmp, self.path)
+        self.written = time.monotonic()
 
 
 class _Converted:
