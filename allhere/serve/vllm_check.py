@@ -16,7 +16,8 @@ from functools import partial
 SETTINGS = {"none": None, "true": True, "false": False}
 
 
-def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(None,), max_model_len: int = 512) -> dict:
+def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(None,), max_model_len: int = 512,
+           block_size: int = 32, again: bool = False) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model below hands the engine functions
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
     from vllm import LLM, SamplingParams
@@ -25,7 +26,9 @@ def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(No
     from .vllm_plugin import register
 
     register()  # where the entry point is installed vLLM has done it already; idempotent
-    llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0)
+    # small blocks (the CPU's smallest): a prompt and its completion span several, as a long context would
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0,
+              block_size=block_size)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     results = {}
     for value in forced:
@@ -37,6 +40,10 @@ def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(No
         key = {None: "none", True: "true", False: "false"}[value]
         results[key] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                         "routing": llm.apply_model(routing_stats)[0] if routed else None}
+        if again:  # the same prompts once more: their full blocks now come from vLLM's prefix cache
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            results[key]["again"] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                                     "cached": [o.num_cached_tokens for o in outs]}
     return results
 
 
@@ -46,9 +53,10 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", required=True, help="JSON list of prompts, each a list of token ids")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--forced", default="none", help="comma-separated: none, true, false")
+    p.add_argument("--again", action="store_true", help="generate each setting's prompts a second time (prefix cache)")
     args = p.parse_args(argv)
     forced = [SETTINGS[s.strip().lower()] for s in args.forced.split(",")]
-    out = greedy(args.model, json.loads(args.prompts), args.max_tokens, forced)
+    out = greedy(args.model, json.loads(args.prompts), args.max_tokens, forced, again=args.again)
     print("ALLHERE_VLLM_RESULT " + json.dumps(out), flush=True)
 
 

@@ -1,5 +1,5 @@
 """vLLM model classes for folders written by ``allhere convert``: vLLM's own implementation of the family
-(Llama, Mistral, Qwen2, Qwen3, Gemma-3), with the converted layers' attention replaced after vLLM has built the model.
+(Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3), with the converted layers' attention replaced after vLLM has built the model.
 Imported by vLLM (lazily, through ``allhere.serve.vllm_plugin``), never by ``import allhere``.
 
 A folder without allhere settings (config.json lacks ``allhere_mechanism``) gets vLLM's own model,
@@ -17,6 +17,8 @@ Mechanisms served (per converted layer, ``config.allhere_layers``):
   elsewhere. Both attentions are computed for every token (no compute is saved yet; the cache is shared).
 - ``sliding``: the layer's ``Attention`` rebuilt with ``per_layer_sliding_window = window`` (vLLM then
   keeps a sliding-window KV cache for it).
+- ``sinks``, ``dilated``, ``longformer``, ``bigbird`` (causal) and ``dar``: allhere's own attention over the
+  layer's paged cache (``allhere.serve.vllm_paged``), on vLLM's CPU backend.
 
 Window convention: allhere's window w = the w most recent keys, the query's own included
 (``q_idx - kv_idx < w``); vLLM's ``sliding_window`` follows Hugging Face's, the same (flash-attn's
@@ -54,11 +56,12 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
-from .vllm_plugin import RESET_SUFFIX, SERVED, STATS_ENV
+from .. import registry
+from .vllm_paged import SUBMODULE, install_dar, install_masked
+from .vllm_plugin import PAGED, RESET_SUFFIX, SERVED, STATS_ENV
 
 CONFIG_KEY = "allhere_mechanism"  # as allhere.hf.convert writes them (not imported: no transformers import here)
 LAYERS_KEY = "allhere_layers"
-SUBMODULE = "allhere"  # the mechanism's name inside the attention block, as in allhere.hf
 VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
 
 
@@ -152,6 +155,9 @@ def install(model: nn.Module, config) -> list[int]:
     if kind not in SERVED:
         raise NotImplementedError(f"allhere vLLM serving: mechanism {kind!r} is not served (served: {SERVED})")
     vllm_config = get_current_vllm_config()
+    if kind in PAGED and vllm_config.device_config.device_type != "cpu":
+        raise NotImplementedError(f"allhere vLLM serving: {kind} runs on vLLM's CPU backend only so far (allhere's "
+                                  "own attention over the paged cache is untested on other devices)")
     if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise NotImplementedError("allhere vLLM serving: tensor / pipeline parallelism is not supported yet")
     blocks = _attention_blocks(model)
@@ -165,6 +171,13 @@ def install(model: nn.Module, config) -> list[int]:
             raise NotImplementedError(f"allhere vLLM serving: layer {i} already has a sliding window")
         if kind == "sliding":
             _rebuild_sliding(block, attn, int(settings["window"]))
+            continue
+        if kind in PAGED:
+            cfg = registry.from_dict(settings)
+            if kind == "dar":
+                install_dar(block, attn, cfg, config.hidden_size)
+            else:
+                install_masked(block, attn, cfg)
             continue
         prefix = attn.layer_name.rpartition(".")[0]
         mech = AHAServe(settings, attn, config.hidden_size, config.num_attention_heads, prefix)
