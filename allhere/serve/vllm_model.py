@@ -1,5 +1,5 @@
 """vLLM model classes for folders written by ``allhere convert``: vLLM's own implementation of the family
-(Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3), with the converted layers' attention replaced after vLLM has built the model.
+(Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3, gpt-oss), with the converted layers' attention replaced after vLLM has built the model.
 Imported by vLLM (lazily, through ``allhere.serve.vllm_plugin``), never by ``import allhere``.
 
 A folder without allhere settings (config.json lacks ``allhere_mechanism``) gets vLLM's own model,
@@ -50,6 +50,7 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
+from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -57,7 +58,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .. import registry
-from .vllm_paged import SUBMODULE, install_dar, install_masked
+from .vllm_paged import SUBMODULE, block_argument, install_dar, install_masked
 from .vllm_plugin import PAGED, RESET_SUFFIX, SERVED, STATS_ENV
 
 CONFIG_KEY = "allhere_mechanism"  # as allhere.hf.convert writes them (not imported: no transformers import here)
@@ -123,8 +124,8 @@ class AHAJoin(nn.Module):
 
 
 def _route_hook(module, args, kwargs):
-    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
-    getattr(module, SUBMODULE).route(x)
+    where, key = block_argument(module, args, kwargs, "hidden_states")
+    getattr(module, SUBMODULE).route(where[key])
 
 
 def _attention_blocks(model: nn.Module) -> dict[int, tuple[nn.Module, Attention]]:
@@ -286,3 +287,7 @@ class AllhereGemma2ForCausalLM(_Converted, Gemma2ForCausalLM):
 
 class AllhereGemma3ForCausalLM(_Converted, Gemma3ForCausalLM):
     """Gemma-3 (text): allhere converts its full-attention layers; the sliding ones stay vLLM's own."""
+
+
+class AllhereGptOssForCausalLM(_Converted, GptOssForCausalLM):
+    """gpt-oss: its full layers converted (the windowed attention adds the same learned sink logits)."""

@@ -21,6 +21,8 @@ distant K/V rebuilt every step).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from vllm.config import get_current_vllm_config
@@ -100,15 +102,23 @@ class DARServe(nn.Module):
                              cache_config=get_current_vllm_config().cache_config, prefix=f"{prefix}.{SUBMODULE}.far")
 
 
+def block_argument(block, args, kwargs, name: str):
+    """(where, key) of the attention block's argument ``name`` in this call: ``kwargs`` and the name, or
+    ``args`` and its index (families differ: Llama's blocks take (positions, hidden_states), gpt-oss's
+    (hidden_states, positions), either by position or by keyword)."""
+    if name in kwargs:
+        return kwargs, name
+    params = [p for p in inspect.signature(type(block).forward).parameters if p != "self"]
+    return args, params.index(name)
+
+
 def _dar_append(block, args, kwargs):
     """Forward pre-hook: the block's input [h; h'] at positions [p; p]."""
     mech = getattr(block, SUBMODULE)
     args, kwargs = list(args), dict(kwargs)
-    for i, name in enumerate(("positions", "hidden_states")):
-        if name in kwargs:
-            kwargs[name] = _doubled(kwargs[name], mech, name)
-        else:
-            args[i] = _doubled(args[i], mech, name)
+    for name in ("positions", "hidden_states"):
+        where, key = block_argument(block, args, kwargs, name)
+        where[key] = _doubled(where[key], mech, name)
     return tuple(args), kwargs
 
 

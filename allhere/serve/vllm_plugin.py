@@ -25,6 +25,7 @@ MODELS = {  # architecture name in config.json -> allhere's class (a subclass of
     "Qwen3ForCausalLM": "AllhereQwen3ForCausalLM",
     "Gemma2ForCausalLM": "AllhereGemma2ForCausalLM",
     "Gemma3ForCausalLM": "AllhereGemma3ForCausalLM",
+    "GptOssForCausalLM": "AllhereGptOssForCausalLM",
 }
 
 
