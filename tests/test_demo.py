@@ -226,15 +226,61 @@ def test_compare_tiny_reuses_the_demo_pretraining(tmp_path, capsys):
     out = tmp_path / "demo"
     assert run("--out", str(out), "--task", "recall") == 0
     pretrained = (out / "recall" / "pretrain" / "checkpoint.safetensors").read_bytes()
+    capsys.readouterr()  # the demo's report
     assert main(["compare", "--out", str(out), "--preset", "tiny", "--task", "recall", "--steps", "2",
-                 "--device", "cpu", "--no-progress"]) == 0
-    assert "| sliding w=8 |" in capsys.readouterr().out
+                 "--seeds", "3", "--device", "cpu", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    table = [line for line in printed.splitlines() if line.startswith("| ")]
+    assert "Seeds: 3." in printed and any(line.startswith("| sliding w=8 | 1 |") for line in table)
+    assert len(table) == 8 and not any("±" in line for line in table)  # one seed: the means alone
     assert (out / "recall" / "pretrain" / "checkpoint.safetensors").read_bytes() == pretrained  # reused
+    assert sorted(p.name for p in (out / "recall" / "compare" / "steps2").iterdir()) == ["seed3"]
+    assert len(list((out / "recall" / "compare" / "steps2" / "seed3").glob("*/checkpoint.safetensors"))) == 7
     report = json.loads((out / "compare" / "compare.json").read_text())["tasks"]["recall"]
-    rows = report["rows"]
+    rows = {label: {k: s["values"][0] for k, s in r.items()} for label, r in report["rows"].items()}
+    assert report["seeds"] == [3] and all(s["std"] is None for r in report["rows"].values() for s in r.values())
     assert len(rows) == 7 and (out / "compare" / "compare.png").exists()
     n, w = report["seq_len"], report["window"]
     assert rows["full (control)"]["scores_per_query"] == pytest.approx((n + 1) / 2)
     assert rows["sliding w=8"]["scores_per_query"] == pytest.approx(sum(min(i + 1, w) for i in range(n)) / n)
     for r in rows.values():  # every local pattern at about the budget
         assert r["scores_per_query"] <= rows["full (control)"]["scores_per_query"] + 1e-9
+
+
+def test_compare_seeds_mean_std_and_reuse(tmp_path):
+    """Two seeds: the report's mean and sample standard deviation are those of the per-seed values, which
+    differ between the seeds; a later call with a third seed trains only that one."""
+    import statistics
+
+    from allhere.experiments.compare import render, run_compare
+
+    out = tmp_path / "demo"
+    go = lambda seeds: run_compare(out, "tiny", ("recall",), 2, device="cpu", progress=False, seeds=seeds)  # noqa: E731
+    first = go((0, 1))["tasks"]["recall"]
+    assert first["seeds"] == [0, 1]
+    for r in first["rows"].values():
+        for key in ("accuracy", "scores_per_query", "density", "retain_percent"):
+            s = r[key]
+            assert s["n"] == 2 == len(s["values"])
+            assert s["mean"] == pytest.approx(statistics.mean(s["values"]))
+            assert s["std"] == pytest.approx(statistics.stdev(s["values"]))
+    control = first["rows"]["full (control)"]
+    assert control["retain_percent"]["values"] == [100.0, 100.0]  # each seed against its own control
+    assert control["density"]["values"] == [1.0, 1.0]
+    seed_dir = out / "recall" / "compare" / "steps2"
+    weights = [load_model(seed_dir / f"seed{k}" / "full" / "checkpoint.safetensors")[0].state_dict() for k in (0, 1)]
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # other batches, other weights
+    assert any(len(set(s["values"])) == 2 for r in first["rows"].values() for s in r.values())
+    table = render({"preset": "tiny", "device": "cpu", "torch": "", "seeds": [0, 1], "tasks": {"recall": first}})
+    sliding = next(line for line in table.splitlines() if line.startswith("| sliding w=8 | 2 |"))
+    assert sliding.count("±") == 4  # keys read, of full, accuracy, kept: mean ± std
+
+    done = sorted(seed_dir.glob("seed[01]/*/checkpoint.safetensors"))
+    assert len(done) == 14
+    mtimes = [p.stat().st_mtime_ns for p in done]
+    second = go((0, 1, 2))["tasks"]["recall"]
+    assert [p.stat().st_mtime_ns for p in done] == mtimes  # the finished runs are reused, not trained again
+    assert len(list(seed_dir.glob("seed2/*/checkpoint.safetensors"))) == 7
+    for label, r in second["rows"].items():
+        assert r["accuracy"]["values"][:2] == first["rows"][label]["accuracy"]["values"]
+        assert r["accuracy"]["n"] == 3

@@ -72,6 +72,9 @@ def compare_arguments(p: argparse.ArgumentParser) -> None:
     a.task_flag(p, "compare on", TASKS)
     p.add_argument("--steps", type=a.positive, default=100,
                    help="fine-tuning steps of every mechanism (default 100)")
+    p.add_argument("--seeds", type=a.positive_or_zero, nargs="+", default=[0, 1, 2],
+                   help="fine-tune every mechanism with each of these seeds (its batches, BigBird's random "
+                        "blocks; one pretrained model for all); finished runs are reused (default 0 1 2)")
     p.add_argument("--data", type=a.data_path, default=None, help=a.DATA_HELP)
     p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
     a.progress_flag(p)
@@ -82,6 +85,6 @@ def compare(args) -> None:
     from ..experiments.plans import TASKS
 
     report = run_compare(args.out, args.preset, tuple(args.tasks or TASKS), args.steps, args.data, args.device,
-                         not args.no_progress)
+                         not args.no_progress, seeds=args.seeds)
     print(render(report))
     print(f"Written to {args.out}/compare/: compare.md, compare.json, compare.png")
