@@ -1,8 +1,9 @@
-"""Serving throughput under vLLM: an AHA model converted by allhere against the same model unconverted, each
-behind ``allhere serve`` (vLLM's OpenAI-compatible server with allhere's plugin), in one run.
+"""Serving throughput under vLLM: models converted by allhere (AHA by default) against the same model
+unconverted, each behind ``allhere serve`` (vLLM's OpenAI-compatible server with allhere's plugin), in one run.
 
     .venv-serve/bin/python benchmarks/serve_throughput.py            # ~5 minutes on 2 CPU cores
     .venv-serve/bin/python benchmarks/serve_throughput.py --quick    # prompt 256, 16 new tokens
+    .venv-serve/bin/python benchmarks/serve_throughput.py --mechanisms aha sinks dar   # + the paged ones
 
 (needs the serving environment: bash scripts/install_serve.sh). Model: a random-weight Llama of 4 layers,
 d = 256, 4 heads of 64 (fp32) and a word-level tokenizer of 1024 words, saved with transformers; the AHA
@@ -12,7 +13,9 @@ prompts of --prompt random words, a new prompt for every request (so vLLM's pref
 greedy tokens each (ignore_eos), streamed; batch 1 (--rounds requests one after another) and batch 16 (16
 concurrent requests, --rounds times). Time to first token (TTFT) is the
 median over requests; output tokens/s is all new tokens over the wall time of the batch. The two servers run
-one after the other (the machine has 2 cores); the load average is printed before and after.
+one after the other (the machine has 2 cores); the load average is printed before and after. Sinks
+(w = 252 + 4 sinks) and DAR (w = 256, d_down = 64) are served by allhere's reference attention over vLLM's
+paged cache (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def tokenizer():
                                    unk_token="<unk>")
 
 
-def build(root: Path, prompt_len: int) -> dict[str, Path]:
-    """The plain and the AHA folder; returns them and the AHA model's mu_f on a prompt."""
+def build(root: Path, prompt_len: int, mechanisms: list[str]) -> tuple[dict[str, Path], float | None]:
+    """The plain folder and one per mechanism; returns them and the AHA model's mu_f on a prompt."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import allhere as ah
@@ -59,19 +62,23 @@ def build(root: Path, prompt_len: int) -> dict[str, Path]:
                       bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
     torch.manual_seed(0)
     plain = LlamaForCausalLM(cfg).eval()
-    folders = {"plain": root / "plain", "aha": root / "aha"}
+    folders, mu_f = {"plain": root / "plain"}, None
     plain.save_pretrained(folders["plain"])
     tok.save_pretrained(folders["plain"])
-    model = convert(LlamaForCausalLM.from_pretrained(folders["plain"], dtype=torch.float32).eval(),
-                    ah.AHAConfig(window=256))
-    ids = torch.randint(4, VOCAB, (1, max(prompt_len, 512)), generator=torch.Generator().manual_seed(1))
-    run = lambda x: model(x, use_cache=False).logits  # noqa: E731
-    set_routers(model, run, ids, head_shares(4, 4))
-    with torch.no_grad():
-        run(ids)
-    mu_f = float(collect_routing(model).mu_f())
-    save_pretrained(model, folders["aha"])
-    tok.save_pretrained(folders["aha"])
+    configs = {"aha": ah.AHAConfig(window=256), "sinks": ah.SinksConfig(window=252, n_sinks=4),
+               "dar": ah.DARConfig(window=256, d_down=64)}
+    for name in mechanisms:
+        model = convert(LlamaForCausalLM.from_pretrained(folders["plain"], dtype=torch.float32).eval(), configs[name])
+        if name == "aha":
+            ids = torch.randint(4, VOCAB, (1, max(prompt_len, 512)), generator=torch.Generator().manual_seed(1))
+            run = lambda x: model(x, use_cache=False).logits  # noqa: E731
+            set_routers(model, run, ids, head_shares(4, 4))
+            with torch.no_grad():
+                run(ids)
+            mu_f = float(collect_routing(model).mu_f())
+        folders[name] = root / name
+        save_pretrained(model, folders[name])
+        tok.save_pretrained(folders[name])
     return folders, mu_f
 
 
@@ -133,17 +140,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--mechanisms", nargs="+", choices=("aha", "sinks", "dar"), default=["aha"],
+                   help="converted models to serve against the plain one (default: aha)")
     a = p.parse_args()
     if a.quick:
         a.prompt, a.new, a.rounds = 256, 16, 2
     root = Path(tempfile.mkdtemp(prefix="serve-bench-"))
-    folders, mu_f = build(root, a.prompt)
+    folders, mu_f = build(root, a.prompt, list(dict.fromkeys(a.mechanisms)))
     g = torch.Generator().manual_seed(2)
     prompts = [" ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 4, (a.prompt - 1,), generator=g))
                for _ in range(1 + 17 * a.rounds)]  # + BOS = a.prompt tokens; one per request
     print(f"# {platform.machine()}, torch {torch.__version__}, {os.cpu_count()} cores; load average before: "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; prompt {a.prompt} tokens, {a.new} new, "
-          f"AHA w = 256, mu_f on a prompt {100 * mu_f:.1f}%")
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; prompt {a.prompt} tokens, {a.new} new"
+          + (f", AHA w = 256, mu_f on a prompt {100 * mu_f:.1f}%" if mu_f is not None else ""))
     results = {}
     for name, folder in folders.items():
         server = Server(folder, a.port)
@@ -155,12 +164,13 @@ def main() -> None:
                 print(f"# {name}: {stats[-1]}")
         finally:
             server.close()
-    print("| batch | plain TTFT ms | AHA TTFT ms | AHA / plain | plain tokens/s | AHA tokens/s | AHA / plain |")
-    print("|---|---|---|---|---|---|---|")
-    for batch in (1, 16):
-        pl, ah_ = results["plain"][batch], results["aha"][batch]
-        print(f"| {batch} | {1e3 * pl['ttft']:.0f} | {1e3 * ah_['ttft']:.0f} | {ah_['ttft'] / pl['ttft']:.2f}x | "
-              f"{pl['tokens_per_s']:.1f} | {ah_['tokens_per_s']:.1f} | {ah_['tokens_per_s'] / pl['tokens_per_s']:.2f}x |")
+    print("| model | batch | TTFT ms | vs plain | tokens/s | vs plain |")
+    print("|---|---|---|---|---|---|")
+    for name in folders:
+        for batch in (1, 16):
+            pl, r = results["plain"][batch], results[name][batch]
+            print(f"| {name} | {batch} | {1e3 * r['ttft']:.0f} | {r['ttft'] / pl['ttft']:.2f}x | "
+                  f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / pl['tokens_per_s']:.2f}x |")
     print(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
