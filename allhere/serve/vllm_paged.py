@@ -32,12 +32,14 @@ from vllm.model_executor.layers.attention.attention import get_attention_context
 from .paged import Choose, dar_choice, masked_choice, paged_attention, paged_view, write
 
 SUBMODULE = "allhere"  # the mechanism's name inside the attention block, as in allhere.hf
-_LAYERS: dict[str, "PagedAttention"] = {}  # layer name -> layer, for the custom op (which takes the name)
+PAGED_ATTR = "_allhere_paged"  # on the owner Attention: [its PagedAttention] (a list: no module cycle)
 
 
 @torch.library.custom_op("allhere::paged_attention", mutates_args=("out",))
 def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: str) -> None:
-    _LAYERS[layer].compute(q, k, v, out)
+    # the layer of the engine running now (vLLM's forward context), not a process-wide registry
+    _, owner, _, _ = get_attention_context(layer)
+    getattr(owner, PAGED_ATTR)[0].compute(q, k, v, out)
 
 
 @_paged_attention_op.register_fake
@@ -63,7 +65,7 @@ class PagedAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_size
         self.scale = float(first.impl.scale)
         self.layer_name = first.layer_name
-        _LAYERS[self.layer_name] = self
+        object.__setattr__(first, PAGED_ATTR, [self])
 
     def forward(self, q, k, v, *args, **kwargs):
         out = torch.empty(q.shape[0], self.heads * self.head_dim, dtype=q.dtype, device=q.device)
