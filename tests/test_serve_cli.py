@@ -37,8 +37,9 @@ def free_port() -> int:
 @pytest.mark.parametrize("config, says", [
     ("{not json", "cannot be read as JSON"),
     ({**LLAMA, "allhere_mechanism": {"kind": "aamoe", "chunk": 4}}, "mechanism 'aamoe' is not served"),
-    ({**LLAMA, "architectures": ["GPTNeoXForCausalLM"], "allhere_mechanism": AHA},
-     "does not serve converted GPTNeoXForCausalLM"),
+    ({**LLAMA, "architectures": ["PhiForCausalLM"], "allhere_mechanism": AHA}, "does not serve converted PhiForCausalLM"),
+    ({**LLAMA, "architectures": ["Olmo2ForCausalLM"], "allhere_mechanism": {"kind": "dar", "window": 4, "d_down": 8}},
+     "DAR is not served on Olmo2ForCausalLM"),
 ])
 def test_models_the_plugin_cannot_serve(tmp_path, capfd, config, says):
     assert says in refused(capfd, "--model", folder(tmp_path, config), "--port", str(free_port()))

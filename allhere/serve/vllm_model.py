@@ -1,5 +1,6 @@
 """vLLM model classes for folders written by ``allhere convert``: vLLM's own implementation of the family
-(Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3, gpt-oss), with the converted layers' attention replaced after vLLM has built the model.
+(Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3, gpt-oss, Granite; OLMo-2/3, SmolLM3 and GPT-NeoX through
+vLLM's Transformers backend), with the converted layers' attention replaced after vLLM has built the model.
 Imported by vLLM (lazily, through ``allhere.serve.vllm_plugin``), never by ``import allhere``.
 
 A folder without allhere settings (config.json lacks ``allhere_mechanism``) gets vLLM's own model,
@@ -51,10 +52,12 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
+from vllm.model_executor.models.granite import GraniteForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm.model_executor.models.transformers import TransformersForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .. import registry
@@ -91,8 +94,9 @@ class AHAServe(nn.Module):
         self.register_buffer("n_pairs", torch.zeros((), dtype=torch.long), persistent=False)
 
     def route(self, x: torch.Tensor) -> None:
-        """x [tokens, d_model]: the attention block's input. Sets the hard gate [tokens, heads]."""
-        s = torch.sigmoid(self.router(x).float())  # as allhere's AHAAttention.scores
+        """x [tokens, d_model] (vLLM's own blocks) or [1, tokens, d_model] (Hugging Face modules under vLLM's
+        Transformers backend): the attention block's input. Sets the hard gate [tokens, heads]."""
+        s = torch.sigmoid(self.router(x.reshape(-1, x.shape[-1])).float())  # as allhere's AHAAttention.scores
         gate = s > self.tau
         if self.forced_gate is not None:
             gate = torch.full_like(gate, bool(self.forced_gate))
@@ -291,3 +295,13 @@ class AllhereGemma3ForCausalLM(_Converted, Gemma3ForCausalLM):
 
 class AllhereGptOssForCausalLM(_Converted, GptOssForCausalLM):
     """gpt-oss: its full layers converted (the windowed attention adds the same learned sink logits)."""
+
+
+class AllhereGraniteForCausalLM(_Converted, GraniteForCausalLM):
+    pass
+
+
+class AllhereTransformersForCausalLM(_Converted, TransformersForCausalLM):
+    """OLMo-2/3, SmolLM3, GPT-NeoX: families vLLM runs through its Transformers backend (the Hugging Face
+    modules, each attention module holding its vLLM ``Attention`` as ``attn``). AHA, sliding and the masked
+    patterns install as on vLLM's own classes; DAR is refused (its hook needs a block taking positions)."""

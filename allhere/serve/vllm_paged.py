@@ -134,6 +134,10 @@ def _dar_first_half(block, args, output):
 
 
 def install_dar(block: nn.Module, attn: Attention, cfg, d_model: int) -> None:
+    params = inspect.signature(type(block).forward).parameters
+    if not {"positions", "hidden_states"} <= set(params):
+        raise NotImplementedError(f"allhere vLLM serving: DAR needs vLLM's own attention block (taking positions and "
+                                  f"hidden_states); {type(block).__name__} runs through vLLM's Transformers backend")
     mech = DARServe(d_model, cfg.d_down, attn, attn.layer_name.rpartition(".")[0])
     block.add_module(SUBMODULE, mech)
     block.attn = PagedAttention([attn, mech.far], dar_choice(cfg.window))

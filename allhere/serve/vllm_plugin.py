@@ -18,6 +18,7 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.3
 STATS_ENV = "ALLHERE_ROUTING_STATS"  # a file the model writes its routing statistics to (allhere serve)
 RESET_SUFFIX = ".reset"  # while "<that file>.reset" exists, the next forward zeroes the counts first
 
+TRANSFORMERS_BACKEND = "AllhereTransformersForCausalLM"  # the class of the families vLLM runs through transformers
 MODELS = {  # architecture name in config.json -> allhere's class (a subclass of vLLM's own)
     "LlamaForCausalLM": "AllhereLlamaForCausalLM",
     "MistralForCausalLM": "AllhereMistralForCausalLM",
@@ -26,6 +27,12 @@ MODELS = {  # architecture name in config.json -> allhere's class (a subclass of
     "Gemma2ForCausalLM": "AllhereGemma2ForCausalLM",
     "Gemma3ForCausalLM": "AllhereGemma3ForCausalLM",
     "GptOssForCausalLM": "AllhereGptOssForCausalLM",
+    "GraniteForCausalLM": "AllhereGraniteForCausalLM",
+    # through vLLM's Transformers backend (vLLM 0.32 has no class of its own for these)
+    "Olmo2ForCausalLM": TRANSFORMERS_BACKEND,
+    "Olmo3ForCausalLM": TRANSFORMERS_BACKEND,
+    "SmolLM3ForCausalLM": TRANSFORMERS_BACKEND,
+    "GPTNeoXForCausalLM": TRANSFORMERS_BACKEND,
 }
 
 
