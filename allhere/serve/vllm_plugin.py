@@ -28,6 +28,7 @@ MODELS = {  # architecture name in config.json -> allhere's class (a subclass of
     "Gemma3ForCausalLM": "AllhereGemma3ForCausalLM",
     "GptOssForCausalLM": "AllhereGptOssForCausalLM",
     "GraniteForCausalLM": "AllhereGraniteForCausalLM",
+    "Phi3ForCausalLM": "AllherePhi3ForCausalLM",
     # through vLLM's Transformers backend (vLLM 0.32 has no class of its own for these)
     "Olmo2ForCausalLM": TRANSFORMERS_BACKEND,
     "Olmo3ForCausalLM": TRANSFORMERS_BACKEND,
