@@ -41,6 +41,10 @@ def test_mixed_task_reports_accuracy_per_kind(tmp_path):
     assert "acc_table_budget_half" in rows["experts-only B=2"]
     text = (tmp_path / "run" / "aamoe" / "report.md").read_text()
     assert "table (a)" in text and "mixed recall task" in text and (tmp_path / "run/aamoe/accuracy.png").exists()
+    curves = report["curves"]["dense"]  # one batch's bits/byte at each logged step, per seed, from the history
+    assert set(curves) == {"0", "1"} and [step for step, _ in curves["0"]] == [1, 2, 3]
+    assert curves["0"] != curves["1"] and all(b > 0 for _, b in curves["1"])
+    assert (tmp_path / "run/aamoe/learning_curves.png").exists()
 
 
 def test_plan_checks():

@@ -278,6 +278,13 @@ def measured(run: Path, name: str, seed: int, plan: AAMoEPlan, model: Decoder | 
     return row
 
 
+def training_curve(run: Path, name: str, seed: int) -> list[list[float]]:
+    """[step, bits per byte] of a run's logged training steps (one batch's loss every tenth of the run,
+    ``TrainConfig.log_every``), from its checkpoint's history."""
+    history = json.loads((cell_dir(run, name, seed) / "checkpoint.json").read_text()).get("history", [])
+    return [[h["step"], h["lm"] / math.log(2)] for h in history]
+
+
 def run_aamoe(out: str | Path = "runs/aamoe", preset: str = "cpu", device: str = "cpu", progress: bool = True,
               steps: int | None = None, budgets=None, wanted=None, seeds=(0, 1, 2), task: str = "stdlib",
               train_runs: bool = True) -> dict:
@@ -310,8 +317,9 @@ def run_aamoe(out: str | Path = "runs/aamoe", preset: str = "cpu", device: str =
                 else:
                     missing.append({"model": name, "seed": seed, "state": state, "step": step})
         rows = {name: aggregate({int(s): r for s, r in by_seed.items()}) for name, by_seed in runs.items()}
+        curves = {name: {s: training_curve(run, name, int(s)) for s in by_seed} for name, by_seed in runs.items()}
         report = {"preset": preset, "task": task, "plan": dataclasses.asdict(plan), "data": data["describe"],
-                  "seeds": all_seeds, "rows": rows, "runs": runs, "missing": missing}
+                  "seeds": all_seeds, "rows": rows, "runs": runs, "curves": curves, "missing": missing}
         report["decision"] = decide(rows, task, plan.side_budget)
         report["verdict"] = verdict(report["decision"])
         report["goals"] = goals(rows, plan.side_budget)

@@ -1,5 +1,6 @@
 """Plots of the AA-MoE experiment (``allhere.experiments.aamoe``): bits per byte against FLOPs per token,
-accuracy per kind of query (mixed task), the histogram of B_i and the context / expert split per layer.
+learning curves, accuracy per kind of query (mixed task), the histogram of B_i and the context / expert
+split per layer.
 Error bars: the standard deviation over seeds (none with one seed)."""
 
 from __future__ import annotations
@@ -29,6 +30,24 @@ def write_plots(folder: Path, report: dict) -> list[Path]:
     ax.set_ylabel("bits per byte (causal budgets), mean ± sd over seeds")
     ax.set_title(f"AA-MoE: quality against compute ({report['task']})", fontsize=10)
     paths.append(_save(fig, plt, folder / "bpb_vs_flops.png"))
+
+    curves = {k: c for k, c in report.get("curves", {}).items() if c and all(c.values())}
+    if curves:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, by_seed in curves.items():
+            steps = [step for step, _ in next(iter(by_seed.values()))]
+            runs = [[b for _, b in c] for c in by_seed.values() if len(c) == len(steps)]
+            mean = [sum(v) / len(v) for v in zip(*runs)]
+            line, = ax.plot(steps, mean, marker=".", label=f"{name} (n={len(runs)})")
+            if len(runs) > 1:
+                sd = [(sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 for v, m in zip(zip(*runs), mean)]
+                ax.fill_between(steps, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)],
+                                color=line.get_color(), alpha=0.2)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("training bits per byte (one batch), mean ± sd")
+        ax.set_title(f"AA-MoE: learning curves ({report['task']})", fontsize=10)
+        ax.legend(fontsize=7)
+        paths.append(_save(fig, plt, folder / "learning_curves.png"))
 
     accs = {k: r for k, r in rows.items() if "acc_table" in r}
     if accs:
