@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
-from allhere.distributed.cost import Shape, aha_training_extra, plan_for, saved_bytes, summary
+from allhere.distributed.cost import Shape, mechanism_plan, saved_bytes, summary
 
 GIB, MIB = 2 ** 30, 2 ** 20
 
@@ -26,14 +24,10 @@ GIB, MIB = 2 ** 30, 2 ** 20
 def rows(lengths, worlds, window, mu_f, shape, layout="zigzag"):
     for n in lengths:
         single = saved_bytes(shape, n, 1)
-        is_global = torch.zeros(n, dtype=torch.bool)
-        is_global[:64] = True
         for d in worlds:
             full = None
             for mech in ("full", "sliding", "longformer", "aha", "aha (gate trained)"):
-                plan, sel = plan_for(mech.split()[0], n, d, layout, window=window, mu_f=mu_f, is_global=is_global)
-                extra = ((lambda r, n=n, d=d: aha_training_extra(n, d, layout, window, shape, r))
-                         if "trained" in mech else None)
+                plan, sel, extra = mechanism_plan(mech, n, d, layout, shape, window, mu_f)
                 s = summary(plan, shape, sel, extra)
                 full = full or s
                 yield (f"| {mech} | {n // 1024}k | {d} | {s['rounds']} | {s['received'] / GIB:.2f} | "

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from .layouts import chunks_per_rank
 from .plan import RingPlan, RingSpec, make_plan
 from .ring_blocks import causal, sliding
@@ -78,8 +80,13 @@ def working_peak_bytes(plan: RingPlan, shape: Shape, rank: int) -> int:
     kv = s.batch * s.kv_heads * local * 2 * s.head_dim * s.elt
     chunk_kv = s.batch * s.kv_heads * c * 2 * s.head_dim * s.elt
     bufs = max((len(plan.needed(rank, t)) for t in range(1, plan.world)), default=0) * chunk_kv * 2
-    scores = 2 * s.batch * s.heads * c * c * 4
-    return acc + kv + bufs + scores
+    return acc + kv + bufs + score_bytes(shape, c)
+
+
+def score_bytes(shape: Shape, chunk: int) -> int:
+    """One block's fp32 scores and probabilities (per batch and head): the part of the working set a
+    flash kernel per block would not hold."""
+    return 2 * shape.batch * shape.heads * chunk * chunk * 4
 
 
 def plan_for(mechanism: str, n: int, world: int, layout: str, window: int = 4096, mu_f: float = 0.07,
@@ -111,18 +118,36 @@ def aha_training_extra(n: int, world: int, layout: str, window: int, shape: Shap
     return add(full, local)
 
 
+def mechanism_plan(mechanism: str, n: int, world: int, layout: str, shape: Shape, window: int = 4096,
+                   mu_f: float = 0.07, n_global: int = 64):
+    """(plan, has selector, extra passes or None) of a mechanism as the tables name it: ``plan_for``'s, or
+    "aha (gate trained)" (AHA plus ``aha_training_extra``); Longformer's global tokens are the first
+    ``n_global``."""
+    is_global = torch.zeros(n, dtype=torch.bool)
+    is_global[:n_global] = True
+    plan, selector = plan_for(mechanism.split()[0], n, world, layout, window=window, mu_f=mu_f, is_global=is_global)
+    extra = (lambda r: aha_training_extra(n, world, layout, window, shape, r)) if "trained" in mechanism else None
+    return plan, selector, extra
+
+
 def summary(plan: RingPlan, shape: Shape, selector: bool, extra=None) -> dict:
-    """The busiest rank's numbers of one layer, forward + backward (``extra(rank)``: more passes)."""
+    """The busiest rank's numbers of one layer, forward + backward (``extra(rank)``: more passes); also the
+    forward alone (``fwd_sent``, ``fwd_received``, ``fwd_flops``: what a recompute runs again), the rounds
+    that receive anything in both passes (``transfers``) and one block's score bytes (``score_blocks``)."""
     per_rank = []
     for r in range(plan.world):
         cst = ring_cost(plan, shape, r)
         if extra is not None:
             cst = add(cst, extra(r))
-        per_rank.append(dict(rounds=cst["forward"]["rounds"],
+        fwd = cst["forward"]
+        per_rank.append(dict(rounds=fwd["rounds"],
                              received=sum(cst[p]["bytes_received"] for p in PHASES),
                              sent=sum(cst[p]["bytes_sent"] for p in PHASES),
                              flops=sum(cst[p]["flops"] for p in PHASES),
-                             peak=working_peak_bytes(plan, shape, r)))
+                             peak=working_peak_bytes(plan, shape, r),
+                             fwd_sent=fwd["bytes_sent"], fwd_received=fwd["bytes_received"], fwd_flops=fwd["flops"],
+                             transfers=sum(cst[p]["transfers"] for p in PHASES)))
     out = {k: max(p[k] for p in per_rank) for k in per_rank[0]}
     out["saved"] = saved_bytes(shape, plan.n, plan.world, selector)
+    out["score_blocks"] = score_bytes(shape, plan.chunk)
     return out

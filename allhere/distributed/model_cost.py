@@ -55,9 +55,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from .cost import PHASES, Shape, add, aha_training_extra, plan_for, ring_cost, saved_bytes, summary
+from .cost import Shape, mechanism_plan, saved_bytes, summary
 
 MECHANISMS = ("full", "sliding", "longformer", "aha", "aha (gate trained)")
 STATE_BYTES_PER_PARAM = 16  # fp32 master + fp32 grad + AdamW exp_avg + exp_avg_sq
@@ -153,25 +151,9 @@ def ring_layer(shape: Shape, mechanism: str, n: int, cp: int, layout: str = "zig
 def _ring_layer(shape, mechanism, n, cp, layout, window, mu_f, n_global) -> dict:
     if mechanism not in MECHANISMS:
         raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
-    is_global = torch.zeros(n, dtype=torch.bool)
-    is_global[:n_global] = True
-    base = mechanism.split()[0]
-    plan, selector = plan_for(base, n, cp, layout, window=window, mu_f=mu_f, is_global=is_global)
-    trained = "trained" in mechanism
-    extra = (lambda r: aha_training_extra(n, cp, layout, window, shape, r)) if trained else None
-    out = dict(summary(plan, shape, selector, extra))
-    out["saved"] = saved_bytes(shape, n, cp, selector, trained_gate=trained)
-    fwd, transfers = [], []
-    for r in range(cp):
-        c = ring_cost(plan, shape, r)
-        if extra is not None:
-            c = add(c, extra(r))
-        fwd.append(c["forward"])
-        transfers.append(sum(c[p]["transfers"] for p in PHASES))
-    for k in ("bytes_sent", "bytes_received", "flops"):
-        out["fwd_" + k.removeprefix("bytes_")] = max(f[k] for f in fwd)
-    out["transfers"] = max(transfers)
-    out["score_blocks"] = 2 * shape.batch * shape.heads * plan.chunk ** 2 * 4  # as in cost.working_peak_bytes
+    plan, selector, extra = mechanism_plan(mechanism, n, cp, layout, shape, window, mu_f, n_global)
+    out = summary(plan, shape, selector, extra)
+    out["saved"] = saved_bytes(shape, n, cp, selector, trained_gate=extra is not None)
     return out
 
 
