@@ -139,6 +139,10 @@ class _RingForward:
                                       "(sinks, soft-capping) is not supported")
         plan = self.mech.context_parallel_plan(call, q.shape[2] * dist.get_world_size(self.group))
         kw = dict(group=self.group, layout=self.layout, scale=call.scale, stats=self.stats, scores=plan.scores)
+        if getattr(plan, "far", None) is not None:  # distant keys that travel in a compact form (DAR's latents)
+            from .ring_far import ring_far_attention
+
+            return ring_far_attention(q, k, v, plan, **kw), plan.routing
         if plan.gate is None:
             return ring_attention(q, k, v, plan.reads, **kw), plan.routing
         if plan.local is None:
