@@ -1,5 +1,6 @@
-"""Context-parallel (sequence-sharded) runs of a ``Decoder``: every sequence is split across the ranks of a
-process group, and each layer's attention runs through the ring (``ring.py``).
+"""Context-parallel (sequence-sharded) runs of a model -- allhere's ``Decoder``, or a converted Hugging Face
+model through ``allhere.hf.HFCausalLM`` -- where every sequence is split across the ranks of a process
+group, and each layer's attention runs through the ring (``ring.py``).
 
     from allhere.distributed.context import context_parallel
 
@@ -17,7 +18,8 @@ read, optionally a per-(token, head) gate between two of them (with its straight
 the router trains; the layer's routing then covers this rank's tokens) and its own block logits.
 
 A mechanism that cannot run so (its ``context_parallel_refusal()`` gives the reason) is refused on entry
-in one line naming the layer, the mechanism and why; a KV cache or ``segment_starts`` raises on the call.
+in one line naming the layer, the mechanism and why; a KV cache raises on the call. Packed documents:
+give the whole sequences' segment starts to ``cp.shard``; the ring then masks every block to them.
 The ring needs every rank of the group to run the same layers in the same order, forward and backward.
 
 Losses: the next-token target of a shard's last token lives on another shard, so ``shard_batch`` shifts
@@ -37,10 +39,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..losses import Loss
+from ..masks import and_masks, within_segments
 from ..mechanisms.base import AttentionCall, mechanism_layers
-from ..model import Decoder
 from . import layouts
 from .ring import RingStats, ring_attention, ring_gated_attention
+from .ring_blocks import Pattern, pattern_from
 
 IGNORE = -100  # target of a position with no next token (or masked out of the loss)
 
@@ -108,9 +111,15 @@ def mean_over_ranks(x: torch.Tensor | float, group=None) -> float:
 
 def check_supported(model: torch.nn.Module) -> None:
     """Raise ``NotImplementedError`` (one line) naming every layer whose mechanism cannot run context-parallel
-    (its class, its config's kind and its ``context_parallel_refusal()``)."""
+    (its class, its config's kind and its ``context_parallel_refusal()``), and what the model itself says
+    (a host's own ``context_parallel_refusal()``, e.g. a Hugging Face model with layers left unconverted)."""
     bad = [f"layer {i}: {type(m).__name__} ({getattr(m.cfg, 'kind', '?')}): {why}"
            for i, m in enumerate(mechanism_layers(model)) if (why := m.context_parallel_refusal()) is not None]
+    if not mechanism_layers(model):
+        bad.append("it has no attention mechanism to run through the ring (convert it first)")
+    host = getattr(model, "context_parallel_refusal", None)
+    if host is not None and (why := host()) is not None:
+        bad.insert(0, f"{type(model).__name__}: {why}")
     if bad:
         raise NotImplementedError("context parallelism cannot run " + "; ".join(bad))
 
@@ -122,9 +131,7 @@ class _RingForward:
     the mechanism's ``context_parallel_plan``."""
 
     mech: torch.nn.Module
-    group: object
-    layout: str
-    stats: RingStats | None
+    cp: "ContextParallel"
 
     def __call__(self, q, k, v, call: AttentionCall, cache=None):
         name = type(self.mech).__name__
@@ -132,22 +139,28 @@ class _RingForward:
             raise NotImplementedError(f"{name} under context parallelism: a KV cache is not supported (decode "
                                       "without context_parallel)")
         if call.segment_starts is not None:
-            raise NotImplementedError(f"{name} under context parallelism: segment_starts (padding, packed "
-                                      "documents) are not supported")
+            raise NotImplementedError(f"{name} under context parallelism: pass segment starts (padding, packed "
+                                      "documents) to cp.shard, not to the model")
         if call.attend is not None:
             raise NotImplementedError(f"{name} under context parallelism: a host softmax with terms of its own "
                                       "(sinks, soft-capping) is not supported")
-        plan = self.mech.context_parallel_plan(call, q.shape[2] * dist.get_world_size(self.group))
-        kw = dict(group=self.group, layout=self.layout, scale=call.scale, stats=self.stats, scores=plan.scores)
+        cp = self.cp
+        plan = self.mech.context_parallel_plan(call, q.shape[2] * cp.world)
+        kw = dict(group=cp.group, layout=cp.layout, scale=call.scale, stats=cp.stats, scores=plan.scores)
         if getattr(plan, "far", None) is not None:  # distant keys that travel in a compact form (DAR's latents)
+            if cp.segments is not None:
+                raise NotImplementedError(f"{name} under context parallelism: segments (padding, packed documents) "
+                                          "with distant keys sent in a compact form are not supported")
             from .ring_far import ring_far_attention
 
             return ring_far_attention(q, k, v, plan, **kw), plan.routing
+        reads, local = (None if p is None else cp.within_segments(p, q.shape[0], q.shape[1])
+                        for p in (plan.reads, plan.local))
         if plan.gate is None:
-            return ring_attention(q, k, v, plan.reads, **kw), plan.routing
-        if plan.local is None:
+            return ring_attention(q, k, v, reads, **kw), plan.routing
+        if local is None:
             raise ValueError(f"{name}.context_parallel_plan gave a gate without the local predicate")
-        return ring_gated_attention(q, k, v, plan.gate, plan.reads, plan.local, **kw), plan.routing
+        return ring_gated_attention(q, k, v, plan.gate, reads, local, **kw), plan.routing
 
 
 @dataclass
@@ -159,9 +172,36 @@ class ContextParallel:
     rank: int
     world: int
     stats: RingStats | None = None
+    # int64 [batch, n]: the segment starts of the whole sequences now sharded (``cp.shard``), or None
+    segments: torch.Tensor | None = None
 
-    def shard(self, ids: torch.Tensor, loss_mask: torch.Tensor | None = None) -> ShardBatch:
+    def shard(self, ids: torch.Tensor, loss_mask: torch.Tensor | None = None,
+              segment_starts: torch.Tensor | None = None) -> ShardBatch:
+        """This rank's share of ids [batch, n] (``shard_batch``). ``segment_starts`` [batch, n] of the whole
+        sequences (``allhere.masks.starts_from``: packed documents, padding) are kept for the ring, which
+        then masks every block to its segments, until the next ``shard``; take this rank's part of them
+        with ``cp.cut(segment_starts)`` where the model needs it (e.g. positions that restart per document)."""
+        if segment_starts is not None and segment_starts.shape != ids.shape:
+            raise ValueError(f"segment_starts must be [batch, tokens] = {tuple(ids.shape)}, got "
+                             f"{tuple(segment_starts.shape)}")
+        self.segments = segment_starts
         return shard_batch(ids, self.layout, self.rank, self.world, loss_mask)
+
+    def cut(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a [batch, n] tensor of whole sequences."""
+        return layouts.shard(x, self.layout, self.world, self.rank, dim=1)
+
+    def within_segments(self, pred, batch: int, heads: int) -> Pattern:
+        """``pred`` (a predicate or ``Pattern``) restricted to the segments of the batch being run; blocks are
+        still skipped by ``pred``'s own test (a segment only removes scores, and every rank must agree)."""
+        pattern = pattern_from(pred, batch=batch, heads=heads)
+        if self.segments is None:
+            return pattern
+        if self.segments.shape[0] != batch:
+            raise ValueError(f"the segment starts given to cp.shard are for {self.segments.shape[0]} sequences, the "
+                             f"layer runs {batch}")
+        return Pattern(f"{pattern.name}_in_segments", and_masks(pattern.pred, within_segments(self.segments)),
+                       pattern.block_kept, batch, pattern.heads)
 
     def loss(self, out, targets: torch.Tensor, lam: float) -> Loss:
         return context_parallel_loss(out, targets, lam, self.group)
@@ -182,46 +222,52 @@ def context_parallel(model: torch.nn.Module, group=None, layout: str = "zigzag",
     mechs = mechanism_layers(model)
     if any("forward" in vars(m) for m in mechs):
         raise RuntimeError("context_parallel is already active on this model")
-    hook = None
-    if isinstance(model, Decoder):  # a shard needs its absolute positions
-        hook = model.register_forward_pre_hook(_require_positions, with_kwargs=True)
+    hook = model.register_forward_pre_hook(_require_positions, with_kwargs=True)  # a shard needs its positions
+    cp = ContextParallel(group, layout, dist.get_rank(group), dist.get_world_size(group), stats)
     try:
         for m in mechs:
-            m.forward = _RingForward(m, group, layout, stats)
-        yield ContextParallel(group, layout, dist.get_rank(group), dist.get_world_size(group), stats)
+            m.forward = _RingForward(m, cp)
+        yield cp
     finally:
         for m in mechs:
             vars(m).pop("forward", None)
-        if hook is not None:
-            hook.remove()
+        hook.remove()
 
 
 def _require_positions(module, args, kwargs):
-    if kwargs.get("positions") is None and len(args) < 4:
+    if kwargs.get("positions") is None:
         raise ValueError("under context_parallel, call the model with positions= (the shard's absolute "
                          "positions, from cp.shard / shard_batch): otherwise its rotary angles are wrong")
-    if kwargs.get("cache") is not None or (len(args) > 1 and args[1] is not None):
-        raise NotImplementedError("context_parallel does not decode with a KV cache")
+    if kwargs.get("cache") is not None or len(args) > 1:
+        raise NotImplementedError("under context_parallel, call the model as model(ids, positions=...): no KV "
+                                  "cache, no other positional arguments")
     return None
 
 
 def check_trainable(model: torch.nn.Module, layout: str) -> None:
-    """What ``allhere.train.train(..., context_parallel=layout)`` checks before it starts."""
+    """What ``allhere.train.train(..., context_parallel=layout)`` checks before it starts: the layout, and
+    every layer of the model (``check_supported``)."""
     layouts.check_layout(layout)
-    if not isinstance(model, Decoder):
-        raise NotImplementedError(f"context parallelism runs allhere's Decoder only, not {type(model).__name__}")
     check_supported(model)
 
 
 def shard_loss(model: torch.nn.Module, ids: torch.Tensor, lam: float, layout: str, loss_mask=None, autocast=None,
-               group=None, **kwargs) -> Loss:
+               group=None, segment_starts: torch.Tensor | None = None) -> Loss:
     """One micro-batch of context-parallel training: the forward pass of this rank's shard of ids [batch, n]
     under ``context_parallel`` and its ``context_parallel_loss`` (mean over ranks = the one-process loss);
-    backpropagate ``total`` on every rank of the group, then average the gradients over it."""
-    if kwargs.get("segment_starts") is not None:
-        raise NotImplementedError("context parallelism does not support segment_starts (padding, packed documents)")
+    backpropagate ``total`` on every rank of the group, then average the gradients over it.
+
+    ``segment_starts`` [batch, n] (packed documents) restrict every layer's attention to its document, as
+    in one process; a model whose positions restart with every document (``rope_restarts_at_segments``:
+    Hugging Face models trained on packed data) also gets this rank's part of them. Padding (starts -1) is
+    refused: its tokens would count in L_reg here, not in one process."""
+    if segment_starts is not None and bool((segment_starts < 0).any()):
+        raise NotImplementedError("context parallelism takes packed documents, not padding (segment starts -1)")
     with context_parallel(model, group, layout) as cp:
-        ids, pos, targets = cp.shard(ids, loss_mask)
+        ids, pos, targets = cp.shard(ids, loss_mask, segment_starts)
+        kwargs = {}
+        if segment_starts is not None and getattr(model, "rope_restarts_at_segments", False):
+            kwargs["segment_starts"] = cp.cut(segment_starts)
         with autocast if autocast is not None else contextlib.nullcontext():
-            out = model(ids, positions=pos)
+            out = model(ids, positions=pos, **kwargs)
         return cp.loss(out, targets, lam)

@@ -12,7 +12,8 @@ from ..routing import set_forced_gate  # noqa: E402
 from .cache import cache_nbytes, new_cache  # noqa: E402
 from .convert import attention_layers, collect_routing, convert, converted_mechanism, global_share  # noqa: E402
 from .io import load_pretrained, save_pretrained  # noqa: E402
-from .sft import HFCausalLM, sft  # noqa: E402
+from .causal_lm import HFCausalLM  # noqa: E402
+from .sft import sft  # noqa: E402
 
 __all__ = ["HFCausalLM", "attention_layers", "cache_nbytes", "collect_routing", "convert", "converted_mechanism", "global_share",
            "load_pretrained", "new_cache", "save_pretrained", "set_forced_gate", "sft"]

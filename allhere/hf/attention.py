@@ -17,7 +17,8 @@ gets that layer's view of the call as ``cache``.
 
 Sequence boundaries: the registered mask function builds transformers' usual mask once per forward (one
 per layer type: full and sliding); the segment starts are read off it (``allhere.masks.segment_starts``)
-once, by the first converted layer that needs them (``SegmentMask``).
+once, by the first converted layer that needs them (``SegmentMask``). A context-parallel shard
+(``SHARD_POSITIONS`` set) gets no mask: its mechanisms run through the ring, which masks by position.
 
 Layers without a mechanism (a hybrid model's sliding-window layers, by default) run the attention
 function the model had before conversion (``HOST_IMPL``: SDPA, or the model's own eager function, which
@@ -26,6 +27,7 @@ computes gpt-oss's sinks and Gemma-2's soft-capping) on the mask transformers bu
 
 from __future__ import annotations
 
+import contextvars
 import sys
 
 import torch
@@ -42,6 +44,9 @@ SUBMODULE = "allhere"  # the mechanism's name inside the attention module
 SOFTMAX_TERMS = ("s_aux", "softcap")  # what hosts pass for softmax terms beyond scaled scores (sinks, capping)
 HOST_IMPL = "allhere_host_attention"  # attribute of every attention module: "sdpa" or "eager" for its layer
 _CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # by transformers version and family
+# int64 [n]: while set, the model runs a shard of longer sequences at these absolute positions (context
+# parallelism, set by ``HFCausalLM``): no mask is built, the mechanisms get the positions and the ring masks.
+SHARD_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("allhere_shard_positions", default=None)
 
 
 class SegmentMask:
@@ -61,7 +66,10 @@ class SegmentMask:
 
 
 def mask_function(*args, **kwargs):
-    """transformers mask-interface signature: SDPA's boolean mask (None: plain causal attention)."""
+    """transformers mask-interface signature: SDPA's boolean mask (None: plain causal attention; always
+    None for a context-parallel shard, whose mask the ring builds from absolute positions)."""
+    if SHARD_POSITIONS.get() is not None:
+        return None
     dense = sdpa_mask(*args, **kwargs)
     return None if dense is None else SegmentMask(dense)
 
@@ -178,6 +186,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     elif attention_mask is not None:
         raise NotImplementedError(f"allhere attention got a mask it did not build ({type(attention_mask).__name__})")
     call = AttentionCall(x=_hidden_states(args, call_kwargs), segment_starts=starts, scale=scaling, attend=attend,
+                         positions=SHARD_POSITIONS.get(),
                          project_kv=lambda h, positions=None: project_kv(module, args, call_kwargs, rotary, h,
                                                                          positions))
     host_cache, cache = _host_cache(call_kwargs), None

@@ -14,61 +14,22 @@ the published dtype (config.json ``torch_dtype``), so it is as large as the mode
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ..config import TrainConfig
 from ..distributed.checkpoint import full_state_dict
 from ..distributed.env import detect
 from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversation
 from ..mechanisms import AHAConfig, DARConfig
-from ..model import DecoderOutput
-from ..routing import routed_layers
 from ..runlock import run_lock
 from ..train import train
 from ..validation import ConfigError
-from .convert import collect_routing, convert, converted_mechanism
+from .causal_lm import HFCausalLM
+from .convert import convert, converted_mechanism
 from .io import check_causal_lm, load_local, save_pretrained, saved_dtype
-
-
-class _ConfigView:
-    def __init__(self, config) -> None:
-        self.config = config
-
-    def to_dict(self) -> dict:
-        return {"transformers_config": json.loads(self.config.to_json_string())}
-
-
-class HFCausalLM(nn.Module):
-    """Gives a transformers causal LM (converted or plain) the call interface of ``allhere.Decoder``."""
-
-    def __init__(self, model) -> None:
-        super().__init__()
-        self.hf = model
-        self.cfg = _ConfigView(model.config)
-
-    def forward(self, input_ids: torch.Tensor, segment_starts: torch.Tensor | None = None) -> DecoderOutput:
-        """segment_starts [batch, tokens] (``allhere.masks.starts_from``) become what transformers reads:
-        position ids that restart with every document, or a padding mask; transformers builds its mask
-        from them, and the converted layers read the segments back off it, once per forward.
-        (transformers recognises packed documents only without a padding mask, so a batch cannot have
-        both.)"""
-        kwargs = {}
-        if segment_starts is not None:
-            idx = torch.arange(input_ids.shape[1], device=input_ids.device)
-            kwargs["position_ids"] = (idx - segment_starts).clamp_min(0)
-            padding = segment_starts < 0
-            if bool(padding.any()):
-                first = torch.where(padding, input_ids.shape[1], segment_starts).min(1).values
-                if bool((padding.any(1) & (segment_starts.max(1).values > first)).any()):
-                    raise ValueError("a Hugging Face model takes padding or packed documents in one row, not both")
-                kwargs["attention_mask"] = (~padding).long()
-        out = self.hf(input_ids=input_ids, use_cache=False, **kwargs)
-        return DecoderOutput(out.logits, collect_routing(self.hf) if routed_layers(self.hf) else None, None)
 
 
 def _continue_or_convert(model, mech, layers):
