@@ -19,6 +19,7 @@ import torch
 from .checkpoint import CheckpointError, read_checkpoint, restore_model, restore_optimizer, save_checkpoint
 from .config import TrainConfig
 from .distributed.context import check_trainable as check_context_parallel, shard_loss
+from .distributed.env import detect
 from .distributed.training import distributed_run
 from .interrupt import Interrupted, stop_signals
 from .losses import training_loss
@@ -101,7 +102,8 @@ def adapt_lam(lam: float, mu_f: float, cfg: TrainConfig) -> float:
 
 def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | Path, resume: bool = False,
           eval_fn: EvalFn | None = None, progress: bool = True, extra_state: dict | None = None,
-          train_only: str | None = None, context_parallel: str | None = None) -> dict:
+          train_only: str | None = None, context_parallel: str | None = None,
+          context_parallel_size: int | None = None) -> dict:
     """Train ``model`` in place; checkpoint to ``ckpt_path``; return the final state (history, metrics).
 
     ``model``: our ``Decoder`` or anything with its call interface (``allhere.hf.HFCausalLM``).
@@ -113,10 +115,12 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     FSDP2, each rank takes its share of every step's micro-batches (same global batch, same gradient),
     checkpoints are sharded (``ckpt_path`` with suffix ``.dcp``) and the final model is exported to
     ``ckpt_path``; only rank 0 writes files and shows progress. With one process nothing of this runs.
-    ``context_parallel`` ("zigzag" or "contiguous"): instead of dealing out micro-batches, every rank takes
-    every micro-batch and splits each sequence over all ranks with that layout; attention runs through the
-    ring (``allhere.distributed.context``; full, sliding, AHA and the pattern mechanisms, no segment_starts).
-    The gradient and the logged losses are the one-process ones. With one process it changes nothing.
+    ``context_parallel`` ("zigzag" or "contiguous"): the ranks form a dp x cp mesh with cp =
+    ``context_parallel_size`` (default: all of them); each micro-batch goes to one data-parallel replica,
+    whose cp ranks split each sequence with that layout, attention running through the ring
+    (``allhere.distributed.context``: every mechanism that declares a ring plan; packed documents, no
+    padding). The gradient and the logged losses are the one-process ones. With one process it changes
+    nothing.
 
     No other process may write ``ckpt_path``'s folder meanwhile (``allhere.runlock.RunLocked``). SIGINT
     (Ctrl-C) or SIGTERM during the loop: the step in flight is finished and checkpointed, then
@@ -126,14 +130,21 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     ckpt_path = Path(ckpt_path)
     with run_lock(ckpt_path.parent):
         return _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_state, train_only,
-                      context_parallel)
+                      context_parallel, context_parallel_size)
 
 
-def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_state, train_only, context_parallel):
-    run = distributed_run(cfg.device)  # None with one process
+def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_state, train_only, context_parallel,
+           context_parallel_size):
     if context_parallel is not None:
         check_context_parallel(model, context_parallel)
-    cp = None if run is None else context_parallel  # the layout of context-parallel training, or None
+        env = detect()
+        size = context_parallel_size or (1 if env is None else env.world)
+    elif context_parallel_size not in (None, 1):
+        raise ConfigError(f"context_parallel_size = {context_parallel_size} without a context_parallel layout")
+    else:
+        size = 1
+    run = distributed_run(cfg.device, size)  # None with one process
+    cp = None if run is None or run.cp == 1 else context_parallel  # the layout of context-parallel training, or None
     device = cfg.device if run is None else run.device
     model.to(device)
     for name, p in model.named_parameters():  # stage-wise training (e.g. only a new bottleneck first)
@@ -180,13 +191,13 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
                 group["lr"] = lr_at(cfg, step) * group["lr_mult"]
             sums = {"loss": 0.0, "lm": 0.0, "mu_f": 0.0}
             # this rank's share of the step's micro-batches
-            micros = range(cfg.grad_accum) if run is None or cp else run.micro_batches(cfg.grad_accum)
-            share = cfg.grad_accum * (run.env.world if cp else 1)  # context parallel: every rank logs 1/world
+            micros = range(cfg.grad_accum) if run is None else run.micro_batches(cfg.grad_accum)
+            share = cfg.grad_accum * (run.cp if cp else 1)  # context parallel: every cp rank logs 1/cp
             for micro in micros:
                 batch = batches(step, micro, step_generator(cfg.seed, step, micro))
                 ids, loss_mask, kwargs = unpack_batch(batch, device)
                 if cp:  # this rank's shard of every sequence
-                    loss = shard_loss(model, ids, lam, cp, loss_mask, autocast, **kwargs)
+                    loss = shard_loss(model, ids, lam, cp, loss_mask, autocast, run.cp_group, **kwargs)
                 else:
                     with autocast:
                         out = forward(ids, **kwargs)

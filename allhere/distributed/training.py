@@ -1,6 +1,9 @@
-"""The hooks ``allhere.train.train`` calls in a torchrun job with more than one process: data-parallel
-FSDP2 training where every rank takes its share of each step's micro-batches, so the global batch --
-and the gradient -- is the one process's."""
+"""The hooks ``allhere.train.train`` calls in a torchrun job with more than one process: FSDP2 training
+where the ranks form a 2-D mesh, data parallel x context parallel (dp x cp = world; row-major, so the cp
+ranks of one data-parallel replica are neighbours). Each data-parallel replica takes its share of each
+step's micro-batches; the cp ranks of a replica split each of its sequences and run attention through the
+ring. The parameters are sharded over all ranks, and FSDP's mean of the gradients over all of them is the
+one-process gradient of the global batch (``allhere.distributed.context`` weights each rank's loss so)."""
 
 from __future__ import annotations
 
@@ -15,9 +18,18 @@ from .fsdp import shard_model
 
 
 class DistributedRun:
-    def __init__(self, env: DistEnv, device: str) -> None:
+    def __init__(self, env: DistEnv, device: str, context_parallel: int = 1) -> None:
+        if context_parallel < 1 or env.world % context_parallel:
+            raise ValueError(f"context parallel size {context_parallel} must divide the {env.world} processes")
         self.env = env
         self.device = init(env, device)
+        self.cp, self.dp = context_parallel, env.world // context_parallel
+        self.cp_group, self.dp_rank = None, env.rank  # one process per replica: no ring
+        if context_parallel > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(torch.device(self.device).type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+            self.cp_group, self.dp_rank = mesh.get_group("cp"), mesh.get_local_rank("dp")
 
     @property
     def main(self) -> bool:
@@ -27,14 +39,16 @@ class DistributedRun:
         return shard_model(model, self.device)
 
     def micro_batches(self, grad_accum: int) -> range:
-        """This rank's micro-batch indices of a step: r, r + d, r + 2d, ... Each rank divides its loss by
-        its own count and FSDP averages the gradients over ranks, so the step's gradient is the mean over
-        all grad_accum micro-batches, as with one process."""
-        if grad_accum % self.env.world:
-            raise ValueError(f"grad_accum = {grad_accum} micro-batches per step cannot be shared evenly by "
-                             f"{self.env.world} processes: choose a global batch / batch size whose quotient "
-                             f"is a multiple of {self.env.world}")
-        return range(self.env.rank, grad_accum, self.env.world)
+        """This rank's micro-batch indices of a step: r, r + d, r + 2d, ... for data-parallel replica r of d
+        (every cp rank of a replica takes the same ones). Each rank divides its loss by its own count and
+        FSDP averages the gradients over ranks, so the step's gradient is the mean over all grad_accum
+        micro-batches, as with one process."""
+        if grad_accum % self.dp:
+            what = f"{self.dp} data-parallel replicas" + (f" ({self.env.world} processes / context parallel "
+                                                          f"{self.cp})" if self.cp > 1 else " (processes)")
+            raise ValueError(f"grad_accum = {grad_accum} micro-batches per step cannot be shared evenly by {what}: "
+                             f"choose a global batch / batch size whose quotient is a multiple of {self.dp}")
+        return range(self.dp_rank, grad_accum, self.dp)
 
     def sum(self, values: dict[str, float]) -> dict[str, float]:
         """The logged per-step sums over every rank's micro-batches."""
@@ -67,7 +81,13 @@ class DistributedRun:
         sharded.export(ckpt_path, model, state, self.env)
 
 
-def distributed_run(device: str) -> DistributedRun | None:
-    """A ``DistributedRun`` when this process is one of several torchrun workers, else None."""
+def distributed_run(device: str, context_parallel: int = 1) -> DistributedRun | None:
+    """A ``DistributedRun`` when this process is one of several torchrun workers, else None. ``context_parallel``:
+    the ranks that split each sequence (the rest of the world is data parallel)."""
     env = detect()
-    return None if env is None else DistributedRun(env, device)
+    if env is None:
+        if context_parallel > 1:
+            raise ValueError(f"context parallel size {context_parallel} needs as many processes (start it with "
+                             f"torchrun --nproc-per-node {context_parallel} or a multiple of it)")
+        return None
+    return DistributedRun(env, device, context_parallel)
