@@ -22,13 +22,15 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 
 def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 already shards ``model`` or a module inside it (e.g. the transformers model that
+    ``allhere.hf.HFCausalLM`` wraps, loaded by ``allhere.hf.sharded_load``)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def shard_model(model: nn.Module, device: str) -> nn.Module:
-    """Shard ``model`` in place over the default process group (a no-op if it already is)."""
+    """Shard ``model`` in place over the default process group (a no-op if it, or a module inside it, already is)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if is_sharded(model):
