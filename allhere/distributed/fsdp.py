@@ -29,8 +29,9 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def shard_model(model: nn.Module, device: str) -> nn.Module:
-    """Shard ``model`` in place over the default process group (a no-op if it, or a module inside it, already is)."""
+def shard_model(model: nn.Module, device: str, mesh=None) -> nn.Module:
+    """Shard ``model`` in place over ``mesh`` (a 1-D DeviceMesh; default: every rank of the default process
+    group); a no-op if it, or a module inside it, already is sharded."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if is_sharded(model):
@@ -38,6 +39,6 @@ def shard_model(model: nn.Module, device: str) -> nn.Module:
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if device.startswith("cuda") else MixedPrecisionPolicy())
     for block in blocks_of(model):
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model

@@ -15,6 +15,7 @@ and the mechanism goes on the full-attention layers (``layers="full"``, the defa
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Sequence
 from functools import cache, partial
@@ -268,7 +269,7 @@ def conversion_notes(config, layers: str | Sequence[int] = "full") -> list[str]:
     return notes
 
 
-def convert(model, cfg, layers: str | Sequence[int] = "full"):
+def convert(model, cfg, layers: str | Sequence[int] = "full", seed: int | None = None):
     """Turn ``model`` (a transformers causal LM whose attention goes through transformers' attention
     interface) into its version with mechanism ``cfg`` (any registered config: ``AHAConfig``,
     ``DARConfig``, ...), in place; returns the model.
@@ -284,7 +285,9 @@ def convert(model, cfg, layers: str | Sequence[int] = "full"):
 
     The mechanism's own weights start as it initialises them: AHA's "global" router init (the default)
     and DAR's orthonormal bottleneck with d_down = d make the converted model compute what the original
-    computed.
+    computed. ``seed``: None draws any random part of that initialisation from the global generator (as
+    ever); an int initialises layer i's mechanism from its own seed ``layer_seed(seed, i)`` alone
+    (``init_mechanism``), whatever ran before: what a sharded load (``allhere.hf.sharded_load``) gives.
 
     KV cache: transformers' own (every key kept; a sliding layer's rolling one) for mechanisms that decode
     with it; a mechanism with its own cache layer (``new_hf_cache_layer``: DAR's compressed cache) gets it
@@ -299,6 +302,9 @@ def convert(model, cfg, layers: str | Sequence[int] = "full"):
     _check_window(model, cfg)
     dims = dims_of(model.config)
     built = {i: entry.module(cfg, dims) for i in chosen}
+    if seed is not None:
+        for i, mech in built.items():
+            init_mechanism(mech, seed, i)
     first = built[chosen[0]]
     if not entry.module.hf_support or first.q_extra_rows is not None:
         raise ConfigError(f"mechanism {cfg!r} cannot live in a Hugging Face attention module"
@@ -328,6 +334,37 @@ def convert(model, cfg, layers: str | Sequence[int] = "full"):
     setattr(config, LAYERS_KEY, chosen)
     model.set_attn_implementation(ATTN_NAME)
     return model
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """The seed of layer ``index``'s mechanism in a conversion with ``seed``: a hash of both, so layers and
+    seeds draw unrelated numbers."""
+    digest = hashlib.sha256(f"allhere-mechanism:{int(seed)}:{int(index)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def init_mechanism(mech: torch.nn.Module, seed: int, index: int) -> torch.nn.Module:
+    """Initialise ``mech`` (on the CPU, before it is cast or moved) as layer ``index`` of a conversion with
+    ``seed``, from that seed alone (the global generator is left as it was): every submodule's own
+    ``reset_parameters`` (an ``nn.Linear``'s default init), then the mechanism's. A parameter neither sets
+    (still NaN, as it is filled first) is an error: it would differ from one process to the next."""
+    params = dict(mech.named_parameters())
+    if any(p.device.type != "cpu" for p in params.values()):
+        raise ValueError("init_mechanism initialises a mechanism on the CPU, before it is moved")
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(layer_seed(seed, index))
+        for p in params.values():
+            p.fill_(float("nan"))
+        for sub in mech.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if sub is not mech and callable(reset):
+                reset()
+        mech.reset_parameters()
+    unset = [name for name, p in params.items() if p.is_floating_point() and bool(p.isnan().any())]
+    if unset:
+        raise ValueError(f"{type(mech).__name__}.reset_parameters leaves {unset[0]} unset; a seeded conversion "
+                         "needs every mechanism weight initialised there")
+    return mech
 
 
 def converted_mechanism(model):

@@ -1,0 +1,385 @@
+"""Load a Hugging Face causal LM (plain, or saved converted by allhere) straight into FSDP2 shards: no rank
+ever holds the whole model.
+
+``load_sharded`` runs on every rank of an initialised process group (torchrun; gloo on CPU, NCCL on GPUs):
+
+1. the folder is checked as ``allhere.hf.load_local`` checks it (same errors), every weight file's header
+   is read (names, shapes; nothing else) and matched to the model before anything is allocated;
+2. the model is built on the meta device, converted there (the saved mechanism of a folder saved converted,
+   else ``mechanism`` on ``layers``), and sharded with FSDP2 as ``allhere.distributed.fsdp.shard_model``
+   shards it (each transformer block, then the root);
+3. ``to_empty`` allocates each rank's shards, and each parameter's local rows are read from the safetensors
+   files (``safe_open(...).get_slice(name)[start:stop]``, one tensor's file mapping open at a time); the
+   non-persistent buffers (rotary frequencies, rope scaling included) are recomputed by transformers' own
+   ``_init_weights``, checked to be all set;
+4. mechanism weights a plain checkpoint lacks (routers, bottlenecks) are initialised on the CPU as
+   ``convert(..., seed=seed)`` initialises them (``init_mechanism``), each rank keeping its rows: the model
+   equals ``load_local`` + ``convert(model, mechanism, layers, seed=seed)`` on one process.
+
+Why safetensors slices rather than DCP's ``HuggingFaceStorageReader``: the reader wants a state dict of the
+checkpoint's names and dtypes, has no place for weights that are not in the files (mechanism weights of a
+plain checkpoint, a tied head) and reads whole tensors where a slice is all a rank needs.
+
+The measured peak of the resident memory during the load comes back as ``model.allhere_load_report``
+(``LoadReport``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .. import registry
+from ..checkpoint import CheckpointError
+from ..distributed.fsdp import shard_model
+from ..validation import ConfigError
+from .attention import SUBMODULE
+from .convert import CONFIG_KEY, LAYERS_KEY, convert, dims_of, init_mechanism
+
+LEGACY_SUBMODULES = ("aha", "dar")  # the mechanism's submodule name in files saved by earlier versions
+CHUNK_BYTES = 16 << 20  # the most of one tensor read from a file at a time
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What one rank's load cost."""
+
+    rank: int  # this process's rank in the default group
+    world: int  # ranks in the default group
+    peak_rss_delta_bytes: int  # highest resident memory during the load minus the resident memory before it
+    full_model_bytes: int  # every parameter of the whole model in the loaded dtype (a tied one once)
+    local_bytes: int  # the parameter bytes of this rank's shards
+    seconds: float  # wall time of the load
+    peak_source: str  # how the peak was measured: "VmHWM" (kernel high-water mark, reset first) or "sampled"
+
+
+class PeakRSS:
+    """The peak resident memory of this process inside a ``with`` block, relative to its start: the
+    kernel's high-water mark (VmHWM, reset on entry through /proc/self/clear_refs) where it can be reset,
+    otherwise a thread sampling /proc/self/statm every millisecond (which can miss short peaks), together
+    with ``getrusage``'s maxrss where that grew. After the block: ``before``, ``peak``, ``delta`` in bytes."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval = interval
+        self.before = self.peak = 0
+        self.source = "sampled"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def current() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    @staticmethod
+    def _hwm() -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.current())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "PeakRSS":
+        self.before = self.peak = self.current()
+        self._maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+            hwm = self._hwm()
+            self.source = "VmHWM" if hwm is not None and hwm <= self.before + (1 << 20) else "sampled"
+        except OSError:
+            self.source = "sampled"
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.current())
+        if self.source == "VmHWM":
+            self.peak = max(self.peak, self._hwm() or 0)
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if maxrss > self._maxrss:  # the process's all-time peak was set inside the block: it is this peak
+            self.peak = max(self.peak, maxrss)
+
+    @property
+    def delta(self) -> int:
+        return self.peak - self.before
+
+
+def load_sharded(model_path: str | Path, mechanism=None, layers="full", dtype: torch.dtype | str = torch.float32,
+                 device: str | torch.device = "cpu", seed: int = 0, mesh=None):
+    """(tokenizer, model) of the folder ``model_path``, the model sharded with FSDP2 over ``mesh`` (a
+    DeviceMesh; default: every rank of the default group) on ``device``, its weights in ``dtype`` ("auto": as
+    saved). Call it
+    on every rank. A folder saved converted by allhere loads with its saved mechanism and weights (a
+    ``mechanism`` asked for is then ignored, as ``load_local`` ignores it); a plain one is converted with
+    ``mechanism`` on ``layers`` (None: left plain), the new weights initialised as
+    ``convert(..., seed=seed)`` initialises them. The model comes in eval mode, as ``from_pretrained``
+    gives it, with ``model.allhere_load_report`` (``LoadReport``) of this rank.
+
+    ConfigError for a folder that is no causal LM allhere can convert, or in the AHA authors' format;
+    CheckpointError naming the file for a missing or corrupt weight file, or a tensor that is missing or
+    has another shape than the config gives it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("load_sharded runs on every rank of an initialised process group "
+                           "(torch.distributed.init_process_group, e.g. under torchrun)")
+    start = time.perf_counter()
+    with PeakRSS() as peak:
+        tokenizer, model, local_bytes = _load(Path(model_path), mechanism, layers, dtype, torch.device(device),
+                                              seed, mesh)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.allhere_load_report = LoadReport(dist.get_rank(), dist.get_world_size(), peak.delta, full, local_bytes,
+                                           time.perf_counter() - start, peak.source)
+    return tokenizer, model
+
+
+def _tokenizer(p: Path, config):
+    """The folder's tokenizer, as ``load_local`` loads it."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True, config=config, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{p} has no tokenizer transformers can load: {e}") from None
+
+
+def _load(p: Path, mechanism, layers, dtype, device, seed, mesh):
+    from .faolmo import read_config as faolmo_config
+    from .io import check_causal_lm, saved_dtype, saved_mechanism
+
+    if (p / "config.json").exists() and faolmo_config(p) is not None:
+        raise ConfigError(f"{p} is in the AHA authors' (faolmo) format, which load_sharded does not read; load it "
+                          "with allhere.hf.load_local and save it with allhere.hf.save_pretrained first")
+    config = check_causal_lm(p, convertible=mechanism is not None, layers=layers, mechanism=mechanism)
+    if dtype == "auto":  # the dtype the weights were saved in, as load_local's "auto"
+        dtype = saved_dtype(config, p)
+    elif isinstance(dtype, str):
+        name, dtype = dtype, getattr(torch, dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"dtype must be a torch dtype, its name or 'auto', got {name!r}")
+    tokenizer = _tokenizer(p, config)
+    saved = saved_mechanism(config)
+    model = _meta_model(config, dtype)
+    if saved is not None:
+        convert(model, saved, layers=getattr(config, LAYERS_KEY, None) or "full")
+    elif mechanism is not None:
+        convert(model, mechanism, layers=layers)
+    sources = _sources(p, model, from_files=saved is not None)
+    buffers = _buffers(model)
+    shard_model(model, str(device), mesh)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+    try:
+        local, error = _fill(p, model, sources, seed), None
+    except Exception as e:  # a rank that cannot fill its shards: every rank raises, none waits forever
+        local, error = 0, e
+    _agree(device, error)
+    _tie_check(model)
+    if (p / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(p), local_files_only=True)
+    return tokenizer, model.eval(), local
+
+
+def _meta_model(config, dtype):
+    """The model of ``config`` on the meta device in ``dtype``, as ``from_pretrained`` builds it (SDPA where
+    the family has it)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _buffers(model) -> dict[str, torch.Tensor]:
+    """The non-persistent buffers (rotary frequencies...) of the meta ``model``, computed on the CPU by
+    transformers' own ``_init_weights`` of the modules that hold them (what ``from_pretrained`` does); its
+    parameters, still on meta, are left as they are. ConfigError naming a buffer it leaves unset."""
+    owners = {}
+    for name, buf in model.named_buffers():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if leaf in module._non_persistent_buffers_set:
+            owners.setdefault(module_name, (module, []))[1].append(leaf)
+    out = {}
+    for module_name, (module, leaves) in owners.items():
+        for leaf in leaves:
+            buf = module._buffers[leaf]
+            module._buffers[leaf] = torch.full_like(buf, float("nan"), device="cpu") if buf.is_floating_point() \
+                else torch.zeros_like(buf, device="cpu")
+        model._init_weights(module)
+        for leaf in leaves:
+            value = module._buffers[leaf]
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            if value.is_floating_point() and bool(value.isnan().any()):
+                raise ConfigError(f"{type(model).__name__}: transformers' _init_weights does not compute the buffer "
+                                  f"{name}, so load_sharded cannot rebuild it; use allhere.hf.load_local")
+            out[name] = value.clone()
+    return out
+
+
+def _index(p: Path) -> dict[str, Path]:
+    """Tensor name -> weight file of the folder (model.safetensors, or the files of its index)."""
+    index = p / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+        return {k: p / f for k, f in weight_map.items()}
+    single = p / "model.safetensors"
+    if not single.exists():
+        raise CheckpointError(f"{p} has no model.safetensors (or index): save with safe serialization")
+    return {k: single for k in _header(single)}
+
+
+def _header(f: Path) -> dict[str, list[int]]:
+    """Name -> shape of every tensor in the safetensors file ``f`` (its header alone is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not f.exists():
+        raise CheckpointError(f"weight file {f} is missing")
+    try:
+        with safe_open(str(f), framework="pt") as fh:
+            return {k: list(fh.get_slice(k).get_shape()) for k in fh.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"weight file {f} is corrupt or not safetensors ({' '.join(str(e).split())[:200]})") \
+            from None
+
+
+def _sources(p: Path, model, from_files: bool) -> dict[str, tuple[str, Path] | None]:
+    """Parameter name -> (tensor name, file) it is read from, or None for a mechanism weight initialised
+    here (a plain checkpoint). Every file's header is checked first: CheckpointError for a missing or corrupt
+    file, a missing tensor, or one whose shape is not the parameter's."""
+    index = _index(p)
+    shapes = {f: _header(f) for f in sorted(set(index.values()))}
+    out: dict[str, tuple[str, Path] | None] = {}
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    for name, param in model.named_parameters():
+        mech = f".{SUBMODULE}." in name
+        if mech and not from_files:
+            out[name] = None
+            continue
+        names = aliases[id(param)]  # a tied head: whichever of its names the files hold
+        if mech:
+            names = names + [name.replace(f".{SUBMODULE}.", f".{kind}.") for kind in LEGACY_SUBMODULES]
+        key = next((k for k in names if k in index), None)
+        if key is None:
+            raise CheckpointError(f"{p}: the weight files lack {name}" + (f" (or {', '.join(names[1:])})"
+                                                                           if len(names) > 1 else ""))
+        f = index[key]
+        shape = shapes[f].get(key)
+        if shape is None:
+            raise CheckpointError(f"weight file {f} lacks {key}, which its index places there")
+        if shape != list(param.shape):
+            raise CheckpointError(f"weight file {f}: {key} has shape {shape}, the model's config gives "
+                                  f"{list(param.shape)}")
+        out[name] = (key, f)
+    return out
+
+
+def _local_slices(param) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """The local tensor of a parameter (a DTensor under FSDP2, or a plain tensor) and the slices of the
+    full tensor it holds."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.data, tuple(slice(0, n) for n in param.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = param.to_local()
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise RuntimeError(f"unexpected shard layout {param.placements}: local {tuple(local.shape)}, "
+                           f"computed {tuple(shape)}")
+    return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _read_into(local: torch.Tensor, f: Path, key: str, slices: tuple[slice, ...]) -> None:
+    """Copy rows ``slices`` of tensor ``key`` of file ``f`` into ``local`` (cast on the way), at most
+    ``CHUNK_BYTES`` of the file at a time, its mapping closed after each chunk: what this costs beyond the
+    shard is two chunks (the mapped pages and the read copy), not a tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    rows = slices[0]
+    per_row = max(1, local[:1].numel()) * max(4, local.element_size())  # a bound on the file's row bytes too
+    step = max(1, CHUNK_BYTES // per_row)
+    try:
+        for r in range(rows.start, rows.stop, step):
+            stop = min(rows.stop, r + step)
+            with safe_open(str(f), framework="pt") as fh:
+                part = fh.get_slice(key)[(slice(r, stop), *slices[1:])]
+            local[r - rows.start:stop - rows.start].copy_(part)
+            del part
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"weight file {f}: {key} could not be read ({' '.join(str(e).split())[:200]})") \
+            from None
+
+
+def _fill(p: Path, model, sources, seed: int) -> int:
+    """Write every parameter's local shard: rows read from the files, or the seeded mechanism init. Returns
+    the local parameter bytes."""
+    mechs = {}
+    if any(src is None for src in sources.values()):
+        cfg = registry.from_dict(getattr(model.config, CONFIG_KEY))
+        entry, dims = registry.of(cfg), dims_of(model.config)
+    total = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local, slices = _local_slices(param)
+            total += local.numel() * local.element_size()
+            src = sources[name]
+            if src is None:  # a mechanism weight: layer `index`'s mechanism as convert(seed=) builds it
+                attn_name, _, leaf = name.partition(f".{SUBMODULE}.")
+                index = model.get_submodule(attn_name).layer_idx
+                if index not in mechs:
+                    mechs = {index: init_mechanism(entry.module(cfg, dims), seed, index)}  # one layer at a time
+                full = mechs[index].get_parameter(leaf)
+                local.copy_(full[slices].to(local.dtype))
+            elif local.numel():
+                _read_into(local, src[1], src[0], slices)
+    return total
+
+
+def _tie_check(model) -> None:
+    """A tied head must still be the embedding's parameter after sharding and ``to_empty``."""
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        head = model.get_output_embeddings()
+        if head is not None and head.weight is not model.get_input_embeddings().weight:
+            raise RuntimeError("the output head lost its tie to the input embedding while sharding")
+
+
+def _agree(device: torch.device, error: Exception | None) -> None:
+    """Raise on every rank when one of them could not read its part of the weights (its own error on that
+    rank), so no rank goes on to a collective the others never join."""
+    import torch.distributed as dist
+
+    ok = torch.tensor([0 if error else 1], device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not int(ok.item()):
+        raise CheckpointError("another rank could not read its part of the weights (its error names the file)")
