@@ -199,4 +199,8 @@ def test_sft_refuses_chat_data_that_is_not_chat_and_its_own_model_folder(hf_fold
         assert "the input model's folder" in one_error_line(capsys, "sft")
     assert main(base + ["--data", str(hf_folders / "chat.jsonl"), "--out", str(tmp_path / "new"), "--resume"]) == 2
     assert "holds no run to continue" in one_error_line(capsys, "sft")
+    chat = ["--data", str(hf_folders / "chat.jsonl"), "--out", str(tmp_path / "cp")]
+    assert main(base + chat + ["--context-parallel", "2"]) == 2  # one process, no torchrun
+    assert "context parallel 2 needs a multiple of 2 processes" in one_error_line(capsys, "sft")
     assert sorted(p.name for p in model.iterdir()) == before and not (tmp_path / "run").exists()
+    assert not (tmp_path / "cp").exists()

@@ -202,6 +202,11 @@ def sft_arguments(p: argparse.ArgumentParser) -> None:
                    help="AHA: train lambda too, towards this share of full attention, 0 < x < 1 "
                         "(default: none, lambda fixed at --lam)")
     p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
+    p.add_argument("--context-parallel", type=a.positive, default=1, metavar="N",
+                   help="under torchrun: split each sequence over N ranks, attention through the ring (the "
+                        "processes form a (processes / N) data-parallel x N context-parallel mesh; default 1)")
+    p.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default="zigzag",
+                   help="how --context-parallel cuts a sequence: zigzag balances the causal work (default)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out where it stopped (default: start a new run)")
     a.progress_flag(p)
@@ -223,7 +228,7 @@ def sft(args) -> None:
                     lam=getattr(mech, "lam", 3e-4), tau=getattr(mech, "tau", 0.5), max_steps=args.max_steps,
                     device=args.device, resume=args.resume, progress=not args.no_progress,
                     d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr, target_mu_f=args.target_mu_f,
-                    layers=args.layers)
+                    layers=args.layers, context_parallel=args.context_parallel, cp_layout=args.cp_layout)
     from ..distributed.env import detect
 
     env = detect()
@@ -233,3 +238,8 @@ def sft(args) -> None:
     mu = f", mu_f {last['mu_f']:.3f}" if last.get("mu_f") is not None else ""
     mu += f", lambda {state['lam']:.3g}" if "lam" in state else ""
     print(f"{state['step']} steps; last step: loss {last['lm']:.4f}{mu}. Model saved to {args.out}/model")
+    if "load" in state:  # under torchrun: the sharded load's memory
+        load = state["load"]
+        print(f"loaded straight into {len(load['peak_rss_delta_bytes'])} FSDP2 shards: peak memory per rank at load "
+              f"{max(load['peak_rss_delta_bytes']) / 2**20:.1f} MiB (largest of the ranks, {load['measured_by']}), "
+              f"the whole model {load['full_model_bytes'] / 2**20:.1f} MiB")

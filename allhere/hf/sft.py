@@ -29,16 +29,14 @@ from ..train import train
 from ..validation import ConfigError
 from .causal_lm import HFCausalLM
 from .convert import convert, converted_mechanism
-from .io import check_causal_lm, load_local, save_pretrained, saved_dtype
+from .io import check_causal_lm, load_local, save_pretrained, saved_dtype, saved_mechanism
 
 
-def _continue_or_convert(model, mech, layers):
-    """Convert a plain model; a model that comes converted (saved by allhere, or the AHA authors' checkpoint)
-    is fine-tuned as it is, if it is the mechanism asked for with the same window and threshold. Returns the
-    mechanism config trained (the saved one, with lambda as asked)."""
-    saved = converted_mechanism(model)
+def _trained_mechanism(saved, mech):
+    """The mechanism config a run trains: ``mech`` for a plain model; for a model that comes converted (saved
+    by allhere, or the AHA authors' checkpoint) its ``saved`` one with lambda as asked, if it is the mechanism
+    asked for with the same window and threshold (ConfigError otherwise)."""
     if saved is None:
-        convert(model, mech, layers=layers)
         return mech
     same = type(saved) is type(mech) and all(getattr(saved, f) == getattr(mech, f) for f in ("window", "tau", "d_down")
                                              if hasattr(mech, f))
@@ -48,11 +46,60 @@ def _continue_or_convert(model, mech, layers):
     return dataclasses.replace(saved, lam=mech.lam) if hasattr(saved, "lam") else saved
 
 
+def _load(model_path, mech, layers, seed: int, env, device: str):
+    """(tokenizer, converted model in float32, the mechanism trained, the device). One process: the whole model,
+    converted with its mechanism weights drawn from ``seed``. Under torchrun: straight into FSDP2 shards
+    (``allhere.hf.sharded_load``: no rank holds the whole model), with the same weights."""
+    config = check_causal_lm(model_path, convertible=True, layers=layers, mechanism=mech)
+    saved = saved_mechanism(config)
+    trained = _trained_mechanism(saved, mech)
+    if env is None:
+        tokenizer, model = load_local(model_path, convertible=True, dtype=torch.float32, layers=layers)  # fp32 master
+        if converted_mechanism(model) is None:
+            convert(model, mech, layers=layers, seed=seed)
+        return tokenizer, model, trained, device
+    from ..distributed.env import init
+    from .sharded_load import load_sharded
+
+    device = init(env, device)
+    tokenizer, model = load_sharded(model_path, mechanism=None if saved is not None else mech, layers=layers,
+                                    dtype=torch.float32, device=device, seed=seed)
+    return tokenizer, model, trained, device
+
+
+def _load_report(model) -> dict:
+    """Every rank's peak resident memory while loading (``LoadReport``), gathered: what the run's state keeps."""
+    import torch.distributed as dist
+
+    report = model.allhere_load_report
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, report.peak_rss_delta_bytes)
+    return {"peak_rss_delta_bytes": peaks, "full_model_bytes": report.full_model_bytes, "measured_by": report.peak_source}
+
+
+def _check_context_parallel(size: int, layout: str, seq_len: int, env) -> None:
+    """ConfigError (one line) for a context-parallel size the run cannot have."""
+    if size == 1:
+        return
+    from ..distributed.layouts import LAYOUTS, chunks_per_rank
+
+    if layout not in LAYOUTS:
+        raise ConfigError(f"cp_layout must be one of {LAYOUTS}, got {layout!r}")
+    world = 1 if env is None else env.world
+    if size < 1 or world % size:
+        raise ConfigError(f"context parallel {size} needs a multiple of {size} processes (torchrun --nproc-per-node); "
+                          f"this run has {world}")
+    pieces = size * chunks_per_rank(layout)
+    if seq_len % pieces:
+        raise ConfigError(f"seq_len = {seq_len} must be a multiple of {pieces} to be cut into the {layout} layout's "
+                          f"chunks over {size} ranks")
+
+
 def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: int, seq_len: int = 2048,
         batch_size: int = 4, global_batch: int = 128, epochs: float = 1.0, lr: float = 3e-5, lam: float = 3e-4,
         tau: float = 0.5, max_steps: int | None = None, device: str = "cpu", resume: bool = False, seed: int = 0,
         progress: bool = True, d_down: int | None = None, stage1_lr: float = 3e-4,
-        target_mu_f: float | None = None, layers="full") -> dict:
+        target_mu_f: float | None = None, layers="full", context_parallel: int = 1, cp_layout: str = "zigzag") -> dict:
     """Convert the model at ``model_path`` and fine-tune it on the chat data; the result is saved to
     ``out/model`` (``allhere.hf.load_pretrained`` reads it back). Returns the (last) training state.
     ``layers``: which layers get the mechanism, as ``allhere.hf.convert`` takes it (default: the
@@ -65,9 +112,16 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     at ``stage1_lr`` with the rest frozen (``out/stage1.safetensors``), stage 2 everything at ``lr``
     (``out/stage2.safetensors``).
 
-    Under torchrun with several processes (``torchrun --nproc-per-node N -m allhere.cli sft ...``) the
-    training is FSDP2 data-parallel (``allhere.train.train``); ``global_batch / batch_size`` must then be
-    a multiple of N. Rank 0 writes ``out/model``.
+    The conversion's new weights (routers, bottlenecks) are drawn from ``seed`` (``convert(..., seed=)``),
+    as are the batches' order.
+
+    Under torchrun with several processes (``torchrun --nproc-per-node N -m allhere.cli sft ...``) the model
+    is loaded straight into FSDP2 shards (``allhere.hf.sharded_load``; every rank's peak memory at load is
+    kept in the state as ``load``) and trained on a dp x cp mesh (``allhere.train.train``):
+    ``context_parallel`` = cp ranks split each sequence (``cp_layout``), the ring running every layer's
+    attention; the N / cp data-parallel replicas share each step's micro-batches, so ``global_batch /
+    batch_size`` must be a multiple of N / cp. The losses and the gradient are the one-process ones. Rank 0
+    writes ``out/model``.
     """
     if seq_len < 2:
         raise ConfigError(f"seq_len = {seq_len}: a sequence needs at least 2 tokens (one to predict the next from)")
@@ -75,19 +129,20 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
         raise ConfigError(f"global_batch = {global_batch} must be a multiple of batch_size = {batch_size}")
     if target_mu_f is not None and d_down is not None:
         raise ConfigError("target_mu_f steers AHA's routers; DAR (d_down) has none")
+    env = detect()
+    _check_context_parallel(context_parallel, cp_layout, seq_len, env)
     out = Path(out)
     with run_lock(out):  # one writer per run folder; train() takes it again (reentrant)
         rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
         mech = AHAConfig(window=window, tau=tau, lam=lam) if d_down is None else DARConfig(window=window, d_down=d_down)
         published = saved_dtype(check_causal_lm(model_path, convertible=True, layers=layers, mechanism=mech),
                                 model_path)
-        tokenizer, model = load_local(model_path, convertible=True, dtype=torch.float32, layers=layers)  # fp32 master weights
+        tokenizer, model, mech, device = _load(model_path, mech, layers, seed, env, device)
         context = getattr(model.config, "max_position_embeddings", seq_len)
         if seq_len > context:
             raise ConfigError(f"seq_len = {seq_len} is longer than the model's context ({context})")
         used_fallback = ensure_chat_template(tokenizer)
         ids, mask, starts = pack([tokenize_conversation(tokenizer, r["messages"]) for r in rows], seq_len)
-        mech = _continue_or_convert(model, mech, layers)
         accum = global_batch // batch_size
         n = ids.shape[0]
         steps = max_steps or max(1, math.ceil(epochs * n / global_batch))
@@ -103,21 +158,24 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
                           ckpt_every=max(1, min(100, steps)), log_every=1, seed=seed, device=device,
                           target_mu_f=target_mu_f)
         extra = {"chat_template_fallback": used_fallback, "sequences": n}
+        if env is not None:
+            extra["load"] = _load_report(model)
         lm = HFCausalLM(model)
+        cp = dict(context_parallel=cp_layout, context_parallel_size=context_parallel) if context_parallel > 1 else {}
         if d_down is None:
             state = train(lm, batches, cfg, out / "checkpoint.safetensors", resume=resume, progress=progress,
-                          extra_state=extra)
+                          extra_state=extra, **cp)
         else:
             train(lm, batches, dataclasses.replace(cfg, lr=stage1_lr), out / "stage1.safetensors", resume=resume,
-                  progress=progress, extra_state={**extra, "stage": 1}, train_only=".allhere.")
+                  progress=progress, extra_state={**extra, "stage": 1}, train_only=".allhere.", **cp)
             state = train(lm, batches, cfg, out / "stage2.safetensors", resume=resume, progress=progress,
-                          extra_state={**extra, "stage": 2})
-        env = detect()
+                          extra_state={**extra, "stage": 2}, **cp)
         if env is not None:  # under torchrun the model is sharded: rank 0 saves the gathered weights
             sd = full_state_dict(lm)
             if env.main:
                 _, model = load_local(model_path, convertible=True, dtype=torch.float32, layers=layers)
-                _continue_or_convert(model, mech, layers)
+                if converted_mechanism(model) is None:
+                    convert(model, mech, layers=layers)
                 HFCausalLM(model).load_state_dict(sd)
             if not env.main:
                 torch.distributed.barrier()
