@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
@@ -19,6 +20,7 @@ import dist_worker  # noqa: E402
 from hf_fixtures import write_chat, write_model  # noqa: E402
 
 from allhere.checkpoint import read_checkpoint  # noqa: E402
+from allhere.hf import load_pretrained  # noqa: E402
 from allhere.config import ConfigError  # noqa: E402
 
 SETTINGS = dict(window=4, seq_len=32, batch_size=2, global_batch=8, max_steps=3, lr=3e-4, lam=0.01)
@@ -58,6 +60,16 @@ def test_two_by_two_mesh_matches_one_process(inputs):
     published = load_file(str(Path(model) / "model.safetensors"))  # and the weights moved far more than that
     moved = [(ours[f"model.hf.{k}"] - v.float()).abs().max().item() for k, v in published.items()]
     assert min(moved) > 1e-4, moved
+    saved = {}  # rank 0's out/model: the gathered weights in the published dtype, loadable as one process's
+    for run in ("mesh", "one"):
+        folder = tmp / run / "model"
+        saved[run] = load_file(str(folder / "model.safetensors"))
+        model = load_pretrained(folder)
+        with torch.no_grad():
+            saved[run]["logits"] = model(torch.arange(5, 37)[None]).logits
+    assert saved["mesh"].keys() == saved["one"].keys()
+    for k, v in saved["one"].items():
+        assert torch.allclose(saved["mesh"][k].float(), v.float(), rtol=1e-2, atol=1e-3), k
     load = mesh[0]["load"]
     assert len(load["peak_rss_delta_bytes"]) == 4 and one["load"] is None
 

@@ -172,11 +172,10 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
                           extra_state={**extra, "stage": 2}, **cp)
         if env is not None:  # under torchrun the model is sharded: rank 0 saves the gathered weights
             sd = full_state_dict(lm)
-            if env.main:
-                _, model = load_local(model_path, convertible=True, dtype=torch.float32, layers=layers)
-                if converted_mechanism(model) is None:
-                    convert(model, mech, layers=layers)
-                HFCausalLM(model).load_state_dict(sd)
+            if env.main:  # the model around the gathered weights, without a second copy
+                from .sharded_load import assemble
+
+                model = assemble(model_path, {k.removeprefix("hf."): v for k, v in sd.items()}, mech, layers)
             if not env.main:
                 torch.distributed.barrier()
                 return state

@@ -164,7 +164,7 @@ def _tokenizer(p: Path, config):
 
 def _load(p: Path, mechanism, layers, dtype, device, seed, mesh):
     from .faolmo import read_config as faolmo_config
-    from .io import check_causal_lm, saved_dtype, saved_mechanism
+    from .io import check_causal_lm, saved_dtype
 
     if (p / "config.json").exists() and faolmo_config(p) is not None:
         raise ConfigError(f"{p} is in the AHA authors' (faolmo) format, which load_sharded does not read; load it "
@@ -177,12 +177,7 @@ def _load(p: Path, mechanism, layers, dtype, device, seed, mesh):
         if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"dtype must be a torch dtype, its name or 'auto', got {name!r}")
     tokenizer = _tokenizer(p, config)
-    saved = saved_mechanism(config)
-    model = _meta_model(config, dtype)
-    if saved is not None:
-        convert(model, saved, layers=getattr(config, LAYERS_KEY, None) or "full")
-    elif mechanism is not None:
-        convert(model, mechanism, layers=layers)
+    model, saved = _converted_meta_model(config, mechanism, layers, dtype)
     sources = _sources(p, model, from_files=saved is not None)
     buffers = _buffers(model)
     shard_model(model, str(device), mesh)
@@ -196,11 +191,51 @@ def _load(p: Path, mechanism, layers, dtype, device, seed, mesh):
         local, error = 0, e
     _agree(device, error)
     _tie_check(model)
+    _generation_config(model, p)
+    return tokenizer, model.eval(), local
+
+
+def _generation_config(model, p: Path) -> None:
+    """The folder's generation settings, as ``from_pretrained`` reads them."""
     if (p / "generation_config.json").exists():
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(p), local_files_only=True)
-    return tokenizer, model.eval(), local
+
+
+def assemble(model_path: str | Path, state_dict: dict[str, torch.Tensor], mechanism=None, layers="full"):
+    """The whole model of the folder ``model_path`` holding ``state_dict`` (e.g. gathered from the shards
+    after training) instead of the folder's weights, without a second copy of them: built on the meta device,
+    converted (the folder's saved mechanism, else ``mechanism`` on ``layers``), the tensors assigned, the
+    non-persistent buffers rebuilt, a tied head tied again. Every key must match the model's."""
+    from .io import check_causal_lm
+
+    dtype = next(iter(state_dict.values())).dtype
+    model, _ = _converted_meta_model(check_causal_lm(model_path), mechanism, layers, dtype)
+    buffers = _buffers(model)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    for name, value in buffers.items():
+        module_name, _, leaf = name.rpartition(".")
+        model.get_submodule(module_name).register_buffer(leaf, value, persistent=False)
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    _tie_check(model)
+    _generation_config(model, Path(model_path))
+    return model.eval()
+
+
+def _converted_meta_model(config, mechanism, layers, dtype):
+    """(the model of ``config`` on the meta device, converted to its saved mechanism or ``mechanism``; the
+    saved mechanism or None)."""
+    from .io import saved_mechanism
+
+    saved = saved_mechanism(config)
+    model = _meta_model(config, dtype)
+    if saved is not None:
+        convert(model, saved, layers=getattr(config, LAYERS_KEY, None) or "full")
+    elif mechanism is not None:
+        convert(model, mechanism, layers=layers)
+    return model, saved
 
 
 def _meta_model(config, dtype):
