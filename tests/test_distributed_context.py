@@ -21,7 +21,7 @@ from allhere.checkpoint import load_model  # noqa: E402
 from allhere.config import ModelConfig  # noqa: E402
 from allhere.distributed import layouts  # noqa: E402
 from allhere.distributed.context import IGNORE, context_parallel, shard_batch  # noqa: E402
-from allhere.mechanisms import DARConfig, FullConfig  # noqa: E402
+from allhere.mechanisms import AAMoEConfig, FullConfig  # noqa: E402
 from allhere.model import Decoder  # noqa: E402
 
 TOL = 1e-5
@@ -85,8 +85,8 @@ def test_refusals(sharded_run):
 
 def test_unsupported_mechanism_is_named():
     net = Decoder(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4,
-                              layer_mechanisms=(FullConfig(), DARConfig(d_down=16))))
-    with pytest.raises(NotImplementedError, match="layer 1: DARAttention"):
+                              layer_mechanisms=(FullConfig(), AAMoEConfig(chunk=4, experts=2))))
+    with pytest.raises(NotImplementedError, match="layer 1: AAMoEAttention"):
         with context_parallel(net):
             pass
     assert all("forward" not in vars(b.attn.mechanism) for b in net.blocks)
@@ -125,8 +125,9 @@ def test_train_context_parallel_matches_one_process(tmp_path):
 
 
 def test_train_refuses_before_starting(tmp_path):
-    net = Decoder(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, mechanism=DARConfig(d_down=16)))
-    with pytest.raises(NotImplementedError, match="DARAttention"):
+    net = Decoder(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4,
+                              mechanism=AAMoEConfig(chunk=4, experts=2)))
+    with pytest.raises(NotImplementedError, match="AAMoEAttention"):
         from allhere.train import train
         train(net, lambda s, m, g: torch.zeros(2, 8, dtype=torch.long), W.train_cfg(), tmp_path / "x", progress=False,
               context_parallel="zigzag")

@@ -1,5 +1,6 @@
 """Converted Hugging Face models under context parallelism (2 gloo processes): a packed batch of documents
-gives the one-process loss and gradients through the ring, for full, sliding and AHA attention."""
+gives the one-process loss and gradients through the ring, for full, sliding and AHA attention; DAR (its
+distant keys rebuilt from latents by the host's own K/V path at their positions) on whole sequences."""
 
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import dist_hf_worker as W  # noqa: E402
 import dist_worker  # noqa: E402
 from hf_fixtures import write_model  # noqa: E402
 
-CASES = [("full", "zigzag"), ("sliding", "contiguous"), ("aha", "zigzag")]
+CASES = [("full", "zigzag"), ("sliding", "contiguous"), ("aha", "zigzag"), ("dar", "zigzag")]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from allhere.distributed import layouts  # noqa: E402
 from allhere.distributed.context import context_parallel  # noqa: E402
 from allhere.losses import training_loss  # noqa: E402
 from allhere.masks import and_masks, causal  # noqa: E402
-from allhere.mechanisms import AAMoEConfig, AttentionMechanism, ContextParallelPlan, DARConfig, FullConfig  # noqa: E402
+from allhere.mechanisms import AAMoEConfig, AttentionMechanism, ContextParallelPlan, FullConfig  # noqa: E402
 from allhere.ops.common import default_scale, repeat_kv  # noqa: E402
 
 N, BATCH, VOCAB, TOL = 32, 2, 64, 1e-5
@@ -135,9 +135,8 @@ def test_toy_mechanism_logits_matter():
 
 @pytest.mark.parametrize("cfg,name,why", [
     (AAMoEConfig(chunk=4, experts=2), "AAMoEAttention (aamoe)", "budget"),
-    (DARConfig(d_down=16), "DARAttention (dar)", "bottleneck"),
     (NoRingConfig(), "NoRing (test_no_ring)", "does not implement context_parallel_plan"),
-], ids=["aamoe", "dar", "undeclared"])
+], ids=["aamoe", "undeclared"])
 def test_refused_in_one_line(cfg, name, why):
     net = Decoder(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4,
                               layer_mechanisms=(FullConfig(), cfg)))

@@ -26,7 +26,8 @@ need travels in one ``AttentionCall``. A mechanism brings:
 - context parallelism (``allhere.distributed.context``: one sequence split across ranks, attention through
   the ring): ``context_parallel_plan(call, n)`` returns a ``ContextParallelPlan`` -- which keys each query
   reads, as mask predicates on absolute positions, optionally a per-(token, head) gate between two of them
-  and a function of the block's scores; a mechanism that cannot run so leaves it out, and
+  and a function of the block's scores, optionally keys that travel in a compact form (``FarKV``: DAR's
+  latents); a mechanism that cannot run so leaves it out, and
   ``context_parallel_refusal()`` says why.
 """
 
@@ -96,6 +97,31 @@ class ContextParallelPlan:
     # their absolute positions. None: (q @ k^T) * scale. Any differentiable function of q and k; the ring
     # masks, normalises and merges it, and gets its gradient by autograd on the block.
     scores: Callable | None = None
+    # keys read in a compact form that the receiving rank expands (DAR's d_down latents): see ``FarKV``. None:
+    # every key travels as the host's full-dimensional K/V.
+    far: FarKV | None = None
+
+
+@dataclass
+class FarKV:
+    """Keys and values a query reads in a compact form, for a ``ContextParallelPlan``: the keys of
+    ``reads`` outside ``near`` are not the host's K/V but ``expand(payload, positions)`` of a small payload
+    per token, so a rank sends another only the payload of a chunk it reads that way (d_small numbers per
+    token instead of 2 x kv_heads x head_dim), plus the full K/V of a chunk only where some query of the
+    receiver reads it through ``near``. The receiver expands the payload itself; gradients flow back through
+    ``expand`` into the payload's owner (and into the weights ``expand`` uses, on the receiver).
+    """
+
+    # [b, n / world, d_small]: this rank's payload, one row per token of its shard (DAR: c = h W_down),
+    # differentiable in whatever produced it.
+    payload: torch.Tensor
+    # expand(payload [b, m, d_small], positions int64 [m]) -> (k, v) [b, kv_heads, m, head_dim]: the K/V a query
+    # reads for these tokens outside ``near``, given their absolute positions (DAR: the host's K/V path at
+    # h' = c W_up, RoPE at those positions). Any differentiable function, the same on every rank.
+    expand: Callable
+    # (b, h, q_idx, kv_idx) -> bool on absolute positions: the keys of ``reads`` read through the host's own
+    # (full-dimensional) K/V, e.g. the window; None: none, every key read is expanded.
+    near: MaskFn | None = None
 
 
 class AttentionMechanism(nn.Module):

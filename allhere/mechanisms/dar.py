@@ -20,6 +20,12 @@ On Hugging Face models the same cache lives in transformers' Cache API: ``new_hf
 the layer (``allhere.hf.cache.DARCacheLayer``: rolling full K/V the attention module updates itself,
 the latent and position of every token), and the distant K/V of cached tokens are rebuilt through the
 module's own K/V path at their own positions (``AttentionCall.project_kv(h, positions)``).
+
+Context parallelism (``allhere.distributed.context``, ring attention): a rank's key chunk travels as its
+latents (d_down numbers per token instead of the plain ring's 2 x kv_heads x head_dim), plus its full K/V
+only to a rank with some query that has the chunk within its window; the reading rank rebuilds the distant
+K/V (W_up, then the host's K/V path at the chunk's positions), exactly as on one process, gradients
+included (``context_parallel_plan``, ``allhere.distributed.ring_far``).
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import masks
 from ..ops.dar import dar_attention
 from ..ops.common import segment_mask
 from ..registry import register
 from ..validation import ConfigError, check_int
-from .base import AttentionCall, AttentionDims, AttentionMechanism
+from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan, FarKV
 from .caches import GrowingTensor, KVCache, RollingKVCache, view_bytes
 
 
@@ -130,10 +137,6 @@ class DARAttention(AttentionMechanism):
 
     hf_cache = False  # not transformers' own every-key cache: it brings its layer (``new_hf_cache_layer``)
 
-    def context_parallel_refusal(self) -> str:
-        return ("its distant keys and values are rebuilt from a d_down bottleneck of the hidden state, which the "
-                "ring does not carry (it passes only the host's full-dimensional keys and values)")
-
     def __init__(self, cfg: DARConfig, dims: AttentionDims) -> None:
         super().__init__(cfg, dims)
         cfg.check_dims(dims.d_model)
@@ -179,6 +182,17 @@ class DARAttention(AttentionMechanism):
         k_near, v_near = (torch.nn.functional.pad(t, (0, 0, pad, 0)) for t in (k_near, v_near))
         return dar_attention(q, k_near, v_near, k_far, v_far, self.cfg.window, call.scale,
                              self._mask(call, q, k_far)), None
+
+    def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:
+        """Under the ring, a chunk travels as its latents c = h W_down (``FarKV.payload``); the reading rank
+        rebuilds its distant K/V (``expand``: W_up, then the host's K/V path at the chunk's own positions),
+        and the chunk's full K/V travel only to a rank with some query that has the chunk within its window."""
+        if call.project_kv is None:
+            raise ValueError("DAR needs the host's K/V projection (AttentionCall.project_kv)")
+        up, project_kv = self.up, call.project_kv
+        near = masks.sliding_window(self.cfg.window) if self.cfg.window else None
+        return ContextParallelPlan(reads=masks.causal, far=FarKV(
+            payload=self.down(call.x), expand=lambda c, positions: project_kv(up(c), positions), near=near))
 
     @staticmethod
     def _mask(call: AttentionCall, q, k):

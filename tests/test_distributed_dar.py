@@ -1,0 +1,167 @@
+"""DAR ("Dual Dimensionality for Local and Global Attention", arXiv:2606.18587) runs context-parallel: a tiny
+``Decoder`` of DAR layers under ``context_parallel`` over 2 and 4 gloo processes gives the one-process loss
+and every parameter gradient (W_down, W_up and the host's K/V weights included), in both layouts, with the
+window smaller than a chunk, larger than one, and 0; the ring sends the d_down latents of distant chunks
+instead of their K/V, so it sends fewer bytes than the plain full-attention ring -- exactly the figure
+worked out here from positions."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).parent))
+import dist_worker  # noqa: E402
+
+from allhere import Decoder, ModelConfig  # noqa: E402
+from allhere.distributed import layouts  # noqa: E402
+from allhere.losses import training_loss  # noqa: E402
+from allhere.mechanisms import DARConfig, FullConfig  # noqa: E402
+
+N, BATCH, VOCAB, TOL = 32, 2, 64, 1e-5
+D_MODEL, HEADS, KV_HEADS, D_DOWN = 32, 4, 2, 8
+HEAD_DIM = D_MODEL // HEADS
+# chunks: 16 / 8 (contiguous / zigzag) at 2 ranks, 8 / 4 at 4 ranks. Window 3 is inside every chunk; 11
+# spans up to three chunks; 0 sends every key through the bottleneck.
+WINDOWS = (3, 11, 0)
+CASES = [(w, layout) for w in WINDOWS for layout in layouts.LAYOUTS]
+
+
+def model(mech) -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(ModelConfig(vocab_size=VOCAB, d_model=D_MODEL, n_layers=2, n_heads=HEADS, n_kv_heads=KV_HEADS,
+                               mechanism=mech))
+
+
+def dar(window: int) -> DARConfig:
+    return DARConfig(window=window, d_down=D_DOWN)
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, N), generator=torch.Generator().manual_seed(1))
+
+
+def grads(net) -> dict:
+    return {name: p.grad.detach().clone() for name, p in net.named_parameters() if p.grad is not None}
+
+
+def sharded(rank, world, tmp, cases):
+    """Each (window, layout): forward + backward of this rank's shard; gradients averaged over the ranks;
+    the ring's counters. Also the plain full-attention ring's counters on the same shape."""
+    from allhere.distributed import RingStats
+    from allhere.distributed.context import context_parallel, mean_over_ranks
+
+    out = {}
+    for key, mech in [((w, layout), dar(w)) for w, layout in cases] + [
+            (("full", layout), FullConfig()) for layout in layouts.LAYOUTS]:
+        net = model(mech)
+        stats = RingStats()
+        with context_parallel(net, layout=key[1], stats=stats) as cp:
+            ids, pos, targets = cp.shard(batch())
+            loss = cp.loss(net(ids, positions=pos), targets, 0.0)
+            loss.total.backward()
+        g = grads(net)
+        for t in g.values():
+            dist.all_reduce(t)
+            t /= world
+        out[f"{key[0]}-{key[1]}"] = {"total": mean_over_ranks(loss.total), "grads": g, "stats": stats.counts}
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def sharded_run(request, tmp_path_factory):
+    world = request.param
+    return world, dist_worker.launch(sharded, world, tmp_path_factory.mktemp(f"dar{world}"), CASES)
+
+
+@pytest.fixture(scope="module")
+def single():
+    res = {}
+    for w in WINDOWS:
+        net = model(dar(w))
+        ids = batch()
+        loss = training_loss(net(ids), ids, 0.0)
+        loss.total.backward()
+        res[w] = {"total": loss.total.item(), "grads": grads(net)}
+    return res
+
+
+@pytest.mark.parametrize("window,layout", CASES, ids=[f"w{w}-{lay}" for w, lay in CASES])
+def test_dar_sharded_equals_single_process(sharded_run, single, window, layout):
+    world, per_rank = sharded_run
+    ref = single[window]
+    assert any(".mechanism.down." in name for name in ref["grads"])
+    assert any(".mechanism.up." in name for name in ref["grads"])
+    for rank, res in enumerate(per_rank):
+        got = res[f"{window}-{layout}"]
+        assert abs(got["total"] - ref["total"]) <= TOL, (world, rank, got["total"], ref["total"])
+        assert set(got["grads"]) == set(ref["grads"])
+        for name, g in ref["grads"].items():
+            assert g.abs().max() > 0, f"{name}: no gradient in the reference"
+            err = (got["grads"][name] - g).abs().max().item()
+            assert err <= TOL, (world, rank, window, layout, name, err)
+
+
+def expected_bytes(world: int, layout: str, window: int | None) -> int:
+    """Forward bytes one layer sends over all ranks, worked out token by token from the positions: for
+    every (reading rank, key chunk of another rank), the span from the first to the last key of the chunk
+    some query of the reader reads far (d_down numbers per token) and near (2 x kv_heads x head_dim);
+    ``window`` None: the plain causal ring, whole chunks of K/V wherever some key is read."""
+    c = layouts.chunk_len(N, layout, world)
+    kv_row, lat_row = 2 * KV_HEADS * HEAD_DIM, D_DOWN
+    total = 0
+    for r in range(world):
+        queries = layouts.positions(N, layout, world, r).tolist()
+        for s in range(world):
+            if s == r:
+                continue
+            for chunk in layouts.rank_chunks(layout, world, s):
+                keys = range(chunk * c, (chunk + 1) * c)
+                if window is None:
+                    total += c * kv_row if any(k <= max(queries) for k in keys) else 0
+                    continue
+                near = [k for k in keys if any(0 <= i - k < window for i in queries)]
+                far = [k for k in keys if any(i - k >= window for i in queries)]
+                total += (max(near) - min(near) + 1) * kv_row if near else 0
+                total += (max(far) - min(far) + 1) * lat_row if far else 0
+    return total * BATCH * 4  # fp32
+
+
+def test_dar_ring_sends_fewer_bytes(sharded_run):
+    world, per_rank = sharded_run
+    layers = 2
+    for layout in layouts.LAYOUTS:
+        full = sum(res[f"full-{layout}"]["stats"]["forward"]["bytes_sent"] for res in per_rank)
+        received = sum(res[f"full-{layout}"]["stats"]["forward"]["bytes_received"] for res in per_rank)
+        assert full == received == layers * expected_bytes(world, layout, None)
+        for w in WINDOWS:
+            sent = sum(res[f"{w}-{layout}"]["stats"]["forward"]["bytes_sent"] for res in per_rank)
+            received = sum(res[f"{w}-{layout}"]["stats"]["forward"]["bytes_received"] for res in per_rank)
+            assert sent == received == layers * expected_bytes(world, layout, w), (world, layout, w)
+            assert sent < full, (world, layout, w, sent, full)
+            for res in per_rank:  # the backward sends each received message's gradient back, same size
+                st = res[f"{w}-{layout}"]["stats"]
+                assert st["backward"]["bytes_sent"] == st["forward"]["bytes_received"]
+                assert st["backward"]["bytes_received"] == st["forward"]["bytes_sent"]
+    # the closed forms for a window w no wider than a chunk. Whatever chunk the plain ring sends, DAR sends
+    # its latents; besides, the full K/V of the last w - 1 tokens of a chunk go to the rank holding the next
+    # chunk. Contiguous (d chunks of N / d): the plain ring sends d (d - 1) / 2 chunks, DAR d - 1 tails, so
+    # DAR / full = d_down / (2 kv_heads head_dim) + 2 (w - 1) / N. Zigzag (2d chunks of N / 2d): the plain
+    # ring sends 3 d (d - 1) / 2 chunks, DAR 2d - 2 tails (chunks d - 1 and d share a rank), so
+    # DAR / full = d_down / (2 kv_heads head_dim) + 8 (w - 1) / (3 N).
+    w = WINDOWS[0]
+    base = D_DOWN / (2 * KV_HEADS * HEAD_DIM)
+    for layout, near in (("contiguous", 2 * (w - 1) / N), ("zigzag", 8 * (w - 1) / (3 * N))):
+        assert w <= layouts.chunk_len(N, layout, world)
+        sent = sum(res[f"{w}-{layout}"]["stats"]["forward"]["bytes_sent"] for res in per_rank)
+        full = sum(res[f"full-{layout}"]["stats"]["forward"]["bytes_sent"] for res in per_rank)
+        assert abs(sent / full - (base + near)) < 1e-12, (layout, sent / full, base + near)
+    full = sum(res["full-contiguous"]["stats"]["forward"]["bytes_sent"] for res in per_rank)
+    # window 0: only latents travel, for every chunk the plain ring sends its K/V
+    sent0 = sum(res["0-contiguous"]["stats"]["forward"]["bytes_sent"] for res in per_rank)
+    assert abs(sent0 / full - D_DOWN / (2 * KV_HEADS * HEAD_DIM)) < 1e-12
