@@ -106,13 +106,14 @@ def sharded(rank, world, tmp, layouts_):
     return out
 
 
-def test_toy_mechanism_runs_context_parallel(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_toy_mechanism_runs_context_parallel(tmp_path, world):
     net = model()
     ids = batch()
     loss = training_loss(net(ids), ids, 0.0)
     loss.total.backward()
     ref = grads(net)
-    per_rank = dist_worker.launch(sharded, 2, tmp_path, list(layouts.LAYOUTS))
+    per_rank = dist_worker.launch(sharded, world, tmp_path, list(layouts.LAYOUTS))
     for rank, res in enumerate(per_rank):
         for layout in layouts.LAYOUTS:
             got = res[layout]
