@@ -16,7 +16,7 @@ import dist_worker  # noqa: E402
 from allhere.distributed import layouts  # noqa: E402
 from allhere.distributed.cost import Shape, add, aha_training_extra, ring_cost, saved_bytes  # noqa: E402
 from allhere.distributed.ring_blocks import causal, pattern_from, sliding  # noqa: E402
-from allhere.distributed.plan import RingSpec, make_plan  # noqa: E402
+from allhere.distributed.ring_plan import RingSpec, make_plan  # noqa: E402
 from allhere import masks  # noqa: E402
 from allhere.masks import dense_mask  # noqa: E402
 from allhere.ops.aha import aha_attention  # noqa: E402

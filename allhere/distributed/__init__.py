@@ -6,7 +6,7 @@ the blocks a mask pattern never reads, and context-parallel runs of a ``Decoder`
 from .context import ContextParallel, ShardBatch, context_parallel, context_parallel_loss, shard_batch, shard_loss
 from .layouts import LAYOUTS, positions, shard, unshard
 from .ring_blocks import Pattern, causal, pattern_from, sliding
-from .plan import RingSpec, make_plan
+from .ring_plan import RingSpec, make_plan
 from .ring import RingStats, ring_aha_attention, ring_attention, ring_gated_attention
 
 __all__ = ["LAYOUTS", "ContextParallel", "Pattern", "RingSpec", "RingStats", "ShardBatch", "causal", "context_parallel",

@@ -1,5 +1,5 @@
 """Cost model of ring attention per rank: rounds, bytes sent and received, attention FLOPs, activation
-memory. Computed from the same ``RingPlan`` that the ring executes (``plan.py``), counting what
+memory. Computed from the same ``RingPlan`` that the ring executes (``ring_plan.py``), counting what
 ``ring.py`` does with it -- a test checks it against the ring's own counters (``RingStats``).
 
 Counted as the ring does them: forward -- key/value chunks in the input dtype, 4 * rows * keys * dim
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .layouts import chunks_per_rank
-from .plan import RingPlan, RingSpec, make_plan
+from .ring_plan import RingPlan, RingSpec, make_plan
 from .ring_blocks import causal, sliding
 
 PHASES = ("forward", "backward")

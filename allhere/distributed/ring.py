@@ -9,7 +9,7 @@ result is exact. The backward pass (a custom autograd function) receives the key
 computes dQ locally and sends each dK/dV back to the chunk's owner. Saved for the backward: this rank's
 q, k, v, output and log-sum-exp -- 1/d of the single-process activations.
 
-Pattern-aware: ``plan.py`` decides from the mask predicate and the absolute positions which blocks hold
+Pattern-aware: ``ring_plan.py`` decides from the mask predicate and the absolute positions which blocks hold
 any kept score; rounds nobody reads are skipped with their transfers, and only the chunks a rank reads
 travel. Sliding-window attention with w <= n/d reads one neighbouring block; AHA's local (token, head)
 pairs read only their window, and only chunks with global rows read the far blocks -- computing only
@@ -38,7 +38,7 @@ from ..ops.common import default_scale, hard_gate, repeat_kv
 from ..ops.ste import add_gate_gradient, trains_gate
 from .layouts import chunks_per_rank, positions
 from .ring_blocks import Pattern, causal, pattern_from, sliding
-from .plan import Block, RingPlan, RingSpec, make_plan
+from .ring_plan import Block, RingPlan, RingSpec, make_plan
 
 NEG_INF = float("-inf")
 
