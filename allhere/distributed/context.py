@@ -147,7 +147,7 @@ class _RingForward:
         cp = self.cp
         plan = self.mech.context_parallel_plan(call, q.shape[2] * cp.world)
         kw = dict(group=cp.group, layout=cp.layout, scale=call.scale, stats=cp.stats, scores=plan.scores)
-        if getattr(plan, "far", None) is not None:  # distant keys that travel in a compact form (DAR's latents)
+        if plan.far is not None:  # distant keys that travel in a compact form (DAR's latents)
             if cp.segments is not None:
                 raise NotImplementedError(f"{name} under context parallelism: segments (padding, packed documents) "
                                           "with distant keys sent in a compact form are not supported")
