@@ -119,8 +119,8 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     ``context_parallel_size`` (default: all of them); each micro-batch goes to one data-parallel replica,
     whose cp ranks split each sequence with that layout, attention running through the ring
     (``allhere.distributed.context``: every mechanism that declares a ring plan; packed documents, no
-    padding). The gradient and the logged losses are the one-process ones. With one process it changes
-    nothing.
+    padding). The gradient and the logged losses are the one-process ones. The model and the layout are
+    checked before training starts, also with one process, where no ring runs.
 
     No other process may write ``ckpt_path``'s folder meanwhile (``allhere.runlock.RunLocked``). SIGINT
     (Ctrl-C) or SIGTERM during the loop: the step in flight is finished and checkpointed, then

@@ -54,4 +54,17 @@ def test_segments_matter(folder):
 
 
 def test_unconverted_layers_are_refused(two_ranks):
-    assert "attention layers [1] have no mechanism" in two_ranks[0]["refused"]
+    assert "attention layers [1] have no mechanism: a hybrid model's" in two_ranks[0]["refused"]
+
+
+def test_length_dependent_rope_is_refused(tmp_path):
+    """Phi-4-mini's longrope picks its frequencies from the sequence length, which a shard does not see."""
+    from allhere.distributed.context import check_supported
+    from allhere.hf import HFCausalLM, convert
+    from allhere.mechanisms import FullConfig
+    transformers = pytest.importorskip("transformers")
+
+    folder = write_model("Phi-4-mini", tmp_path / "phi")
+    net = HFCausalLM(convert(transformers.AutoModelForCausalLM.from_pretrained(str(folder)), FullConfig()))
+    with pytest.raises(NotImplementedError, match="rope_type 'longrope'"):
+        check_supported(net)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..validation import ConfigError
 from . import checkpoint as sharded
 from .env import DistEnv, detect, init
 from .fsdp import shard_model
@@ -87,7 +88,7 @@ def distributed_run(device: str, context_parallel: int = 1) -> DistributedRun | 
     env = detect()
     if env is None:
         if context_parallel > 1:
-            raise ValueError(f"context parallel size {context_parallel} needs as many processes (start it with "
+            raise ConfigError(f"context parallel size {context_parallel} needs as many processes (start it with "
                              f"torchrun --nproc-per-node {context_parallel} or a multiple of it)")
         return None
     return DistributedRun(env, device, context_parallel)

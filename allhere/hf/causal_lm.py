@@ -12,7 +12,7 @@ from ..mechanisms.base import mechanism_layers
 from ..model import DecoderOutput
 from ..routing import routed_layers
 from .attention import SHARD_POSITIONS
-from .convert import attention_layers, collect_routing
+from .convert import LENGTH_DEPENDENT_ROPE, attention_layers, collect_routing, rope_types
 
 
 class _ConfigView:
@@ -73,12 +73,17 @@ class HFCausalLM(nn.Module):
         return DecoderOutput(out.logits, collect_routing(self.hf) if routed_layers(self.hf) else None, None)
 
     def context_parallel_refusal(self) -> str | None:
-        """Why this model cannot run context-parallel (``allhere.distributed.context``), or None: every
-        attention layer must carry a mechanism (a hybrid model's sliding-window layers left as they were run
-        the host's own attention, which sees only this rank's tokens)."""
-        layers = attention_layers(self.hf)
-        plain = [i for i, m in layers if not mechanism_layers(m)]
+        """Why this model cannot run context-parallel (``allhere.distributed.context``), or None. Every
+        attention layer must carry a mechanism: a layer left as it was (a hybrid model's sliding-window
+        layers, which ``convert`` keeps) runs the host's own attention, which sees only this rank's tokens.
+        Rotary frequencies must not depend on the sequence length (dynamic, longrope): transformers would
+        choose them from the shard's positions, not the whole sequence's."""
+        dynamic = rope_types(self.hf.config) & LENGTH_DEPENDENT_ROPE
+        if dynamic:
+            return (f"its rope_type {sorted(dynamic)[0]!r} chooses the rotary frequencies from the sequence length, "
+                    "which a shard does not see")
+        plain = [i for i, m in attention_layers(self.hf) if not mechanism_layers(m)]
         if plain:
-            return (f"its attention layers {plain[:8]}{'...' if len(plain) > 8 else ''} have no mechanism (converted "
-                    "with layers='full' on a hybrid model?); convert every layer (layers='all') to run it context-parallel")
+            return (f"its attention layers {plain[:8]}{'...' if len(plain) > 8 else ''} have no mechanism: a hybrid "
+                    "model's sliding-window layers keep the host's attention, which cannot run context-parallel")
         return None
