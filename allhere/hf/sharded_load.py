@@ -250,13 +250,16 @@ def _meta_model(config, dtype):
 def _buffers(model) -> dict[str, torch.Tensor]:
     """The non-persistent buffers (rotary frequencies...) of the meta ``model``, computed on the CPU by
     transformers' own ``_init_weights`` of the modules that hold them (what ``from_pretrained`` does); its
-    parameters, still on meta, are left as they are. ConfigError naming a buffer it leaves unset."""
+    parameters, still on meta, are left as they are. ConfigError naming a buffer it leaves unset, or a
+    persistent buffer (saved in the weight files, which this loader does not read)."""
     owners = {}
     for name, buf in model.named_buffers():
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if leaf in module._non_persistent_buffers_set:
-            owners.setdefault(module_name, (module, []))[1].append(leaf)
+        if leaf not in module._non_persistent_buffers_set:
+            raise ConfigError(f"{type(model).__name__} has the persistent buffer {name}, which load_sharded does not "
+                              "read from the weight files; use allhere.hf.load_local")
+        owners.setdefault(module_name, (module, []))[1].append(leaf)
     out = {}
     for module_name, (module, leaves) in owners.items():
         for leaf in leaves:
