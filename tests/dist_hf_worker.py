@@ -15,7 +15,6 @@ from allhere.mechanisms import AHAConfig, DARConfig, FullConfig, SlidingConfig
 N, LAM = 32, 0.01
 MECHANISMS = {"full": FullConfig(), "sliding": SlidingConfig(window=5), "aha": AHAConfig(window=5, tau=0.5, lam=LAM),
               "dar": DARConfig(window=5, d_down=16)}
-PACKED = {"full", "sliding", "aha"}  # DAR's compact ring takes whole sequences only (no segments)
 
 
 def model(folder: str, kind: str) -> HFCausalLM:
@@ -26,13 +25,10 @@ def model(folder: str, kind: str) -> HFCausalLM:
     return HFCausalLM(hf)
 
 
-def batch(vocab: int, kind: str = "full"):
-    """ids [2, N] and segment starts of packed documents (row 0: three, row 1: two, one crossing the middle),
-    or None (one document per row) for a mechanism that takes no segments under the ring."""
+def batch(vocab: int):
+    """ids [2, N] and segment starts of packed documents (row 0: three, row 1: two, one crossing the middle)."""
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(5, vocab, (2, N), generator=g)
-    if kind not in PACKED:
-        return ids, None
     pos = torch.tensor([list(range(9)) + list(range(14)) + list(range(9)), list(range(20)) + list(range(12))])
     return ids, (torch.arange(N) - pos)
 
@@ -43,7 +39,7 @@ def grads(net) -> dict:
 
 def single(folder: str, kind: str) -> dict:
     net = model(folder, kind)
-    ids, starts = batch(net.hf.config.vocab_size, kind)
+    ids, starts = batch(net.hf.config.vocab_size)
     loss = training_loss(net(ids, segment_starts=starts), ids, LAM)
     loss.total.backward()
     return {"total": loss.total.item(), "lm": loss.lm.item(), "grads": grads(net)}
@@ -53,7 +49,7 @@ def sharded(rank, world, tmp, folder, cases):
     results = {}
     for kind, layout in cases:
         net = model(folder, kind)
-        ids, starts = batch(net.hf.config.vocab_size, kind)
+        ids, starts = batch(net.hf.config.vocab_size)
         loss = shard_loss(net, ids, LAM, layout, segment_starts=starts)
         loss.total.backward()
         g = grads(net)

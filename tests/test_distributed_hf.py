@@ -1,6 +1,7 @@
 """Converted Hugging Face models under context parallelism (2 gloo processes): a packed batch of documents
-gives the one-process loss and gradients through the ring, for full, sliding and AHA attention; DAR (its
-distant keys rebuilt from latents by the host's own K/V path at their positions) on whole sequences."""
+gives the one-process loss and gradients through the ring, for full, sliding, AHA and DAR attention (DAR's
+distant keys rebuilt from latents by the host's own K/V path at their rotary positions, which restart
+with every document)."""
 
 import sys
 from pathlib import Path

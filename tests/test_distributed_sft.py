@@ -79,11 +79,3 @@ def test_context_parallel_needs_the_processes(inputs, tmp_path):
     with pytest.raises(ConfigError, match="needs a multiple of 2 processes"):
         run_sft(0, 1, tmp_path, model, data, str(tmp_path / "x"), 2)
 
-
-def test_dar_with_packed_chat_is_refused_before_loading(tmp_path):
-    from allhere.hf.sft import _check_mesh
-    from allhere.distributed.env import DistEnv
-
-    with pytest.raises(ConfigError, match="DAR"):
-        _check_mesh(2, "zigzag", 32, 4, DistEnv(0, 2, 0), dar=True)
-    _check_mesh(2, "zigzag", 32, 4, DistEnv(0, 2, 0), dar=False)

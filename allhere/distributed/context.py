@@ -31,6 +31,7 @@ the group (what FSDP / DDP do) therefore gives exactly the one-process gradient.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
@@ -147,15 +148,16 @@ class _RingForward:
         cp = self.cp
         plan = self.mech.context_parallel_plan(call, q.shape[2] * cp.world)
         kw = dict(group=cp.group, layout=cp.layout, scale=call.scale, stats=cp.stats, scores=plan.scores)
+        within = lambda p: None if p is None else cp.within_segments(p, q.shape[0], q.shape[1])  # noqa: E731
         if plan.far is not None:  # distant keys that travel in a compact form (DAR's latents)
-            if cp.segments is not None:
-                raise NotImplementedError(f"{name} under context parallelism: segments (padding, packed documents) "
-                                          "with distant keys sent in a compact form are not supported")
             from .ring_far import ring_far_attention
 
+            far = dataclasses.replace(plan.far, near=within(plan.far.near))
+            if cp.segments is not None and cp.rope_restarts_at_segments:  # expand at the rotary positions
+                far.expand = lambda c, pos, f=far.expand, s=cp.segments: f(c, pos - s[:, pos])
+            plan = dataclasses.replace(plan, reads=within(plan.reads), far=far)
             return ring_far_attention(q, k, v, plan, **kw), plan.routing
-        reads, local = (None if p is None else cp.within_segments(p, q.shape[0], q.shape[1])
-                        for p in (plan.reads, plan.local))
+        reads, local = within(plan.reads), within(plan.local)
         if plan.gate is None:
             return ring_attention(q, k, v, reads, **kw), plan.routing
         if local is None:
@@ -174,6 +176,8 @@ class ContextParallel:
     stats: RingStats | None = None
     # int64 [batch, n]: the segment starts of the whole sequences now sharded (``cp.shard``), or None
     segments: torch.Tensor | None = None
+    # whether the model's rotary positions restart with every document (``rope_restarts_at_segments``)
+    rope_restarts_at_segments: bool = False
 
     def shard(self, ids: torch.Tensor, loss_mask: torch.Tensor | None = None,
               segment_starts: torch.Tensor | None = None) -> ShardBatch:
@@ -223,7 +227,8 @@ def context_parallel(model: torch.nn.Module, group=None, layout: str = "zigzag",
     if any("forward" in vars(m) for m in mechs):
         raise RuntimeError("context_parallel is already active on this model")
     hook = model.register_forward_pre_hook(_require_positions, with_kwargs=True)  # a shard needs its positions
-    cp = ContextParallel(group, layout, dist.get_rank(group), dist.get_world_size(group), stats)
+    cp = ContextParallel(group, layout, dist.get_rank(group), dist.get_world_size(group), stats,
+                         rope_restarts_at_segments=getattr(model, "rope_restarts_at_segments", False))
     try:
         for m in mechs:
             m.forward = _RingForward(m, cp)
@@ -266,7 +271,7 @@ def shard_loss(model: torch.nn.Module, ids: torch.Tensor, lam: float, layout: st
     with context_parallel(model, group, layout) as cp:
         ids, pos, targets = cp.shard(ids, loss_mask, segment_starts)
         kwargs = {}
-        if segment_starts is not None and getattr(model, "rope_restarts_at_segments", False):
+        if segment_starts is not None and cp.rope_restarts_at_segments:
             kwargs["segment_starts"] = cp.cut(segment_starts)
         with autocast if autocast is not None else contextlib.nullcontext():
             out = model(ids, positions=pos, **kwargs)

@@ -77,7 +77,7 @@ def _load_report(model) -> dict:
     return {"peak_rss_delta_bytes": peaks, "full_model_bytes": report.full_model_bytes, "measured_by": report.peak_source}
 
 
-def _check_mesh(size: int, layout: str, seq_len: int, accum: int, env, dar: bool = False) -> None:
+def _check_mesh(size: int, layout: str, seq_len: int, accum: int, env) -> None:
     """ConfigError (one line) for a mesh the run cannot have: ``size`` context-parallel ranks, the other
     processes data parallel, each replica taking the same number of the ``accum`` micro-batches of a step."""
     from ..distributed.layouts import LAYOUTS, chunks_per_rank
@@ -91,9 +91,6 @@ def _check_mesh(size: int, layout: str, seq_len: int, accum: int, env, dar: bool
                           f"{world // size} data-parallel replicas ({world} processes / context parallel {size})")
     if size == 1:
         return
-    if dar:
-        raise ConfigError("DAR (d_down) runs context-parallel on whole sequences only, and sft packs conversations "
-                          "into documents: use context parallel 1 for DAR")
     if layout not in LAYOUTS:
         raise ConfigError(f"cp_layout must be one of {LAYOUTS}, got {layout!r}")
     pieces = size * chunks_per_rank(layout)
@@ -137,7 +134,7 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     if target_mu_f is not None and d_down is not None:
         raise ConfigError("target_mu_f steers AHA's routers; DAR (d_down) has none")
     env = detect()
-    _check_mesh(context_parallel, cp_layout, seq_len, global_batch // batch_size, env, dar=d_down is not None)
+    _check_mesh(context_parallel, cp_layout, seq_len, global_batch // batch_size, env)
     out = Path(out)
     with run_lock(out):  # one writer per run folder; train() takes it again (reentrant)
         rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
