@@ -56,11 +56,13 @@ def run_lock(folder: str | Path):
 
 def ensure_free(folder: str | Path) -> None:
     """Raise ``RunLocked`` if another process holds ``folder``; creates and changes nothing (for checks made
-    before a run starts, so that a busy folder is named as busy, not judged by the files it holds)."""
+    before a run starts, so that a busy folder is named as busy, not judged by the files it holds). Under
+    torchrun only rank 0 checks: the lock is the job's, and rank 0 may already hold it."""
     import fcntl
 
     path = Path(folder) / LOCK_NAME
-    if str(Path(folder).resolve()) in _held:
+    env = detect()
+    if str(Path(folder).resolve()) in _held or (env is not None and not env.main):
         return
     try:
         fd = os.open(path, os.O_RDONLY)

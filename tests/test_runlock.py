@@ -64,3 +64,17 @@ def test_lock_of_a_killed_process_is_taken_over(holder, tmp_path):
     with run_lock(run):
         assert (run / LOCK_NAME).read_text() == f"{os.getpid()}\n"
     assert list(run.iterdir()) == []
+
+
+def test_under_torchrun_only_rank_0_checks(holder, tmp_path, monkeypatch):
+    """A torchrun job is one writer: its rank 0 holds the lock, so the other ranks' check before the run must
+    not see the folder as busy (it races with rank 0 taking the lock)."""
+    from allhere.runlock import ensure_free
+
+    run = tmp_path / "run"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    ensure_free(run)  # rank 1: not its check
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RunLocked, match=f"in use by process {holder.pid}"):
+        ensure_free(run)

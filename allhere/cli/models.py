@@ -238,8 +238,11 @@ def sft(args) -> None:
     mu = f", mu_f {last['mu_f']:.3f}" if last.get("mu_f") is not None else ""
     mu += f", lambda {state['lam']:.3g}" if "lam" in state else ""
     print(f"{state['step']} steps; last step: loss {last['lm']:.4f}{mu}. Model saved to {args.out}/model")
-    if "load" in state:  # under torchrun: the sharded load's memory
-        load = state["load"]
-        print(f"loaded straight into {len(load['peak_rss_delta_bytes'])} FSDP2 shards: peak memory per rank at load "
+    if "load" in state:  # under torchrun: the mesh and the sharded load's memory
+        load, cp = state["load"], args.context_parallel
+        world = len(load["peak_rss_delta_bytes"])
+        print(f"trained on {world} processes: {world // cp} data parallel x {cp} context parallel ({args.cp_layout})"
+              if cp > 1 else f"trained on {world} processes, data parallel")
+        print(f"loaded straight into {world} FSDP2 shards: peak memory per rank at load "
               f"{max(load['peak_rss_delta_bytes']) / 2**20:.1f} MiB (largest of the ranks, {load['measured_by']}), "
               f"the whole model {load['full_model_bytes'] / 2**20:.1f} MiB")

@@ -46,11 +46,10 @@ def _trained_mechanism(saved, mech):
     return dataclasses.replace(saved, lam=mech.lam) if hasattr(saved, "lam") else saved
 
 
-def _load(model_path, mech, layers, seed: int, env, device: str):
+def _load(model_path, config, mech, layers, seed: int, env, device: str):
     """(tokenizer, converted model in float32, the mechanism trained, the device). One process: the whole model,
     converted with its mechanism weights drawn from ``seed``. Under torchrun: straight into FSDP2 shards
     (``allhere.hf.sharded_load``: no rank holds the whole model), with the same weights."""
-    config = check_causal_lm(model_path, convertible=True, layers=layers, mechanism=mech)
     saved = saved_mechanism(config)
     trained = _trained_mechanism(saved, mech)
     if env is None:
@@ -139,9 +138,9 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     with run_lock(out):  # one writer per run folder; train() takes it again (reentrant)
         rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
         mech = AHAConfig(window=window, tau=tau, lam=lam) if d_down is None else DARConfig(window=window, d_down=d_down)
-        published = saved_dtype(check_causal_lm(model_path, convertible=True, layers=layers, mechanism=mech),
-                                model_path)
-        tokenizer, model, mech, device = _load(model_path, mech, layers, seed, env, device)
+        config = check_causal_lm(model_path, convertible=True, layers=layers, mechanism=mech)
+        published = saved_dtype(config, model_path)
+        tokenizer, model, mech, device = _load(model_path, config, mech, layers, seed, env, device)
         context = getattr(model.config, "max_position_embeddings", seq_len)
         if seq_len > context:
             raise ConfigError(f"seq_len = {seq_len} is longer than the model's context ({context})")
