@@ -116,8 +116,10 @@ class FarKV:
     # differentiable in whatever produced it.
     payload: torch.Tensor
     # expand(payload [b, m, d_small], positions int64 [m]) -> (k, v) [b, kv_heads, m, head_dim]: the K/V a query
-    # reads for these tokens outside ``near``, given their absolute positions (DAR: the host's K/V path at
-    # h' = c W_up, RoPE at those positions). Any differentiable function, the same on every rank.
+    # reads for these tokens outside ``near``, given their positions (DAR: the host's K/V path at h' = c W_up,
+    # RoPE at those positions): absolute ones, or [b, m] rotary positions that restart with every document
+    # where the host's do (packed documents on a Hugging Face model). Any differentiable function, the same
+    # on every rank.
     expand: Callable
     # (b, h, q_idx, kv_idx) -> bool on absolute positions: the keys of ``reads`` read through the host's own
     # (full-dimensional) K/V, e.g. the window; None: none, every key read is expanded.
