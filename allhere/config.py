@@ -123,7 +123,7 @@ class TrainConfig:
     eval_every: int = 0  # evaluate every this many steps (0 = only at the end)
     ckpt_every: int = 100  # checkpoint every this many steps (and always at the end)
     log_every: int = 10  # record loss/mu_f in the history every this many steps
-    seed: int = 0  # seeds the model init and every batch (batch k of step s is a pure function of both)
+    seed: int = 0  # seeds every batch (batch k of step s is a pure function of both); pretraining also seeds the init with it
     device: str = "cpu"  # "cpu" or "cuda"; bf16 autocast is used on CUDA
     # torch.compile the training forward (inductor). On the CPU a step of the demo's stdlib shape takes
     # ~0.87x the eager time after 10-20 s of compilation (docs/performance.md): it pays over runs of
