@@ -17,23 +17,40 @@ latents of every earlier chunk read and the full K/V of the last w - 1 tokens of
 Also, every rank meets in every exchange, and with nothing to expand it expands an empty payload: the
 weights of ``expand`` get a (zero) gradient on every rank, as a gradient average over ranks needs.
 
-Deliberately simple: all transfers of a layer run in one autograd function (``_Exchange``) -- each rank
-sends every owner-to-reader message at once and waits; its backward sends the gradients of the received
-payloads and K/V back to their owners in one go. Every rank runs the same layers in the same order, so
-their exchanges meet in the same order forward and backward. The receiving rank then expands the
-payloads (once, all chunks together, with autograd: the gradients reach W_up and the host's K/V weights
-there and the latents' owner through the exchange) and, per query chunk, computes one softmax over every
-key it reads (near blocks from the full K/V, far blocks from the expansion) under autograd. Exact, forward
-and backward; the price of the simplicity: no overlap of transfers with compute, and per rank the expanded
-K/V of every chunk it reads plus, per query chunk, its fp32 scores and probabilities over every key it reads
-(chunk x keys, not one block at a time as ``ring.py``), kept for the backward -- a reference-grade ring
-for tests and moderate lengths, not a tiled kernel.
+Transfers, deliberately simple: all transfers of a layer run in one autograd function (``_Exchange``) --
+each rank sends every owner-to-reader message at once and waits; its backward sends the gradients of the
+received payloads and K/V back to their owners in one go. Every rank runs the same layers in the same order,
+so their exchanges meet in the same order forward and backward. No overlap of transfers with compute; what
+arrived is not sent again in the backward, so it stays alive until then: the latents of every chunk read
+far (up to n x d_down numbers on the last rank: it grows with n, not n / d, but at d_down per token) and the
+full K/V spans read near.
+
+Compute, block-wise. A unit is one key chunk of one round: its payload span expanded once (``expand``: DAR's
+W_up and the host's K/V path, with autograd, so the gradients reach those weights and, through the exchange,
+the latents' owner), then one block per query chunk of this rank that reads it, over the block's near keys
+(full K/V) and far keys (the expansion): masked logits s, and the sums over its keys of exp(s - m) v and
+exp(s - m), m the block's row maximum taken as a constant. Per query the blocks merge as out = sum_b
+e^(m_b - M) o_b / sum_b e^(m_b - M) z_b, M the largest m_b: the softmax over every key it reads whatever the
+constants, so forward and gradients are exact (the log-sum-exp merge of ``ring.py``, with each block's
+normaliser carried unnormalised). A query that reads no key gets 0 / 1 = 0. Each unit runs under
+``torch.utils.checkpoint`` (non-reentrant): autograd keeps its inputs -- q, the latent span and the near K/V
+span, views of this rank's own tensors or of what arrived -- and recomputes the expansion, the masks (from
+positions), the logits and the probabilities in the backward, one unit at a time. Kept per rank for the
+backward, besides what arrived: q, this rank's K/V (as one [b, kv_heads, n/d, 2 dim] tensor) and latents (and
+the block input W_down reads), the merged numerator (one fp32 tensor of the output's size) and, per block,
+[b, h, chunk] merge weights -- measured 1.4x to 1.8x the bytes the plain ring keeps at 2 and 4 ranks
+(``benchmarks/dar_ring_memory.py``: 1.5x to 1.7x at n = 4096), against 50x to 90x there when each query chunk
+kept its fp32 scores and probabilities over every key it reads. The backward's peak adds one unit's
+recomputation: its expansion and at most ``layouts.chunks_per_rank`` blocks of chunk x span scores. The price:
+the backward computes the attention's forward (and the expansions) once more -- up to about 20% more time per
+forward + backward of a one-layer model on CPU at n = 4096 -- and, without autograd, nothing is kept and
+nothing recomputed.
 
 Counters (``RingStats``): forward -- rounds with a block, rounds with a receive (``transfers``), bytes of
 payload and K/V sent and received, 4 * rows * keys * dim attention FLOPs per (batch, head) of every kept
 block (the expansion's matmuls are not counted); backward -- the bytes of the gradients sent back to
 owners (the payloads and K/V are not sent again: autograd keeps what arrived), the same rounds, 10 *
-rows * keys * dim FLOPs.
+rows * keys * dim FLOPs (the checkpoints' recomputation, 4 more, is not counted).
 """
 
 from __future__ import annotations
@@ -43,9 +60,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from torch.utils.checkpoint import checkpoint
+
 from ..ops.common import default_scale, repeat_kv
 from .layouts import chunk_len, positions, rank_chunks
-from .ring import RingStats
+from .ring import NEG_INF, RingStats, _finite
 from .ring_blocks import Pattern, pattern_from
 
 
@@ -178,78 +197,138 @@ def ring_far_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, 
                          f"got {tuple(payload.shape)}")
     kv = torch.cat([k, v], dim=-1)
     q, received = _exchange(fp, group, rank, stats, q, payload, kv)  # {t: (payload message, K/V message)}
-    # (round, key chunk) -> (tensor, offset of the span in it, first, end): where each span's tokens are
-    far_src, near_src = {}, {}
-    for t in range(world):
-        f_spans, n_spans = fp.needed(rank, t)
-        for (j, lo, hi), (at, _, _) in zip(f_spans, _offsets(f_spans).values()):
-            far_src[(t, j)] = (payload, j * c + lo, lo, hi) if t == 0 else (received[t][0], at, lo, hi)
-        for (j, lo, hi), (at, _, _) in zip(n_spans, _offsets(n_spans).values()):
-            near_src[(t, j)] = (kv, j * c + lo, lo, hi) if t == 0 else (received[t][1], at, lo, hi)
     pos = [positions(fp.n, layout, world, fp.src(rank, t), q.device) for t in range(world)]
-    q_pos = pos[0]
+    units = []  # one per (round, key chunk) read: its spans, as views of what holds them, and its blocks
+    for t in range(world):
+        blocks = fp.blocks(rank, t)
+        f_spans, n_spans = fp.needed(rank, t)
+        spans = {}
+        for kind, (sp, own, dim) in enumerate(((f_spans, payload, 1), (n_spans, kv, 2))):
+            for (j, lo, hi), (at, _, _) in zip(sp, _offsets(sp).values()):
+                x, at = (own, j * c + lo) if t == 0 else (received[t][kind], at)
+                spans.setdefault(j, [None, None])[kind] = (x.narrow(dim, at, hi - lo), lo, hi,
+                                                           pos[t][j * c + lo:j * c + hi])
+        for j, (f_span, n_span) in spans.items():
+            units.append(_Unit(n_span, f_span, [(blk.q_chunk, blk.near is not None, blk.far is not None)
+                                                for blk in blocks if blk.k_chunk == j]))
+    # the blocks' masks are not kept: each unit evaluates its own again from positions, forward and backward
+    att = _Attend(far.expand, fp.reads, fp.near, scale, scores, pos[0], c, d)
 
-    # every payload span this rank reads, expanded at once at its own positions
-    far_at, pieces, piece_pos, total = {}, [], [], 0
-    for (t, j), (x, at, lo, hi) in far_src.items():
-        far_at[(t, j)] = (total, lo, hi)
-        pieces.append(x.narrow(1, at, hi - lo))
-        piece_pos.append(pos[t][j * c + lo:j * c + hi])
-        total += hi - lo
-    # with nothing to expand, expand nothing: the weights it uses then get zero gradients on this rank, as on
-    # the others, rather than none (a gradient average over ranks needs the same parameters on every rank)
-    empty = not pieces
-    if empty:
-        pieces, piece_pos = [payload.narrow(1, 0, 0)], [q_pos[:0]]
-    k_far, v_far = far.expand(torch.cat(pieces, dim=1), torch.cat(piece_pos))
-
-    qf = q.float()
-    outs, flops = [], 0
-    for i in range(n_local // c):
-        keys, vals, allowed, kpos = [], [], [], []
-        for t in range(world):
-            for blk in fp.blocks(rank, t):
-                if blk.q_chunk != i:
-                    continue
-                if blk.near is not None:
-                    x, at, lo, hi = near_src[(t, blk.k_chunk)]
-                    kvb = x.narrow(2, at, hi - lo)
-                    keys.append(kvb[..., :d])
-                    vals.append(kvb[..., d:])
-                    allowed.append(blk.near[..., lo:hi])
-                    kpos.append(pos[t][blk.k_chunk * c + lo:blk.k_chunk * c + hi])
-                if blk.far is not None:
-                    at, lo, hi = far_at[(t, blk.k_chunk)]
-                    keys.append(k_far.narrow(2, at, hi - lo))
-                    vals.append(v_far.narrow(2, at, hi - lo))
-                    allowed.append(blk.far[..., lo:hi])
-                    kpos.append(pos[t][blk.k_chunk * c + lo:blk.k_chunk * c + hi])
-        qi = qf.narrow(2, i * c, c)
-        if not keys:
-            outs.append(qi * 0)  # still a function of q: the exchange's backward must run
+    # per unit, under a checkpoint (kept for the backward: its inputs -- q, the spans' latents and K/V -- not
+    # the expansion, the scores or the probabilities, which the backward recomputes): per block, the sums over
+    # its keys of exp(s - m) v and exp(s - m), m the block's row maximum, a constant. Merged per query:
+    # out = sum_b e^(m_b - M) o_b / sum_b e^(m_b - M) z_b, M the largest m_b -- the softmax over every key,
+    # whatever the constants, so its gradient is the softmax's.
+    ckpt = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, payload))
+    per_chunk = [[] for _ in range(n_local // c)]
+    for u in units:
+        args = (u, q, *u.tensors())
+        parts = checkpoint(att.block_sums, *args, use_reentrant=False) if ckpt else att.block_sums(*args)
+        for (i, _, _), at in zip(u.blocks, range(0, len(parts), 3)):
+            per_chunk[i].append(parts[at:at + 3])
+    outs = []
+    for i, parts in enumerate(per_chunk):
+        if not parts:
+            outs.append(q.narrow(2, i * c, c).float() * 0)  # still a function of q: the exchange's backward must run
             continue
-        kr = repeat_kv(torch.cat([x.float() for x in keys], dim=2), h)  # near and far may differ in dtype
-        vr = repeat_kv(torch.cat([x.float() for x in vals], dim=2), h)
-        mask = torch.cat([m.expand(b, h, c, m.shape[-1]) for m in allowed], dim=-1)
-        if scores is None:
-            s = (qi @ kr.transpose(-1, -2)) * scale
-        else:
-            s = scores(qi, kr, q_pos[i * c:(i + 1) * c].view(1, 1, -1, 1), torch.cat(kpos).view(1, 1, 1, -1),
-                       scale).float()
-        s = s.masked_fill(~mask, float("-inf"))
-        seen = mask.any(-1, keepdim=True)
-        p = torch.where(seen, torch.softmax(s.masked_fill(~seen, 0.0), dim=-1), 0.0)
-        outs.append(p @ vr)
-        flops += 4 * b * h * c * kr.shape[2] * d
+        top = _finite(torch.stack([m for _, _, m in parts]).amax(0))
+        num = den = 0
+        for o, z, m in parts:
+            w = torch.exp(m - top)  # 0 where the block holds no key of the row
+            num, den = num + o * w[..., None], den + z * w
+        outs.append(num / torch.where(den > 0, den, 1.0)[..., None])  # a query that reads no key: 0 / 1
+    out = torch.cat(outs, dim=2)
+
+    flops = sum(4 * b * h * c * keys * d for u in units for keys in u.keys_per_block())
     if stats is not None:
         rounds = sum(1 for t in range(world) if fp.blocks(rank, t))
         stats.add("forward", rounds=rounds, flops=flops)
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, payload)):
+        if ckpt:
             stats.add("backward", rounds=rounds, flops=flops // 4 * 10)
-    out = torch.cat(outs, dim=2)
-    if empty:
+    # with nothing to expand, expand nothing: the weights it uses then get zero gradients on this rank, as on
+    # the others, rather than none (a gradient average over ranks needs the same parameters on every rank)
+    if not any(u.far is not None for u in units):
+        k_far, v_far = far.expand(payload.narrow(1, 0, 0), pos[0][:0])
         out = out + 0 * (k_far.sum() + v_far.sum())
     return out.to(q.dtype)
+
+
+@dataclass
+class _Unit:
+    """The blocks of this rank's query chunks that read one key chunk of one round -- (query chunk, whether it
+    reads some key near, whether far) -- and the spans of that chunk they read: (tensor [b, kv_heads, m, 2 dim]
+    or [b, m, d_small], first, end, absolute positions [m])."""
+
+    near: tuple | None
+    far: tuple | None
+    blocks: list[tuple[int, bool, bool]]
+
+    def tensors(self) -> tuple:
+        return tuple(None if s is None else s[0] for s in (self.near, self.far))
+
+    def keys_per_block(self):
+        for _, has_near, has_far in self.blocks:
+            yield sum(s[2] - s[1] for s, used in ((self.near, has_near), (self.far, has_far)) if used)
+
+
+class _Attend:
+    """One unit's block arithmetic: the same in the forward and in the checkpoint's recomputation."""
+
+    def __init__(self, expand, reads: Pattern, near: Pattern | None, scale: float, scores, q_pos: torch.Tensor,
+                 c: int, d: int) -> None:
+        self.expand, self.reads, self.near, self.scale, self.scores = expand, reads, near, scale, scores
+        self.q_pos, self.c, self.d = q_pos, c, d
+
+    def _allowed(self, qp: torch.Tensor, kp: torch.Tensor, kind: str) -> torch.Tensor:
+        """bool [b|1, h|1, len(qp), len(kp)]: the keys read through the full K/V ("near") or the expansion."""
+        reads = self.reads.mask(qp, kp)
+        if self.near is None:
+            return reads if kind == "far" else torch.zeros_like(reads)
+        near = self.near.mask(qp, kp)
+        return reads & near if kind == "near" else reads & ~near
+
+    def logits(self, u: _Unit, q, near_kv, latents):
+        """Per block of the unit: (query chunk, masked fp32 logits [b, h, c, keys], fp32 values [b, h, keys, dim]),
+        the keys being the block's part of the near span (full K/V) then of the far span (the expanded latents)."""
+        b, h, _, d = q.shape
+        c = self.c
+        parts = {}
+        if near_kv is not None:
+            kvf = near_kv.float()
+            parts["near"] = (kvf[..., :d], kvf[..., d:], u.near)
+        if latents is not None:
+            kf, vf = self.expand(latents, u.far[3])
+            parts["far"] = (kf.float(), vf.float(), u.far)  # near and far may differ in dtype
+        for i, has_near, has_far in u.blocks:
+            qp = self.q_pos[i * c:(i + 1) * c]
+            keys, vals, allowed, kpos = [], [], [], []
+            for kind, used in (("near", has_near), ("far", has_far)):
+                if used:
+                    kb, vb, (_, _, _, p) = parts[kind]
+                    keys.append(kb)
+                    vals.append(vb)
+                    m = self._allowed(qp, p, kind)
+                    allowed.append(m.expand(b, h, *m.shape[2:]))
+                    kpos.append(p)
+            cat = lambda xs, dim: xs[0] if len(xs) == 1 else torch.cat(xs, dim=dim)  # noqa: E731
+            kr, vr = repeat_kv(cat(keys, 2), h), repeat_kv(cat(vals, 2), h)
+            qi = q.narrow(2, i * c, c).float()
+            if self.scores is None:
+                s = (qi @ kr.transpose(-1, -2)) * self.scale
+            else:
+                s = self.scores(qi, kr, qp.view(1, 1, -1, 1), cat(kpos, 0).view(1, 1, 1, -1), self.scale).float()
+            yield i, s.masked_fill(~cat(allowed, -1), NEG_INF), vr
+
+    def block_sums(self, u: _Unit, q, near_kv, latents):
+        """Per block of the unit, flat: (exp(s - m) @ v [b, h, c, dim], row sums of exp(s - m) [b, h, c], m), m the
+        block's row maximum of the logits s without gradient (-inf where the row reads no key of the block, then
+        the sums are 0), so no term exceeds 1."""
+        out = []
+        for _, s, vr in self.logits(u, q, near_kv, latents):
+            m = s.detach().amax(-1)
+            p = torch.exp(s - _finite(m)[..., None])
+            out += [p @ vr, p.sum(-1), m]
+        return tuple(out)
 
 
 # -- the transfers --------------------------------------------------------------------------------------------
@@ -301,26 +380,28 @@ class _Exchange(torch.autograd.Function):
             _count(stats, "forward", transfers=int(any(fp.needed(rank, t))))
         for w in recvs + [s for s, _ in sends]:
             w.wait()
-        ctx.fp, ctx.group, ctx.rank, ctx.stats = fp, group, rank, stats
+        # the backward needs only the spans (not the plan, whose blocks hold their masks)
+        ctx.needed = {(r, t): fp.needed(r, t) for t in range(1, world) for r in (fp.dst(rank, t), rank)}
+        ctx.world, ctx.chunk, ctx.group, ctx.rank, ctx.stats = world, fp.chunk, group, rank, stats
         ctx.meta = [(payload.shape, payload.dtype), (kv.shape, kv.dtype)]
         return (q.view_as(q), *out)
 
     @staticmethod
     def backward(ctx, dq, *grads):
-        fp, group, rank, stats = ctx.fp, ctx.group, ctx.rank, ctx.stats
-        c, world = fp.chunk, fp.world
+        needed, group, rank, stats = ctx.needed, ctx.group, ctx.rank, ctx.stats
+        c, world = ctx.chunk, ctx.world
         base = 2 * world
         acc = [torch.zeros(shape, dtype=torch.float32, device=grads[0].device) for shape, _ in ctx.meta]
         sends, recvs = [], []
         for t in range(1, world):
-            dst, src = fp.dst(rank, t), fp.src(rank, t)
+            dst, src = (rank + t) % world, (rank - t) % world
             for kind, dim in enumerate((1, 2)):
                 g = grads[2 * (t - 1) + kind]
-                if fp.needed(rank, t)[kind]:  # the gradient of what we received, back to its owner
+                if needed[(rank, t)][kind]:  # the gradient of what we received, back to its owner
                     g = g.contiguous()
                     sends.append((dist.isend(g, _peer(group, src), group=group, tag=base + 2 * t + kind), g))
                     _count(stats, "backward", bytes_sent=g.nbytes)
-                theirs = fp.needed(dst, t)[kind]
+                theirs = needed[(dst, t)][kind]
                 if theirs:  # the gradient of what we sent, from its reader
                     shape = list(ctx.meta[kind][0])
                     shape[dim] = sum(hi - lo for _, lo, hi in theirs)
@@ -328,7 +409,7 @@ class _Exchange(torch.autograd.Function):
                     recvs.append((dist.irecv(buf, _peer(group, dst), group=group, tag=base + 2 * t + kind), buf,
                                   kind, dim, theirs))
                     _count(stats, "backward", bytes_received=buf.nbytes)
-            _count(stats, "backward", transfers=int(any(fp.needed(dst, t))))
+            _count(stats, "backward", transfers=int(any(needed[(dst, t)])))
         for w, buf, kind, dim, theirs in recvs:
             w.wait()
             for j, (at, lo, hi) in _offsets(theirs).items():
