@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import ConfigError
+
 LAYOUTS = ("contiguous", "zigzag")
 
 
 def check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 def chunks_per_rank(layout: str) -> int:

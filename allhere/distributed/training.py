@@ -13,15 +13,14 @@ import torch
 import torch.distributed as dist
 
 from ..validation import ConfigError
-from . import checkpoint as sharded
+from . import checkpoint as sharded, layouts
 from .env import DistEnv, detect, init
 from .fsdp import shard_model
 
 
 class DistributedRun:
     def __init__(self, env: DistEnv, device: str, context_parallel: int = 1) -> None:
-        if context_parallel < 1 or env.world % context_parallel:
-            raise ValueError(f"context parallel size {context_parallel} must divide the {env.world} processes")
+        check_mesh(env.world, context_parallel)
         self.env = env
         self.device = init(env, device)
         self.cp, self.dp = context_parallel, env.world // context_parallel
@@ -44,11 +43,7 @@ class DistributedRun:
         (every cp rank of a replica takes the same ones). Each rank divides its loss by its own count and
         FSDP averages the gradients over ranks, so the step's gradient is the mean over all grad_accum
         micro-batches, as with one process."""
-        if grad_accum % self.dp:
-            what = f"{self.dp} data-parallel replicas" + (f" ({self.env.world} processes / context parallel "
-                                                          f"{self.cp})" if self.cp > 1 else " (processes)")
-            raise ValueError(f"grad_accum = {grad_accum} micro-batches per step cannot be shared evenly by {what}: "
-                             f"choose a global batch / batch size whose quotient is a multiple of {self.dp}")
+        check_mesh(self.env.world, self.cp, grad_accum)
         return range(self.dp_rank, grad_accum, self.dp)
 
     def sum(self, values: dict[str, float]) -> dict[str, float]:
@@ -87,8 +82,28 @@ def distributed_run(device: str, context_parallel: int = 1) -> DistributedRun | 
     the ranks that split each sequence (the rest of the world is data parallel)."""
     env = detect()
     if env is None:
-        if context_parallel > 1:
-            raise ConfigError(f"context parallel size {context_parallel} needs as many processes (start it with "
-                             f"torchrun --nproc-per-node {context_parallel} or a multiple of it)")
+        check_mesh(1, context_parallel)
         return None
     return DistributedRun(env, device, context_parallel)
+
+
+def check_mesh(world: int, context_parallel: int, grad_accum: int | None = None, layout: str | None = None,
+               seq_len: int | None = None) -> None:
+    """ConfigError (one line) for a dp x cp mesh a run cannot have: ``context_parallel`` ranks must divide the
+    ``world`` processes; the world / cp data-parallel replicas must share a step's ``grad_accum`` micro-batches
+    evenly; with cp > 1, a sequence of ``seq_len`` tokens must cut into ``layout``'s chunks. Checked by the
+    run itself, and by a caller that wants the error before it loads anything (``allhere.hf.sft``)."""
+    if context_parallel < 1 or world % context_parallel:
+        raise ConfigError(f"context parallel {context_parallel} needs a multiple of {context_parallel} processes "
+                          f"(torchrun --nproc-per-node); this run has {world}")
+    dp = world // context_parallel
+    if grad_accum is not None and grad_accum % dp:
+        what = f"{world} processes / context parallel {context_parallel}" if context_parallel > 1 else "processes"
+        raise ConfigError(f"grad_accum (global batch / batch size) = {grad_accum} micro-batches per step cannot be "
+                          f"shared evenly by {dp} data-parallel replicas ({what})")
+    if context_parallel == 1 or layout is None:
+        return
+    pieces = context_parallel * layouts.chunks_per_rank(layout)  # a ConfigError for an unknown layout
+    if seq_len is not None and seq_len % pieces:
+        raise ConfigError(f"seq_len = {seq_len} must be a multiple of {pieces} to be cut into the {layout} layout's "
+                          f"chunks over {context_parallel} ranks")

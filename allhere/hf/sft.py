@@ -22,6 +22,7 @@ import torch
 from ..config import TrainConfig
 from ..distributed.checkpoint import full_state_dict
 from ..distributed.env import detect
+from ..distributed.training import check_mesh
 from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversation
 from ..mechanisms import AHAConfig, DARConfig
 from ..runlock import run_lock
@@ -76,28 +77,6 @@ def _load_report(model) -> dict:
     return {"peak_rss_delta_bytes": peaks, "full_model_bytes": report.full_model_bytes, "measured_by": report.peak_source}
 
 
-def _check_mesh(size: int, layout: str, seq_len: int, accum: int, env) -> None:
-    """ConfigError (one line) for a mesh the run cannot have: ``size`` context-parallel ranks, the other
-    processes data parallel, each replica taking the same number of the ``accum`` micro-batches of a step."""
-    from ..distributed.layouts import LAYOUTS, chunks_per_rank
-
-    world = 1 if env is None else env.world
-    if size < 1 or world % size:
-        raise ConfigError(f"context parallel {size} needs a multiple of {size} processes (torchrun --nproc-per-node); "
-                          f"this run has {world}")
-    if accum % (world // size):
-        raise ConfigError(f"global_batch / batch_size = {accum} micro-batches per step cannot be shared evenly by "
-                          f"{world // size} data-parallel replicas ({world} processes / context parallel {size})")
-    if size == 1:
-        return
-    if layout not in LAYOUTS:
-        raise ConfigError(f"cp_layout must be one of {LAYOUTS}, got {layout!r}")
-    pieces = size * chunks_per_rank(layout)
-    if seq_len % pieces:
-        raise ConfigError(f"seq_len = {seq_len} must be a multiple of {pieces} to be cut into the {layout} layout's "
-                          f"chunks over {size} ranks")
-
-
 def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: int, seq_len: int = 2048,
         batch_size: int = 4, global_batch: int = 128, epochs: float = 1.0, lr: float = 3e-5, lam: float = 3e-4,
         tau: float = 0.5, max_steps: int | None = None, device: str = "cpu", resume: bool = False, seed: int = 0,
@@ -133,7 +112,7 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     if target_mu_f is not None and d_down is not None:
         raise ConfigError("target_mu_f steers AHA's routers; DAR (d_down) has none")
     env = detect()
-    _check_mesh(context_parallel, cp_layout, seq_len, global_batch // batch_size, env)
+    check_mesh(1 if env is None else env.world, context_parallel, global_batch // batch_size, cp_layout, seq_len)
     out = Path(out)
     with run_lock(out):  # one writer per run folder; train() takes it again (reentrant)
         rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
