@@ -52,13 +52,7 @@ class HFCausalLM(nn.Module):
                                  f"{tuple(positions.shape)}")
             ids = positions.expand(input_ids.shape[0], -1)
             kwargs["position_ids"] = ids if segment_starts is None else (ids - segment_starts).clamp_min(0)
-            token = SHARD_POSITIONS.set(positions)
-            try:
-                out = self.hf(input_ids=input_ids, use_cache=False, **kwargs)
-            finally:
-                SHARD_POSITIONS.reset(token)
-            return self._output(out)
-        if segment_starts is not None:
+        elif segment_starts is not None:
             idx = torch.arange(input_ids.shape[1], device=input_ids.device)
             kwargs["position_ids"] = (idx - segment_starts).clamp_min(0)
             padding = segment_starts < 0
@@ -67,9 +61,11 @@ class HFCausalLM(nn.Module):
                 if bool((padding.any(1) & (segment_starts.max(1).values > first)).any()):
                     raise ValueError("a Hugging Face model takes padding or packed documents in one row, not both")
                 kwargs["attention_mask"] = (~padding).long()
-        return self._output(self.hf(input_ids=input_ids, use_cache=False, **kwargs))
-
-    def _output(self, out) -> DecoderOutput:
+        token = SHARD_POSITIONS.set(positions)  # None: a whole sequence
+        try:
+            out = self.hf(input_ids=input_ids, use_cache=False, **kwargs)
+        finally:
+            SHARD_POSITIONS.reset(token)
         return DecoderOutput(out.logits, collect_routing(self.hf) if routed_layers(self.hf) else None, None)
 
     def context_parallel_refusal(self) -> str | None:
