@@ -116,12 +116,24 @@ def _causal_lm_classes() -> set[str]:
     return names
 
 
-def meta_model(config):
-    """The model of ``config`` on the meta device: its structure, no memory for weights."""
+def meta_model(config, dtype: torch.dtype | None = None):
+    """The model of ``config`` on the meta device (in ``dtype`` where given), as ``from_pretrained`` builds it
+    (SDPA where the family has it): its structure, no memory for weights."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, **({} if dtype is None else {"dtype": dtype}))
+
+
+def load_tokenizer(path: Path, config):
+    """The tokenizer of the model folder ``path`` with transformers' own loader, given its ``config`` (a faolmo
+    one is not AutoConfig's to read); never the folder's own code. ConfigError when there is none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, config=config, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} has no tokenizer transformers can load: {e}") from None
 
 
 def check_causal_lm(path: str | Path, convertible: bool = False, layers="full", mechanism=None):
@@ -170,15 +182,11 @@ def load_local(model_path: str | Path, convertible: bool = False, dtype: torch.d
     through ``load_pretrained``). ``dtype``: "auto" keeps the dtype the weights were saved in (what
     lm-eval's ``hf`` model does); training asks for float32."""
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     p = Path(model_path)
     config = check_causal_lm(p, convertible, layers)
-    try:
-        # the config read above (a faolmo one is not AutoConfig's to read); never the folder's own code
-        tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True, config=config, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{p} has no tokenizer transformers can load: {e}") from None
+    tokenizer = load_tokenizer(p, config)
     try:
         if saved_mechanism(config) is not None:
             return tokenizer, load_pretrained(p, local_files_only=True, dtype=dtype)

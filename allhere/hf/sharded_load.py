@@ -42,6 +42,7 @@ from ..distributed.fsdp import shard_model
 from ..validation import ConfigError
 from .attention import SUBMODULE
 from .convert import CONFIG_KEY, LAYERS_KEY, convert, dims_of, init_mechanism
+from .io import _weight_files, check_causal_lm, load_tokenizer, meta_model, saved_dtype, saved_mechanism
 
 LEGACY_SUBMODULES = ("aha", "dar")  # the mechanism's submodule name in files saved by earlier versions
 CHUNK_BYTES = 16 << 20  # the most of one tensor read from a file at a time
@@ -63,8 +64,8 @@ class LoadReport:
 class PeakRSS:
     """The peak resident memory of this process inside a ``with`` block, relative to its start: the
     kernel's high-water mark (VmHWM, reset on entry through /proc/self/clear_refs) where it can be reset,
-    otherwise a thread sampling /proc/self/statm every millisecond (which can miss short peaks), together
-    with ``getrusage``'s maxrss where that grew. After the block: ``before``, ``peak``, ``delta`` in bytes."""
+    otherwise a thread sampling /proc/self/statm every millisecond (which can miss short peaks); either with
+    ``getrusage``'s maxrss where that grew. After the block: ``before``, ``peak``, ``delta`` in bytes."""
 
     def __init__(self, interval: float = 0.001) -> None:
         self.interval = interval
@@ -104,13 +105,15 @@ class PeakRSS:
             self.source = "VmHWM" if hwm is not None and hwm <= self.before + (1 << 20) else "sampled"
         except OSError:
             self.source = "sampled"
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        if self.source == "sampled":  # only where the kernel's mark cannot be used
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
         self.peak = max(self.peak, self.current())
         if self.source == "VmHWM":
             self.peak = max(self.peak, self._hwm() or 0)
@@ -127,8 +130,7 @@ def load_sharded(model_path: str | Path, mechanism=None, layers="full", dtype: t
                  device: str | torch.device = "cpu", seed: int = 0, mesh=None):
     """(tokenizer, model) of the folder ``model_path``, the model sharded with FSDP2 over ``mesh`` (a
     DeviceMesh; default: every rank of the default group) on ``device``, its weights in ``dtype`` ("auto": as
-    saved). Call it
-    on every rank. A folder saved converted by allhere loads with its saved mechanism and weights (a
+    saved). Call it on every rank. A folder saved converted by allhere loads with its saved mechanism and weights (a
     ``mechanism`` asked for is then ignored, as ``load_local`` ignores it); a plain one is converted with
     ``mechanism`` on ``layers`` (None: left plain), the new weights initialised as
     ``convert(..., seed=seed)`` initialises them. The model comes in eval mode, as ``from_pretrained``
@@ -152,19 +154,8 @@ def load_sharded(model_path: str | Path, mechanism=None, layers="full", dtype: t
     return tokenizer, model
 
 
-def _tokenizer(p: Path, config):
-    """The folder's tokenizer, as ``load_local`` loads it."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True, config=config, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{p} has no tokenizer transformers can load: {e}") from None
-
-
 def _load(p: Path, mechanism, layers, dtype, device, seed, mesh):
     from .faolmo import read_config as faolmo_config
-    from .io import check_causal_lm, saved_dtype
 
     if (p / "config.json").exists() and faolmo_config(p) is not None:
         raise ConfigError(f"{p} is in the AHA authors' (faolmo) format, which load_sharded does not read; load it "
@@ -176,7 +167,7 @@ def _load(p: Path, mechanism, layers, dtype, device, seed, mesh):
         name, dtype = dtype, getattr(torch, dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"dtype must be a torch dtype, its name or 'auto', got {name!r}")
-    tokenizer = _tokenizer(p, config)
+    tokenizer = load_tokenizer(p, config)
     model, saved = _converted_meta_model(config, mechanism, layers, dtype)
     sources = _sources(p, model, from_files=saved is not None)
     buffers = _buffers(model)
@@ -208,8 +199,6 @@ def assemble(model_path: str | Path, state_dict: dict[str, torch.Tensor], mechan
     after training) instead of the folder's weights, without a second copy of them: built on the meta device,
     converted (the folder's saved mechanism, else ``mechanism`` on ``layers``), the tensors assigned, the
     non-persistent buffers rebuilt, a tied head tied again. Every key must match the model's."""
-    from .io import check_causal_lm
-
     dtype = next(iter(state_dict.values())).dtype
     model, _ = _converted_meta_model(check_causal_lm(model_path), mechanism, layers, dtype)
     buffers = _buffers(model)
@@ -227,24 +216,13 @@ def assemble(model_path: str | Path, state_dict: dict[str, torch.Tensor], mechan
 def _converted_meta_model(config, mechanism, layers, dtype):
     """(the model of ``config`` on the meta device, converted to its saved mechanism or ``mechanism``; the
     saved mechanism or None)."""
-    from .io import saved_mechanism
-
     saved = saved_mechanism(config)
-    model = _meta_model(config, dtype)
+    model = meta_model(config, dtype)
     if saved is not None:
         convert(model, saved, layers=getattr(config, LAYERS_KEY, None) or "full")
     elif mechanism is not None:
         convert(model, mechanism, layers=layers)
     return model, saved
-
-
-def _meta_model(config, dtype):
-    """The model of ``config`` on the meta device in ``dtype``, as ``from_pretrained`` builds it (SDPA where
-    the family has it)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def _buffers(model) -> dict[str, torch.Tensor]:
@@ -286,9 +264,7 @@ def _index(p: Path) -> dict[str, Path]:
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
         return {k: p / f for k, f in weight_map.items()}
-    single = p / "model.safetensors"
-    if not single.exists():
-        raise CheckpointError(f"{p} has no model.safetensors (or index): save with safe serialization")
+    (single,) = _weight_files(p)  # no index: model.safetensors, or the CheckpointError saying it is missing
     return {k: single for k in _header(single)}
 
 
