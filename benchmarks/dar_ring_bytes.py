@@ -18,55 +18,39 @@ Bytes do not depend on the machine; the ranks are CPU processes (bf16 tensors, r
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_ranks import launch  # benchmarks/gloo_ranks.py
 
 MIB = 2 ** 20
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, n: int, layout: str, args, out: str) -> None:
+def _rank(rank: int, world: int, n: int, layout: str, args) -> dict:
     from allhere import masks
     from allhere.distributed import RingStats, ring_attention
     from allhere.distributed.ring_far import ring_far_attention
     from allhere.mechanisms.base import ContextParallelPlan, FarKV
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        g, dt, m = torch.Generator().manual_seed(rank), torch.bfloat16, n // world
-        kv, hd = args.kv_heads, args.head_dim
-        q = torch.randn(1, kv, m, hd, generator=g).to(dt)  # query heads do not change the bytes
-        k, v = (torch.randn(1, kv, m, hd, generator=g).to(dt) for _ in range(2))
-        latents = torch.randn(1, m, args.d_down, generator=g).to(dt)
-        w_k, w_v = ((torch.randn(kv * hd, args.d_down, generator=g) / args.d_down ** 0.5).to(dt) for _ in range(2))
+    g, dt, m = torch.Generator().manual_seed(rank), torch.bfloat16, n // world
+    kv, hd = args.kv_heads, args.head_dim
+    q = torch.randn(1, kv, m, hd, generator=g).to(dt)  # query heads do not change the bytes
+    k, v = (torch.randn(1, kv, m, hd, generator=g).to(dt) for _ in range(2))
+    latents = torch.randn(1, m, args.d_down, generator=g).to(dt)
+    w_k, w_v = ((torch.randn(kv * hd, args.d_down, generator=g) / args.d_down ** 0.5).to(dt) for _ in range(2))
 
-        def expand(c, positions):  # K/V of the latents (W_up absorbed into W_K, W_V; no RoPE: bytes only)
-            return tuple((c @ w.T).view(1, -1, kv, hd).transpose(1, 2) for w in (w_k, w_v))
+    def expand(c, positions):  # K/V of the latents (W_up absorbed into W_K, W_V; no RoPE: bytes only)
+        return tuple((c @ w.T).view(1, -1, kv, hd).transpose(1, 2) for w in (w_k, w_v))
 
-        plan = ContextParallelPlan(reads=masks.causal, far=FarKV(latents, expand, masks.sliding_window(args.window)))
-        dar, full = RingStats(), RingStats()
-        with torch.no_grad():
-            ring_far_attention(q, k, v, plan, layout=layout, stats=dar)
-            ring_attention(q, k, v, None, layout=layout, stats=full)
-        torch.save({"dar": dar.counts["forward"], "full": full.counts["forward"]}, os.path.join(out, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    plan = ContextParallelPlan(reads=masks.causal, far=FarKV(latents, expand, masks.sliding_window(args.window)))
+    dar, full = RingStats(), RingStats()
+    with torch.no_grad():
+        ring_far_attention(q, k, v, plan, layout=layout, stats=dar)
+        ring_attention(q, k, v, None, layout=layout, stats=full)
+    return {"dar": dar.counts["forward"], "full": full.counts["forward"]}
 
 
 def main(argv=None) -> None:
-    import tempfile
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[4, 8], help="ranks of the ring (default 4 8)")
     p.add_argument("--seq", type=int, nargs="+", default=None,
@@ -84,9 +68,7 @@ def main(argv=None) -> None:
     base = args.d_down / (2 * args.kv_heads * args.head_dim)
     for world, n in zip(args.worlds, seqs):
         for layout, extra in (("contiguous", 2 / n), ("zigzag", 8 / (3 * n))):
-            with tempfile.TemporaryDirectory() as out:
-                mp.spawn(_rank, args=(world, _port(), n, layout, args, out), nprocs=world, join=True)
-                res = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(world)]
+            res = launch(_rank, world, n, layout, args)
             sent = {m: sum(r[m]["bytes_sent"] for r in res) for m in ("dar", "full")}
             got = {m: max(r[m]["bytes_received"] for r in res) for m in ("dar", "full")}
             moves = {m: max(r[m]["transfers"] for r in res) for m in ("dar", "full")}

@@ -18,21 +18,14 @@ The bytes do not depend on the machine.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_ranks import launch  # benchmarks/gloo_ranks.py
 
 MIB = 2 ** 20
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class AttentionSaved:
@@ -97,24 +90,15 @@ def layer_saved(mech, n: int, layout: str, heads: int, kv_heads: int, head_dim: 
     return {"bytes": saved.bytes, "seconds": seconds}
 
 
-def _rank(rank: int, world: int, port: int, n: int, layout: str, args, out: str) -> None:
+def _rank(rank: int, world: int, n: int, layout: str, args) -> dict:
     from allhere.mechanisms import DARConfig, FullConfig
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        shape = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, batch=args.batch)
-        res = {"dar": layer_saved(DARConfig(window=args.window, d_down=args.d_down), n, layout, **shape),
-               "full": layer_saved(FullConfig(), n, layout, **shape)}
-        torch.save(res, os.path.join(out, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    shape = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, batch=args.batch)
+    return {"dar": layer_saved(DARConfig(window=args.window, d_down=args.d_down), n, layout, **shape),
+            "full": layer_saved(FullConfig(), n, layout, **shape)}
 
 
 def main(argv=None) -> None:
-    import tempfile
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="ranks of the ring (default 2 4)")
     p.add_argument("--seq", type=int, default=4096, help="tokens of the whole sequence (default 4096)")
@@ -133,9 +117,7 @@ def main(argv=None) -> None:
           "fwd+bwd s, DAR / full (max rank) |\n|---|---|---|---|---|---|---|")
     for world in args.worlds:
         for layout in args.layouts:
-            with tempfile.TemporaryDirectory() as out:
-                mp.spawn(_rank, args=(world, _port(), args.seq, layout, args, out), nprocs=world, join=True)
-                res = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(world)]
+            res = launch(_rank, world, args.seq, layout, args)
             dar = max(r["dar"]["bytes"] for r in res)
             full = max(r["full"]["bytes"] for r in res)
             per = " / ".join(f"{r['dar']['bytes'] / MIB:.1f}" for r in res)

@@ -15,42 +15,26 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
-import sys
-import tempfile
+import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_ranks import launch  # benchmarks/gloo_ranks.py
 
 MIB = 2 ** 20
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _sharded(rank: int, world: int, port: int, model: str, window: int, out: str) -> None:
+def _sharded(rank: int, world: int, model: str, window: int) -> dict:
     from allhere.hf.sharded_load import load_sharded
     from allhere.mechanisms import AHAConfig
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _, m = load_sharded(model, mechanism=AHAConfig(window=window), dtype=torch.float32)
-        r = m.allhere_load_report
-        torch.save(dict(peak=r.peak_rss_delta_bytes, local=r.local_bytes, full=r.full_model_bytes,
-                        seconds=r.seconds, source=r.peak_source), os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    _, m = load_sharded(model, mechanism=AHAConfig(window=window), dtype=torch.float32)
+    r = m.allhere_load_report
+    return dict(peak=r.peak_rss_delta_bytes, local=r.local_bytes, full=r.full_model_bytes, seconds=r.seconds,
+                source=r.peak_source)
 
 
-def _whole(model: str, window: int, out: str) -> None:
-    import time
-
+def _whole(rank: int, world: int, model: str, window: int) -> dict:
     from allhere.hf import convert
     from allhere.hf.io import load_local
     from allhere.hf.sharded_load import PeakRSS
@@ -60,8 +44,8 @@ def _whole(model: str, window: int, out: str) -> None:
     with PeakRSS() as peak:
         _, m = load_local(model, convertible=True, dtype=torch.float32)
         convert(m, AHAConfig(window=window), seed=0)
-    torch.save(dict(peak=peak.delta, seconds=time.perf_counter() - start, source=peak.source,
-                    full=sum(p.numel() * p.element_size() for p in m.parameters())), os.path.join(out, "whole.pt"))
+    return dict(peak=peak.delta, seconds=time.perf_counter() - start, source=peak.source,
+                full=sum(p.numel() * p.element_size() for p in m.parameters()))
 
 
 def main(argv=None) -> None:
@@ -72,16 +56,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     print(f"# {platform.machine()}, torch {torch.__version__}, {os.cpu_count()} cores; load average before: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.get_context("spawn")
-        proc = ctx.Process(target=_whole, args=(args.model, args.window, out))
-        proc.start()
-        proc.join()
-        if proc.exitcode:
-            sys.exit(f"the one-process load failed (exit code {proc.exitcode})")
-        mp.spawn(_sharded, args=(args.nproc, _port(), args.model, args.window, out), nprocs=args.nproc, join=True)
-        whole = torch.load(os.path.join(out, "whole.pt"))
-        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(args.nproc)]
+    (whole,) = launch(_whole, 1, args.model, args.window)  # a fresh process of its own
+    ranks = launch(_sharded, args.nproc, args.model, args.window)
     print(f"model {args.model}: {whole['full'] / MIB:.1f} MiB of float32 parameters (AHA routers included)\n")
     print("| load | peak resident memory rise MiB | parameters held MiB | seconds | measured by |\n|---|---|---|---|---|")
     print(f"| one process, whole model (load_local) | {whole['peak'] / MIB:.1f} | {whole['full'] / MIB:.1f} | "
