@@ -1,0 +1,183 @@
+"""Every GPU check and measurement of the project, run in one call of a lent device within its time.
+
+    python3 benchmarks/gpu_session.py                         # every part in order, until --deadline
+    python3 benchmarks/gpu_session.py bench patterns --deadline 250 --cap bench=400
+    python3 benchmarks/gpu_session.py --plan                  # the parts and their caps; runs nothing
+
+Run from the repository root; nothing is installed (the device's image has torch, triton and transformers,
+and nothing can be fetched there). A lent device gives a session 15 minutes in all, a machine's start
+included, and one command at most 10: so the parts run in order of what they are worth, each stopped at
+its cap (a guess: none has run on a GPU yet), and none is started past --deadline seconds. Each part's
+output goes to its own file under $OUT (or runs/gpu) as it comes, so a part stopped halfway still shows
+how far it got; session.md says for each part what became of it, and which parts to give the next call.
+At most 8 files: what the device tool brings back.
+
+Parts, in order:
+  tests       CUDA tests of the kernels: compiled for real, bf16 against the fp32 reference
+  bench       allhere bench: prefill / decode / training against the fastest dense SDPA backend (the goals)
+  mechanisms  every mechanism in a Decoder against the CPU, the patterns' FlexAttention path, the AA-MoE
+              op, ring attention and FSDP2 (bf16, sharded checkpoint) in a one-rank NCCL group
+  patterns    benchmarks/patterns_speed.py at n = 8192 and 32768, block-sparse then FlexAttention
+  train       allhere demo --preset tiny on CUDA, then SFT tokens/s of AHA against SDPA
+              (benchmarks/sft_throughput.py, one document per row, then packed documents of 512 tokens)
+  tiles       benchmarks/kernel_tiles.py: block sizes, warps, stages, decode split of the Triton kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PY = sys.executable
+
+
+@dataclass(frozen=True)
+class Part:
+    cap: int  # seconds: the part is stopped there (a guess, to be replaced by what the GPU shows)
+    log: str  # its file under the output folder
+    commands: tuple  # argv lists, run one after the other within the cap; "{tmp}" is a scratch folder
+
+
+PARTS = {
+    "tests": Part(150, "tests.log", (
+        (PY, "-m", "pytest", "-q", "-rsx", "--durations=10", "tests/test_gpu.py", "tests/test_kernels.py"),)),
+    "bench": Part(240, "bench.log", (
+        (PY, "-m", "allhere.cli", "bench", "--out", "{tmp}/bench"),)),
+    "mechanisms": Part(200, "mechanisms.log", (
+        (PY, "-m", "pytest", "-q", "-rsx", "--durations=15", "tests/test_gpu_mechanisms.py"),)),
+    "patterns": Part(150, "patterns.md", tuple(
+        (PY, "benchmarks/patterns_speed.py", "--device", "cuda", "--n", n, "--backend", backend)
+        for n in ("8192", "32768") for backend in ("blocksparse", "flex"))),
+    "train": Part(180, "train.log", (
+        (PY, "-m", "allhere.cli", "demo", "--preset", "tiny", "--device", "cuda", "--no-progress",
+         "--out", "{tmp}/demo"),
+        (PY, "benchmarks/sft_throughput.py", "--device", "cuda", "--steps", "60", "--warmup", "10"),
+        (PY, "benchmarks/sft_throughput.py", "--device", "cuda", "--steps", "60", "--warmup", "10",
+         "--doc-len", "512", "--router-init", "local"))),
+    "tiles": Part(200, "tiles.md", ((PY, "benchmarks/kernel_tiles.py"),)),
+}
+SUMMARY = "session.md"
+MIN_START = 30  # seconds: a part is not started with less left before the deadline
+
+
+def run_command(argv, log, seconds: float) -> str:
+    """Run ``argv``, its output appended to ``log`` (an open file) and echoed, for at most ``seconds``;
+    its whole process group is killed at the limit. Returns "ok", "exit N" or "stopped at the cap"."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, bufsize=1)
+
+    def pump():
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            sys.stdout.write(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=max(seconds, 0.1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = None
+    reader.join(timeout=5)
+    return "stopped at the cap" if rc is None else ("ok" if rc == 0 else f"exit {rc}")
+
+
+def run_part(part: Part, out: Path, seconds: float, tmp: str) -> tuple[str, float]:
+    """(what became of the part, seconds it took): its commands in order within ``seconds``."""
+    t0 = time.monotonic()
+    with open(out / part.log, "a") as log:
+        for argv in part.commands:
+            argv = [a.replace("{tmp}", tmp) for a in argv]
+            log.write(f"$ {' '.join(argv)}\n")
+            log.flush()
+            status = run_command(argv, log, seconds - (time.monotonic() - t0))
+            if status != "ok":
+                return f"{status} in `{' '.join(argv[1:4])}`", time.monotonic() - t0
+    return "ok", time.monotonic() - t0
+
+
+def versions() -> str:
+    code = ("import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, "
+            "'| transformers', transformers.__version__, '|', torch.cuda.get_device_name() "
+            "if torch.cuda.is_available() else 'no CUDA device')")
+    done = subprocess.run([PY, "-c", code], capture_output=True, text=True)
+    return (done.stdout or done.stderr).strip().splitlines()[-1] if (done.stdout or done.stderr) else "?"
+
+
+def write_summary(out: Path, header: str, parts: dict, rows: list, waiting: list, note: str) -> None:
+    """session.md: one row per part started (name, result, seconds), then the parts not started."""
+    lines = [f"# GPU session, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "", header, "",
+             "| part | cap s | took s | result | file |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {parts[name].cap} | {took:.0f} | {result} | {parts[name].log} |" for name, result, took in rows]
+    if waiting:
+        lines += ["", f"Not started{note}: {' '.join(waiting)}. Next call: "
+                  f"`python3 benchmarks/gpu_session.py {' '.join(waiting)} --deadline SECONDS`"]
+    (out / SUMMARY).write_text("\n".join(lines) + "\n")
+
+
+def parse_caps(items: list[str]) -> dict[str, int]:
+    caps = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in PARTS or not value.isdigit() or int(value) <= 0:
+            raise SystemExit(f"error: --cap takes PART=SECONDS with a part of {', '.join(PARTS)}, got {item!r}")
+        caps[name] = int(value)
+    return caps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("parts", nargs="*", metavar="PART", help=f"parts to run, in this order (default: {' '.join(PARTS)})")
+    ap.add_argument("--deadline", type=float, default=560, help="seconds from the start after which no part "
+                    "starts, and at which a running one is stopped (default 560: one 10-minute device call)")
+    ap.add_argument("--cap", action="append", default=[], metavar="PART=SECONDS", help="another cap for a part")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "runs/gpu"), help="default $OUT or runs/gpu")
+    ap.add_argument("--plan", action="store_true", help="print the parts, their caps and commands; run nothing")
+    args = ap.parse_args(argv)
+    unknown = [p for p in args.parts if p not in PARTS]
+    if unknown:
+        ap.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(PARTS)}")
+    caps = parse_caps(args.cap)
+    parts = {n: Part(caps.get(n, PARTS[n].cap), PARTS[n].log, PARTS[n].commands) for n in (args.parts or PARTS)}
+    if args.plan:
+        for name, part in parts.items():
+            print(f"{name}: cap {part.cap} s -> {part.log}")
+            for cmd in part.commands:
+                print("   ", " ".join(cmd[1:]))
+        print(f"caps add up to {sum(p.cap for p in parts.values())} s; deadline {args.deadline:.0f} s")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    start, rows, failed = time.monotonic(), [], False
+    header = versions()
+    print(header, flush=True)
+    names = list(parts)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, name in enumerate(names):
+            left = args.deadline - (time.monotonic() - start)
+            if left < MIN_START:
+                write_summary(args.out, header, parts, rows, names[i:], f" (deadline of {args.deadline:.0f} s)")
+                return 1
+            # Written first, so that a call stopped from outside still says which part it was in.
+            write_summary(args.out, header, parts, rows + [(name, "running: stopped from outside?", 0)],
+                          names[i + 1:], "")
+            print(f"\n=== {name} (cap {parts[name].cap} s, {left:.0f} s to the deadline) ===", flush=True)
+            result, took = run_part(parts[name], args.out, min(parts[name].cap, left), tmp)
+            rows.append((name, result, took))
+            failed |= result != "ok"
+    write_summary(args.out, header, parts, rows, [], "")
+    print("\n" + (args.out / SUMMARY).read_text())
+    return 1 if failed else 0
+
+if __name__ == "__main__":
+    sys.exit(main())
