@@ -1,6 +1,7 @@
 """Every mechanism on a CUDA device against the CPU fp32 reference (skipped without one): each registered
 kind inside a Decoder (logits, gradients, cached greedy decoding), the sparse patterns' FlexAttention path
-(fp32 and bf16, segments, KV cache), the AA-MoE op, and ring attention in a one-rank NCCL group.
+(fp32 and bf16, segments, KV cache), the AA-MoE op, and ring attention and FSDP2 (bf16, sharded checkpoint)
+in a one-rank NCCL group.
 
 ``ALLHERE_GPU_TEST_DEVICE=cpu python3 -m pytest -q tests/test_gpu_mechanisms.py`` runs these tests on the
 CPU to check the tests themselves (FlexAttention has no backward on the CPU: its gradients are then not
@@ -382,3 +383,50 @@ def test_ring_on_one_rank_matches_single_process(kind, layout, one_rank_group):
     got = [layouts.unshard([g.cpu()], layout) for g in got]
     assert len(got) == len(want) == (5 if kind == "aha_ste" else 4)
     assert_close(got, want, FP32, f"{kind} {layout}")
+
+
+# -- FSDP2 in a one-rank group --------------------------------------------------------------------------------
+
+
+def test_fsdp2_step_and_sharded_checkpoint_on_one_rank(one_rank_group, tmp_path):
+    """FSDP2 as training shards a Decoder (each block, then the root; on CUDA bf16 parameters with fp32
+    gradient reduction over NCCL, on the CPU fp32 over gloo): one step's loss and every gradient against
+    the unsharded fp32 model on the same device; then the sharded checkpoint (DCP) after an optimizer step,
+    read back into a differently initialised sharded model, and its export to one file."""
+    from allhere.checkpoint import load_model
+    from allhere.distributed import checkpoint as sharded
+    from allhere.distributed.env import DistEnv
+    from allhere.distributed.fsdp import shard_model
+
+    cfg = ModelConfig(vocab_size=40, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      mechanism=SlidingConfig(window=5))  # no router: bf16 cannot flip a gate here
+    torch.manual_seed(0)
+    plain = Decoder(cfg).to(DEVICE)
+    fsdp = shard_model(copy.deepcopy(plain), DEVICE)
+    ids = torch.randint(0, 40, (2, 23), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    losses, grads = [], []
+    for model in (plain, fsdp):
+        loss = training_loss(model.train()(ids), ids, lam=0.01).total
+        loss.backward()
+        losses.append(loss.detach().float().cpu().reshape(1))
+        grads.append({n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()})
+    tol = BF16 if ON_CUDA else (FP32, FP32)
+    assert_close(losses[1:], losses[:1], tol[0], "FSDP2 loss")
+    assert grads[1].keys() == grads[0].keys()
+    for name, want in grads[0].items():
+        assert_close([grads[1][name]], [want], tol[1], f"FSDP2 gradient of {name}")
+
+    env, ckpt = DistEnv(0, 1, 0), tmp_path / "checkpoint.safetensors"
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+    opt.step()
+    sharded.save(ckpt, fsdp, opt, {"step": 1}, env)
+    torch.manual_seed(5)
+    other = shard_model(Decoder(cfg).to(DEVICE), DEVICE)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    assert sharded.load(ckpt, other, other_opt, env)["step"] == 1
+    want, got = sharded.full_state_dict(fsdp), sharded.full_state_dict(other)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert other_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+    sharded.export(ckpt, other, {"step": 1}, env)
+    exported = load_model(ckpt)[0].state_dict()
+    assert all(torch.equal(exported[k].cpu(), want[k].cpu()) for k in want)
