@@ -26,11 +26,13 @@ def folders(tmp_path_factory):
     return {name: write_model(name, root / name) for name in names}
 
 
-def fp32(folder, **overrides):
+def fp32(folder, attn_implementation=None, **overrides):
     config = transformers.AutoConfig.from_pretrained(str(folder))
     for k, v in overrides.items():
         setattr(config, k, v)
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32).eval()
+    impl = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                                             **impl).eval()
 
 
 def ids_for(model, n=40):
@@ -71,7 +73,8 @@ def test_sinks_and_softcapping_enter_both_attentions(folders, name):
     folder = folders[name]
 
     def load(**overrides):  # q/k weights x 30: scores well past Gemma-2's cap of 50, so that soft-capping shows
-        m = fp32(folder, **overrides)
+        # eager: the family's own softmax terms (transformers 5.17 ran Gemma-2 through SDPA, dropping the cap)
+        m = fp32(folder, attn_implementation="eager", **overrides)
         with torch.no_grad():
             for attn in attention_modules(m):
                 attn.q_proj.weight.mul_(30.0)
