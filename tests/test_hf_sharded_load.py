@@ -179,6 +179,8 @@ def test_convert_with_seed_is_reproducible(folders):
 # peak memory ---------------------------------------------------------------------------------------------
 
 def _peak_sharded(rank, world, tmp, folder):
+    import transformers.models.llama.modeling_llama  # noqa: F401  (a first import costs ~100 MB with 5.17)
+
     _, model = load_sharded(folder)
     r = model.allhere_load_report
     return {"delta": r.peak_rss_delta_bytes, "full": r.full_model_bytes, "local": r.local_bytes,
@@ -186,7 +188,7 @@ def _peak_sharded(rank, world, tmp, folder):
 
 
 def _peak_local(rank, world, tmp, folder):
-    import transformers.models.llama.modeling_llama  # noqa: F401  (imported before, as load_sharded's ranks have it)
+    import transformers.models.llama.modeling_llama  # noqa: F401  (imported before, as for the ranks)
 
     with PeakRSS() as peak:
         _, model = load_local(folder, dtype=torch.float32)

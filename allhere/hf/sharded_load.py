@@ -55,6 +55,7 @@ class LoadReport:
     rank: int  # this process's rank in the default group
     world: int  # ranks in the default group
     peak_rss_delta_bytes: int  # highest resident memory during the load minus the resident memory before it
+    # (a process's first import of the model family's transformers code counts in it too)
     full_model_bytes: int  # every parameter of the whole model in the loaded dtype (a tied one once)
     local_bytes: int  # the parameter bytes of this rank's shards
     seconds: float  # wall time of the load
