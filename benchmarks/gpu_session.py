@@ -47,7 +47,7 @@ class Part:
 
 
 PARTS = {
-    "tests": Part(150, "tests.log", (
+    "tests": Part(200, "tests.log", (
         (PY, "-m", "pytest", "-q", "-rsx", "--durations=10", "tests/test_gpu.py", "tests/test_kernels.py"),)),
     "bench": Part(240, "bench.log", (
         (PY, "-m", "allhere.cli", "bench", "--out", "{tmp}/bench"),)),
