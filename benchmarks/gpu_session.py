@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PY = sys.executable
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,9 @@ MIN_START = 30  # seconds: a part is not started with less left before the deadl
 def run_command(argv, log, seconds: float) -> str:
     """Run ``argv``, its output appended to ``log`` (an open file) and echoed, for at most ``seconds``;
     its whole process group is killed at the limit. Returns "ok", "exit N" or "stopped at the cap"."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1"}  # allhere is not installed on the device: the scripts import it from here
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
                             start_new_session=True, bufsize=1)
 
     def pump():

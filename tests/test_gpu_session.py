@@ -2,6 +2,7 @@
 files it leaves (the GPU parts themselves only run on a lent device)."""
 
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,16 @@ def test_a_part_runs_its_commands_in_order_and_stops_at_the_first_failure(sessio
     log = (tmp_path / "p.log").read_text()
     assert result.startswith("exit 3 in") and "first\n" in log and "second\n" in log and "never" not in log
     assert log.count("$ ") == 2
+
+
+def test_commands_find_allhere_without_an_install(session, tmp_path, monkeypatch):
+    """On the device nothing is installed: each command runs from the repository root with it first on
+    PYTHONPATH (a script in benchmarks/ imports allhere from there)."""
+    monkeypatch.chdir(tmp_path)
+    part = session.Part(60, "p.log", (py("import os; print(os.getcwd()); print(os.environ['PYTHONPATH'])"),))
+    assert session.run_part(part, tmp_path, 60, str(tmp_path))[0] == "ok"
+    cwd, path = (tmp_path / "p.log").read_text().splitlines()[1:3]
+    assert Path(cwd) == ROOT and path.split(os.pathsep)[0] == str(ROOT)
 
 
 def test_a_part_past_its_cap_is_killed_with_its_children(session, tmp_path):
