@@ -14,7 +14,8 @@ At most 8 files: what the device tool brings back.
 
 Parts, in order:
   tests       CUDA tests of the kernels: compiled for real, bf16 against the fp32 reference
-  bench       allhere bench: prefill / decode / training against the fastest dense SDPA backend (the goals)
+  bench       allhere bench: prefill / decode / training against the fastest dense SDPA backend (the goals),
+              then a profile of each AHA path (where its time goes, kernel by kernel)
   mechanisms  every mechanism in a Decoder against the CPU, the patterns' FlexAttention path, the AA-MoE
               op, ring attention and FSDP2 (bf16, sharded checkpoint) in a one-rank NCCL group
   patterns    benchmarks/patterns_speed.py at n = 8192 and 32768, block-sparse then FlexAttention
@@ -51,7 +52,7 @@ PARTS = {
     "tests": Part(200, "tests.log", (
         (PY, "-m", "pytest", "-q", "-rsx", "--durations=10", "tests/test_gpu.py", "tests/test_kernels.py"),)),
     "bench": Part(240, "bench.log", (
-        (PY, "-m", "allhere.cli", "bench", "--out", "{tmp}/bench"),)),
+        (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),)),
     "mechanisms": Part(200, "mechanisms.log", (
         (PY, "-m", "pytest", "-q", "-rsx", "--durations=15", "tests/test_gpu_mechanisms.py"),)),
     "patterns": Part(150, "patterns.md", tuple(

@@ -12,7 +12,7 @@ def test_bench_smoke_run_on_cpu(tmp_path, capsys):
     out = tmp_path / "bench"
     args = ["bench", "--device", "cpu", "--lengths", "256", "--decode-lengths", "128", "--train-length", "128",
             "--heads", "2", "--dim", "16", "--window", "32", "--repeats", "1", "--model-lengths", "300",
-            "--out", str(out)]
+            "--profile", "--out", str(out)]
     assert main(args) == 0
     report = json.loads((out / "bench.json").read_text())
     assert all(v < 1e-4 for v in report["check"].values())  # every path against the fp32 reference
@@ -31,6 +31,10 @@ def test_bench_smoke_run_on_cpu(tmp_path, capsys):
         assert 0.02 < r["mu_f"] < 0.15 and r["speedup"] == pytest.approx(r["dense_ms"] / r["aha_ms"])
     md = (out / "bench.md").read_text()
     assert "## Decode" in md and "## Whole-model prefill" in md and "speed-up" in capsys.readouterr().out
+    assert list(report["profile"]) == ["prefill, B = 1, n = 256", "decode, B = 8, n = 128",
+                                       "training forward + backward, B = 1, n = 128"]
+    assert all("Self CPU time total" in t for t in report["profile"].values()) and "## Where the time goes" in md
+    assert "aten::" in report["profile"]["training forward + backward, B = 1, n = 128"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

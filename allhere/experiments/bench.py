@@ -16,6 +16,7 @@ is the whole-model prefill (``model_bench``: allhere's Decoder and a converted L
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,6 +54,7 @@ class BenchConfig:
     repeats: int = 10
     check_length: int = 1024
     model_lengths: tuple = ()  # whole-model prefill (``model_bench``); on the CPU by default 2k..16k
+    profile: bool = False  # also torch.profiler's op table of each AHA path (``bench_profile``)
 
     @property
     def dtype(self):
@@ -218,6 +220,12 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                 progress(f"decode {report['decode'][-1]}")
             report["training"].append(bench_training(cfg, pattern, mu))
             progress(f"training {report['training'][-1]}")
+    if cfg.profile:
+        from .bench_profile import profile_paths
+
+        gates = lambda b, lq: _gate(cfg, cfg.patterns[0], b, lq, cfg.mus[0])  # noqa: E731
+        report["profile"] = profile_paths(cfg, partial(_qkv, cfg), gates)
+        progress("profiled: " + ", ".join(report["profile"]))
     return report
 
 
@@ -256,6 +264,10 @@ def render(report: dict) -> str:
         from .model_bench import render_model
 
         out += ["", *render_model(report["model"])]
+    if report.get("profile"):
+        from .bench_profile import render_profile
+
+        out += ["", *render_profile(report["profile"])]
     return "\n".join(out) + "\n"
 
 
