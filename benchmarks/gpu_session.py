@@ -7,15 +7,16 @@
 Run from the repository root; nothing is installed (the device's image has torch, triton and transformers,
 and nothing can be fetched there). A lent device gives a session 15 minutes in all, a machine's start
 included, and one command at most 10: so the parts run in order of what they are worth, each stopped at
-its cap (a guess: none has run on a GPU yet), and none is started past --deadline seconds. Each part's
-output goes to its own file under $OUT (or runs/gpu) as it comes, so a part stopped halfway still shows
-how far it got; session.md says for each part what became of it, and which parts to give the next call.
-At most 8 files: what the device tool brings back.
+its cap (a guess: none has run on a GPU yet; interrupted, then killed with its children), and none is
+started with under 30 s left before --deadline (the device call's timeout: at least the deadline + 20 s).
+Each part's output goes to its own file under $OUT (or runs/gpu) as it comes, so a part stopped halfway
+still shows how far it got; session.md says for each part what became of it, and what the next call
+should run. At most 8 files: what the device tool brings back.
 
 Parts, in order:
   tests       CUDA tests of the kernels: compiled for real, bf16 against the fp32 reference
-  bench       allhere bench: prefill / decode / training against the fastest dense SDPA backend (the goals),
-              then a profile of each AHA path (where its time goes, kernel by kernel)
+  bench       allhere bench --profile: where each AHA path's time goes (kernel by kernel), then prefill /
+              decode / training against the fastest dense SDPA backend (the goals)
   mechanisms  every mechanism in a Decoder against the CPU, the patterns' FlexAttention path, the AA-MoE
               op, ring attention and FSDP2 (bf16, sharded checkpoint) in a one-rank NCCL group
   patterns    benchmarks/patterns_speed.py at n = 8192 and 32768, block-sparse then FlexAttention
@@ -50,11 +51,11 @@ class Part:
 
 PARTS = {
     "tests": Part(200, "tests.log", (
-        (PY, "-m", "pytest", "-q", "-rsx", "--durations=10", "tests/test_gpu.py", "tests/test_kernels.py"),)),
+        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/test_gpu.py", "tests/test_kernels.py"),)),
     "bench": Part(240, "bench.log", (
         (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),)),
     "mechanisms": Part(200, "mechanisms.log", (
-        (PY, "-m", "pytest", "-q", "-rsx", "--durations=15", "tests/test_gpu_mechanisms.py"),)),
+        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=15", "tests/test_gpu_mechanisms.py"),)),
     "patterns": Part(150, "patterns.md", tuple(
         (PY, "benchmarks/patterns_speed.py", "--device", "cuda", "--n", n, "--backend", backend)
         for n in ("8192", "32768") for backend in ("blocksparse", "flex"))),
@@ -68,15 +69,34 @@ PARTS = {
 }
 SUMMARY = "session.md"
 MIN_START = 30  # seconds: a part is not started with less left before the deadline
+GRACE = 10  # seconds between the interrupt at a cap (pytest then prints its failures so far) and the kill
+CAPPED = "stopped at the cap"
+
+
+def _stop(proc) -> None:
+    """Interrupt the command's process group, and kill it if it has not ended ``GRACE`` seconds later."""
+    for sig, wait in ((signal.SIGINT, GRACE), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def run_command(argv, log, seconds: float) -> str:
-    """Run ``argv``, its output appended to ``log`` (an open file) and echoed, for at most ``seconds``;
-    its whole process group is killed at the limit. Returns "ok", "exit N" or "stopped at the cap"."""
+    """Run ``argv``, its output appended to ``log`` (an open file) and echoed, for at most ``seconds``
+    (the interrupt's grace included); its whole process group is stopped at the limit, or when this
+    process is interrupted. Returns "ok", "exit N" or ``CAPPED``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1"}  # allhere is not installed on the device: the scripts import it from here
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
-                            start_new_session=True, bufsize=1)
+    # Its own process group (so that a cap stops its children too), in this session (so that whatever ends
+    # this process's session ends it as well).
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            cwd=ROOT, env=env, bufsize=1, **group)
 
     def pump():
         for line in proc.stdout:
@@ -87,18 +107,21 @@ def run_command(argv, log, seconds: float) -> str:
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
-        rc = proc.wait(timeout=max(seconds, 0.1))
+        rc = proc.wait(timeout=max(seconds - GRACE, 0.1))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _stop(proc)
         rc = None
+    except BaseException:
+        _stop(proc)
+        raise
     reader.join(timeout=5)
-    return "stopped at the cap" if rc is None else ("ok" if rc == 0 else f"exit {rc}")
+    return CAPPED if rc is None else ("ok" if rc == 0 else f"exit {rc}")
 
 
 def run_part(part: Part, out: Path, seconds: float, tmp: str) -> tuple[str, float]:
-    """(what became of the part, seconds it took): its commands in order within ``seconds``."""
-    t0 = time.monotonic()
+    """(what became of the part, seconds it took): its commands in order within ``seconds``. A command that
+    fails does not stop the next (they measure apart); one stopped at the cap ends the part."""
+    t0, failures = time.monotonic(), []
     with open(out / part.log, "a") as log:
         for argv in part.commands:
             argv = [a.replace("{tmp}", tmp) for a in argv]
@@ -106,27 +129,42 @@ def run_part(part: Part, out: Path, seconds: float, tmp: str) -> tuple[str, floa
             log.flush()
             status = run_command(argv, log, seconds - (time.monotonic() - t0))
             if status != "ok":
-                return f"{status} in `{' '.join(argv[1:4])}`", time.monotonic() - t0
-    return "ok", time.monotonic() - t0
+                failures.append(f"{status} in `{' '.join(argv[1:])}`")
+            if status == CAPPED:
+                break
+    return "; ".join(failures) or "ok", time.monotonic() - t0
 
 
 def versions() -> str:
     code = ("import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, "
             "'| transformers', transformers.__version__, '|', torch.cuda.get_device_name() "
             "if torch.cuda.is_available() else 'no CUDA device')")
-    done = subprocess.run([PY, "-c", code], capture_output=True, text=True)
-    return (done.stdout or done.stderr).strip().splitlines()[-1] if (done.stdout or done.stderr) else "?"
+    try:
+        done = subprocess.run([PY, "-c", code], capture_output=True, text=True, errors="replace", timeout=120)
+    except subprocess.TimeoutExpired:
+        return "versions: no answer in 120 s (CUDA initialisation hanging?)"
+    lines = (done.stdout or done.stderr).strip().splitlines()
+    return lines[-1] if lines else "versions: nothing printed"
 
 
-def write_summary(out: Path, header: str, parts: dict, rows: list, waiting: list, note: str) -> None:
-    """session.md: one row per part started (name, result, seconds), then the parts not started."""
+def write_summary(out: Path, header: str, parts: dict, rows: list, waiting: list, note: str) -> str:
+    """session.md: one row per part started (name, result, seconds), then what a next call should run: the
+    parts not started, and those stopped at their cap (with a larger cap)."""
     lines = [f"# GPU session, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "", header, "",
              "| part | cap s | took s | result | file |", "|---|---|---|---|---|"]
     lines += [f"| {name} | {parts[name].cap} | {took:.0f} | {result} | {parts[name].log} |" for name, result, took in rows]
+    capped = [name for name, result, _ in rows if CAPPED in result]
     if waiting:
-        lines += ["", f"Not started{note}: {' '.join(waiting)}. Next call: "
-                  f"`python3 benchmarks/gpu_session.py {' '.join(waiting)} --deadline SECONDS`"]
-    (out / SUMMARY).write_text("\n".join(lines) + "\n")
+        lines += ["", f"Not started{note}: {' '.join(waiting)}."]
+    if capped:
+        lines += ["", f"Stopped at the cap: {' '.join(capped)}."]
+    if waiting or capped:
+        call = ["python3 benchmarks/gpu_session.py", *capped, *waiting, *(f"--cap {n}={2 * parts[n].cap}" for n in capped),
+                "--deadline SECONDS"]
+        lines += ["", f"Next call: `{' '.join(call)}` (the device call's timeout at least SECONDS + 20)"]
+    text = "\n".join(lines) + "\n"
+    (out / SUMMARY).write_text(text)
+    return text
 
 
 def parse_caps(items: list[str]) -> dict[str, int]:
@@ -170,7 +208,9 @@ def main(argv=None) -> int:
         for i, name in enumerate(names):
             left = args.deadline - (time.monotonic() - start)
             if left < MIN_START:
-                write_summary(args.out, header, parts, rows, names[i:], f" (deadline of {args.deadline:.0f} s)")
+                print("\n" + write_summary(args.out, header, parts, rows, names[i:],
+                                           f" (under {MIN_START} s were left before the deadline of "
+                                           f"{args.deadline:.0f} s)"))
                 return 1
             # Written first, so that a call stopped from outside still says which part it was in.
             write_summary(args.out, header, parts, rows + [(name, "running: stopped from outside?", 0)],
@@ -179,8 +219,7 @@ def main(argv=None) -> int:
             result, took = run_part(parts[name], args.out, min(parts[name].cap, left), tmp)
             rows.append((name, result, took))
             failed |= result != "ok"
-    write_summary(args.out, header, parts, rows, [], "")
-    print("\n" + (args.out / SUMMARY).read_text())
+    print("\n" + write_summary(args.out, header, parts, rows, [], ""))
     return 1 if failed else 0
 
 if __name__ == "__main__":

@@ -103,7 +103,111 @@ def flex_calls(monkeypatch):
     return calls
 
 
-# -- every registered kind inside a Decoder ----------------------------------------------------------------
+# -- the training group with one rank ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """The process group as training joins it (``allhere.distributed.env.init``: on CUDA NCCL for CUDA
+    tensors and gloo for CPU ones), with one rank."""
+    import socket
+
+    from allhere.distributed.env import DistEnv, init
+
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or (ON_CUDA and not dist.is_nccl_available()):
+        pytest.skip("torch.distributed with " + ("NCCL" if ON_CUDA else "gloo") + " is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    init(DistEnv(0, 1, 0), DEVICE)
+    yield
+    dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def test_the_training_group_reduces_cpu_and_device_tensors(one_rank_group):
+    """What training sends through the group: the logged sums (CPU tensors) and, in context parallelism,
+    values on the device."""
+    import torch.distributed as dist
+
+    from allhere.distributed.context import mean_over_ranks
+
+    for device in ("cpu", DEVICE):
+        t = torch.tensor([1.5, 2.0], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.5, 2.0]
+    assert mean_over_ranks(torch.tensor(3.0, device=DEVICE)) == 3.0 and mean_over_ranks(2.5) == 2.5
+
+
+# -- FSDP2 in a one-rank group (first: nothing to compile) ---------------------------------------------------
+
+
+def full_optimizer_state(model, optimizer) -> dict:
+    """{parameter name: the optimizer's state of it, gathered whole}."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    return sd["state"]
+
+
+def test_fsdp2_step_and_sharded_checkpoint_on_one_rank(one_rank_group, tmp_path):
+    """FSDP2 as training shards a Decoder (each block, then the root; on CUDA bf16 parameters with fp32
+    gradient reduction over NCCL, on the CPU fp32 over gloo): one step's loss and every gradient against
+    the unsharded fp32 model on the same device; then the sharded checkpoint (DCP) after an optimizer step,
+    read back into a differently initialised sharded model, and its export to one file."""
+    from allhere.checkpoint import load_model
+    from allhere.distributed import checkpoint as sharded
+    from allhere.distributed.env import DistEnv
+    from allhere.distributed.fsdp import shard_model
+
+    cfg = ModelConfig(vocab_size=40, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      mechanism=SlidingConfig(window=5))  # no router: bf16 cannot flip a gate here
+    torch.manual_seed(0)
+    plain = Decoder(cfg).to(DEVICE)
+    fsdp = shard_model(copy.deepcopy(plain), DEVICE)
+    ids = torch.randint(0, 40, (2, 23), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    losses, grads = [], []
+    for model in (plain, fsdp):
+        loss = training_loss(model.train()(ids), ids, lam=0.01).total
+        loss.backward()
+        losses.append(loss.detach().float().cpu().reshape(1))
+        grads.append({n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()})
+    tol = BF16 if ON_CUDA else (FP32, FP32)
+    assert_close(losses[1:], losses[:1], tol[0], "FSDP2 loss")
+    assert grads[1].keys() == grads[0].keys()
+    for name, want in grads[0].items():
+        assert_close([grads[1][name]], [want], tol[1], f"FSDP2 gradient of {name}")
+
+    env, ckpt = DistEnv(0, 1, 0), tmp_path / "checkpoint.safetensors"
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+    opt.step()
+    sharded.save(ckpt, fsdp, opt, {"step": 1}, env)
+    torch.manual_seed(5)
+    other = shard_model(Decoder(cfg).to(DEVICE), DEVICE)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    assert sharded.load(ckpt, other, other_opt, env)["step"] == 1
+    want, got = sharded.full_state_dict(fsdp), sharded.full_state_dict(other)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    opt_want, opt_got = (full_optimizer_state(m, o) for m, o in ((fsdp, opt), (other, other_opt)))
+    assert opt_got.keys() == opt_want.keys() and len(opt_want) == len(want)
+    for name, state in opt_want.items():  # Adam's moments after one step: not the zeros of a fresh optimizer
+        assert state["exp_avg"].abs().sum() > 0
+        assert all(torch.equal(opt_got[name][k], v) for k, v in state.items()), name
+    sharded.export(ckpt, other, {"step": 1}, env)
+    exported = load_model(ckpt)[0].state_dict()
+    assert all(torch.equal(exported[k].cpu(), want[k].cpu()) for k in want)
+
+
+# -- every registered kind inside a Decoder ------------------------------------------------------------------
 
 
 def test_every_builtin_kind_is_covered():
@@ -262,7 +366,7 @@ def test_bigbird_predicate_still_covers_longer_sequences_after_a_flex_mask():
     assert torch.equal(dense_mask(pred, 256, 256, DEVICE, heads=4), dense_mask(cfg.mask_fn(), 256, 256, DEVICE, heads=4))
 
 
-# -- the AA-MoE op -----------------------------------------------------------------------------------------
+# -- the AA-MoE op -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -290,49 +394,7 @@ def test_aamoe_op_matches_reference(own, dtype):
             assert_close(got[1:], want[1:], BF16[1], fn.__name__)
 
 
-# -- ring attention in a one-rank group ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """The process group as training joins it (``allhere.distributed.env.init``: on CUDA NCCL for CUDA
-    tensors and gloo for CPU ones), with one rank."""
-    import socket
-
-    from allhere.distributed.env import DistEnv, init
-
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or (ON_CUDA and not dist.is_nccl_available()):
-        pytest.skip("torch.distributed with " + ("NCCL" if ON_CUDA else "gloo") + " is not available")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    init(DistEnv(0, 1, 0), DEVICE)
-    yield
-    dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def test_the_training_group_reduces_cpu_and_device_tensors(one_rank_group):
-    """What training sends through the group: the logged sums (CPU tensors) and, in context parallelism,
-    values on the device."""
-    import torch.distributed as dist
-
-    from allhere.distributed.context import mean_over_ranks
-
-    for device in ("cpu", DEVICE):
-        t = torch.tensor([1.5, 2.0], dtype=torch.float64, device=device)
-        dist.all_reduce(t)
-        assert t.tolist() == [1.5, 2.0]
-    assert mean_over_ranks(torch.tensor(3.0, device=DEVICE)) == 3.0 and mean_over_ranks(2.5) == 2.5
+# -- ring attention in a one-rank group (its fixture is above, with FSDP2's test) ----------------------------
 
 
 RING_N, RING_W, RING_TAU = 64, 5, 0.7
@@ -384,49 +446,3 @@ def test_ring_on_one_rank_matches_single_process(kind, layout, one_rank_group):
     assert len(got) == len(want) == (5 if kind == "aha_ste" else 4)
     assert_close(got, want, FP32, f"{kind} {layout}")
 
-
-# -- FSDP2 in a one-rank group --------------------------------------------------------------------------------
-
-
-def test_fsdp2_step_and_sharded_checkpoint_on_one_rank(one_rank_group, tmp_path):
-    """FSDP2 as training shards a Decoder (each block, then the root; on CUDA bf16 parameters with fp32
-    gradient reduction over NCCL, on the CPU fp32 over gloo): one step's loss and every gradient against
-    the unsharded fp32 model on the same device; then the sharded checkpoint (DCP) after an optimizer step,
-    read back into a differently initialised sharded model, and its export to one file."""
-    from allhere.checkpoint import load_model
-    from allhere.distributed import checkpoint as sharded
-    from allhere.distributed.env import DistEnv
-    from allhere.distributed.fsdp import shard_model
-
-    cfg = ModelConfig(vocab_size=40, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                      mechanism=SlidingConfig(window=5))  # no router: bf16 cannot flip a gate here
-    torch.manual_seed(0)
-    plain = Decoder(cfg).to(DEVICE)
-    fsdp = shard_model(copy.deepcopy(plain), DEVICE)
-    ids = torch.randint(0, 40, (2, 23), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    losses, grads = [], []
-    for model in (plain, fsdp):
-        loss = training_loss(model.train()(ids), ids, lam=0.01).total
-        loss.backward()
-        losses.append(loss.detach().float().cpu().reshape(1))
-        grads.append({n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()})
-    tol = BF16 if ON_CUDA else (FP32, FP32)
-    assert_close(losses[1:], losses[:1], tol[0], "FSDP2 loss")
-    assert grads[1].keys() == grads[0].keys()
-    for name, want in grads[0].items():
-        assert_close([grads[1][name]], [want], tol[1], f"FSDP2 gradient of {name}")
-
-    env, ckpt = DistEnv(0, 1, 0), tmp_path / "checkpoint.safetensors"
-    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
-    opt.step()
-    sharded.save(ckpt, fsdp, opt, {"step": 1}, env)
-    torch.manual_seed(5)
-    other = shard_model(Decoder(cfg).to(DEVICE), DEVICE)
-    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
-    assert sharded.load(ckpt, other, other_opt, env)["step"] == 1
-    want, got = sharded.full_state_dict(fsdp), sharded.full_state_dict(other)
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    assert other_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
-    sharded.export(ckpt, other, {"step": 1}, env)
-    exported = load_model(ckpt)[0].state_dict()
-    assert all(torch.equal(exported[k].cpu(), want[k].cpu()) for k in want)

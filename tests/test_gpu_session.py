@@ -25,13 +25,13 @@ def py(code):
     return (sys.executable, "-c", code)
 
 
-def test_a_part_runs_its_commands_in_order_and_stops_at_the_first_failure(session, tmp_path):
+def test_a_part_runs_every_command_and_reports_each_failure(session, tmp_path):
     part = session.Part(60, "p.log", (py("print('first')"), py("import sys; print('second'); sys.exit(3)"),
-                                      py("print('never')")))
+                                      py("print('third')")))
     result, took = session.run_part(part, tmp_path, 60, str(tmp_path))
     log = (tmp_path / "p.log").read_text()
-    assert result.startswith("exit 3 in") and "first\n" in log and "second\n" in log and "never" not in log
-    assert log.count("$ ") == 2
+    assert result == "exit 3 in `-c import sys; print('second'); sys.exit(3)`"  # the one failure, whole argv
+    assert "first\n" in log and "second\n" in log and "third\n" in log and log.count("$ ") == 3
 
 
 def test_commands_find_allhere_without_an_install(session, tmp_path, monkeypatch):
@@ -44,35 +44,44 @@ def test_commands_find_allhere_without_an_install(session, tmp_path, monkeypatch
     assert Path(cwd) == ROOT and path.split(os.pathsep)[0] == str(ROOT)
 
 
-def test_a_part_past_its_cap_is_killed_with_its_children(session, tmp_path):
+def test_a_part_past_its_cap_is_interrupted_then_killed_with_its_children(session, tmp_path, monkeypatch):
+    """At the cap the command's process group gets an interrupt first (pytest then prints its failures so
+    far), and is killed when it ignores it; children go too, and later commands of the part do not start."""
+    monkeypatch.setattr(session, "GRACE", 1)
     marker = tmp_path / "child-finished"
-    child = f"import time, pathlib; time.sleep(3); pathlib.Path({str(marker)!r}).write_text('x')"
-    part = session.Part(1, "p.log", (py(f"import subprocess, sys, time; print('started', flush=True); "
-                                        f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(30)"),))
-    t0 = time.monotonic()
-    result, _ = session.run_part(part, tmp_path, 1, str(tmp_path))
-    assert result.startswith("stopped at the cap") and time.monotonic() - t0 < 10
-    assert "started" in (tmp_path / "p.log").read_text()
-    time.sleep(4)
+    child = f"import time, pathlib; time.sleep(4); pathlib.Path({str(marker)!r}).write_text('x')"
+    interrupted = py("import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('interrupted')\n"
+                     "    raise")
+    stubborn = py(f"import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                  f"print('started', flush=True); subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(30)")
+    for argv, said in ((interrupted, "interrupted"), (stubborn, "started")):
+        part = session.Part(2, "p.log", (argv, py("print('after')")))
+        t0 = time.monotonic()
+        result, _ = session.run_part(part, tmp_path, 2, str(tmp_path))
+        assert result.startswith(session.CAPPED) and time.monotonic() - t0 < 10
+        log = (tmp_path / "p.log").read_text()
+        assert said in log and "after" not in log
+    time.sleep(5)
     assert not marker.exists()  # the whole process group went, not only the part's first process
 
 
 def test_the_session_stops_at_its_deadline_and_names_the_parts_left(session, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(session, "PARTS", {
         "quick": session.Part(30, "quick.log", (py("print('quick done')"),)),
-        "slow": session.Part(30, "slow.log", (py("import time; time.sleep(60)"),)),
+        "slow": session.Part(60, "slow.log", (py("import time; time.sleep(60)"),)),
         "late": session.Part(30, "late.log", (py("print('late')"),)),
     })
     monkeypatch.setattr(session, "MIN_START", 1)
+    monkeypatch.setattr(session, "GRACE", 1)
     monkeypatch.setattr(session, "versions", lambda: "torch, triton, transformers: versions")
-    rc = session.main(["--deadline", "3", "--out", str(tmp_path)])
+    rc = session.main(["--deadline", "8", "--out", str(tmp_path)])
     summary = (tmp_path / "session.md").read_text()
-    assert rc == 1
+    assert rc == 1 and summary in capsys.readouterr().out  # the summary ends the output too
     assert "| quick | 30 |" in summary and "| ok | quick.log |" in summary
-    assert "stopped at the cap" in summary and not (tmp_path / "late.log").exists()
-    assert "Not started (deadline of 3 s): late" in summary
-    assert "gpu_session.py late --deadline" in summary
-    assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
+    assert "| slow | 60 |" in summary and session.CAPPED in summary and not (tmp_path / "late.log").exists()
+    assert "Not started (under 1 s were left before the deadline of 8 s): late." in summary
+    assert "Stopped at the cap: slow." in summary
+    assert "`python3 benchmarks/gpu_session.py slow late --cap slow=120 --deadline SECONDS`" in summary
 
 
 def test_unknown_parts_and_caps_are_refused(session):

@@ -16,7 +16,6 @@ is the whole-model prefill (``model_bench``: allhere's Decoder and a converted L
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -143,9 +142,13 @@ def check_paths(cfg: BenchConfig) -> dict:
     return {"prefill": prefill, "decode": decode, "training_grads": train}
 
 
+def prefill_inputs(cfg: BenchConfig, n: int, pattern: str, mu: float):
+    """q, k, v, gate of a prefill of one sequence of n tokens."""
+    return (*_qkv(cfg, 1, n, n), _gate(cfg, pattern, 1, n, mu))
+
+
 def bench_prefill(cfg: BenchConfig, n: int, pattern: str, mu: float) -> dict:
-    q, k, v = _qkv(cfg, 1, n, n)
-    gate = _gate(cfg, pattern, 1, n, mu)
+    q, k, v, gate = prefill_inputs(cfg, n, pattern, mu)
     with torch.no_grad():
         dense_name, dense = fastest_dense(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), cfg)
         flex_fn = flex_sliding(q, k, v, cfg.window)
@@ -157,12 +160,19 @@ def bench_prefill(cfg: BenchConfig, n: int, pattern: str, mu: float) -> dict:
             "speedup": dense / aha, "limit": flop_limit(mu_real, cfg.window, n)}
 
 
-def bench_decode(cfg: BenchConfig, n: int, pattern: str, mu: float) -> dict:
+def decode_inputs(cfg: BenchConfig, n: int, pattern: str, mu: float):
+    """q, k, v, gate of one decode step: ``cfg.decode_batch`` sequences, one query each, n cached keys."""
     b = cfg.decode_batch
     q, k, v = _qkv(cfg, b, 1, n)
     gate = _gate(cfg, pattern, b, 1, mu)
     if pattern == "long-tailed":  # one token per sequence: take head 0 global, the others at the rest
         gate[:, 0] = True
+    return q, k, v, gate
+
+
+def bench_decode(cfg: BenchConfig, n: int, pattern: str, mu: float) -> dict:
+    b = cfg.decode_batch
+    q, k, v, gate = decode_inputs(cfg, n, pattern, mu)
     with torch.no_grad():
         dense_name, dense = fastest_dense(lambda: F.scaled_dot_product_attention(q, k, v), cfg)
         aha = median_time(lambda: aha_attention_fast(q, k, v, gate, cfg.window), cfg.repeats, device=cfg.device)
@@ -172,7 +182,9 @@ def bench_decode(cfg: BenchConfig, n: int, pattern: str, mu: float) -> dict:
             "limit": byte_limit(mu_real, cfg.window, n)}
 
 
-def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
+def training_steps(cfg: BenchConfig, pattern: str, mu: float):
+    """(gate, dense step, AHA step): forward + backward at ``cfg.train_length`` on the same inputs, the
+    AHA gates straight-through from router scores."""
     n = cfg.train_length
     q, k, v = _qkv(cfg, 1, n, n, requires_grad=True)
     gate = _gate(cfg, pattern, 1, n, mu)
@@ -186,6 +198,12 @@ def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
         out = aha_attention_fast(q, k, v, straight_through(scores, 0.5), cfg.window)
         torch.autograd.grad((out * up).sum(), [q, k, v, scores])
 
+    return gate, dense_step, aha_step
+
+
+def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
+    n = cfg.train_length
+    gate, dense_step, aha_step = training_steps(cfg, pattern, mu)
     dense_name, dense = fastest_dense(dense_step, cfg)
     aha = median_time(aha_step, cfg.repeats, device=cfg.device)
     # The PyTorch path, for comparison (the same as aha_ms where triton is missing).
@@ -205,6 +223,10 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     progress(f"AHA runs the {report['aha_path']}")
     report["check"] = check_paths(cfg)
     progress(f"check against the fp32 reference: {report['check']}")
+    if cfg.profile:  # first: a few seconds, and what a missed goal needs even if the tables are cut short
+        from .bench_profile import profile_paths
+
+        report["profile"] = profile_paths(cfg, progress)
     if cfg.model_lengths:
         from .model_bench import run_model_bench
 
@@ -220,12 +242,6 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                 progress(f"decode {report['decode'][-1]}")
             report["training"].append(bench_training(cfg, pattern, mu))
             progress(f"training {report['training'][-1]}")
-    if cfg.profile:
-        from .bench_profile import profile_paths
-
-        gates = lambda b, lq: _gate(cfg, cfg.patterns[0], b, lq, cfg.mus[0])  # noqa: E731
-        report["profile"] = profile_paths(cfg, partial(_qkv, cfg), gates)
-        progress("profiled: " + ", ".join(report["profile"]))
     return report
 
 
