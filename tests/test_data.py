@@ -12,6 +12,26 @@ def test_stdlib_corpus_is_deterministic_and_split_by_file():
     assert "standard library" in a.describe()
 
 
+def test_stdlib_corpus_takes_empty_files(tmp_path, monkeypatch):
+    """Python 3.12's standard library has empty files, one of them in the validation share: no empty
+    document to score, and the bytes of the others as they are."""
+    import hashlib
+    import sysconfig
+
+    def bucket(name):
+        return int(hashlib.sha256(name.encode()).hexdigest(), 16) % 100
+
+    names = [f"m{i}.py" for i in range(400)]
+    empty_val = next(n for n in names if bucket(n) < 5)
+    for n in names:
+        (tmp_path / n).write_text("" if n == empty_val else f"x = {n!r}\n")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    corpus = stdlib_corpus()
+    val_names = [n for n in sorted(names) if bucket(n) < 5]
+    assert len(corpus.val_docs) == len(val_names) - 1 and all(len(d) for d in corpus.val_docs)
+    assert bytes(corpus.val_docs[0].tolist()) == (tmp_path / next(n for n in val_names if n != empty_val)).read_bytes()
+
+
 def test_text_folder_and_file(tmp_path):
     for i in range(40):
         (tmp_path / f"doc{i}.txt").write_text(f"document number {i}\n" * 20)

@@ -24,6 +24,8 @@ TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json", ".jsonl", ".csv")
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
+    if not data:  # torch.frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -50,8 +52,9 @@ def _split(docs: list[tuple[str, bytes]], val_percent: int, source: str) -> Corp
     if not train or not val:
         raise DataError(f"{source}: need files for both train and validation, got {len(train)} and {len(val)} "
                         f"(pass more than one file, or a larger folder)")
+    # An empty file (Python 3.12's standard library has some in its validation share) is no document to score.
     return Corpus(_bytes_tensor(SEPARATOR.join(train)), _bytes_tensor(SEPARATOR.join(val)), source,
-                  [_bytes_tensor(v) for v in val])
+                  [_bytes_tensor(v) for v in val if v])
 
 
 def stdlib_corpus(val_percent: int = 5) -> Corpus:
