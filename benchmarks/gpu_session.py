@@ -2,6 +2,7 @@
 
     python3 benchmarks/gpu_session.py                         # every part in order, until --deadline
     python3 benchmarks/gpu_session.py bench patterns --deadline 250 --cap bench=400
+    python3 benchmarks/gpu_session.py --continue --deadline 200  # what the last call here left, at once
     python3 benchmarks/gpu_session.py --plan                  # the parts and their caps; runs nothing
 
 Run from the repository root; nothing is installed (the device's image has torch, triton and transformers,
@@ -28,6 +29,7 @@ Parts, in order:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -71,6 +73,7 @@ SUMMARY = "session.md"
 MIN_START = 30  # seconds: a part is not started with less left before the deadline
 GRACE = 10  # seconds between the interrupt at a cap (pytest then prints its failures so far) and the kill
 CAPPED = "stopped at the cap"
+RUNNING = "running: stopped from outside?"
 
 
 def _stop(proc) -> None:
@@ -161,7 +164,8 @@ def write_summary(out: Path, header: str, parts: dict, rows: list, waiting: list
     if waiting or capped:
         call = ["python3 benchmarks/gpu_session.py", *capped, *waiting, *(f"--cap {n}={2 * parts[n].cap}" for n in capped),
                 "--deadline SECONDS"]
-        lines += ["", f"Next call: `{' '.join(call)}` (the device call's timeout at least SECONDS + 20)"]
+        lines += ["", f"Next call: `{' '.join(call)}`, or on the same warm machine `python3 benchmarks/gpu_session.py "
+                  "--continue --deadline SECONDS` (the device call's timeout at least SECONDS + 20)"]
     text = "\n".join(lines) + "\n"
     (out / SUMMARY).write_text(text)
     return text
@@ -177,6 +181,19 @@ def parse_caps(items: list[str]) -> dict[str, int]:
     return caps
 
 
+def left_by(state_file: Path) -> tuple[list[str], dict[str, int]]:
+    """(parts, caps) that the calls recorded in ``state_file`` left: those never started or cut short
+    (stopped from outside), and those stopped at their cap, which get twice it."""
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --continue needs the state of an earlier call on this machine: {state_file} "
+                         f"could not be read ({e})") from None
+    results, caps = state["results"], state["caps"]
+    names = [n for n in state["order"] if results.get(n, RUNNING) == RUNNING or CAPPED in results[n]]
+    return names, {n: 2 * caps[n] for n in names if CAPPED in results.get(n, "")}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -184,14 +201,23 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, default=560, help="seconds from the start after which no part "
                     "starts, and at which a running one is stopped (default 560: one 10-minute device call)")
     ap.add_argument("--cap", action="append", default=[], metavar="PART=SECONDS", help="another cap for a part")
+    ap.add_argument("--continue", dest="resume", action="store_true",
+                    help="run what the earlier calls on this machine left (read from --state): the parts not started, "
+                         "and those stopped at their cap with twice the cap; needs no look at their output first")
+    ap.add_argument("--state", type=Path, default=ROOT / "runs" / "gpu_session_state.json",
+                    help="where each call records its parts' results for --continue (default runs/gpu_session_state.json, "
+                         "which stays on a warm machine between calls)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "runs/gpu"), help="default $OUT or runs/gpu")
     ap.add_argument("--plan", action="store_true", help="print the parts, their caps and commands; run nothing")
     args = ap.parse_args(argv)
     unknown = [p for p in args.parts if p not in PARTS]
     if unknown:
         ap.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(PARTS)}")
-    caps = parse_caps(args.cap)
-    parts = {n: Part(caps.get(n, PARTS[n].cap), PARTS[n].log, PARTS[n].commands) for n in (args.parts or PARTS)}
+    if args.resume and args.parts:
+        ap.error("--continue takes no parts: it runs what the earlier calls left")
+    names, caps = left_by(args.state) if args.resume else (args.parts or list(PARTS), {})
+    caps.update(parse_caps(args.cap))
+    parts = {n: Part(caps.get(n, PARTS[n].cap), PARTS[n].log, PARTS[n].commands) for n in names}
     if args.plan:
         for name, part in parts.items():
             print(f"{name}: cap {part.cap} s -> {part.log}")
@@ -199,11 +225,21 @@ def main(argv=None) -> int:
                 print("   ", " ".join(cmd[1:]))
         print(f"caps add up to {sum(p.cap for p in parts.values())} s; deadline {args.deadline:.0f} s")
         return 0
+    if not names:
+        print(f"nothing left: every part in {args.state} has run")
+        return 0
+    state = (json.loads(args.state.read_text()) if args.resume else
+             {"order": names, "caps": {}, "results": {}})
+
+    def record(name: str, result: str) -> None:
+        state["caps"][name], state["results"][name] = parts[name].cap, result
+        args.state.parent.mkdir(parents=True, exist_ok=True)
+        args.state.write_text(json.dumps(state, indent=1) + "\n")
+
     args.out.mkdir(parents=True, exist_ok=True)
     start, rows, failed = time.monotonic(), [], False
     header = versions()
     print(header, flush=True)
-    names = list(parts)
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(names):
             left = args.deadline - (time.monotonic() - start)
@@ -213,14 +249,16 @@ def main(argv=None) -> int:
                                            f"{args.deadline:.0f} s)"))
                 return 1
             # Written first, so that a call stopped from outside still says which part it was in.
-            write_summary(args.out, header, parts, rows + [(name, "running: stopped from outside?", 0)],
-                          names[i + 1:], "")
+            write_summary(args.out, header, parts, rows + [(name, RUNNING, 0)], names[i + 1:], "")
+            record(name, RUNNING)
             print(f"\n=== {name} (cap {parts[name].cap} s, {left:.0f} s to the deadline) ===", flush=True)
             result, took = run_part(parts[name], args.out, min(parts[name].cap, left), tmp)
             rows.append((name, result, took))
+            record(name, result)
             failed |= result != "ok"
     print("\n" + write_summary(args.out, header, parts, rows, [], ""))
     return 1 if failed else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

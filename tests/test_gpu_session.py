@@ -74,7 +74,8 @@ def test_the_session_stops_at_its_deadline_and_names_the_parts_left(session, tmp
     monkeypatch.setattr(session, "MIN_START", 1)
     monkeypatch.setattr(session, "GRACE", 1)
     monkeypatch.setattr(session, "versions", lambda: "torch, triton, transformers: versions")
-    rc = session.main(["--deadline", "8", "--out", str(tmp_path)])
+    state = ["--state", str(tmp_path / "state.json")]
+    rc = session.main(["--deadline", "8", "--out", str(tmp_path), *state])
     summary = (tmp_path / "session.md").read_text()
     assert rc == 1 and summary in capsys.readouterr().out  # the summary ends the output too
     assert "| quick | 30 |" in summary and "| ok | quick.log |" in summary
@@ -82,6 +83,17 @@ def test_the_session_stops_at_its_deadline_and_names_the_parts_left(session, tmp
     assert "Not started (under 1 s were left before the deadline of 8 s): late." in summary
     assert "Stopped at the cap: slow." in summary
     assert "`python3 benchmarks/gpu_session.py slow late --cap slow=120 --deadline SECONDS`" in summary
+
+    # The next call on the same machine, without looking: what is left, the capped part with twice its cap.
+    assert session.main(["--continue", "--plan", *state]) == 0
+    plan = capsys.readouterr().out
+    assert "slow: cap 120 s" in plan and "late: cap 30 s" in plan and "quick" not in plan
+    monkeypatch.setitem(session.PARTS, "slow", session.Part(60, "slow.log", (py("print('slow done')"),)))
+    assert session.main(["--continue", "--deadline", "60", "--out", str(tmp_path), *state]) == 0
+    summary = (tmp_path / "session.md").read_text()
+    assert "| slow | 120 |" in summary and "| late | 30 |" in summary and "quick" not in summary
+    assert "late\n" in (tmp_path / "late.log").read_text()
+    assert session.main(["--continue", *state]) == 0 and "nothing left" in capsys.readouterr().out
 
 
 def test_unknown_parts_and_caps_are_refused(session):
