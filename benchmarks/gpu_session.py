@@ -181,14 +181,18 @@ def parse_caps(items: list[str]) -> dict[str, int]:
     return caps
 
 
-def left_by(state_file: Path) -> tuple[list[str], dict[str, int]]:
-    """(parts, caps) that the calls recorded in ``state_file`` left: those never started or cut short
-    (stopped from outside), and those stopped at their cap, which get twice it."""
+def read_state(state_file: Path) -> dict:
+    """What the earlier calls recorded: {"order": parts planned, "caps": {part: s}, "results": {part: result}}."""
     try:
-        state = json.loads(state_file.read_text())
+        return json.loads(state_file.read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: --continue needs the state of an earlier call on this machine: {state_file} "
                          f"could not be read ({e})") from None
+
+
+def left_by(state: dict) -> tuple[list[str], dict[str, int]]:
+    """(parts, caps) that the calls recorded in ``state`` left: those never started or cut short (stopped
+    from outside), and those stopped at their cap, which get twice it."""
     results, caps = state["results"], state["caps"]
     names = [n for n in state["order"] if results.get(n, RUNNING) == RUNNING or CAPPED in results[n]]
     return names, {n: 2 * caps[n] for n in names if CAPPED in results.get(n, "")}
@@ -215,7 +219,12 @@ def main(argv=None) -> int:
         ap.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(PARTS)}")
     if args.resume and args.parts:
         ap.error("--continue takes no parts: it runs what the earlier calls left")
-    names, caps = left_by(args.state) if args.resume else (args.parts or list(PARTS), {})
+    if args.resume:
+        state = read_state(args.state)
+        names, caps = left_by(state)
+    else:
+        names, caps = args.parts or list(PARTS), {}
+        state = {"order": names, "caps": {}, "results": {}}
     caps.update(parse_caps(args.cap))
     parts = {n: Part(caps.get(n, PARTS[n].cap), PARTS[n].log, PARTS[n].commands) for n in names}
     if args.plan:
@@ -228,9 +237,6 @@ def main(argv=None) -> int:
     if not names:
         print(f"nothing left: every part in {args.state} has run")
         return 0
-    state = (json.loads(args.state.read_text()) if args.resume else
-             {"order": names, "caps": {}, "results": {}})
-
     def record(name: str, result: str) -> None:
         state["caps"][name], state["results"][name] = parts[name].cap, result
         args.state.parent.mkdir(parents=True, exist_ok=True)
