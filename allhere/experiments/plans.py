@@ -88,6 +88,7 @@ def plan_from_dict(d: dict) -> TaskPlan:
                     TrainConfig(**d["finetune"]), d["seq_len"], d["eval_sequences"])
 
 
-def run_settings(plan: TaskPlan, data_path: str | None) -> dict:
-    """What a task's run directory is claimed with: its plan and the user's data (None: the stdlib corpus)."""
-    return {"plan": plan_to_dict(plan), "data_path": data_path}
+def run_settings(plan: TaskPlan, data_path: str | None, base: dict | None = None) -> dict:
+    """What a task's run directory is claimed with: its plan, the user's data (None: the stdlib corpus) and
+    the shipped base its full model is (None: pretrained in the folder; see ``bases.Base.record``)."""
+    return {"plan": plan_to_dict(plan), "data_path": data_path, "base": base}

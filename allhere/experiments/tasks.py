@@ -3,15 +3,17 @@ pretrained full model (``start_task``), pretraining and fine-tuning, each resume
 
 Two tasks: "stdlib" (language modelling on the embedded stdlib corpus or the user's text) and "recall"
 (the synthetic key-value recall task). A task's folder is ``<out>/<task>``: settings.json, the
-pretrained model in pretrain/checkpoint.safetensors, every fine-tune in a folder of its own.
+pretrained model in pretrain/checkpoint.safetensors (pretrained there, or a copy of the shipped base the
+run started from, ``allhere.experiments.bases``), every fine-tune in a folder of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -22,7 +24,10 @@ from ..eval import evaluate_lm, evaluate_recall
 from ..model import Decoder, swap_mechanism
 from ..train import train
 from .plans import TaskPlan, plan_from_dict, run_settings
-from .rundir import check_out, claim
+from .rundir import SETTINGS, check_out, claim, read_settings
+
+if TYPE_CHECKING:
+    from .bases import Base
 
 
 @dataclass
@@ -38,6 +43,7 @@ class TaskData:
     higher_is_better: bool
     heldout: list  # held-out token batches [b, seq] (for routing statistics)
     docs: list  # held-out documents one by one (for rolling-window perplexity); empty for recall
+    fingerprint: dict = field(default_factory=dict)  # sha256 of the data a base is trained and scored on
 
 
 def task_data(name: str, plan: TaskPlan, data_path: str | None = None) -> TaskData:
@@ -49,15 +55,24 @@ def task_data(name: str, plan: TaskPlan, data_path: str | None = None) -> TaskDa
         windows = eval_windows(corpus.val, plan.seq_len, plan.eval_sequences)
         return TaskData(corpus.describe(), batches, batches, lambda m: evaluate_lm(m, windows, device=dev),
                         lambda m: _brief(evaluate_lm(m, windows[:16], device=dev), ("loss", "mu_f")),
-                        "bits_per_token", False, list(windows.split(16)), corpus.val_docs)
+                        "bits_per_token", False, list(windows.split(16)), corpus.val_docs,
+                        {"train_sha256": _sha(corpus.train), "val_sha256": _sha(corpus.val),
+                         "train_bytes": len(corpus.train), "val_bytes": len(corpus.val)})
     task = RecallTask(seq_len=plan.seq_len)
+    probe = (task.batch(64, torch.Generator().manual_seed(12345))[0],  # the first held-out batch
+             task.training_batch(plan.pretrain.batch_size, torch.Generator().manual_seed(0), curriculum=True)[0])
     return TaskData(
         f"recall task {dataclasses.asdict(task)} (min distance query->pair {task.min_distance} tokens)",
         lambda step, micro, g: task.training_batch(plan.pretrain.batch_size, g, curriculum=True),
         lambda step, micro, g: task.training_batch(plan.finetune.batch_size, g),
         lambda m: evaluate_recall(m, task, plan.eval_sequences, device=dev),
         lambda m: _brief(evaluate_recall(m, task, 128, device=dev), ("accuracy", "mu_f")),
-        "accuracy", True, list(task.batch(256, torch.Generator().manual_seed(99))[0].split(64)), [])
+        "accuracy", True, list(task.batch(256, torch.Generator().manual_seed(99))[0].split(64)), [],
+        {"task": dataclasses.asdict(task), "sequences_sha256": _sha(torch.cat([p.flatten() for p in probe]))})
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
 
 
 def _brief(metrics: dict, keys: tuple[str, ...]) -> dict:
@@ -76,16 +91,41 @@ class Task:
     pretrain_curve: list  # its periodic evaluations
 
 
-def start_task(out: str | Path, name: str, plan: TaskPlan, data_path: str | None, progress: bool) -> Task:
-    """Build the task's data, claim ``out/name`` for ``plan`` and ``data_path`` (refused when it holds
-    other settings) and pretrain its full model (reused when finished, resumed when interrupted)."""
+FOLLOW = "follow"  # start_task's default base: the one the folder's run started from (a new one: pretrain)
+
+
+def start_task(out: str | Path, name: str, plan: TaskPlan, data_path: str | None, progress: bool,
+               base: "Base | str | None" = FOLLOW) -> Task:
+    """Build the task's data, claim ``out/name`` for ``plan``, ``data_path`` and the base (refused when it
+    holds other settings) and get its full model: ``base`` None, pretrained here (reused when finished,
+    resumed when interrupted); a shipped ``Base``, copied into the folder as its pretrained model;
+    ``FOLLOW``, whatever the folder's run started from (a new folder: pretrained here)."""
     check_out(out)
     run = Path(out) / name
     data = task_data(name, plan, data_path)  # the data first: a bad --data claims nothing
-    claim(run, run_settings(plan, data_path),
-          upgrade=lambda old: run_settings(plan_from_dict(old["plan"]), old["data_path"]))
-    full, curve = pretrain(run / "pretrain" / "checkpoint.safetensors", plan.model, plan, data, progress)
+    saved = folder_base(run)
+    shipped = None if base is None or isinstance(base, str) else base
+    record = (None if saved is NEW else saved) if base == FOLLOW else None if shipped is None else shipped.record
+    claim(run, run_settings(plan, data_path, record),
+          upgrade=lambda old: run_settings(plan_from_dict(old["plan"]), old["data_path"], old.get("base")))
+    ckpt = run / "pretrain" / "checkpoint.safetensors"
+    if record is None:
+        full, curve = pretrain(ckpt, plan.model, plan, data, progress)
+    else:
+        from .bases import base_in_folder
+
+        full, curve = base_in_folder(ckpt, record, shipped, name, plan)
     return Task(name, plan, run, data, full, curve)
+
+
+NEW = object()  # folder_base of a folder that holds no run
+
+
+def folder_base(run: Path):
+    """The base the run in ``run`` started from: a shipped base's record, None (pretrained there), or NEW."""
+    if not (Path(run) / SETTINGS).exists():
+        return NEW
+    return read_settings(run).get("base")
 
 
 def pretrain(ckpt: Path, model: ModelConfig, plan: TaskPlan, data: TaskData, progress: bool) -> tuple[Decoder, list]:

@@ -1,0 +1,187 @@
+"""The pretrained bases shipped with allhere: the demo's starting points.
+
+The AHA paper ("Learning When Not to Attend Globally") does not pretrain: it takes a pretrained model and
+fine-tunes AHA onto it. The demo does the same. For every task of the default ``cpu`` preset the package
+holds the full-attention model that the preset's own pretraining produces (same settings, same seed), as
+``bases/cpu-<task>.safetensors`` (bf16 weights, an allhere checkpoint without optimizer state, so
+``allhere.checkpoint.load_model`` reads it) and ``bases/cpu-<task>.json``, its provenance: the command and
+commit that made it, the data and its fingerprint, Python and torch versions, the model and training
+configs, and the held-out numbers of the saved file. ``scripts/make_demo_bases.py`` makes them.
+
+A base is used only as it was made: a missing or damaged file, a provenance that is missing or unreadable,
+or a model config other than the preset's is refused with one line naming the file (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import read_checkpoint, save_checkpoint
+from ..data.recall import RecallTask
+from ..eval import evaluate_lm
+from ..model import Decoder
+from ..validation import ConfigError
+from .plans import TaskPlan
+
+BASES = Path(__file__).parent / "bases"
+PRESET = "cpu"  # the only preset with shipped bases
+AGAIN = "reinstall allhere, or pass --pretrain to pretrain the base in this run"
+RECALL_EVAL_SEED = 12345  # the held-out recall sequences (the seed ``evaluate_recall`` draws from)
+
+
+def base_files(task: str, folder: Path = BASES) -> tuple[Path, Path]:
+    """The weights and the provenance of the shipped base of ``task``."""
+    return folder / f"{PRESET}-{task}.safetensors", folder / f"{PRESET}-{task}.json"
+
+
+@dataclass
+class Base:
+    """A shipped base, checked and loaded."""
+
+    path: Path  # the weights
+    provenance: dict
+    model: Decoder  # fp32, on the CPU
+
+    @property
+    def record(self) -> dict:
+        """What a run folder's settings.json records of it (the same for every copy of the same file)."""
+        p = self.provenance
+        return {"file": self.path.name, "sha256": p["sha256"], "steps": p["steps"], "commit": p["commit"]}
+
+
+def describe(record: dict | None, steps: int | None = None) -> str:
+    """"shipped base <file>, pretrained <steps> steps by allhere <commit>" or "pretrained in this run"."""
+    if record is None:
+        return "pretrained in this run" + (f" ({steps} steps)" if steps else "")
+    return f"shipped base {record['file']}, pretrained {record['steps']} steps by allhere {record['commit'][:7]}"
+
+
+def why_not_shipped(preset: str, data_path: str | None, plan: TaskPlan, default_plan: TaskPlan) -> str | None:
+    """Why the demo pretrains ``plan``'s base itself instead of starting from the shipped one (None: it
+    starts from the shipped one). Only the ``cpu`` preset on the stdlib corpus with the preset's
+    pretraining has one; fine-tuning settings (window, lambda, steps, --compile) do not matter."""
+    if preset != PRESET:
+        return f"no shipped base for --preset {preset}"
+    if data_path is not None:
+        return "--data: a base of your own text"
+    if dataclasses.replace(plan.pretrain, compile=False) != dataclasses.replace(default_plan.pretrain, compile=False):
+        return f"--pretrain-steps {plan.pretrain.steps}: the shipped base has {default_plan.pretrain.steps}"
+    return None
+
+
+def load_base(task: str, plan: TaskPlan, folder: Path = BASES) -> Base:
+    """The shipped base of ``task``, checked against its provenance and ``plan``'s model config."""
+    path, prov_path = base_files(task, folder)
+    prov = read_provenance(prov_path)
+    if prov["model_config"] != plan.model.to_dict():
+        diff = sorted(k for k, v in plan.model.to_dict().items() if prov["model_config"].get(k) != v)
+        raise ConfigError(f"shipped base {path} was made for another model ({', '.join(diff)} differ from the "
+                          f"preset's); {AGAIN}")
+    if not path.is_file():
+        raise ConfigError(f"shipped base {path} is missing; {AGAIN}")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != prov["sha256"]:
+        raise ConfigError(f"shipped base {path} is damaged ({len(data):,} bytes whose sha256 is not the one its "
+                          f"provenance records: truncated or altered); {AGAIN}")
+    model = Decoder(plan.model)
+    restore(model, path)
+    return Base(path, prov, model.eval())
+
+
+PROVENANCE_KEYS = ("sha256", "steps", "commit", "model_config", "heldout", "data")
+
+
+def read_provenance(path: Path) -> dict:
+    """A base's provenance json (ConfigError, one line, when missing, unreadable or incomplete)."""
+    if not path.is_file():
+        raise ConfigError(f"the provenance of the shipped base, {path}, is missing; {AGAIN}")
+    try:
+        prov = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"the provenance of the shipped base, {path}, is unreadable ({e}); {AGAIN}") from None
+    missing = [k for k in PROVENANCE_KEYS if not isinstance(prov, dict) or k not in prov]
+    if missing:
+        raise ConfigError(f"the provenance of the shipped base, {path}, lacks {', '.join(missing)}; {AGAIN}")
+    return prov
+
+
+def restore(model: Decoder, path: Path) -> None:
+    """Load a base's weights into ``model`` (cast to its dtype); ConfigError, one line, when they do not fit."""
+    try:
+        tensors, _ = read_checkpoint(path)
+    except ValueError as e:
+        raise ConfigError(f"shipped base {path} does not load ({_first_line(e)}); {AGAIN}") from None
+    tensors = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    want = model.state_dict()
+    problems = [f"{k} missing" for k in want if k not in tensors]
+    problems += [f"{k} unexpected" for k in tensors if k not in want]
+    problems += [f"{k} is {list(tensors[k].shape)}, the model's {list(v.shape)}" for k, v in want.items()
+                 if k in tensors and tensors[k].shape != v.shape]
+    if problems:
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        raise ConfigError(f"shipped base {path} does not fit the preset's model ({problems[0]}{more}); {AGAIN}")
+    model.load_state_dict(tensors)
+
+
+def _first_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:200]
+
+
+def save_base(path: Path, model: Decoder, state: dict, dtype: torch.dtype) -> None:
+    """``model`` in ``dtype`` as an allhere checkpoint without optimizer state (tied weights stored once),
+    written atomically; only the safetensors file (the provenance is written apart)."""
+    low = copy.deepcopy(model).to(dtype)  # .to keeps tied parameters tied
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(Path(tmp) / path.name, low, None, state)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(tmp) / path.name, path.with_name(path.name + ".tmp"))
+        path.with_name(path.name + ".tmp").replace(path)
+
+
+@torch.no_grad()
+def heldout(task: str, plan: TaskPlan, data, model: Decoder) -> dict:
+    """The held-out numbers a provenance records and the tests recompute: stdlib, the loss on the plan's
+    ``eval_sequences`` validation windows; recall, the accuracy of the demo's evaluation and the loss on
+    ``eval_sequences`` held-out sequences (a synthetic task: the accuracy alone would not tell two
+    models apart)."""
+    r = data.evaluate(model)
+    out = {"sequences": plan.eval_sequences, "seq_len": plan.seq_len}
+    if task == "recall":
+        ids = RecallTask(seq_len=plan.seq_len).batch(plan.eval_sequences,
+                                                     torch.Generator().manual_seed(RECALL_EVAL_SEED))[0]
+        out["accuracy"] = r["accuracy"]
+        r = evaluate_lm(model, ids, device=plan.pretrain.device)
+    out.update(loss=r["loss"], bits_per_token=r["bits_per_token"])
+    return out
+
+
+def base_in_folder(ckpt: Path, record: dict, base: Base | None, task: str, plan: TaskPlan) -> tuple[Decoder, list]:
+    """The full model of a run started from the shipped base ``record``, and its pretraining curve: the
+    run folder's copy at ``ckpt`` (fp32, no optimizer state), written from ``base`` (else from the shipped
+    file, when it is the one ``record`` names) the first time."""
+    from ..checkpoint import load_model
+
+    if ckpt.exists():
+        model, meta = load_model(ckpt)
+        if meta.get("base") != record:
+            raise ConfigError(f"{ckpt} is not the {describe(record)} its run started from; move the run folder "
+                              "away or choose another --out (nothing was changed)")
+        return model.eval(), meta.get("evals", [])
+    if base is None:
+        base = load_base(task, plan)
+        if base.record != record:
+            raise ConfigError(f"{ckpt.parent.parent} started from the {describe(record)}, which this allhere does "
+                              f"not ship ({base.path.name} is another file); choose another --out (nothing was changed)")
+    evals = base.provenance.get("pretrain_evals", [])
+    save_checkpoint(ckpt, base.model, None, {"step": record["steps"], "history": [], "evals": evals,
+                                             "train_config": base.provenance.get("train_config"), "base": record})
+    return copy.deepcopy(base.model), evals
