@@ -101,7 +101,7 @@ def adapt_lam(lam: float, mu_f: float, cfg: TrainConfig) -> float:
 
 
 def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | Path, resume: bool = False,
-          eval_fn: EvalFn | None = None, progress: bool = True, extra_state: dict | None = None,
+          eval_fn: EvalFn | None = None, progress: "bool | Callable" = True, extra_state: dict | None = None,
           train_only: str | None = None, context_parallel: str | None = None,
           context_parallel_size: int | None = None) -> dict:
     """Train ``model`` in place; checkpoint to ``ckpt_path``; return the final state (history, metrics).
@@ -110,6 +110,8 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     ``resume=True`` continues from ``ckpt_path`` exactly where it stopped; without it an existing
     checkpoint there is an error (nothing good is overwritten). ``train_only``: train only the parameters
     whose name contains it (e.g. ".mechanism." for a new bottleneck); the others stay frozen.
+    ``progress``: a bar (True), none (False), or a factory with ``allhere.progress.progress``'s signature
+    that makes the bar (``allhere.experiments.job``: one that also tells the whole job's time left).
 
     Under torchrun with several processes (``allhere.distributed.training``) the model is sharded with
     FSDP2, each rank takes its share of every step's micro-batches (same global batch, same gradient),
@@ -180,8 +182,9 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
 
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda")
                 else contextlib.nullcontext())
-    bar = progress_bar(cfg.steps, f"{ckpt_path.parent.parent.name}/{ckpt_path.parent.name}", state["step"],
-                       progress and (run is None or run.main))
+    bar = (progress if callable(progress) else progress_bar)(
+        cfg.steps, f"{ckpt_path.parent.parent.name}/{ckpt_path.parent.name}", state["step"],
+        bool(progress) and (run is None or run.main))
     save = save_checkpoint if run is None else run.save
     forward = torch.compile(model) if cfg.compile and run is None else model  # shares the model's parameters
     model.train()

@@ -1,0 +1,41 @@
+"""The whole job's time left (``allhere.experiments.job``): planned runs, paces, the bar's ``job_left``."""
+
+import io
+
+from allhere.config import ModelConfig
+from allhere.experiments.job import Job, step_cost
+from allhere.progress import LineProgress
+
+
+def test_step_cost_grows_with_tokens_model_and_context():
+    small = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2)
+    big = ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=2)
+    assert step_cost(small, 8, 64) == 2 * step_cost(small, 4, 64)
+    assert step_cost(big, 4, 64) > 4 * step_cost(small, 4, 64)
+    assert step_cost(small, 1, 128) > 2 * step_cost(small, 1, 64)  # attention: more than linear in length
+
+
+def test_time_left_counts_the_runs_to_come_at_the_measured_pace(tmp_path, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("allhere.experiments.job.time.monotonic", lambda: clock[0])
+    job = Job()
+    (tmp_path / "t" / "b").mkdir(parents=True)
+    (tmp_path / "t" / "b" / "checkpoint.json").write_text('{"step": 4}')  # run b is 4 steps in already
+    job.plan(tmp_path / "t" / "a" / "checkpoint.safetensors", 10, 1.0)
+    job.plan(tmp_path / "t" / "b" / "checkpoint.safetensors", 10, 3.0)
+    assert job.left == {"t/a": 10, "t/b": 6} and job.time_left("t/a", None) is None  # nothing measured yet
+    out = io.StringIO()
+    bar = job.bar(10, "t/a")
+    bar.inner = LineProgress(10, "t/a", every_percent=50, stream=out)
+    for _ in range(5):
+        clock[0] += 2.0  # 2 s per step of cost 1
+        bar.update()
+        bar.set_postfix(lm="1.0")
+    # a: 5 steps left at 2 s; b: 6 steps of cost 3 at 2 s per unit of cost
+    assert job.time_left("t/a", 2.0) == 5 * 2.0 + 6 * 3 * 2.0
+    assert out.getvalue().splitlines()[0].endswith("job_left 0m46s")
+    for _ in range(5):
+        clock[0] += 2.0
+        bar.update()
+    bar.close()
+    assert job.seconds == {"t/a": 20.0} and job.time_left("t/b", None) == 6 * 3 * 2.0
