@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from allhere.experiments.bases import BASES, PRESET, base_files, heldout, load_base, restore, save_base
+from allhere.experiments import bases
+from allhere.experiments.bases import base_files, heldout, load_base, restore, save_base
 from allhere.experiments.plans import TASKS, plans
 from allhere.experiments.rundir import write_json
 from allhere.experiments.tasks import start_task
@@ -43,8 +44,9 @@ def git(*args: str) -> str:
         return ""
 
 
-def make(name: str, run: Path, dtype: str, folder: Path, command: str) -> dict:
-    plan = plans(PRESET, "cpu")[name]
+def make(name: str, run: Path, dtype: str, folder: Path | None, command: str) -> dict:
+    """Pretrain (or reuse) ``name``'s base in ``run``, save it in ``folder`` with its provenance; return that."""
+    plan = plans(bases.PRESET, "cpu")[name]
     t0 = time.time()
     task = start_task(run, name, plan, None, progress=True, base=None)
     seconds = time.time() - t0
@@ -56,7 +58,8 @@ def make(name: str, run: Path, dtype: str, folder: Path, command: str) -> dict:
     data = path.read_bytes()
     prov = {
         "file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "dtype": dtype,
-        "what": f"the full-attention model of `allhere demo --preset {PRESET}`, task {name}, after its pretraining",
+        "what": f"the full-attention model of `allhere demo --preset {bases.PRESET}`, task {name}, after its "
+                "pretraining",
         "command": command, "commit": git("rev-parse", "HEAD") or "unknown",
         "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no")),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -79,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", default="runs/bases", help="run folder of the pretraining (default runs/bases)")
     p.add_argument("--task", dest="tasks", action="append", choices=TASKS, help="only this task (default: both)")
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="weights of the saved base (default bf16)")
-    p.add_argument("--folder", default=str(BASES), help=f"where the bases go (default {BASES.relative_to(ROOT)})")
+    p.add_argument("--folder", default=None, help="where the bases go (default allhere/experiments/bases)")
     args = p.parse_args(argv)
     command = " ".join(["python3", "scripts/make_demo_bases.py", *(sys.argv[1:] if argv is None else argv)])
     for name in args.tasks or TASKS:
-        prov = make(name, Path(args.run), args.dtype, Path(args.folder), command)
+        prov = make(name, Path(args.run), args.dtype, args.folder, command)
         h, h32 = prov["heldout"], prov["heldout_fp32"]
         print(f"{prov['file']}: {prov['bytes']:,} bytes, held-out loss {h['loss']:.5f} ({args.dtype}; fp32 "
               f"{h32['loss']:.5f})" + (f", accuracy {h['accuracy']:.4f}" if "accuracy" in h else ""), flush=True)

@@ -214,7 +214,8 @@ def task_flag(p: argparse.ArgumentParser, verb: str, tasks: tuple[str, ...]) -> 
 
 def preset_flag(p: argparse.ArgumentParser, presets: tuple[str, ...]) -> None:
     p.add_argument("--preset", default="cpu", choices=presets,
-                   help="sizes and steps: cpu (default, about 20 min for the demo on 2 cores), tiny (seconds), gpu")
+                   help="sizes and steps: cpu (default; `allhere demo` takes about 5 min on 2 cores from the "
+                        "shipped bases, 10 with --pretrain), tiny (seconds), gpu")
 
 
 def progress_flag(p: argparse.ArgumentParser) -> None:

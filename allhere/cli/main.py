@@ -48,7 +48,8 @@ AGAIN = "run the same command again to continue"  # the run folders of demo, swe
 
 
 COMMANDS = (
-    Command("demo", "pretrain a full model, swap in AHA, fine-tune, evaluate, write a report",
+    Command("demo", "start from a pretrained full model (shipped with allhere, or --pretrain), swap in AHA, "
+            "fine-tune, evaluate, write a report",
             demo_arguments, demo, AGAIN),
     Command("analyze", "routing statistics, sorted-usage curve and static baseline of a demo run",
             analyze_arguments, analyze),

@@ -23,6 +23,11 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="AHA / sliding window w (default: the preset's; tiny 8, else 32 for stdlib and 16 for recall)")
     p.add_argument("--lam", type=a.nonnegative, default=None,
                    help="lambda of L_reg (default: the preset's; tiny 0.01, else 0.05)")
+    p.add_argument("--pretrain", action="store_true",
+                   help="pretrain each task's full-attention base in this run (--preset cpu: about 5 more minutes "
+                        "on 2 cores) instead of starting from the base shipped with allhere (the default where "
+                        "there is one: --preset cpu on the stdlib corpus with its pretraining steps; the other "
+                        "presets, --data and --pretrain-steps always pretrain here)")
     p.add_argument("--pretrain-steps", type=a.positive, default=None,
                    help="optimizer steps of the full model's pretraining (default: the preset's; tiny 6, "
                         "cpu 800 for stdlib and 400 for recall, gpu 3000 and 400)")
@@ -45,7 +50,8 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
 def _check_demo_flags(args) -> None:
     """A flag of the other demo is an error, not silently ignored."""
     only = {"aha": {"window": "--window", "lam": "--lam", "pretrain_steps": "--pretrain-steps",
-                    "finetune_steps": "--finetune-steps", "tasks": "--task", "compile": "--compile"},
+                    "finetune_steps": "--finetune-steps", "tasks": "--task", "compile": "--compile",
+                    "pretrain": "--pretrain"},
             "dar": {"windows": "--windows", "from_scratch": "--from-scratch"}}
     other = "dar" if args.mechanism == "aha" else "aha"
     given = [flag for name, flag in only[other].items() if getattr(args, name, None) not in (None, False)]
@@ -68,7 +74,8 @@ def demo(args) -> None:
     from ..experiments.demo import render, run_demo
 
     report = run_demo(out=args.out, preset=args.preset, tasks=tuple(args.tasks or TASKS), data_path=args.data,
-                      device=args.device, progress=not args.no_progress, window=args.window, lam=args.lam,
+                      device=args.device, progress=not args.no_progress, pretrain=args.pretrain,
+                      window=args.window, lam=args.lam,
                       pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps, compile=args.compile)
     print(render(report))
     print(f"Report written to {args.out}/report.md, report.json and mu_f_heatmap.png")

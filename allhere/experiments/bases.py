@@ -38,8 +38,9 @@ AGAIN = "reinstall allhere, or pass --pretrain to pretrain the base in this run"
 RECALL_EVAL_SEED = 12345  # the held-out recall sequences (the seed ``evaluate_recall`` draws from)
 
 
-def base_files(task: str, folder: Path = BASES) -> tuple[Path, Path]:
-    """The weights and the provenance of the shipped base of ``task``."""
+def base_files(task: str, folder: Path | None = None) -> tuple[Path, Path]:
+    """The weights and the provenance of the shipped base of ``task`` (in ``folder``, default ``BASES``)."""
+    folder = BASES if folder is None else Path(folder)
     return folder / f"{PRESET}-{task}.safetensors", folder / f"{PRESET}-{task}.json"
 
 
@@ -78,7 +79,7 @@ def why_not_shipped(preset: str, data_path: str | None, plan: TaskPlan, default_
     return None
 
 
-def load_base(task: str, plan: TaskPlan, folder: Path = BASES) -> Base:
+def load_base(task: str, plan: TaskPlan, folder: Path | None = None) -> Base:
     """The shipped base of ``task``, checked against its provenance and ``plan``'s model config."""
     path, prov_path = base_files(task, folder)
     prov = read_provenance(prov_path)
@@ -185,3 +186,25 @@ def base_in_folder(ckpt: Path, record: dict, base: Base | None, task: str, plan:
     save_checkpoint(ckpt, base.model, None, {"step": record["steps"], "history": [], "evals": evals,
                                              "train_config": base.provenance.get("train_config"), "base": record})
     return copy.deepcopy(base.model), evals
+
+
+def choose_base(run: Path, task: str, preset: str, data_path: str | None, plan: TaskPlan, default_plan: TaskPlan,
+                pretrain: bool) -> tuple["Base | str | None", str]:
+    """What ``allhere demo`` starts ``task`` in the folder ``run`` from (``start_task``'s ``base``), and the
+    line that says so. A folder that holds a run goes on from its own base (refused with ``pretrain``
+    when that is a shipped one); a new one starts from the shipped base where there is one, unless
+    ``pretrain``."""
+    from .tasks import FOLLOW, NEW, folder_base
+
+    saved = folder_base(run)
+    steps = plan.pretrain.steps
+    if saved is not NEW:
+        if pretrain and saved is not None:
+            raise ConfigError(f"{run} holds a run that started from the {describe(saved)}; run the demo without "
+                              "--pretrain to continue it, or choose another --out (nothing was changed)")
+        return FOLLOW, f"{task}: base {describe(saved, steps)}, continued in {run}"
+    reason = "--pretrain" if pretrain else why_not_shipped(preset, data_path, plan, default_plan)
+    if reason:
+        return None, f"{task}: base pretrained in this run ({steps} steps; {reason})"
+    base = load_base(task, plan)
+    return base, f"{task}: starting from the {describe(base.record)} (--pretrain trains it here instead)"

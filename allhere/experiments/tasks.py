@@ -89,6 +89,7 @@ class Task:
     data: TaskData
     full: Decoder  # the pretrained full-attention model
     pretrain_curve: list  # its periodic evaluations
+    base: dict | None = None  # the shipped base it is (``bases.Base.record``); None: pretrained in the folder
 
 
 FOLLOW = "follow"  # start_task's default base: the one the folder's run started from (a new one: pretrain)
@@ -115,7 +116,7 @@ def start_task(out: str | Path, name: str, plan: TaskPlan, data_path: str | None
         from .bases import base_in_folder
 
         full, curve = base_in_folder(ckpt, record, shipped, name, plan)
-    return Task(name, plan, run, data, full, curve)
+    return Task(name, plan, run, data, full, curve, record)
 
 
 NEW = object()  # folder_base of a folder that holds no run
