@@ -44,7 +44,13 @@ def git(*args: str) -> str:
         return ""
 
 
-def make(name: str, run: Path, dtype: str, folder: Path | None, command: str) -> dict:
+def source() -> dict:
+    """The commit this checkout is at and whether its tracked files differ from it (read before anything runs)."""
+    return {"commit": git("rev-parse", "HEAD") or "unknown",
+            "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def make(name: str, run: Path, dtype: str, folder: Path | None, command: str, code: dict | None = None) -> dict:
     """Pretrain (or reuse) ``name``'s base in ``run``, save it in ``folder`` with its provenance; return that."""
     plan = plans(bases.PRESET, "cpu")[name]
     t0 = time.time()
@@ -60,8 +66,7 @@ def make(name: str, run: Path, dtype: str, folder: Path | None, command: str) ->
         "file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "dtype": dtype,
         "what": f"the full-attention model of `allhere demo --preset {bases.PRESET}`, task {name}, after its "
                 "pretraining",
-        "command": command, "commit": git("rev-parse", "HEAD") or "unknown",
-        "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "command": command, **(code or source()),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(), "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
@@ -85,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--folder", default=None, help="where the bases go (default allhere/experiments/bases)")
     args = p.parse_args(argv)
     command = " ".join(["python3", "scripts/make_demo_bases.py", *(sys.argv[1:] if argv is None else argv)])
+    code = source()
     for name in args.tasks or TASKS:
-        prov = make(name, Path(args.run), args.dtype, args.folder, command)
+        prov = make(name, Path(args.run), args.dtype, args.folder, command, code)
         h, h32 = prov["heldout"], prov["heldout_fp32"]
         print(f"{prov['file']}: {prov['bytes']:,} bytes, held-out loss {h['loss']:.5f} ({args.dtype}; fp32 "
               f"{h32['loss']:.5f})" + (f", accuracy {h['accuracy']:.4f}" if "accuracy" in h else ""), flush=True)

@@ -18,16 +18,17 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ..checkpoint import read_checkpoint, save_checkpoint
 from ..data.recall import RecallTask
-from ..eval import evaluate_lm
 from ..model import Decoder
 from ..validation import ConfigError
 from .plans import TaskPlan
@@ -152,16 +153,22 @@ def save_base(path: Path, model: Decoder, state: dict, dtype: torch.dtype) -> No
 def heldout(task: str, plan: TaskPlan, data, model: Decoder) -> dict:
     """The held-out numbers a provenance records and the tests recompute: stdlib, the loss on the plan's
     ``eval_sequences`` validation windows; recall, the accuracy of the demo's evaluation and the loss on
-    ``eval_sequences`` held-out sequences (a synthetic task: the accuracy alone would not tell two
-    models apart)."""
+    the answers (the tokens the recall task trains on) of ``eval_sequences`` held-out sequences, which
+    tells two models apart where the accuracy does not."""
     r = data.evaluate(model)
     out = {"sequences": plan.eval_sequences, "seq_len": plan.seq_len}
     if task == "recall":
-        ids = RecallTask(seq_len=plan.seq_len).batch(plan.eval_sequences,
-                                                     torch.Generator().manual_seed(RECALL_EVAL_SEED))[0]
+        ids, retrieval = RecallTask(seq_len=plan.seq_len).batch(plan.eval_sequences,
+                                                                torch.Generator().manual_seed(RECALL_EVAL_SEED))
+        total, count = 0.0, 0
+        for chunk, where in zip(ids.split(64), retrieval.split(64)):
+            logits = model.eval()(chunk).logits[:, :-1]
+            answer = where[:, :-1]
+            total += F.cross_entropy(logits[answer].float(), chunk[:, 1:][answer], reduction="sum").item()
+            count += int(answer.sum())
         out["accuracy"] = r["accuracy"]
-        r = evaluate_lm(model, ids, device=plan.pretrain.device)
-    out.update(loss=r["loss"], bits_per_token=r["bits_per_token"])
+        r = {"loss": total / count}
+    out.update(loss=r["loss"], bits_per_token=r["loss"] / math.log(2))
     return out
 
 
