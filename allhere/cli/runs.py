@@ -33,7 +33,7 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
                         "cpu 800 for stdlib and 400 for recall, gpu 3000 and 400)")
     p.add_argument("--finetune-steps", type=a.positive, default=None,
                    help="optimizer steps of the AHA fine-tuning and its control (default: the preset's; tiny 4, "
-                        "cpu 250 for stdlib and 200 for recall, gpu 1000 and 200)")
+                        "cpu 200 for stdlib and 200 for recall, gpu 1000 and 200)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every training run's forward (default off: on 2 CPU cores a step takes "
                         "~0.87x after 10-20 s of compiling per model, which the cpu preset's runs do not win back)")
