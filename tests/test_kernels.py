@@ -19,6 +19,14 @@ from allhere.masks import segment_starts  # noqa: E402
 from helpers import rel_err, segment_mask  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tiles(block_m, block_n):
+    """A pinned launch setting (the rest from each kernel's default)."""
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n)
+
+
+T16 = tiles(16, 16)
 DTYPE, TOL = (torch.bfloat16, 2e-2) if DEVICE == "cuda" else (torch.float32, 1e-5)
 
 
@@ -41,7 +49,7 @@ def test_prefill_equals_reference(b, h, hkv, n, d, w, pattern):
             "all-local": torch.zeros(b, h, n, dtype=torch.bool), "all-global": torch.ones(b, h, n, dtype=torch.bool)}[pattern]
     if pattern == "mixed":
         gate[:, 0] = True  # a busy head next to rare ones: packed per head, each with its own count
-    out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, block_m=16, block_n=16)
+    out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, tiles=T16)
     assert rel_err(out, aha_attention_naive(q, k, v, gate, w)) < TOL
 
 
@@ -73,7 +81,7 @@ def test_training_kernels_give_the_reference_outputs_and_gradients(b, h, hkv, n,
     gate = {"mixed": lambda: mixed_gate(b, h, n, 0.3), "one head": lambda: mixed_gate(b, h, n, 0.0),
             "all-global": lambda: torch.ones(b, h, n, dtype=torch.bool),
             "all-local": lambda: torch.zeros(b, h, n, dtype=torch.bool)}[gates]()
-    got, want, a_local = train_and_reference(q, k, v, gate, w, block_m=bm, block_n=bn)
+    got, want, a_local = train_and_reference(q, k, v, gate, w, tiles=tiles(bm, bn))
     assert rel_err(a_local, sliding_window_attention_naive(q, k, v, w)) < TOL
     for name, a, r in zip(["out", "q", "k", "v"], got, want):
         assert rel_err(a, r) < TOL, name
@@ -97,11 +105,10 @@ def test_kernels_with_segments_equal_the_reference_with_the_mask(layout, kernel,
     starts = segment_starts(mask, n, n)
     gate = mixed_gate(b, h, n, 0.3)
     if kernel == "prefill":
-        out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, block_m=16, block_n=16,
-                  row_start=starts.to(DEVICE))
+        out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, tiles=T16, row_start=starts.to(DEVICE))
         assert rel_err(out, aha_attention_naive(q, k, v, gate, w, mask=mask)) < TOL
         return
-    got, want, _ = train_and_reference(q, k, v, gate, w, mask, block_m=16, block_n=16, row_start=starts.to(DEVICE))
+    got, want, _ = train_and_reference(q, k, v, gate, w, mask, tiles=T16, row_start=starts.to(DEVICE))
     for name, a, r in zip(["out", "q", "k", "v"], got, want):
         assert rel_err(a, r) < TOL, name
 
@@ -119,9 +126,9 @@ def test_kernels_on_random_shapes_windows_blocks_and_segments(seed):
     q, k, v = inputs(b, h, hkv, n, n, 16, seed=seed)
     gate = torch.rand(b, h, n, generator=torch.Generator().manual_seed(seed)) < rng.choice([0.0, 0.1, 0.5, 1.0])
     starts = segment_starts(mask, n, n).to(DEVICE)
-    got, want, _ = train_and_reference(q, k, v, gate, w, mask, block_m=bm, block_n=bn, row_start=starts,
-                                       dkdv_rows=rng.choice([16, 32, 64]))
-    got.append(run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, 0.25, bm, bn, row_start=starts))
+    got, want, _ = train_and_reference(q, k, v, gate, w, mask, tiles=tiles(bm, bn), row_start=starts,
+                                       dkdv=tiles(rng.choice([16, 32, 64]), rng.choice([16, 32])))
+    got.append(run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, 0.25, tiles(bm, bn), row_start=starts))
     want.append(want[0])
     for name, a, r in zip(["out", "q", "k", "v", "prefill"], got, want):  # w = 1: dq = dk = 0, hence max(|r|, 1)
         assert (a - r).norm() / max(r.norm(), 1.0) < TOL, name
@@ -185,7 +192,8 @@ def test_decode_equals_reference(b, h, hkv, t, d, w, split):
     q, k, v = inputs(b, h, hkv, 1, t, d)
     gate = torch.rand(b, h, 1, generator=torch.Generator().manual_seed(2)) < 0.5
     gate[0, 0], gate[-1, -1] = True, False
-    out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), w, d ** -0.5, split=split, block_n=16)
+    out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), w, d ** -0.5,
+              tiles=dict(SPLIT=split, BLOCK_N=16))
     assert rel_err(out, aha_attention_naive(q, k, v, gate, w)) < TOL
 
 
@@ -195,8 +203,8 @@ def test_decode_with_left_padding_equals_reference_with_the_mask():
     gate[:, 0] = True
     starts = torch.tensor([0, 37, 90])  # no padding; padding; nothing real at all
     mask = torch.stack([torch.arange(90) >= s for s in starts])[:, None, None, :]
-    out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), 6, 16 ** -0.5, split=32, block_n=16,
-              kv_start=starts.to(DEVICE))
+    out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), 6, 16 ** -0.5,
+              tiles=dict(SPLIT=32, BLOCK_N=16), kv_start=starts.to(DEVICE))
     assert rel_err(out, aha_attention_naive(q, k, v, gate, 6, mask=mask)) < TOL
     assert out[2].abs().max() == 0
     with torch.no_grad():  # the op maps segment starts to kv_start

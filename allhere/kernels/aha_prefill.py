@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pipeline_stages
+from . import autotune
+from .tiles import default as default_tiles
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -210,41 +211,57 @@ def pack_global(hard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
-                       scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 8,
-                       num_stages: int | None = None, row_start: torch.Tensor | None = None) -> torch.Tensor:
+                       scale: float, tiles: dict | None = None, row_start: torch.Tensor | None = None) -> torch.Tensor:
     """AHA forward for queries and keys over the same positions; ``hard`` [b, h, n] bool (True = global).
-    block_m: query rows per program (and packed pairs per block); block_n: keys per step; num_warps,
-    num_stages: Triton's launch settings (``benchmarks/kernel_tiles.py`` times the choices; num_stages
-    None: ``allhere.kernels.pipeline_stages``, from the GPU's shared memory). row_start:
-    optional int [b, n] from ``allhere.masks.segment_starts``: each query sees only the keys from its
-    segment's start on (-1: none, zero output), all segments in the same launch."""
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    out = torch.empty_like(q)
-    tiles = launch_tiles(q, block_m, block_n, num_warps, num_stages)
+    q, k, v are read where they lie (``strided``). tiles: None, each kernel's launch setting from
+    ``allhere.kernels.autotune`` (tuned on the GPU, the default in the interpreter); or a setting pinned
+    for both kernels (BLOCK_M: query rows per program and packed pairs per block, BLOCK_N: keys per step,
+    num_warps, num_stages; what is left out comes from the default). row_start: optional int [b, n] from
+    ``allhere.masks.segment_starts``: each query sees only the keys from its segment's start on (-1: none,
+    zero output), all segments in the same launch."""
+    q, k, v = strided(q, k, v)
+    out = torch.empty_like(q)  # q's own layout where q is dense (a transposed projection stays one)
     start = segment_start(row_start, q.shape[2])
-    sliding_forward(q, k, v, out, None, start, window, scale, tiles)
-    global_forward(q, k, v, out, None, start, pack_global(hard), scale, tiles)
+    sliding_forward(q, k, v, out, None, start, window, scale, pinned_tiles("sliding", tiles))
+    global_forward(q, k, v, out, None, start, pack_global(hard), scale, pinned_tiles("global", tiles))
     return out
 
 
 def causal_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, row_start: torch.Tensor,
-                  block_m: int = 64, block_n: int = 64, num_warps: int = 8,
-                  num_stages: int | None = None) -> torch.Tensor:
+                  tiles: dict | None = None) -> torch.Tensor:
     """Full causal attention within segments (each query over its segment's keys up to itself; -1 in
     ``row_start``: zero): the global kernel alone with every query packed, for the router's ``a_full``
     where dense SDPA would need a mask. Arguments as in ``aha_prefill_triton``."""
-    q, k, v = (t.contiguous() for t in (q, k, v))
+    q, k, v = strided(q, k, v)
     out = torch.empty_like(q)
     everyone = torch.ones(q.shape[:3], dtype=torch.bool, device=q.device)
     global_forward(q, k, v, out, None, segment_start(row_start, q.shape[2]), pack_global(everyone), scale,
-                   launch_tiles(q, block_m, block_n, num_warps, num_stages))
+                   pinned_tiles("global", tiles))
     return out
 
 
-def launch_tiles(q: torch.Tensor, block_m: int, block_n: int, num_warps: int, num_stages: int | None) -> dict:
-    """The block kernels' tile settings for tensors like ``q`` (num_stages None: from the GPU)."""
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-                num_stages=num_stages or pipeline_stages(q.device))
+def strided(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the kernels read them: in place, any strides but a unit-stride last dimension (a view of
+    a larger cache buffer, a transposed projection); k and v with one layout. Only what breaks that is
+    copied: a last dimension with a stride, or k and v laid out differently."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if k.stride() != v.stride():
+        k, v = k.contiguous(), v.contiguous()
+    return q, k, v
+
+
+def pinned_tiles(kernel: str, tiles: dict | None) -> dict | None:
+    """None (the kernel chooses) or ``tiles`` completed from ``kernel``'s default setting."""
+    return None if tiles is None else {**default_tiles(kernel), **tiles}
+
+
+def choose(kernel: str, q: torch.Tensor, k: torch.Tensor, launch, *key: str) -> dict:
+    """``kernel``'s launch setting for a call like (q, k) (``autotune.setting``): keyed on head dim, dtype,
+    grouped-query group and the length bucket of the keys, plus ``key``."""
+    d, n = q.shape[-1], k.shape[2]
+    shape = (f"d{d}", str(q.dtype).removeprefix("torch."), f"g{q.shape[1] // k.shape[1]}",
+             f"n{autotune.length_bucket(n)}", *key)
+    return autotune.setting(kernel, shape, q.device, launch, d, q.element_size(), length=n)
 
 
 def segment_start(row_start: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -259,27 +276,35 @@ def segment_args(start: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch
     return (dummy, False) if start is None else (start, True)
 
 
-def sliding_forward(q, k, v, out, lse, start, window, scale, tiles: dict) -> None:
+def sliding_forward(q, k, v, out, lse, start, window, scale, tiles: dict | None) -> None:
     """The sliding-window kernel: writes every query's local output into ``out`` and, unless ``lse`` is
     None, its log-sum-exp (natural log of the scaled scores) into ``lse`` [b * h, n] fp32. ``start``:
-    None or ``segment_start``'s tensor. ``tiles``: BLOCK_M, BLOCK_N, num_warps, num_stages."""
+    None or ``segment_start``'s tensor. ``tiles``: the launch setting, None to choose (``choose``)."""
     b, h, n, d = q.shape
     strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
     start, segments = segment_args(start, out)
-    _sliding_kernel[(triton.cdiv(n, tiles["BLOCK_M"]), b * h)](
-        q, k, v, out, out if lse is None else lse, start, scale, n, h, h // k.shape[1], window, *strides, D=d,
-        STORE_LSE=lse is not None, SEGMENTS=segments, **tiles)
+
+    def launch(t: dict) -> None:
+        _sliding_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](
+            q, k, v, out, out if lse is None else lse, start, scale, n, h, h // k.shape[1], window, *strides, D=d,
+            STORE_LSE=lse is not None, SEGMENTS=segments, **t)
+
+    launch(tiles or choose("sliding", q, k, launch))
 
 
-def global_forward(q, k, v, out, lse, start, packed, scale, tiles: dict) -> None:
+def global_forward(q, k, v, out, lse, start, packed, scale, tiles: dict | None) -> None:
     """The global kernel over ``packed`` (from ``pack_global``): overwrites those rows of ``out`` (and of
     ``lse`` unless it is None) with full causal attention (within segments when ``start`` is given)."""
     b, h, n, d = q.shape
     strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
     start, segments = segment_args(start, out)
-    _global_kernel[(triton.cdiv(n, tiles["BLOCK_M"]), b * h)](
-        q, k, v, out, out if lse is None else lse, *packed, start, scale, n, h, h // k.shape[1], *strides, D=d,
-        STORE_LSE=lse is not None, SEGMENTS=segments, **tiles)
+
+    def launch(t: dict) -> None:
+        _global_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](
+            q, k, v, out, out if lse is None else lse, *packed, start, scale, n, h, h // k.shape[1], *strides, D=d,
+            STORE_LSE=lse is not None, SEGMENTS=segments, **t)
+
+    launch(tiles or choose("global", q, k, launch))
 
 
 def built_for_interpreter() -> bool:
