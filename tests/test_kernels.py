@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
 
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
-from allhere.kernels.aha_prefill import aha_prefill_triton, pack_global  # noqa: E402
+from allhere.kernels.aha_prefill import aha_prefill_triton, longest_first, pack_global  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton, segment_end  # noqa: E402
 from allhere.ops.aha import aha_attention, aha_attention_naive, dispatch, fast, triton_path  # noqa: E402
 from allhere.ops.ste import straight_through  # noqa: E402
@@ -211,3 +211,15 @@ def test_decode_with_left_padding_equals_reference_with_the_mask():
         via_op = aha_attention(*(t.to(DEVICE, DTYPE) for t in (q, k, v)), gate.to(DEVICE), 6,
                                row_start=torch.tensor([[0], [37], [-1]], device=DEVICE), backend="triton")
     assert rel_err(via_op.float().cpu(), out) < TOL
+
+
+def test_global_blocks_start_longest_first_across_heads():
+    """Work items (head, block of 4 packed queries): ordered by the last position each block reaches,
+    across heads; blocks past a head's count come last."""
+    gate = torch.zeros(1, 3, 12, dtype=torch.bool)
+    gate[0, 0, [0, 1, 2, 3, 4, 11]] = True  # blocks: rows 0-3 (reach 3), rows 4, 11 (reach 11)
+    gate[0, 2, [5, 7]] = True  # one block reaching 7; head 1 has none
+    order = longest_first(*pack_global(gate), 4).tolist()
+    per_head = 3
+    assert order[:3] == [0 * per_head + 1, 2 * per_head + 0, 0 * per_head + 0]
+    assert sorted(order) == list(range(9))  # every item once: the 6 empty ones after

@@ -8,7 +8,8 @@ program per (block of BLOCK_M of those positions, batch * head) for every block 
 (never padded to the busiest head: a head with 3 global queries does one block of 3 rows) while the
 grid, known from the shapes alone, needs nothing read back from the GPU. A program reads keys from 0 (or
 its earliest row's segment start) to its block's last position with a per-row causal mask and writes its
-rows over the local result in place; the blocks of a head run last position first (the longest first).
+rows over the local result in place; the blocks of all heads start longest first (``longest_first``: the
+latest last position first), so that no long block is left to run alone at the end.
 The local result of a global query is computed and overwritten (a fraction mu_f of the local work).
 
 Masks cost only on the edges: in both kernels the key blocks that every row of a block may see entirely
@@ -154,12 +155,14 @@ def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, N, H, G, W,
 
 
 @triton.jit
-def packed_block(ROWS, CUM, N, H, G, BLOCK_M: tl.constexpr):
-    """This program's block of global queries (program ids: block of its head, counted from the last;
-    batch * heads + head): (rows in it -- 0 or less when the head has fewer blocks --, b * h + h, b, h,
-    kv head, row mask, positions). A head's last (longest) block runs first."""
-    bh = tl.program_id(1)
-    blk = tl.num_programs(0) - 1 - tl.program_id(0)
+def packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M: tl.constexpr):
+    """This program's block of global queries: the work item ORDER[program id] = (batch * heads + head) *
+    blocks per head + block of that head (``longest_first``). Returns (rows in it -- 0 or less when the
+    head has fewer blocks --, b * h + h, b, h, kv head, row mask, positions)."""
+    item = tl.load(ORDER + tl.program_id(0))
+    per_head = tl.cdiv(N, BLOCK_M)
+    bh = item // per_head
+    blk = item % per_head
     count = tl.load(CUM + bh * N + N - 1) - blk * BLOCK_M
     b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
@@ -179,11 +182,11 @@ def packed_keys(START, b, N, pos, rmask, SEGMENTS: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
-def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, START, sm_scale, N, H, G,
+def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, ORDER, START, sm_scale, N, H, G,
                    sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr,
                    SEGMENTS: tl.constexpr):
-    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, N, H, G, BLOCK_M)
+    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M)
     if count <= 0:
         return
     offs_d = tl.arange(0, D)
@@ -208,6 +211,22 @@ def pack_global(hard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.arange(n, device=hard.device, dtype=torch.int32).expand(b * h, n)
     rows = torch.zeros(b * h, n + 1, device=hard.device, dtype=torch.int32).scatter_(1, slot, positions)
     return rows, cum
+
+
+def longest_first(rows: torch.Tensor, cum: torch.Tensor, block_m: int) -> torch.Tensor:
+    """The global kernel's work items in the order they should start: every (batch * heads + head, block of
+    ``block_m`` of its packed queries) as one int32 (bh * blocks per head + block), the block whose last
+    query is latest (the most keys to read) first, across all heads, and the empty blocks (past a head's
+    count) last, where they return at once. A long block started last would run on alone after the rest
+    (the tail of the launch); on the device, without a host sync."""
+    bhs, n = cum.shape
+    per_head = triton.cdiv(n, block_m)
+    count = cum[:, -1:].long()  # [bh, 1]
+    last_row = torch.arange(1, per_head + 1, device=cum.device) * block_m - 1  # [per_head]
+    last_row = torch.minimum(last_row, count - 1)  # the block's last packed query (below its first: empty)
+    empty = last_row < torch.arange(per_head, device=cum.device) * block_m
+    reach = torch.where(empty, -1, rows.gather(1, last_row.clamp(min=0)).long())  # its position: the keys it reads
+    return torch.argsort(reach.flatten(), descending=True, stable=True).to(torch.int32)
 
 
 def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
@@ -300,9 +319,10 @@ def global_forward(q, k, v, out, lse, start, packed, scale, tiles: dict | None) 
     start, segments = segment_args(start, out)
 
     def launch(t: dict) -> None:
-        _global_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](
-            q, k, v, out, out if lse is None else lse, *packed, start, scale, n, h, h // k.shape[1], *strides, D=d,
-            STORE_LSE=lse is not None, SEGMENTS=segments, **t)
+        order = longest_first(*packed, t["BLOCK_M"])
+        _global_kernel[(order.numel(),)](
+            q, k, v, out, out if lse is None else lse, *packed, order, start, scale, n, h, h // k.shape[1], *strides,
+            D=d, STORE_LSE=lse is not None, SEGMENTS=segments, **t)
 
     launch(tiles or choose("global", q, k, launch))
 

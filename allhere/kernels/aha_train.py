@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_prefill import (choose, edge_mask, global_forward, inner_blocks, load_keys, pack_global, packed_block,
-                          packed_keys, pinned_tiles, row_starts, segment_args, segment_start, sliding_forward,
-                          strided, window_block)
+from .aha_prefill import (choose, edge_mask, global_forward, inner_blocks, load_keys, longest_first, pack_global,
+                          packed_block, packed_keys, pinned_tiles, row_starts, segment_args, segment_start,
+                          sliding_forward, strided, window_block)
 
 
 @triton.jit
@@ -111,10 +111,10 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, N, H, G, W,
 
 
 @triton.jit
-def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, START, sm_scale, N, H, G,
+def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, ORDER, START, sm_scale, N, H, G,
                       sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
-    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, N, H, G, BLOCK_M)
+    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M)
     if count <= 0:
         return
     offs_d = tl.arange(0, D)
@@ -226,8 +226,9 @@ class _AHATrain(torch.autograd.Function):
                                                                     h // hkv, window, *strides, **common, **t)
 
         def global_dq(t: dict) -> None:
-            _global_dq_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](q, k, v, dout, lse, delta, dq, rows, cum, start,
-                                                                     scale, n, h, h // hkv, *strides, **common, **t)
+            order = longest_first(rows, cum, t["BLOCK_M"])
+            _global_dq_kernel[(order.numel(),)](q, k, v, dout, lse, delta, dq, rows, cum, order, start, scale, n, h,
+                                                h // hkv, *strides, **common, **t)
 
         def dkdv_grads(t: dict) -> None:
             _dkdv_kernel[(triton.cdiv(n, t["BLOCK_N"]), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum,
