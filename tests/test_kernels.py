@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
 
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
-from allhere.kernels.aha_prefill import aha_prefill_triton, longest_first, pack_global  # noqa: E402
+from allhere.kernels.aha_prefill import aha_prefill_triton, longest_first, pack_global, tma_checked  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton, segment_end  # noqa: E402
 from allhere.ops.aha import aha_attention, aha_attention_naive, dispatch, fast, triton_path  # noqa: E402
 from allhere.ops.ste import straight_through  # noqa: E402
@@ -223,3 +223,29 @@ def test_global_blocks_start_longest_first_across_heads():
     per_head = 3
     assert order[:3] == [0 * per_head + 1, 2 * per_head + 0, 0 * per_head + 0]
     assert sorted(order) == list(range(9))  # every item once: the 6 empty ones after
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "training"])
+def test_tensor_descriptor_path_equals_the_reference(kernel):
+    """The key loops through tensor descriptors (TMA on Hopper; Triton's interpreter runs them on the
+    CPU), with segments and keys past the end of a block (n = 50, blocks of 16): values and gradients."""
+    b, h, hkv, n, d, w = 2, 4, 2, 50, 16, 6
+    q, k, v = inputs(b, h, hkv, n, n, d)
+    mask = segment_mask(b, n, n, *SEGMENTS["documents+pad"])
+    starts = segment_starts(mask, n, n).to(DEVICE)
+    gate = mixed_gate(b, h, n, 0.3)
+    tma = dict(BLOCK_M=16, BLOCK_N=16, TMA=True)
+    if kernel == "prefill":
+        out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, tiles=tma, row_start=starts)
+        assert rel_err(out, aha_attention_naive(q, k, v, gate, w, mask=mask)) < TOL
+        return
+    got, want, _ = train_and_reference(q, k, v, gate, w, mask, tiles=tma, row_start=starts)
+    for name, a, r in zip(["out", "q", "k", "v"], got, want):
+        assert rel_err(a, r) < TOL, name
+
+
+def test_tensor_descriptors_only_where_the_layout_allows_them():
+    k = torch.zeros(2, 2, 40, 16)
+    assert tma_checked(dict(TMA=True), k)["TMA"] is True
+    assert tma_checked(dict(TMA=True), k.flatten()[1:].view(-1)[:2 * 2 * 39 * 16].view(2, 2, 39, 16))["TMA"] is False
+    assert tma_checked(dict(BLOCK_M=16), k) == dict(BLOCK_M=16)

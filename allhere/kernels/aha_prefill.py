@@ -58,27 +58,46 @@ def inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def load_keys(K, V, kbase, skn, start, N, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """(positions, k, v) of the key block at ``start`` (``kbase``: the kv head's offset); MASKED: keys
-    past the sequence end N load as zeros, else every key of the block must exist."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    ptrs = kbase + offs_n[:, None] * skn + tl.arange(0, D)[None, :]
-    if MASKED:
-        return offs_n, tl.load(K + ptrs, mask=offs_n[:, None] < N, other=0.0), \
-            tl.load(V + ptrs, mask=offs_n[:, None] < N, other=0.0)
+def key_sources(K, V, B, HKV, N, skb, skh, skn, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
+    """K and V as ``load_keys`` reads them: with TMA, tensor descriptors over [B, HKV, N, D] (the copy
+    engine fetches a block of BLOCK_N keys and fills what lies past N with zeros); else the pointers."""
+    if TMA:
+        return (tl.make_tensor_descriptor(K, [B, HKV, N, D], [skb, skh, skn, 1], [1, 1, BLOCK_N, D]),
+                tl.make_tensor_descriptor(V, [B, HKV, N, D], [skb, skh, skn, 1], [1, 1, BLOCK_N, D]))
     else:
-        return offs_n, tl.load(K + ptrs), tl.load(V + ptrs)
+        return K, V
 
 
 @triton.jit
-def _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, m_i, l_i, acc, qk_scale,
-            MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+              TMA: tl.constexpr):
+    """(positions, k, v) of the key block at ``start`` of batch row ``kb``, kv head ``kh`` (``kbase``: their
+    offset); MASKED: keys past the sequence end N load as zeros, else every key of the block must exist.
+    With TMA, K and V are ``key_sources``' descriptors (past N: zeros either way)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if TMA:  # one return at the end: the compiler does not take a return inside a constexpr branch
+        k = K.load([kb, kh, start, 0]).reshape(BLOCK_N, D)
+        v = V.load([kb, kh, start, 0]).reshape(BLOCK_N, D)
+    else:
+        ptrs = kbase + offs_n[:, None] * skn + tl.arange(0, D)[None, :]
+        if MASKED:
+            k = tl.load(K + ptrs, mask=offs_n[:, None] < N, other=0.0)
+            v = tl.load(V + ptrs, mask=offs_n[:, None] < N, other=0.0)
+        else:
+            k = tl.load(K + ptrs)
+            v = tl.load(V + ptrs)
+    return offs_n, k, v
+
+
+@triton.jit
+def _attend(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, m_i, l_i, acc, qk_scale,
+            MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """The key blocks [lo, hi) of an online softmax in base 2 (``qk_scale`` = scale * log2 e) for the query
     positions ``rows``: returns the updated (m, l, acc). MASKED applies causality, the window W, each
     row's first key, the sequence end and the row mask; without it every key of the range must be valid
     for every row (the inner blocks: no mask work, the cost of a dense block)."""
     for start in range(lo, hi, BLOCK_N):
-        offs_n, k, v = load_keys(K, V, kbase, skn, start, N, MASKED, BLOCK_N, D)
+        offs_n, k, v = load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED, BLOCK_N, D, TMA)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             s = tl.where(edge_mask(rows, offs_n, first, rmask, N, W), s, float("-inf"))
@@ -93,8 +112,8 @@ def _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, m_i, l_i, acc
 
 
 @triton.jit
-def _attend_rows(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _attend_rows(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """Attention of ``rows`` over the key blocks [lo, hi), masked on the edges only (``inner_blocks``):
     (output [BLOCK_M, D] fp32, natural-log LSE; a row that saw nothing: 0, -inf)."""
     inner_lo, inner_hi = inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
@@ -102,12 +121,12 @@ def _attend_rows(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, sm_scale
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = sm_scale * LOG2E
-    m_i, l_i, acc = _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, inner_lo, m_i, l_i, acc, qk_scale,
-                            True, BLOCK_N, D)
-    m_i, l_i, acc = _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, inner_lo, inner_hi, m_i, l_i, acc,
-                            qk_scale, False, BLOCK_N, D)
-    m_i, l_i, acc = _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, inner_hi, hi, m_i, l_i, acc, qk_scale,
-                            True, BLOCK_N, D)
+    m_i, l_i, acc = _attend(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, inner_lo, m_i, l_i, acc,
+                            qk_scale, True, BLOCK_N, D, TMA)
+    m_i, l_i, acc = _attend(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, inner_lo, inner_hi, m_i, l_i, acc,
+                            qk_scale, False, BLOCK_N, D, TMA)
+    m_i, l_i, acc = _attend(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, inner_hi, hi, m_i, l_i, acc,
+                            qk_scale, True, BLOCK_N, D, TMA)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     return acc / l_safe[:, None], (m_i + tl.log2(l_safe)) * LN2
 
@@ -137,17 +156,18 @@ def row_starts(START, b, N, rows, rmask, SEGMENTS: tl.constexpr):
 
 
 @triton.jit
-def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, N, H, G, W,
+def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, B, N, H, G, W,
                     sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr,
-                    SEGMENTS: tl.constexpr):
+                    SEGMENTS: tl.constexpr, TMA: tl.constexpr = False):
     bh, b, h, kh, offs_m, lo, hi = window_block(N, H, G, W, BLOCK_M, BLOCK_N)
+    K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     rmask = offs_m < N
     first = row_starts(START, b, N, offs_m, rmask, SEGMENTS)
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=rmask[:, None], other=0.0)
-    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, skn, offs_m, first, rmask, N, W, lo, hi, sm_scale,
-                            BLOCK_M, BLOCK_N, D)
+    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, offs_m, first, rmask, N, W, lo,
+                            hi, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
     tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None])
     if STORE_LSE:
@@ -182,18 +202,19 @@ def packed_keys(START, b, N, pos, rmask, SEGMENTS: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
-def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, ORDER, START, sm_scale, N, H, G,
+def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, ORDER, START, sm_scale, B, N, H, G,
                    sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr,
-                   SEGMENTS: tl.constexpr):
+                   SEGMENTS: tl.constexpr, TMA: tl.constexpr = False):
     count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M)
     if count <= 0:
         return
+    K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :], mask=rmask[:, None], other=0.0)
     first, lo, last = packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
-    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, skn, pos, first, rmask, N, N, lo, last + 1, sm_scale,
-                            BLOCK_M, BLOCK_N, D)
+    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, pos, first, rmask, N, N, lo,
+                            last + 1, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
     tl.store(O + b * sob + h * soh + pos[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None])
     if STORE_LSE:
@@ -283,6 +304,21 @@ def choose(kernel: str, q: torch.Tensor, k: torch.Tensor, launch, *key: str) -> 
     return autotune.setting(kernel, shape, q.device, launch, d, q.element_size(), length=n)
 
 
+def tma_checked(setting: dict, k: torch.Tensor) -> dict:
+    """``setting``, its TMA (tensor descriptors for the keys and values) kept only where k and v allow it:
+    base and strides in multiples of 16 bytes (else the pointer path, same tiles). Descriptors built in a
+    kernel need scratch memory: Triton's allocator is set for this thread's context (autograd may run a
+    backward on another thread, so at every launch that uses them)."""
+    if not setting.get("TMA"):
+        return setting
+    elem = k.element_size()
+    if k.data_ptr() % 16 or any(s * elem % 16 for s in k.stride()[:3]):
+        return {**setting, "TMA": False}
+    device = k.device
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    return setting
+
+
 def segment_start(row_start: torch.Tensor | None, n: int) -> torch.Tensor | None:
     """The kernels' START [b, n] int32 from ``row_start`` (-1, sees nothing, becomes n)."""
     if row_start is None:
@@ -305,8 +341,8 @@ def sliding_forward(q, k, v, out, lse, start, window, scale, tiles: dict | None)
 
     def launch(t: dict) -> None:
         _sliding_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](
-            q, k, v, out, out if lse is None else lse, start, scale, n, h, h // k.shape[1], window, *strides, D=d,
-            STORE_LSE=lse is not None, SEGMENTS=segments, **t)
+            q, k, v, out, out if lse is None else lse, start, scale, b, n, h, h // k.shape[1], window, *strides, D=d,
+            STORE_LSE=lse is not None, SEGMENTS=segments, **tma_checked(t, k))
 
     launch(tiles or choose("sliding", q, k, launch))
 
@@ -321,8 +357,8 @@ def global_forward(q, k, v, out, lse, start, packed, scale, tiles: dict | None) 
     def launch(t: dict) -> None:
         order = longest_first(*packed, t["BLOCK_M"])
         _global_kernel[(order.numel(),)](
-            q, k, v, out, out if lse is None else lse, *packed, order, start, scale, n, h, h // k.shape[1], *strides,
-            D=d, STORE_LSE=lse is not None, SEGMENTS=segments, **t)
+            q, k, v, out, out if lse is None else lse, *packed, order, start, scale, b, n, h, h // k.shape[1], *strides,
+            D=d, STORE_LSE=lse is not None, SEGMENTS=segments, **tma_checked(t, k))
 
     launch(tiles or choose("global", q, k, launch))
 

@@ -29,8 +29,8 @@ import triton.language as tl
 
 from . import autotune
 from .aha_prefill import (choose, edge_mask, global_forward, inner_blocks, load_keys, longest_first, pack_global,
-                          packed_block, packed_keys, pinned_tiles, row_starts, segment_args, segment_start,
-                          sliding_forward, strided, window_block)
+                          key_sources, packed_block, packed_keys, pinned_tiles, row_starts, segment_args,
+                          segment_start, sliding_forward, strided, tma_checked, window_block)
 
 
 @triton.jit
@@ -45,11 +45,11 @@ def _grad_block(q, k, v, do, lse, delta, valid, sm_scale, MASKED: tl.constexpr =
 
 
 @triton.jit
-def _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, dq, sm_scale,
-               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, dq, sm_scale,
+               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """``dq`` (unscaled) plus the key blocks [lo, hi) of ``rows``; MASKED as in ``aha_prefill._attend``."""
     for start in range(lo, hi, BLOCK_N):
-        offs_n, k, v = load_keys(K, V, kbase, skn, start, N, MASKED, BLOCK_N, D)
+        offs_n, k, v = load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED, BLOCK_N, D, TMA)
         if MASKED:
             valid = edge_mask(rows, offs_n, first, rmask, N, W)
         else:
@@ -60,17 +60,17 @@ def _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo
 
 
 @triton.jit
-def _dq_rows(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _dq_rows(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """dQ (unscaled, fp32) of ``rows`` over the key blocks [lo, hi), masked on the edges only."""
     inner_lo, inner_hi = inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    dq = _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo, inner_lo, dq, sm_scale,
-                    True, BLOCK_N, D)
-    dq = _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, inner_lo, inner_hi, dq,
-                    sm_scale, False, BLOCK_N, D)
-    return _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, inner_hi, hi, dq, sm_scale,
-                      True, BLOCK_N, D)
+    dq = _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, inner_lo, dq,
+                    sm_scale, True, BLOCK_N, D, TMA)
+    dq = _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, inner_lo, inner_hi, dq,
+                    sm_scale, False, BLOCK_N, D, TMA)
+    return _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, inner_hi, hi, dq,
+                      sm_scale, True, BLOCK_N, D, TMA)
 
 
 @triton.jit
@@ -94,10 +94,12 @@ def _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale):
 
 
 @triton.jit
-def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, N, H, G, W,
+def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, B, N, H, G, W,
                      sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
+                     TMA: tl.constexpr = False):
     bh, b, h, kh, offs_m, lo, hi = window_block(N, H, G, W, BLOCK_M, BLOCK_N)
+    K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     mmask = offs_m < N
     qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
@@ -105,25 +107,27 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, N, H, G, W,
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + offs_m, mmask)
     first = row_starts(START, b, N, offs_m, mmask, SEGMENTS)
     # Every row, global ones too (no gate test per pair): the global dQ kernel overwrites those rows.
-    dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, skn, offs_m, first, mmask, N, W, lo, hi, sm_scale,
-                  BLOCK_M, BLOCK_N, D)
+    dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, offs_m, first, mmask, N, W,
+                  lo, hi, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
     tl.store(DQ + doo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mmask[:, None])
 
 
 @triton.jit
-def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, ORDER, START, sm_scale, N, H, G,
+def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, ORDER, START, sm_scale, B, N, H, G,
                       sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
+                      TMA: tl.constexpr = False):
     count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M)
     if count <= 0:
         return
+    K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
     doo = b * sdb + h * sdh + pos[:, None] * sdn + offs_d[None, :]
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + pos, rmask)
     first, lo, last = packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
-    dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, skn, pos, first, rmask, N, N, lo, last + 1, sm_scale,
-                  BLOCK_M, BLOCK_N, D)
+    dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, pos, first, rmask, N, N, lo,
+                  last + 1, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
     tl.store(DQ + doo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
 
 
@@ -222,13 +226,14 @@ class _AHATrain(torch.autograd.Function):
         common = dict(D=d, SEGMENTS=segments)
 
         def local_dq(t: dict) -> None:
-            _local_dq_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](q, k, v, dout, lse, delta, dq, start, scale, n, h,
-                                                                    h // hkv, window, *strides, **common, **t)
+            _local_dq_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](q, k, v, dout, lse, delta, dq, start, scale, b, n,
+                                                                    h, h // hkv, window, *strides, **common,
+                                                                    **tma_checked(t, k))
 
         def global_dq(t: dict) -> None:
             order = longest_first(rows, cum, t["BLOCK_M"])
-            _global_dq_kernel[(order.numel(),)](q, k, v, dout, lse, delta, dq, rows, cum, order, start, scale, n, h,
-                                                h // hkv, *strides, **common, **t)
+            _global_dq_kernel[(order.numel(),)](q, k, v, dout, lse, delta, dq, rows, cum, order, start, scale, b, n, h,
+                                                h // hkv, *strides, **common, **tma_checked(t, k))
 
         def dkdv_grads(t: dict) -> None:
             _dkdv_kernel[(triton.cdiv(n, t["BLOCK_N"]), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum,

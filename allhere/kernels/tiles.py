@@ -11,21 +11,26 @@ BLOCK_N {32, 64, 128} x stages {2, 3, 4} x warps {4, 8}) that are its usual winn
 from __future__ import annotations
 
 
-def _block(m: int, n: int, warps: int, stages: int) -> dict:
-    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+def _block(m: int, n: int, warps: int, stages: int, tma: bool = False) -> dict:
+    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, **({"TMA": True} if tma else {}))
 
 
+# The lists below were trimmed by what each setting costs when compiled for sm_90 at head dims 64 and 128
+# (``benchmarks/kernel_compile.py``: registers, spills, shared memory): settings that spilled hundreds of
+# bytes at both head dims are out. TMA: the key and value tiles fetched through tensor descriptors (Hopper
+# and later; ``prune`` drops them elsewhere).
 # The forward kernels (sliding window over every query; the packed global queries). The first was the
 # only setting before autotuning (no register spills in any forward kernel on sm_90).
-FORWARD = [_block(64, 64, 8, 3), _block(128, 128, 8, 3), _block(128, 64, 4, 3), _block(128, 128, 8, 2),
-           _block(64, 128, 4, 3), _block(64, 64, 4, 4), _block(128, 32, 4, 4), _block(64, 32, 4, 2)]
+FORWARD = [_block(64, 64, 8, 3), _block(128, 128, 8, 3), _block(128, 128, 8, 2), _block(64, 64, 4, 4),
+           _block(64, 64, 4, 3), _block(128, 64, 4, 3), _block(64, 32, 4, 2), _block(128, 128, 8, 3, tma=True),
+           _block(64, 64, 4, 3, tma=True)]
 # The dQ kernels of the backward (q, dO and a [BLOCK_M, D] fp32 accumulator stay in registers).
-DQ = [_block(64, 64, 8, 3), _block(64, 64, 4, 3), _block(128, 64, 8, 3), _block(64, 128, 8, 3),
-      _block(128, 128, 8, 2), _block(32, 64, 4, 3), _block(64, 32, 4, 2)]
+DQ = [_block(64, 64, 8, 3), _block(64, 64, 4, 3), _block(128, 128, 8, 2), _block(32, 64, 4, 3), _block(64, 32, 4, 2),
+      _block(64, 64, 4, 3, tma=True)]
 # The dK / dV kernel: one key block of BLOCK_N keys, query rows BLOCK_M at a time (its two [BLOCK_N, D] fp32
 # accumulators leave fewer registers: 64 rows with 64 keys spill on sm_90, so 32 rows come first).
-DKDV = [_block(32, 64, 8, 3), _block(32, 64, 4, 3), _block(64, 64, 8, 3), _block(32, 128, 8, 3),
-        _block(16, 64, 4, 3), _block(64, 128, 8, 2), _block(32, 32, 4, 2)]
+DKDV = [_block(32, 64, 8, 3), _block(32, 64, 4, 3), _block(32, 128, 8, 3), _block(16, 64, 4, 3), _block(32, 32, 4, 2),
+        _block(64, 64, 8, 3)]
 # The decode kernel: SPLIT keys per program (the cache is split across programs), BLOCK_N keys per step.
 DECODE = [dict(SPLIT=512, BLOCK_N=64, num_warps=4, num_stages=2), dict(SPLIT=256, BLOCK_N=64, num_warps=4, num_stages=2),
           dict(SPLIT=1024, BLOCK_N=64, num_warps=4, num_stages=3), dict(SPLIT=2048, BLOCK_N=128, num_warps=4, num_stages=3),
@@ -50,18 +55,30 @@ def shared_bytes(setting: dict, head_dim: int, elem: int) -> int:
     return (setting["num_stages"] * 2 * setting["BLOCK_N"] + setting["BLOCK_M"]) * head_dim * elem
 
 
+def tma_possible(capability: tuple[int, int]) -> bool:
+    """Whether tensor descriptors can be used: a GPU of compute capability 9.0 or later (the copy engine)
+    and a triton that builds them in a kernel."""
+    if capability[0] < 9:
+        return False
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    return hasattr(tl, "make_tensor_descriptor")
+
+
 def prune(kernel: str, head_dim: int, elem: int, capability: tuple[int, int], max_shared: int,
           length: int | None = None) -> list[dict]:
     """The candidates of ``kernel`` worth timing on a device of compute ``capability`` with ``max_shared``
     bytes of shared memory per block, for head dim ``head_dim`` in ``elem``-byte numbers: those whose
-    tiles fit (``shared_bytes``); on Hopper (capability 9.x), for the kernels whose dots are [BLOCK_M, BLOCK_N]
+    tiles fit (``shared_bytes``); tensor descriptors only where ``tma_possible``; on Hopper (capability 9.x), for the kernels whose dots are [BLOCK_M, BLOCK_N]
     query-by-key tiles, not 8 warps on a tile under 128 x 128 (the rule of Triton's fused-attention
     tutorial: too few rows for two warp groups); not a query tile longer
     than the sequence ``length`` (it would be mostly empty), nor a decode split above it. Never empty:
     the default stays when nothing else does."""
     keep = []
     for s in SPACES[kernel]:
-        if shared_bytes(s, head_dim, elem) > max_shared:
+        if shared_bytes(s, head_dim, elem) > max_shared or (s.get("TMA") and not tma_possible(capability)):
             continue
         if capability[0] == 9 and kernel in HOPPER_RULE and s["num_warps"] == 8 and s["BLOCK_M"] * s["BLOCK_N"] < 128 * 128:
             continue
