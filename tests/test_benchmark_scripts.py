@@ -116,3 +116,12 @@ def test_aamoe_speed_smoke():
     rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
     assert len(rows) == 4 and rows[0].endswith("| 1.00x |") and "AA-MoE B=2" in rows[1], out
     assert out.count("load average") == 2
+
+
+def test_flex_mask_cost_smoke():
+    """benchmarks/flex_mask_cost.py on the CPU (flex_attention unfused): every pattern's variants on the same
+    tiles, labelled as a smoke test."""
+    out = run_script("benchmarks/flex_mask_cost.py", "--device", "cpu", "--n", "256", "--repeats", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
+    assert out.startswith("# SMOKE TEST") and len(rows) == 11, out
+    assert {row.split(" | ")[1] for row in rows} == {"pattern", "table", "table (int64)", "constants", "no mask"}

@@ -174,8 +174,9 @@ def test_prepare_is_passed_on_and_does_not_freeze_the_random_blocks():
 
 
 def traced_ops(pred) -> list:
-    """The graph torch.compile traces of ``pred`` on index tensors, as FlexAttention's kernel evaluates it per
-    score: (op, target, args) of its calls; a captured table shows as an indexing (getitem)."""
+    """The calls of the graph torch.compile traces of ``pred`` on index tensors, as FlexAttention's kernel
+    evaluates it per score: (name, args), a tensor argument given by its dtype; a captured table shows as an
+    indexing (getitem)."""
     graphs = []
 
     def keep(gm, inputs):
@@ -183,26 +184,24 @@ def traced_ops(pred) -> list:
         return gm.forward
 
     torch._dynamo.reset()
-    args = (torch.tensor(0), torch.tensor(1), torch.arange(8).view(-1, 1), torch.arange(8).view(1, -1))
+    args = (torch.tensor(0), torch.tensor(1), torch.arange(8, dtype=torch.int32).view(-1, 1),
+            torch.arange(8, dtype=torch.int32).view(1, -1))  # FlexAttention's positions are int32
     torch.compile(pred, backend=keep, fullgraph=True)(*args)
     torch._dynamo.reset()
-    return [(getattr(n.target, "__name__", str(n.target)), n.args) for n in graphs[0].graph.nodes
+    arg = lambda a: a.meta["example_value"].dtype if hasattr(a, "meta") else a  # noqa: E731
+    return [(getattr(n.target, "__name__", str(n.target)), tuple(map(arg, n.args))) for n in graphs[0].graph.nodes
             if n.op == "call_function"]
 
 
 @pytest.mark.parametrize("name,pred", [
     ("longformer, first 16 global", longformer(512, global_first(64, 16))),
     ("longformer, global positions", longformer(8, global_at(64, [0, 1, 2, 30, 40]), dilation=2)),
-    ("dilated, one per head", dilated_window(128, (1, 2, 4, 8) * 2)),
 ])
-def test_predicates_read_no_table_per_score(name, pred):
-    """Longformer's global tokens (a few runs of positions) and per-head dilations are comparisons and
-    divisions by constants, not lookups of captured tables nor divisions by a looked-up stride: FlexAttention
-    evaluates the predicate for every score of a partly masked tile. On an H200 Longformer ran at 0.75x dense
-    at 32k with a lookup of its flags where sinks, of the same tiles, ran at 6.3x."""
-    ops = traced_ops(pred)
-    assert not any(name == "getitem" for name, _ in ops), ops
-    assert all(isinstance(args[1], int) for name, args in ops if name == "mod"), ops
+def test_global_tokens_read_no_table_per_score(name, pred):
+    """Longformer's global tokens (a few runs of positions) are comparisons, not lookups of a captured table:
+    FlexAttention evaluates the predicate for every score of a partly masked tile. On an H200 Longformer ran
+    at 0.75x dense at 32k with a lookup of its flags, where sinks, of the same tiles, ran at 6.3x."""
+    assert not any(name == "getitem" for name, _ in traced_ops(pred))
 
 
 def test_many_global_runs_and_per_batch_flags_still_look_up():
@@ -210,6 +209,10 @@ def test_many_global_runs_and_per_batch_flags_still_look_up():
         assert any(name == "getitem" for name, _ in traced_ops(pred))
 
 
-def test_a_head_without_a_dilation_is_refused():
-    with pytest.raises(ValueError, match="head 3 has no dilation: 3 were given"):
-        dense_mask(dilated_window(3, (1, 2, 4)), 8, 8, heads=4)
+@pytest.mark.parametrize("dilation", [(1, 2, 4, 8) * 2, 3, 1])
+def test_dilated_windows_divide_in_32_bits(dilation):
+    """A per-head stride is looked up as int32, so the predicate divides int32 positions by an int32 (an int64
+    stride made every score of a partly masked tile a 64-bit division on a GPU); one stride is a constant,
+    and a stride of 1 divides by nothing."""
+    mods = [args for name, args in traced_ops(dilated_window(128, dilation)) if name == "mod"]
+    assert all(d in (torch.int32, dilation) for _, d in mods) and (dilation != 1 or not mods), mods

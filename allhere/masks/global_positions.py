@@ -80,9 +80,12 @@ def _runs(flags: torch.Tensor) -> list[tuple[int, int]] | None:
 def _in_runs(runs: list[tuple[int, int]]):
     """pos -> whether pos lies in one of ``runs``: comparisons only, no table read."""
     def at(b, pos):
-        out = (pos < 0) & (pos >= 0)  # False, shaped like pos
+        if not runs:
+            return (pos < 0) & (pos >= 0)  # False, shaped like pos
+        out = None
         for lo, hi in runs:
-            out = out | ((pos >= lo) & (pos <= hi))
+            inside = (pos >= lo) & (pos <= hi)
+            out = inside if out is None else out | inside
         return out
 
     return at

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .predicates import MaskFn, _check_count, _with_tiles, or_masks
-from .tables import _Tables, _tracing
+from .tables import _Tables
 
 
 def sliding_window(window: int, causal: bool = True) -> MaskFn:
@@ -50,39 +50,22 @@ def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
         raise ValueError("dilation must be an integer >= 1 or a non-empty tuple of them")
     for d in dils:
         _check_count("dilation", d, 1)
-    table = _Tables(d=torch.tensor(dils, dtype=torch.long))
-
-    heads_of: dict[int, list[int]] = {}  # each dilation -> the heads that have it
-    for i, d in enumerate(dils):
-        heads_of.setdefault(d, []).append(i)
+    # int32, as FlexAttention's positions: a kernel dividing by an int64 stride runs 64-bit divisions
+    table = _Tables(d=torch.tensor(dils, dtype=torch.int32))
 
     def step(h, like):
         if not per_head:
             return dils[0]
         return table.get("d", like)[torch.as_tensor(h, device=like.device)]
 
-    def hits(diff, d: int):
-        return (diff >= 0) & (diff % d == 0) & (diff <= (window - 1) * d)
-
     def pred(b, h, q_idx, kv_idx):
         diff = q_idx - kv_idx
         if not causal:
             diff = diff.abs()
-        if not per_head:
-            return hits(diff, dils[0])
-        # One test per distinct dilation, each by a constant, selected by comparing h: a compiled kernel
-        # evaluating this per score (FlexAttention's) reads no table and divides by no variable.
-        hh = torch.as_tensor(h, device=q_idx.device)
-        if not _tracing(q_idx) and hh.numel() and int(hh.max()) >= len(dils):
-            raise ValueError(f"head {int(hh.max())} has no dilation: {len(dils)} were given, one per query head")
-        out = None
-        for d, heads in heads_of.items():
-            mine = hh == heads[0]
-            for i in heads[1:]:
-                mine = mine | (hh == i)
-            part = mine & hits(diff, d)
-            out = part if out is None else out | part
-        return out
+        if dils == (1,):  # a sliding window: no division
+            return (diff >= 0) & (diff < window)
+        d = step(h, q_idx)
+        return (diff >= 0) & (diff % d == 0) & (diff <= (window - 1) * d)
 
     def tiles(b, h, ql, qh, kl, kh):
         d = step(h, ql)
