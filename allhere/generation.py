@@ -211,9 +211,9 @@ def _hf_generate(model, prompt: list[int], max_new_tokens: int, temperature: flo
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
     cache = {}
     if config.use_cache and mechanism_layers(model):  # in-place layers sized once for prompt + reply
-        from .hf import new_cache
+        from .hf.cache import cache_kwargs, new_cache
 
-        cache["past_key_values"] = new_cache(model, reserve=len(prompt) + max_new_tokens)
+        cache = cache_kwargs(new_cache(model, reserve=len(prompt) + max_new_tokens))
     hook = model.register_forward_hook(count) if stats.routed else None
     try:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,

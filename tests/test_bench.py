@@ -41,3 +41,28 @@ def test_bench_smoke_run_on_cpu(tmp_path, capsys):
 def test_bench_without_a_gpu_says_so(capsys):
     assert main(["bench"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_whole_model_tables_smoke_run_on_cpu(tmp_path, capsys):
+    """``allhere bench --device cpu --tables model``: the Llama-3.2-1B structure at toy sizes, prefill and
+    decode through generate, plain against AHA; labelled as a smoke test (its numbers mean nothing)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "model"
+    assert main(["bench", "--device", "cpu", "--tables", "model", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    llama = report["llama"]
+    assert llama["settings"]["smoke"] and "check" not in report and "prefill" not in report  # no op tables
+    assert llama["shape"]["rope_scaling"]["rope_type"] == "llama3" and llama["shape"]["tie_word_embeddings"]
+    assert [p["n"] for p in llama["prefill"]] == [256] and 0.05 < llama["prefill"][0]["mu_f"] < 0.2
+    rows = llama["decode"]
+    assert [(r["context"], r["model"].split(" (")[0].split(",")[0]) for r in rows] == [
+        (c, m) for c in (128, 256) for m in ("plain", "plain", "AHA", "AHA")]
+    for r in rows:
+        assert r["steps"] == 3 and r["tokens_per_s"] > 0 and r["cache_used_gb"] <= r["cache_gb"]
+        assert (r["mu_f"] is not None) == (r["model"] == "AHA")
+    # the in-place cache allocated once for context + warm-up + both timed runs (+2), in 64-token grains:
+    # 2 layers x (K, V) x batch 2 x 2 KV heads x head dim 8 x fp32
+    aha = [r for r in rows if r["model"] == "AHA"]
+    assert [round(r["cache_gb"] * 1e9) for r in aha] == [2 * 2 * 2 * 2 * 8 * 4 * t for t in (192, 320)]
+    md = (out / "bench.md").read_text()
+    assert "SMOKE TEST on the CPU" in md and "### Decode (B = 2" in md and "SMOKE TEST" in capsys.readouterr().out

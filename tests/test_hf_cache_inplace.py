@@ -105,11 +105,11 @@ def test_allhere_generate_sizes_the_in_place_cache_once(monkeypatch):
     """``allhere generate`` hands transformers' ``generate`` a cache whose in-place layers hold prompt + reply
     from the start: one allocation. Filled by the prompt alone (100 tokens: 128 of room), a layer doubled
     at the 129th token; a 128k-token prompt on a GPU would hold room for 256k (twice the bytes)."""
-    import allhere.hf as hf
+    import allhere.hf.cache as hf_cache
     from allhere.generation import generate
 
-    made, real = [], hf.new_cache
-    monkeypatch.setattr(hf, "new_cache", lambda model, reserve=None: made.append(real(model, reserve)) or made[-1])
+    made, real = [], hf_cache.new_cache
+    monkeypatch.setattr(hf_cache, "new_cache", lambda model, reserve=None: made.append(real(model, reserve)) or made[-1])
     model = aha_model()
     reply = generate(model, NumberTokenizer(), list(range(3, 97)) + [3] * 6, max_new_tokens=30)
     assert len(reply.ids) == 30 and len(made) == 1

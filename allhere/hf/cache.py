@@ -249,6 +249,14 @@ def new_cache(model, reserve: int | None = None) -> Cache:
     return cache
 
 
+def cache_kwargs(cache: Cache) -> dict:
+    """``{name: cache}`` to hand ``generate`` or a forward a cache: ``cache`` where transformers takes that name (it renamed
+    ``past_key_values``, which then warns), else ``past_key_values``."""
+    from transformers.generation import utils
+
+    return {"cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values": cache}
+
+
 def cache_nbytes(cache: Cache, used: bool = False) -> int:
     """Bytes held by a transformers cache: the storage of every layer's tensors (the in-place layers'
     capacity, spare room included), or with ``used=True`` the bytes of the tokens they keep."""
