@@ -81,6 +81,20 @@ def test_sft_throughput_tiny():
     assert "documents of 16" in out and "routers start local" in out
 
 
+def test_sft_throughput_llama_1b_shape():
+    """--shape llama-1b builds the published Llama-3.2-1B (on the meta device here: no memory): 1.24B
+    parameters, tied embeddings, llama3 RoPE scaling."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sft_throughput
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    model = sft_throughput.build("llama-1b", "meta")
+    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.model.rotary_emb.rope_type == "llama3"
+
+
 def test_cpu_prefill_tables():
     for extra in ([], ["--training"], ["--padded"]):
         out = run_script("benchmarks/cpu_prefill.py", "--lengths", "128", "--heads", "2", "--dim", "8",
