@@ -60,6 +60,11 @@ def test_whole_model_tables_smoke_run_on_cpu(tmp_path, capsys):
     for r in rows:
         assert r["steps"] == 3 and r["tokens_per_s"] > 0 and r["cache_used_gb"] <= r["cache_gb"]
         assert (r["mu_f"] is not None) == (r["model"] == "AHA")
+        # head 0 of every layer global: the first KV head of each layer is read whole, of 2
+        read_whole = {"plain (transformers SDPA)": 1.0, "AHA": 0.5, "AHA, every gate local (ceiling)": 0.0}
+        assert r["kv_heads_global"] == read_whole[r["model"]]
+        assert (r["byte_limit"] == 1.0) == r["model"].startswith("plain")
+    assert llama["prefill"][0]["flop_limit"] > 1
     # the in-place cache allocated once for context + warm-up + both timed runs (+2), in 64-token grains:
     # 2 layers x (K, V) x batch 2 x 2 KV heads x head dim 8 x fp32
     aha = [r for r in rows if r["model"] == "AHA"]

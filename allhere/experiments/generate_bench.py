@@ -56,10 +56,20 @@ def _step_clock(device: str):
     return StepClock()
 
 
+def global_shares(routing, kv_heads: int) -> tuple[float, float]:
+    """(mu_f, the share of (row, layer, KV head) whose group of query heads has a global one) of a decode
+    step's routing: with grouped-query attention a KV head's whole cache is read when any of its query
+    heads is global."""
+    gates = torch.stack([layer.gates[..., -1] for layer in routing.per_layer])  # [layers, b, heads]
+    grouped = gates.reshape(*gates.shape[:2], kv_heads, -1)
+    return float(gates.float().mean()), float(grouped.any(-1).float().mean())
+
+
 def decode_steps(model, ids: torch.Tensor, cache, new_tokens: int, warmup_tokens: int, routed: bool = False):
-    """(seconds of each timed step, the sequences so far, decode mu_f or None): ``generate`` continues ``ids``
-    [batch, cached + 1] on ``cache`` for ``warmup_tokens`` (untimed; with ``routed``, mu_f of their steps is
-    measured there), then ``new_tokens`` whose steps are timed, greedy, ``new_tokens - 1`` intervals."""
+    """(seconds of each timed step, the sequences so far, ``global_shares`` of the warm-up steps or None):
+    ``generate`` continues ``ids`` [batch, cached + 1] on ``cache`` for ``warmup_tokens`` (untimed; with
+    ``routed`` the routing of their steps is read there), then ``new_tokens`` whose steps are timed, greedy,
+    ``new_tokens - 1`` intervals."""
     from transformers import LogitsProcessorList
 
     from ..hf.cache import cache_kwargs
@@ -70,7 +80,8 @@ def decode_steps(model, ids: torch.Tensor, cache, new_tokens: int, warmup_tokens
     if routed:
         from ..hf import collect_routing
 
-        hook = model.register_forward_hook(lambda *_: mus.append(float(collect_routing(model).mu_f())))
+        kv = model.config.num_key_value_heads
+        hook = model.register_forward_hook(lambda *_: mus.append(global_shares(collect_routing(model), kv)))
     try:
         with torch.inference_mode():
             ids = model.generate(ids, attention_mask=torch.ones_like(ids),
@@ -84,4 +95,4 @@ def decode_steps(model, ids: torch.Tensor, cache, new_tokens: int, warmup_tokens
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              logits_processor=LogitsProcessorList([clock]), **settings)
     steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
-    return steps, ids, (sum(mus) / len(mus) if mus else None)
+    return steps, ids, (tuple(sum(m[i] for m in mus) / len(mus) for i in range(2)) if mus else None)

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from .gates import flop_limit
 from .timing import median_time
 
 LLAMA_3_2_1B = dict(  # the published config.json of meta-llama/Llama-3.2-1B (sizes and structural flags)
@@ -133,6 +134,7 @@ def prefill_rows(t: LlamaTables, plain, aha, progress=print) -> list[dict]:
             row[f"{name}_ms"], row[f"{name}_peak_gb"] = 1e3 * s, _peak_gb(t.device)
         set_forced_gate(aha, None)
         row.update(speedup=row["plain_ms"] / row["aha_ms"], ceiling=row["plain_ms"] / row["local_ms"],
+                   flop_limit=prefill_flop_limit(plain, t, n, row["mu_f"]),
                    plain_tokens_per_s=n / row["plain_ms"] * 1e3, aha_tokens_per_s=n / row["aha_ms"] * 1e3)
         rows.append(row)
         progress(f"whole-model prefill {row}")
@@ -174,12 +176,15 @@ def decode_rows(t: LlamaTables, plain, aha, progress=print) -> list[dict]:
             for mode in modes:
                 if model is aha:
                     set_forced_gate(aha, False if mode.startswith("every") else None)
-                steps, seq, mu = decode_steps(model, seq, cache, t.new_tokens, t.warmup_tokens,
-                                              routed=model is aha and mode == "routed")
+                steps, seq, shares = decode_steps(model, seq, cache, t.new_tokens, t.warmup_tokens,
+                                                  routed=model is aha and mode == "routed")
                 ms = 1e3 * sorted(steps)[len(steps) // 2]
+                kv_global = 1.0 if mode == "plain" else (0.0 if shares is None else shares[1])
                 rows.append({"context": ctx, "batch": t.batch, "model": model_name if mode in ("plain", "routed")
                              else f"{model_name}, {mode}", "cache": cache_name, "ms_per_step": ms,
-                             "tokens_per_s": t.batch / ms * 1e3, "steps": len(steps), "mu_f": mu,
+                             "tokens_per_s": t.batch / ms * 1e3, "steps": len(steps),
+                             "mu_f": None if shares is None else shares[0], "kv_heads_global": kv_global,
+                             "byte_limit": decode_byte_limit(plain, t, ctx, kv_global),
                              "cache_gb": _cache_gb(cache), "cache_used_gb": _cache_gb(cache, used=True),
                              "peak_gb": _peak_gb(t.device)})
                 progress(f"whole-model decode {rows[-1]}")
@@ -190,6 +195,29 @@ def decode_rows(t: LlamaTables, plain, aha, progress=print) -> list[dict]:
             if r["context"] == ctx:
                 r["speedup"] = fastest / r["ms_per_step"]
     return rows
+
+
+def prefill_flop_limit(model, t: LlamaTables, n: int, mu: float) -> float:
+    """The whole model's prefill speed-up limit from FLOPs: the layers' matrix products (2 per weight per
+    token, the same in both models) plus causal attention (dense: n^2 / 2 scores per head, AHA: the share
+    ``gates.flop_limit`` gives)."""
+    c = model.config
+    weights = sum(p.numel() for p in model.model.layers.parameters())
+    linear = 2.0 * weights * n
+    attention = c.num_hidden_layers * c.num_attention_heads * 4 * c.head_dim * n * n / 2
+    return (linear + attention) / (linear + attention / flop_limit(mu, t.window, n))
+
+
+def decode_byte_limit(model, t: LlamaTables, context: int, kv_global: float) -> float:
+    """A decode step's speed-up limit from the bytes it reads: every weight once, and the cache -- all of it
+    for a KV head one of whose query heads is global (a share ``kv_global`` of them), the last w tokens
+    for the others."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * (2 if t.device != "cpu" else 4)
+    dense = weights + per_token * t.batch * context
+    local = min(t.window, context)
+    return dense / (weights + per_token * t.batch * (kv_global * context + (1 - kv_global) * local))
 
 
 def _cache_gb(cache, used: bool = False) -> float:
@@ -227,19 +255,23 @@ def render_llama(r: dict) -> list[str]:
            f"mu_f {100 * t['mu']:.0f}% (head 0 of every layer global). Load average before "
            f"{' '.join(f'{x:.2f}' for x in r['load_before'])}, after {' '.join(f'{x:.2f}' for x in r['load_after'])}.",
            "", "### Prefill (B = 1, one forward of the prompt, last token's logits)", "",
-           "| n | mu_f | plain | AHA | AHA / plain | plain tokens/s | AHA tokens/s | every gate local (ceiling) "
-           "| peak plain / AHA |", "|---|---|---|---|---|---|---|---|---|"]
+           "| n | mu_f | plain | AHA | AHA / plain | FLOP limit | plain tokens/s | AHA tokens/s | every gate local "
+           "(ceiling) | peak plain / AHA |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in r["prefill"]:
         out.append(f"| {p['n']} | {100 * p['mu_f']:.1f}% | {p['plain_ms']:.1f} ms | {p['aha_ms']:.1f} ms "
-                   f"| {p['speedup']:.2f}x | {p['plain_tokens_per_s']:,.0f} | {p['aha_tokens_per_s']:,.0f} "
-                   f"| {p['ceiling']:.2f}x | {gb(p['plain_peak_gb'])} / {gb(p['aha_peak_gb'])} |")
+                   f"| {p['speedup']:.2f}x | {p['flop_limit']:.2f}x | {p['plain_tokens_per_s']:,.0f} "
+                   f"| {p['aha_tokens_per_s']:,.0f} | {p['ceiling']:.2f}x | {gb(p['plain_peak_gb'])} / "
+                   f"{gb(p['aha_peak_gb'])} |")
     out += ["", f"### Decode (B = {t['batch']}, `generate` on a filled cache, {t['new_tokens']} new tokens timed "
             f"after {t['warmup_tokens']} warm-up tokens; median step)", "",
-            "| context | model | cache | ms / step | tokens/s | vs fastest plain | mu_f | cache: held / used | peak |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| context | model | cache | ms / step | tokens/s | vs fastest plain | byte limit | mu_f (KV heads read "
+            "whole) | cache: held / used | peak |", "|---|---|---|---|---|---|---|---|---|---|"]
     for d in r["decode"]:
-        mu = "-" if d["mu_f"] is None else f"{100 * d['mu_f']:.1f}%"
+        mu = "-" if d["mu_f"] is None else f"{100 * d['mu_f']:.1f}% ({100 * d['kv_heads_global']:.0f}%)"
         out.append(f"| {d['context']} | {d['model']} | {d['cache']} | {d['ms_per_step']:.2f} | "
-                   f"{d['tokens_per_s']:,.0f} | {d['speedup']:.2f}x | {mu} | {d['cache_gb']:.2f} / "
-                   f"{d['cache_used_gb']:.2f} GB | {gb(d['peak_gb'])} |")
+                   f"{d['tokens_per_s']:,.0f} | {d['speedup']:.2f}x | {d['byte_limit']:.1f}x | {mu} | "
+                   f"{d['cache_gb']:.2f} / {d['cache_used_gb']:.2f} GB | {gb(d['peak_gb'])} |")
+    out += ["", "Limits: prefill from the FLOPs of the layers' weights and of causal attention at the measured mu_f; "
+            "decode from the bytes a step reads (every weight, and per KV head the whole cache where one of its "
+            "query heads is global, else the window): what a path at the dense kernels' speed would reach."]
     return out
