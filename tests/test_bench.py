@@ -48,7 +48,12 @@ def test_whole_model_tables_smoke_run_on_cpu(tmp_path, capsys):
     decode through generate, plain against AHA; labelled as a smoke test (its numbers mean nothing)."""
     pytest.importorskip("transformers")
     out = tmp_path / "model"
-    assert main(["bench", "--device", "cpu", "--tables", "model", "--out", str(out)]) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine stalls a thread pool at every toy-sized decode step
+    try:
+        assert main(["bench", "--device", "cpu", "--tables", "model", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
     report = json.loads((out / "bench.json").read_text())
     llama = report["llama"]
     assert llama["settings"]["smoke"] and "check" not in report and "prefill" not in report  # no op tables
@@ -58,14 +63,14 @@ def test_whole_model_tables_smoke_run_on_cpu(tmp_path, capsys):
     assert [(r["context"], r["model"].split(" (")[0].split(",")[0]) for r in rows] == [
         (c, m) for c in (128, 256) for m in ("plain", "plain", "AHA", "AHA")]
     for r in rows:
-        assert r["steps"] == 3 and r["tokens_per_s"] > 0 and r["cache_used_gb"] <= r["cache_gb"]
+        assert r["steps"] == 2 and r["tokens_per_s"] > 0 and r["cache_used_gb"] <= r["cache_gb"]
         assert (r["mu_f"] is not None) == (r["model"] == "AHA")
         # head 0 of every layer global: the first KV head of each layer is read whole, of 2
         read_whole = {"plain (transformers SDPA)": 1.0, "AHA": 0.5, "AHA, every gate local (ceiling)": 0.0}
         assert r["kv_heads_global"] == read_whole[r["model"]]
         assert (r["byte_limit"] == 1.0) == r["model"].startswith("plain")
     assert llama["prefill"][0]["flop_limit"] > 1
-    # the in-place cache allocated once for context + warm-up + both timed runs (+2), in 64-token grains:
+    # the in-place cache allocated once for context + warm-up + both timed runs (+2: 9), in 64-token grains:
     # 2 layers x (K, V) x batch 2 x 2 KV heads x head dim 8 x fp32
     aha = [r for r in rows if r["model"] == "AHA"]
     assert [round(r["cache_gb"] * 1e9) for r in aha] == [2 * 2 * 2 * 2 * 8 * 4 * t for t in (192, 320)]

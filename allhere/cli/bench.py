@@ -28,7 +28,7 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-batch", type=a.positive, default=None,
                    help="--tables model: decode batch (default 8; on the CPU 2)")
     p.add_argument("--llama-new-tokens", type=a.integer(2), default=None,
-                   help="--tables model: decode steps timed per row (default 32; on the CPU 4)")
+                   help="--tables model: decode steps timed per row (default 32; on the CPU 3)")
     p.add_argument("--lengths", type=a.positive, nargs="+", default=None,
                    help="prefill lengths (default 4096 16384 32768 65536)")
     p.add_argument("--decode-lengths", type=a.positive, nargs="+", default=None,

@@ -69,8 +69,8 @@ def llama_tables(device: str, **given) -> LlamaTables:
     """The settings for ``device``: on the CPU the smoke test's toy sizes, unless given."""
     given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
     if device == "cpu":
-        small = dict(smoke=True, window=16, prefill_lengths=(256,), contexts=(128, 256), batch=2, new_tokens=4,
-                     warmup_tokens=2, seed_tokens=64, calibrate_tokens=256, repeats=1)
+        small = dict(smoke=True, window=16, prefill_lengths=(256,), contexts=(128, 256), batch=2, new_tokens=3,
+                     warmup_tokens=1, seed_tokens=64, calibrate_tokens=256, repeats=1)
         given = {**small, **given}
     return LlamaTables(device=device, **given)
 
