@@ -262,8 +262,9 @@ def render_llama(r: dict) -> list[str]:
                    f"| {p['speedup']:.2f}x | {p['flop_limit']:.2f}x | {p['plain_tokens_per_s']:,.0f} "
                    f"| {p['aha_tokens_per_s']:,.0f} | {p['ceiling']:.2f}x | {gb(p['plain_peak_gb'])} / "
                    f"{gb(p['aha_peak_gb'])} |")
+    warm = f"{t['warmup_tokens']} untimed token" + ("s" if t["warmup_tokens"] != 1 else "")
     out += ["", f"### Decode (B = {t['batch']}, `generate` on a filled cache, {t['new_tokens']} new tokens timed "
-            f"after {t['warmup_tokens']} warm-up tokens; median step)", "",
+            f"after {warm}; median step)", "",
             "| context | model | cache | ms / step | tokens/s | vs fastest plain | byte limit | mu_f (KV heads read "
             "whole) | cache: held / used | peak |", "|---|---|---|---|---|---|---|---|---|---|"]
     for d in r["decode"]:
