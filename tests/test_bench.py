@@ -76,3 +76,30 @@ def test_whole_model_tables_smoke_run_on_cpu(tmp_path, capsys):
     assert [round(r["cache_gb"] * 1e9) for r in aha] == [2 * 2 * 2 * 2 * 8 * 4 * t for t in (192, 320)]
     md = (out / "bench.md").read_text()
     assert "SMOKE TEST on the CPU" in md and "### Decode (B = 2" in md and "SMOKE TEST" in capsys.readouterr().out
+
+
+def test_a_decode_row_out_of_memory_leaves_the_others(monkeypatch):
+    """On an 80 GB GPU a 128k-token row could run out of memory: it says so, and the other rows still run."""
+    pytest.importorskip("transformers")
+    from transformers.cache_utils import DynamicCache
+
+    from allhere.experiments import generate_bench
+    from allhere.experiments.llama_bench import build_models, decode_rows, llama_tables, render_llama
+
+    real = generate_bench.decode_steps
+
+    def steps(model, ids, cache, *args, **kwargs):
+        if isinstance(cache, DynamicCache) and type(cache.layers[0]).__name__ == "DynamicLayer":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, ids, cache, *args, **kwargs)
+
+    monkeypatch.setattr(generate_bench, "decode_steps", steps)
+    t = llama_tables("cpu", contexts=(128,), new_tokens=2)
+    rows = decode_rows(t, *build_models(t), progress=lambda *_: None)
+    assert [r.get("error", "ok")[:13] for r in rows] == ["out of memory", "ok", "ok", "ok"]
+    assert rows[1]["speedup"] == 1.0
+    table = render_llama({"settings": vars(t), "shape": {"hidden_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 256},
+                          "parameters": 1, "transformers": "x", "load_before": (0, 0, 0), "load_after": (0, 0, 0),
+                          "prefill": [], "decode": rows})
+    assert any("| out of memory: CUDA out of memory" in line for line in table)

@@ -171,18 +171,24 @@ def decode_rows(t: LlamaTables, plain, aha, progress=print) -> list[dict]:
                  ("routed", "every gate local (ceiling)")))
         for model_name, cache_name, model, make, modes in runs:
             _reset_peak(t.device)
-            cache = fill(make(), seeds["aha" if model is aha else "plain"], t.batch, ctx)
-            seq = ids
+            cache = seq = None
             for mode in modes:
-                if model is aha:
-                    set_forced_gate(aha, False if mode.startswith("every") else None)
-                steps, seq, shares = decode_steps(model, seq, cache, t.new_tokens, t.warmup_tokens,
-                                                  routed=model is aha and mode == "routed")
+                name = model_name if mode in ("plain", "routed") else f"{model_name}, {mode}"
+                row = {"context": ctx, "batch": t.batch, "model": name, "cache": cache_name}
+                try:  # one row out of memory (an 80 GB GPU at 128k) leaves the others
+                    if cache is None:
+                        cache, seq = fill(make(), seeds["aha" if model is aha else "plain"], t.batch, ctx), ids
+                    if model is aha:
+                        set_forced_gate(aha, False if mode.startswith("every") else None)
+                    steps, seq, shares = decode_steps(model, seq, cache, t.new_tokens, t.warmup_tokens,
+                                                      routed=model is aha and mode == "routed")
+                except torch.OutOfMemoryError as e:
+                    rows.append({**row, "error": f"out of memory: {str(e).splitlines()[0][:120]}"})
+                    progress(f"whole-model decode {rows[-1]}")
+                    break
                 ms = 1e3 * sorted(steps)[len(steps) // 2]
                 kv_global = 1.0 if mode == "plain" else (0.0 if shares is None else shares[1])
-                rows.append({"context": ctx, "batch": t.batch, "model": model_name if mode in ("plain", "routed")
-                             else f"{model_name}, {mode}", "cache": cache_name, "ms_per_step": ms,
-                             "tokens_per_s": t.batch / ms * 1e3, "steps": len(steps),
+                rows.append({**row, "ms_per_step": ms, "tokens_per_s": t.batch / ms * 1e3, "steps": len(steps),
                              "mu_f": None if shares is None else shares[0], "kv_heads_global": kv_global,
                              "byte_limit": decode_byte_limit(plain, t, ctx, kv_global),
                              "cache_gb": _cache_gb(cache), "cache_used_gb": _cache_gb(cache, used=True),
@@ -190,10 +196,11 @@ def decode_rows(t: LlamaTables, plain, aha, progress=print) -> list[dict]:
                 progress(f"whole-model decode {rows[-1]}")
             set_forced_gate(aha, None)
             del cache, seq
-        fastest = min(r["ms_per_step"] for r in rows if r["context"] == ctx and r["model"].startswith("plain"))
+        plain_ms = [r["ms_per_step"] for r in rows if r["context"] == ctx and r["model"].startswith("plain")
+                    and "error" not in r]
         for r in rows:
-            if r["context"] == ctx:
-                r["speedup"] = fastest / r["ms_per_step"]
+            if r["context"] == ctx and "error" not in r:
+                r["speedup"] = min(plain_ms) / r["ms_per_step"] if plain_ms else None
     return rows
 
 
@@ -268,9 +275,13 @@ def render_llama(r: dict) -> list[str]:
             "| context | model | cache | ms / step | tokens/s | vs fastest plain | byte limit | mu_f (KV heads read "
             "whole) | cache: held / used | peak |", "|---|---|---|---|---|---|---|---|---|---|"]
     for d in r["decode"]:
+        if "error" in d:
+            out.append(f"| {d['context']} | {d['model']} | {d['cache']} | {d['error']} | | | | | | |")
+            continue
         mu = "-" if d["mu_f"] is None else f"{100 * d['mu_f']:.1f}% ({100 * d['kv_heads_global']:.0f}%)"
+        vs = "n/a" if d["speedup"] is None else f"{d['speedup']:.2f}x"
         out.append(f"| {d['context']} | {d['model']} | {d['cache']} | {d['ms_per_step']:.2f} | "
-                   f"{d['tokens_per_s']:,.0f} | {d['speedup']:.2f}x | {d['byte_limit']:.1f}x | {mu} | "
+                   f"{d['tokens_per_s']:,.0f} | {vs} | {d['byte_limit']:.1f}x | {mu} | "
                    f"{d['cache_gb']:.2f} / {d['cache_used_gb']:.2f} GB | {gb(d['peak_gb'])} |")
     out += ["", "Limits: prefill from the FLOPs of the layers' weights and of causal attention at the measured mu_f; "
             "decode from the bytes a step reads (every weight, and per KV head the whole cache where one of its "
