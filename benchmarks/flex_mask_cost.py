@@ -101,9 +101,12 @@ def cases(n: int, heads: int, kv_heads: int, device) -> dict:
 
 def same_tiles(mask: BlockMask, mask_mod) -> BlockMask:
     """``mask``'s tile lists with another predicate."""
-    return BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
-                                    mask.full_kv_indices, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask_mod,
-                                    seq_lengths=mask.seq_lengths)
+    lists = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+    try:
+        return BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask_mod,
+                                        seq_lengths=mask.seq_lengths)
+    except TypeError:  # a torch whose BlockMask has no seq_lengths: the lengths are the tiles'
+        return BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask_mod)
 
 
 def tiles_per_row(mask: BlockMask) -> tuple[float, float]:
