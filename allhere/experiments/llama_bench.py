@@ -97,11 +97,6 @@ def build_models(t: LlamaTables):
     return plain, aha
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _peak_gb(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else None
 
@@ -151,7 +146,9 @@ def decode_rows(t: LlamaTables, plain, aha, progress=print) -> list[dict]:
     from .generate_bench import decode_steps, fill, seed_kv
 
     rows = []
-    room = t.warmup_tokens + 2 * t.new_tokens + 2  # the routed and the all-local runs continue one cache
+    # the routed and the all-local runs continue one cache: twice the warm-up and timed tokens (+2 to spare);
+    # short of it a 128k-token buffer would double at the end
+    room = 2 * (t.warmup_tokens + t.new_tokens) + 2
     layers = plain.config.num_hidden_layers
     seeds = {name: seed_kv(m, t.seed_tokens, t.device) for name, m in (("plain", plain), ("aha", aha))}
     for ctx in t.contexts:
