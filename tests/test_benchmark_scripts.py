@@ -54,6 +54,20 @@ def test_sft_throughput_tiny():
     assert "documents of 16" in out and "routers start local" in out
 
 
+def test_sft_throughput_llama_1b_shape():
+    """--shape llama-1b builds the published Llama-3.2-1B (on the meta device here: no memory): 1.24B
+    parameters, tied embeddings, llama3 RoPE scaling."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sft_throughput
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    model = sft_throughput.build("llama-1b", "meta")
+    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.model.rotary_emb.rope_type == "llama3"
+
+
 def test_cpu_prefill_tables():
     for extra in ([], ["--training"], ["--padded"]):
         out = run_script("benchmarks/cpu_prefill.py", "--lengths", "128", "--heads", "2", "--dim", "8",
@@ -89,3 +103,12 @@ def test_aamoe_speed_smoke():
     rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
     assert len(rows) == 4 and rows[0].endswith("| 1.00x |") and "AA-MoE B=2" in rows[1], out
     assert out.count("load average") == 2
+
+
+def test_flex_mask_cost_smoke():
+    """benchmarks/flex_mask_cost.py on the CPU (flex_attention unfused): every pattern's variants on the same
+    tiles, labelled as a smoke test."""
+    out = run_script("benchmarks/flex_mask_cost.py", "--device", "cpu", "--n", "256", "--repeats", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
+    assert out.startswith("# SMOKE TEST") and len(rows) == 11, out
+    assert {row.split(" | ")[1] for row in rows} == {"pattern", "table", "table (int64)", "constants", "no mask"}

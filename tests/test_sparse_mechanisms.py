@@ -261,3 +261,39 @@ def test_cache_bytes_constant_from_4k_to_64k_generated_tokens(cfg):
         cache.update(chunk[:, :, :1], chunk[:, :, :1])
     assert sizes[4096] == sizes[16384] == sizes[65536] == cache.nbytes()
     assert len(cache) <= 257
+
+
+@pytest.mark.parametrize("backend", ["blocksparse", "flex"])
+def test_one_block_structure_per_forward_for_all_layers(backend, monkeypatch):
+    """Three Longformer layers build one tile plan (block-sparse op) or one BlockMask (FlexAttention) for all
+    of them: once in all without segment boundaries, once per forward with them. Each layer used to build
+    its own, and with segments at every call: L builds per forward (at 32k tokens on a GPU, tens of ms each)."""
+    import allhere.mechanisms.masked_base as base
+    import allhere.ops.flex as flex
+    from allhere.mechanisms.block_cache import BlockCache
+
+    monkeypatch.setattr(base.PatternAttention, "_blocks", BlockCache())
+    monkeypatch.setattr(base.PatternAttention, "_flex_seen", set())
+    builds = []
+    if backend == "flex":  # the kernel is not what is counted: a stand-in spares the CPU its compilation
+        real = flex.flex_block_mask
+        monkeypatch.setattr(flex, "flex_block_mask", lambda *a, **kw: builds.append(1) or real(*a, **kw))
+        monkeypatch.setattr(flex, "flex_pattern_attention", lambda q, k, v, mask, scale=None: torch.zeros_like(q))
+    else:
+        real = base.plan_blocks
+        monkeypatch.setattr(base, "plan_blocks", lambda *a, **kw: builds.append(1) or real(*a, **kw))
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                      mechanism=LongformerConfig(window=32, global_first=4))
+    model = Decoder(cfg).eval()
+    for mech in mechanism_layers(model):
+        mech.backend = backend
+    n = 384  # past dense_below (q x k > 2^16) and flex_min_queries
+    ids = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(n).remainder(100).expand(2, n)  # packed documents of 100 tokens
+    with torch.no_grad():
+        model(ids)
+        model(ids)
+        assert len(builds) == 1
+        model(ids, segment_starts=starts_from(position_ids=positions))
+        model(ids, segment_starts=starts_from(position_ids=positions))  # a new batch: new starts
+        assert len(builds) == 3

@@ -1,4 +1,4 @@
-"""``allhere bench``: the AHA kernels against the fastest dense attention."""
+"""``allhere bench``: the AHA kernels against the fastest dense attention, and a whole model as a user runs it."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="folder for bench.md and bench.json (default runs/bench)")
     p.add_argument("--force", action="store_true",
                    help="replace the bench.md and bench.json of an earlier run in --out (default: refuse)")
+    p.add_argument("--tables", nargs="+", choices=("ops", "model"), default=["ops"],
+                   help="what to measure: ops (the AHA op against dense SDPA: prefill, decode, training; the default) "
+                        "and/or model (a Llama-3.2-1B-shaped model with random weights, plain against converted to "
+                        "AHA at mu_f 7%%: prefill tokens/s, and decode tokens/s through generate on a filled cache; "
+                        "on the CPU a smoke test at toy sizes)")
+    p.add_argument("--llama-prefill", type=a.positive, nargs="+", default=None,
+                   help="--tables model: prefill lengths (default 8192 32768; on the CPU 256)")
+    p.add_argument("--llama-contexts", type=a.positive, nargs="+", default=None,
+                   help="--tables model: decode contexts (default 32768 131072; on the CPU 128 256)")
+    p.add_argument("--llama-batch", type=a.positive, default=None,
+                   help="--tables model: decode batch (default 8; on the CPU 2)")
+    p.add_argument("--llama-new-tokens", type=a.integer(2), default=None,
+                   help="--tables model: decode steps timed per row (default 32; on the CPU 3)")
     p.add_argument("--lengths", type=a.positive, nargs="+", default=None,
                    help="prefill lengths (default 4096 16384 32768 65536)")
     p.add_argument("--decode-lengths", type=a.positive, nargs="+", default=None,
@@ -35,9 +48,12 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
 def bench(args) -> None:
     from ..experiments.bench import bench_config, render, run_bench, write_bench
 
-    cfg = bench_config(args.device, heads=args.heads, dim=args.dim, window=args.window, repeats=args.repeats,
-                       prefill_lengths=args.lengths, decode_lengths=args.decode_lengths,
-                       train_length=args.train_length, model_lengths=args.model_lengths, profile=args.profile)
+    llama = dict(prefill_lengths=args.llama_prefill, contexts=args.llama_contexts, batch=args.llama_batch,
+                 new_tokens=args.llama_new_tokens)
+    cfg = bench_config(args.device, tables=args.tables, llama=llama, heads=args.heads, dim=args.dim,
+                       window=args.window, repeats=args.repeats, prefill_lengths=args.lengths,
+                       decode_lengths=args.decode_lengths, train_length=args.train_length,
+                       model_lengths=args.model_lengths, profile=args.profile)
     if (Path(args.out) / "bench.json").exists() and not args.force:
         raise ConfigError(f"--out {args.out} holds the results of an earlier bench; pass --force to replace "
                           "them, or choose another folder (nothing was written)")

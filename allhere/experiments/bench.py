@@ -11,6 +11,10 @@ B = 8 at n in 8k, 32k, 128k, training forward + backward at n = 16k. Writes benc
 On the CPU (``--device cpu``) it runs the same code through the PyTorch paths (no Triton, no
 FlexAttention): a smoke run of the op-level tables, not a measurement of the GPU goals; its main table
 is the whole-model prefill (``model_bench``: allhere's Decoder and a converted Llama, dense against AHA).
+
+``tables`` picks what runs: "ops" (all of the above) and/or "model": a Llama-3.2-1B-shaped model, plain
+against converted to AHA, prefill and decode tokens/s as a user runs them (``llama_bench``; on the CPU a
+smoke test at toy sizes).
 """
 
 from __future__ import annotations
@@ -54,25 +58,35 @@ class BenchConfig:
     check_length: int = 1024
     model_lengths: tuple = ()  # whole-model prefill (``model_bench``); on the CPU by default 2k..16k
     profile: bool = False  # also torch.profiler's op table of each AHA path (``bench_profile``)
+    tables: tuple = ("ops",)  # "ops": the tables above; "model": the whole model of ``llama`` (``llama_bench``)
+    llama: object = None  # ``llama_bench.LlamaTables`` of the "model" tables
 
     @property
     def dtype(self):
         return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
 
 
-def bench_config(device: str | None = None, **sizes) -> BenchConfig:
-    """The ``BenchConfig`` of ``allhere bench``: ``sizes`` are its fields, None leaves a default. Without a
-    ``device``, the first GPU -- and a ConfigError where there is none (on the CPU the bench is only a
-    smoke run of the script, which must be asked for: device "cpu")."""
+def bench_config(device: str | None = None, tables=("ops",), llama: dict | None = None, **sizes) -> BenchConfig:
+    """The ``BenchConfig`` of ``allhere bench``: ``sizes`` are its fields and ``llama`` those of the "model"
+    tables' ``LlamaTables``, None leaves a default. Without a ``device``, the first GPU -- and a ConfigError
+    where there is none (on the CPU the bench is only a smoke run of the script, which must be asked for:
+    device "cpu")."""
     if device is None:
         if not torch.cuda.is_available():
             raise ConfigError("allhere bench measures the GPU kernels and found no CUDA device; pass "
                               "--device cpu for a smoke run of the script (its numbers are not the goals)")
         device = "cuda"
+    unknown = set(tables) - {"ops", "model"}
+    if unknown or not tables:
+        raise ConfigError(f"tables must be ops and/or model, got {' '.join(tables) or 'none'}")
     given = {k: tuple(v) if isinstance(v, list) else v for k, v in sizes.items() if v is not None}
-    if device == "cpu":
+    if device == "cpu" and "ops" in tables:
         given.setdefault("model_lengths", (2048, 4096, 8192, 16384))
-    return BenchConfig(device=device, **given)
+    if "model" in tables:
+        from .llama_bench import llama_tables
+
+        given["llama"] = llama_tables(device, **(llama or {}))
+    return BenchConfig(device=device, tables=tuple(dict.fromkeys(tables)), **given)
 
 
 def fastest_dense(fn, cfg: BenchConfig) -> tuple[str, float]:
@@ -221,6 +235,12 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     report["aha_path"] = "Triton kernels" if cfg.device.startswith("cuda") and triton_available() else \
         "PyTorch path (no CUDA or no triton: pip install 'allhere[gpu]')"
     progress(f"AHA runs the {report['aha_path']}")
+    if "model" in cfg.tables:  # first when asked for: the tables a user's runs reach
+        from .llama_bench import run_llama_tables
+
+        report["llama"] = run_llama_tables(cfg.llama, progress)
+    if "ops" not in cfg.tables:
+        return report
     report["check"] = check_paths(cfg)
     progress(f"check against the fp32 reference: {report['check']}")
     if cfg.profile:  # first: a few seconds, and what a missed goal needs even if the tables are cut short
@@ -250,11 +270,18 @@ def _mu(row: dict) -> str:
 
 
 def render(report: dict) -> str:
-    """bench.md: the check and one table per part (prefill, decode, training)."""
+    """bench.md: the whole-model tables (when run), the check and one table per part (prefill, decode,
+    training)."""
     c = report["config"]
-    out = [f"# AHA kernels vs dense attention ({report['device_name']}, torch {report['torch']})", "",
-           f"heads {c['heads']}, head dim {c['dim']}, w = {c['window']}; ratios against the fastest dense SDPA "
-           f"backend of the same run. AHA runs the {report['aha_path']}.", "",
+    out = [f"# AHA against dense attention ({report['device_name']}, torch {report['torch']})", ""]
+    if report.get("llama"):
+        from .llama_bench import render_llama
+
+        out += [*render_llama(report["llama"]), ""]
+    if "check" not in report:
+        return "\n".join(out) + "\n"
+    out += [f"The op: heads {c['heads']}, head dim {c['dim']}, w = {c['window']}; ratios against the fastest "
+            f"dense SDPA backend of the same run. AHA runs the {report['aha_path']}.", "",
            "Check against the fp32 reference (relative error): "
            + ", ".join(f"{k} {v:.1e}" for k, v in report["check"].items()), "",
            "## Prefill (B = 1)", "",

@@ -77,6 +77,11 @@ class InPlaceLayer(BufferRows, DynamicLayer):
         self.keys, self.values = self._kv.update(key_states, value_states)
         return self.keys, self.values
 
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` tokens in all (prompt + new tokens): one allocation, where a buffer filled by
+        the prompt would double at the first new token."""
+        self._kv.reserve(tokens)
+
     def nbytes(self) -> int:
         return self._kv.nbytes()
 
@@ -226,18 +231,30 @@ def own_layer(cache: Cache, layer_idx: int, mech, new_tokens: int, key: torch.Te
     return fresh
 
 
-def new_cache(model) -> Cache:
+def new_cache(model, reserve: int | None = None) -> Cache:
     """An empty transformers ``Cache`` for a converted model: each converted layer the mechanism's own
     (``new_hf_cache_layer``) or an ``InPlaceLayer``; the layers left unconverted (a hybrid's sliding
     layers) transformers' own. Pass it as ``past_key_values=`` to ``generate`` or ``forward``;
-    ``generate`` builds an equivalent one by itself."""
+    ``generate`` builds an equivalent one by itself. ``reserve``: the tokens the in-place layers will hold
+    (prompt + new tokens), allocated at once: without it a layer filled by a long prompt doubles its
+    buffer at the first new token (a 128k-token prompt would hold room for 256k)."""
     mechs = mechanism_layers(model)
     if not mechs:
         raise ValueError("this model has no allhere mechanisms: convert it with allhere.hf.convert first")
     cache = DynamicCache(config=model.config)
     for mech in mechs:
-        cache.layers[mech.layer_index] = getattr(mech, "new_hf_cache_layer", InPlaceLayer)()
+        layer = cache.layers[mech.layer_index] = getattr(mech, "new_hf_cache_layer", InPlaceLayer)()
+        if reserve is not None and isinstance(layer, InPlaceLayer):
+            layer.reserve(reserve)
     return cache
+
+
+def cache_kwargs(cache: Cache) -> dict:
+    """``{name: cache}`` to hand ``generate`` or a forward a cache: ``cache`` where transformers takes that name (it renamed
+    ``past_key_values``, which then warns), else ``past_key_values``."""
+    from transformers.generation import utils
+
+    return {"cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values": cache}
 
 
 def cache_nbytes(cache: Cache, used: bool = False) -> int:

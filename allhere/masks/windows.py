@@ -50,7 +50,8 @@ def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
         raise ValueError("dilation must be an integer >= 1 or a non-empty tuple of them")
     for d in dils:
         _check_count("dilation", d, 1)
-    table = _Tables(d=torch.tensor(dils, dtype=torch.long))
+    # int32, as FlexAttention's positions: a kernel dividing by an int64 stride runs 64-bit divisions
+    table = _Tables(d=torch.tensor(dils, dtype=torch.int32))
 
     def step(h, like):
         if not per_head:
@@ -58,10 +59,12 @@ def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
         return table.get("d", like)[torch.as_tensor(h, device=like.device)]
 
     def pred(b, h, q_idx, kv_idx):
-        d = step(h, q_idx)
         diff = q_idx - kv_idx
         if not causal:
             diff = diff.abs()
+        if dils == (1,):  # a sliding window: no division
+            return (diff >= 0) & (diff < window)
+        d = step(h, q_idx)
         return (diff >= 0) & (diff % d == 0) & (diff <= (window - 1) * d)
 
     def tiles(b, h, ql, qh, kl, kh):

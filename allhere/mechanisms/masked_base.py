@@ -11,6 +11,7 @@ from ..ops.blocksparse import BlockPlan, blocksparse_attention, plan_blocks
 from ..ops.full import masked_attention
 from ..validation import ConfigError, check, check_int
 from .base import AttentionCall, AttentionMechanism, ContextParallelPlan
+from .block_cache import BlockCache
 
 
 def _kv_with_positions(cache, k, v, positions=None):
@@ -49,11 +50,12 @@ class PatternAttention(AttentionMechanism):
     positions the call gives (``AttentionCall.positions``) or those its cache counts.
 
     Calls whose keys are contiguous positions run, on CUDA, FlexAttention (``allhere.ops.flex``: compiled
-    for at most ``flex_shapes`` (pattern, call shape) pairs in the process, the block mask kept for the last few) and
-    elsewhere the block-sparse op (``allhere.ops.blocksparse``, the tile plan kept for the last few shapes)
-    or the subclass's faster op for whole sequences (``fast``); small calls (``dense_below``: decode steps)
-    and scattered key positions (a cache that dropped keys, a shard's positions) run the dense reference
-    over the keys at hand.
+    for at most ``flex_shapes`` (pattern, call shape) pairs in the process) and elsewhere the block-sparse op
+    (``allhere.ops.blocksparse``) or the subclass's faster op for whole sequences (``fast``); small calls
+    (``dense_below``: decode steps) and scattered key positions (a cache that dropped keys, a shard's
+    positions) run the dense reference over the keys at hand. The block mask or tile plan of a call is
+    built once and shared by every layer with the same pattern (``BlockCache``): once in all, or once per
+    forward with segment boundaries.
     """
 
     reads_all_keys = False
@@ -69,7 +71,8 @@ class PatternAttention(AttentionMechanism):
     flex_min_queries = 128
     flex_shapes = 6
     _flex_seen: set = set()  # the (pattern, call shape) pairs compiled so far, shared by every pattern layer
-    _max_plans = 8
+    _blocks = BlockCache()  # tile plans and block masks, shared by every pattern layer of the process
+    _max_plans = 8  # predicates kept per layer (one per length for a non-causal pattern)
 
     def __init__(self, cfg, dims) -> None:
         super().__init__(cfg, dims)
@@ -77,7 +80,6 @@ class PatternAttention(AttentionMechanism):
         if isinstance(dilation, tuple) and len(dilation) != dims.n_heads:
             raise ConfigError(f"{type(cfg).__name__}.dilation = {dilation!r} is invalid: expected one dilation per "
                               f"query head ({dims.n_heads})")
-        self._plans: dict[tuple, BlockPlan] = {}
         self._preds: dict = {}
 
     def mask_fn(self, n: int | None = None) -> MaskFn:
@@ -107,23 +109,23 @@ class PatternAttention(AttentionMechanism):
         """A faster exact op for a whole sequence (no cache, no segments), or None to use the plan."""
         return None
 
-    def _plan(self, pred, q, k, key_offset: int, cacheable: bool) -> BlockPlan:
+    def _pattern_key(self, n: int) -> tuple:
+        """What identifies this layer's pattern for ``BlockCache``: its type and config (equal configs give
+        equal patterns; a non-causal one also depends on the length n); a layer whose config cannot be
+        hashed keys on itself."""
+        try:
+            hash(self.cfg)
+            key = (type(self), self.cfg)
+        except TypeError:
+            key = (self,)
+        return key if getattr(self.cfg, "causal", True) else (*key, n)
+
+    def _plan(self, pred, q, k, key_offset: int, starts) -> BlockPlan:
         b, h, lq = q.shape[:3]
         hkv, lk = k.shape[1], k.shape[2]
-        key = (b, h, hkv, lq, lk, key_offset, q.device)
-        plan = self._plans.get(key) if cacheable else None
-        if plan is None:
-            plan = plan_blocks(pred, lq, lk, heads=h, kv_heads=hkv, batch=b, block=self.tile,
-                               key_offset=key_offset, device=q.device)
-            if cacheable:
-                self._keep(key, plan)
-        return plan
-
-    def _keep(self, key, plan) -> None:
-        """Keep a tile plan or block mask for its call shape, dropping the oldest beyond ``_max_plans``."""
-        if len(self._plans) >= self._max_plans:
-            self._plans.pop(next(iter(self._plans)))
-        self._plans[key] = plan
+        key = ("plan", self._pattern_key(key_offset + lk), self.tile, b, h, hkv, lq, lk, key_offset, q.device)
+        return self._blocks.get(key, lambda: plan_blocks(pred, lq, lk, heads=h, kv_heads=hkv, batch=b, block=self.tile,
+                                                         key_offset=key_offset, device=q.device), starts)
 
     def _flex_allowed(self, q, k, kpos) -> bool:
         """Whether this call may take FlexAttention: enough queries, and a (pattern, shape) compiled before
@@ -137,18 +139,15 @@ class PatternAttention(AttentionMechanism):
             self._flex_seen.add(key)
         return True
 
-    def _flex(self, pred, q, k, v, key_offset: int, scale, per_batch: bool):
+    def _flex(self, pred, q, k, v, key_offset: int, scale, starts):
         from ..ops.flex import flex_block_mask, flex_pattern_attention
 
         b, h, lq = q.shape[:3]
-        key = ("flex", b, h, lq, k.shape[2], key_offset, q.device)
-        mask = None if per_batch else self._plans.get(key)
-        if mask is None:
-            mask = flex_block_mask(pred, lq, k.shape[2], heads=h, batch=b, key_offset=key_offset,
-                                   device=q.device, per_batch=per_batch,
-                                   per_head=getattr(pred, "varies_by_head", False))
-            if not per_batch:
-                self._keep(key, mask)
+        lk = k.shape[2]
+        key = ("flex", self._pattern_key(key_offset + lk), b, h, lq, lk, key_offset, q.device)
+        mask = self._blocks.get(key, lambda: flex_block_mask(
+            pred, lq, lk, heads=h, batch=b, key_offset=key_offset, device=q.device, per_batch=starts is not None,
+            per_head=getattr(pred, "varies_by_head", False)), starts)
         return flex_pattern_attention(q, k, v, mask, scale)
 
     def forward(self, q, k, v, call: AttentionCall, cache=None):
@@ -175,8 +174,8 @@ class PatternAttention(AttentionMechanism):
             if starts is not None:
                 pred = and_masks(pred, within_segments(starts, q_offset=n - lq))
             if backend == "flex":
-                return self._flex(pred, q, k, v, kpos, call.scale, starts is not None), None
-            plan = self._plan(pred, q, k, kpos, cacheable=starts is None)
+                return self._flex(pred, q, k, v, kpos, call.scale, starts), None
+            plan = self._plan(pred, q, k, kpos, starts)
             return blocksparse_attention(q, k, v, plan, call.scale), None
         # Decode steps and small calls (a plan costs more than it saves), and scattered positions (kept by a
         # PatternKVCache, or given for a shard): dense over the keys at hand.
