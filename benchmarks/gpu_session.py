@@ -18,7 +18,9 @@ what the device tool brings back (the pattern parts share one).
 
 Parts, in order (took: seconds on that H200, ~: an estimate):
   tests        took 93   CUDA tests of the kernels: compiled for real, bf16 against the fp32 reference
-  tiles        ~90       benchmarks/kernel_tiles.py: block sizes, warps, stages, decode split of the kernels
+  tiles        ~120      benchmarks/kernel_tiles.py: every launch setting the kernels' autotuner may pick on
+                         this GPU, checked against the fp32 reference and timed; then the autotuner's first
+                         calls (tuning included) and choices. Before bench: its compiles stay in Triton's cache
   bench        took 42   allhere bench --profile: where each AHA path's time goes (kernel by kernel), then
                          the op's prefill / decode / training against the fastest dense SDPA backend
   model        ~80       allhere bench --tables model: a Llama-3.2-1B-shaped model, plain SDPA against AHA
@@ -72,7 +74,7 @@ def _patterns(backend: str, *lengths: str) -> tuple:
 PARTS = {
     "tests": Part(150, "tests.log", (
         (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/test_gpu.py", "tests/test_kernels.py"),), 93),
-    "tiles": Part(150, "tiles.md", ((PY, "benchmarks/kernel_tiles.py"),), 90),
+    "tiles": Part(180, "tiles.md", ((PY, "benchmarks/kernel_tiles.py", "--repeats", "5"),), 120),
     "bench": Part(120, "bench.log", (
         (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),), 42),
     "model": Part(180, "model.log", (

@@ -104,3 +104,26 @@ def test_a_decode_row_out_of_memory_leaves_the_others(monkeypatch):
                           "parameters": 1, "transformers": "x", "load_before": (0, 0, 0), "load_after": (0, 0, 0),
                           "prefill": [], "decode": rows})
     assert any("| out of memory: CUDA out of memory" in line for line in table)
+
+
+def test_launch_settings_section_names_each_choice_and_the_tuning_cost():
+    from allhere.experiments.bench import render_launch_settings
+
+    choices = [{"id": "H100 sm90|triton 3.6.0|global|d128-bfloat16-g1-n32768", "setting": dict(BLOCK_M=128, BLOCK_N=128,
+                num_warps=8, num_stages=3), "ms": 1.9, "tried": 8, "tuning_s": 4.5, "source": "tuned"},
+               {"id": "H100 sm90|triton 3.6.0|decode|d128-bfloat16-g1-n131072-bh128", "setting": dict(SPLIT=1024,
+                BLOCK_N=64, num_warps=4, num_stages=3), "ms": 0.3, "tried": 7, "tuning_s": 0.0, "source": "file"}]
+    md = "\n".join(render_launch_settings(choices))
+    assert "4.5 s in all" in md and "| global | d128-bfloat16-g1-n32768 | (128, 128, 8, 3) | 1.9 | 8 | 4.5 | tuned |" in md
+    assert "| decode |" in md and "| file |" in md
+    assert "Pinned" in "\n".join(render_launch_settings("pinned")) and render_launch_settings([]) == []
+
+
+def test_bench_pin_tiles_is_recorded(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "--device", "cpu", "--lengths", "128", "--decode-lengths", "64", "--train-length", "64",
+                 "--heads", "2", "--dim", "16", "--window", "16", "--repeats", "1", "--model-lengths", "128",
+                 "--pin-tiles", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["config"]["pin_tiles"] and report["launch_settings"] == "pinned"
+    assert "Pinned (`--pin-tiles`)" in (out / "bench.md").read_text()

@@ -9,6 +9,7 @@ import torch
 
 from allhere.kernels import autotune, tiles
 
+pytestmark = pytest.mark.unpinned  # the tests set their own pins
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
 

@@ -40,6 +40,10 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=a.positive, default=128, help="head dimension (default 128)")
     p.add_argument("--window", type=a.positive, default=256, help="AHA window w (default 256)")
     p.add_argument("--repeats", type=a.positive, default=10, help="timed calls per measurement, median (default 10)")
+    p.add_argument("--pin-tiles", action="store_true",
+                   help="launch the Triton kernels with fixed settings (each kernel's first candidate this GPU runs) "
+                        "instead of those autotuned on this GPU, for runs to compare over time (default: autotuned; "
+                        "the first call of each shape class then times a handful of settings, reported in bench.md)")
     p.add_argument("--profile", action="store_true",
                    help="also profile each AHA path at the goals' shapes (prefill up to 32k, the longest decode, "
                         "training) and add where its time goes, op by op, to bench.md (default: off)")
@@ -53,7 +57,7 @@ def bench(args) -> None:
     cfg = bench_config(args.device, tables=args.tables, llama=llama, heads=args.heads, dim=args.dim,
                        window=args.window, repeats=args.repeats, prefill_lengths=args.lengths,
                        decode_lengths=args.decode_lengths, train_length=args.train_length,
-                       model_lengths=args.model_lengths, profile=args.profile)
+                       model_lengths=args.model_lengths, profile=args.profile, pin_tiles=args.pin_tiles)
     if (Path(args.out) / "bench.json").exists() and not args.force:
         raise ConfigError(f"--out {args.out} holds the results of an earlier bench; pass --force to replace "
                           "them, or choose another folder (nothing was written)")

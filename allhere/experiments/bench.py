@@ -19,6 +19,7 @@ smoke test at toy sizes).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..backend import use_backend
 from ..config import ConfigError
-from ..kernels import triton_available
+from ..kernels import autotune, triton_available
 from ..ops.aha import aha_attention_fast, aha_attention_naive
 from ..ops.ste import straight_through
 from .gates import PATTERNS, byte_limit, flop_limit
@@ -58,6 +59,7 @@ class BenchConfig:
     check_length: int = 1024
     model_lengths: tuple = ()  # whole-model prefill (``model_bench``); on the CPU by default 2k..16k
     profile: bool = False  # also torch.profiler's op table of each AHA path (``bench_profile``)
+    pin_tiles: bool = False  # the kernels' fixed launch settings (``autotune.pinned``), not tuned ones
     tables: tuple = ("ops",)  # "ops": the tables above; "model": the whole model of ``llama`` (``llama_bench``)
     llama: object = None  # ``llama_bench.LlamaTables`` of the "model" tables
 
@@ -229,7 +231,16 @@ def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
     """The correctness check, then every prefill, decode and training row of ``cfg``; ``progress`` gets a
-    line per row."""
+    line per row. The Triton kernels' launch settings are autotuned on the GPU (``allhere.kernels.autotune``:
+    the first call of each shape class times a few; ``report["launch_settings"]`` lists what was chosen and
+    what the tuning cost), or pinned with ``cfg.pin_tiles``."""
+    with autotune.pinned() if cfg.pin_tiles else contextlib.nullcontext():
+        report = _run_bench(cfg, progress)
+    report["launch_settings"] = "pinned" if cfg.pin_tiles else autotune.choices()
+    return report
+
+
+def _run_bench(cfg: BenchConfig, progress) -> dict:
     report = {"config": dataclasses.asdict(cfg), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"}
     report["aha_path"] = "Triton kernels" if cfg.device.startswith("cuda") and triton_available() else \
@@ -311,7 +322,27 @@ def render(report: dict) -> str:
         from .bench_profile import render_profile
 
         out += ["", *render_profile(report["profile"])]
+    out += ["", *render_launch_settings(report.get("launch_settings"))]
     return "\n".join(out) + "\n"
+
+
+def render_launch_settings(settings) -> list[str]:
+    """The Triton kernels' launch settings of the run: pinned, or each autotuned choice with its cost."""
+    if settings == "pinned":
+        return ["## Launch settings", "", "Pinned (`--pin-tiles`): each kernel's first candidate this GPU runs."]
+    if not settings:
+        return []
+    total = sum(c["tuning_s"] for c in settings)
+    out = ["## Launch settings (autotuned on this GPU)", "",
+           f"The first call of each shape class timed the candidates below: {total:.1f} s in all, spent once per "
+           "GPU and triton version (kept in the settings file; 0 s where read from it).", "",
+           "| kernel | shape class | chosen (tiles, warps, stages) | ms | timed | tuning s | from |",
+           "|---|---|---|---|---|---|---|"]
+    for c in settings:
+        kernel, shape = c["id"].split("|")[2:4]
+        out.append(f"| {kernel} | {shape} | {tuple(c['setting'].values())} | {c['ms']} | {c['tried']} "
+                   f"| {c['tuning_s']} | {c['source']} |")
+    return out
 
 
 def write_bench(report: dict, out: str | Path) -> dict[str, Path]:
