@@ -118,20 +118,3 @@ def test_reference_under_segments_equals_brute_force(layout, lq, window):
     assert rel_err(aha_attention_naive(q, k, v, gate, window, mask=mask), want) < 1e-6
     out = aha_attention_naive(q, k, v, gate, window, row_start=starts)
     assert torch.all(out.transpose(1, 2)[starts < 0] == 0)
-
-
-@pytest.mark.parametrize("old, new, names", [
-    ("allhere.patterns", "allhere.masks", ["global_first", "global_at", "global_from_ids"]),
-    ("allhere.patterns", "allhere.ops.full", ["reference_attention"]),
-    ("allhere.mechanisms.pattern", "allhere.mechanisms.masked_base", ["PatternAttention", "check_dilation"]),
-])
-def test_moved_modules_still_import_with_a_deprecation_warning(old, new, names):
-    import importlib
-    import sys
-
-    sys.modules.pop(old, None)  # import it afresh so that its warning is emitted here
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-        shim = importlib.import_module(old)
-    moved = importlib.import_module(new)
-    for name in names:
-        assert getattr(shim, name) is getattr(moved, name)

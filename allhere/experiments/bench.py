@@ -213,6 +213,22 @@ def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
             "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "torch_path_ms": 1e3 * torch_path, "overhead": aha / dense}
 
 
+def profile_cases(cfg: BenchConfig) -> dict:
+    """{name: callable} of the paths ``bench_profile`` profiles, on the inputs the bench's own rows use."""
+    pattern, mu = cfg.patterns[0], cfg.mus[0]
+    n = max([x for x in cfg.prefill_lengths if x <= 32768] or [min(cfg.prefill_lengths)])
+    t = max(cfg.decode_lengths)
+    prefill, decode = prefill_inputs(cfg, n, pattern, mu), decode_inputs(cfg, t, pattern, mu)
+
+    def attend(inputs):
+        with torch.no_grad():
+            aha_attention_fast(*inputs, cfg.window)
+
+    return {f"prefill, B = 1, n = {n}": lambda: attend(prefill),
+            f"decode, B = {cfg.decode_batch}, n = {t}": lambda: attend(decode),
+            f"training forward + backward, B = 1, n = {cfg.train_length}": training_steps(cfg, pattern, mu)[2]}
+
+
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
     """The correctness check, then every prefill, decode and training row of ``cfg``; ``progress`` gets a
     line per row."""
@@ -226,7 +242,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     if cfg.profile:  # first: a few seconds, and what a missed goal needs even if the tables are cut short
         from .bench_profile import profile_paths
 
-        report["profile"] = profile_paths(cfg, progress)
+        report["profile"] = profile_paths(profile_cases(cfg), cfg.device, progress)
     if cfg.model_lengths:
         from .model_bench import run_model_bench
 

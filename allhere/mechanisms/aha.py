@@ -22,9 +22,8 @@ from ..ops.aha import aha_attention
 from ..ops.aha.naive import aha_attention_naive
 from ..ops.ste import straight_through
 from ..registry import register
-from ..routing import LayerRouting
 from ..validation import check, check_int, is_number
-from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan
+from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan, LayerRouting
 
 ROUTER_KINDS = ("linear", "qproj")
 ROUTER_INITS = ("global", "neutral", "local")
