@@ -7,6 +7,8 @@ need travels in one ``AttentionCall``. A mechanism brings:
 
 - its config dataclass (frozen, validated, with a ``kind``) and its module class, registered together
   with ``allhere.registry.register``;
+- its attention through the entries of the op families (``allhere.ops``), so that ``allhere.use_backend``
+  picks their path (``"reference"`` included) for its layers too;
 - ``new_cache()``: the KV cache it decodes with (``allhere.mechanisms.caches`` has the common ones);
 - ``reset_parameters()``: (re-)initialises what it adds to a pretrained full-attention layer (routers,
   bottlenecks; the constructor calls it); every other weight is the host's and is copied on conversion;

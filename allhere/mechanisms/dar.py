@@ -4,7 +4,7 @@ far from it, one softmax over all preceding tokens.
 
 For query i and key j <= i: K/V come from h_j when i - j < w and from h'_j = (h_j W_down) W_up otherwise,
 through the same W_K / W_V and RoPE (Eqs. 1-4). The attention runs in query blocks
-(``ops.dar.dar_attention``); ``ops.dar.dar_attention_naive`` is its dense reference.
+(``ops.dar.dar_attention``); ``ops.dar.dar_attention_reference`` is its dense reference.
 
 Inference cache (``DARCache``), which realises the paper's KV-cache saving: the last ``w`` tokens keep
 their full K/V in a rolling buffer; every token keeps only its d_down latent c = h W_down. Distant K/V
