@@ -129,10 +129,13 @@ def test_named_backend_picks_its_path_or_says_why():
     ("aamoe_attention_naive", "allhere.ops.aamoe", "aamoe_attention_reference"),
     ("reference_attention", "allhere.ops.full", "pattern_attention_reference"),
     ("masked_attention_fp32", "allhere.ops.common", "masked_attention_reference"),
+    ("set_forced_gate", "allhere.hf", "set_forced_gate"),
 ])
 def test_renamed_names_still_import_and_say_where_they_went(old, module, new):
     import importlib
 
+    if module == "allhere.hf":
+        pytest.importorskip("transformers")
     mod = importlib.import_module(module)
     with pytest.warns(DeprecationWarning, match=new):
         got = getattr(mod, old)
