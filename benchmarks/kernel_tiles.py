@@ -4,7 +4,7 @@ autotuner itself: what it chose and what its first call cost.
 For each kernel (the prefill's sliding and global kernels, the training's dQ and dK / dV kernels, decode),
 its candidates pruned for this GPU (``allhere.kernels.tiles.prune``) run pinned one at a time
 (``autotune.pinned``); each one's results (prefill and decode outputs; training output and dQ, dK, dV)
-are first checked against the dense fp32 reference (``aha_attention_naive`` on fp32 copies of the same
+are first checked against the dense fp32 reference (``aha_attention_reference`` on fp32 copies of the same
 inputs) by relative error: a setting over the tolerance (bf16: 2e-2, as tests/test_gpu.py; fp32 in the
 interpreter: 1e-4) is marked WRONG, one the GPU cannot run (shared memory, registers) failed. Since the
 autotuner may choose any candidate, every row must say ok. Last, with an empty settings file, the
@@ -33,7 +33,7 @@ from allhere.experiments.timing import median_time  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
-from allhere.ops.aha import aha_attention_naive  # noqa: E402
+from allhere.ops.aha import aha_attention_reference  # noqa: E402
 from allhere.kernels import autotune, tiles  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def reference(q, k, v, gate, w, scale, up=None, rows=1024):
             r1 = min(n, r0 + rows)
             piece, keys = slice(i, i + 1), slice(0, off + r1)
             with torch.set_grad_enabled(up is not None):
-                out = aha_attention_naive(q[piece, :, r0:r1], k[piece, :, keys], v[piece, :, keys],
+                out = aha_attention_reference(q[piece, :, r0:r1], k[piece, :, keys], v[piece, :, keys],
                                           gate[piece, :, r0:r1], w, scale)
                 if up is not None:
                     (out * up[piece, :, r0:r1].float()).sum().backward()

@@ -158,9 +158,9 @@ def test_training_kernels_take_the_projections_views_and_give_gradients_in_their
     for grad, view in zip(grads, (q, k, v)):
         assert grad.stride() == view.stride()
     ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    from allhere.ops.aha import aha_attention_naive
+    from allhere.ops.aha import aha_attention_reference
 
-    want_out = aha_attention_naive(*ref, hard.cpu() if DEVICE == "cpu" else hard.float().cpu().bool(), 6)
+    want_out = aha_attention_reference(*ref, hard.cpu() if DEVICE == "cpu" else hard.float().cpu().bool(), 6)
     want = torch.autograd.grad(want_out.square().sum(), ref)
     assert rel_err(out.float().cpu(), want_out.detach().cpu()) < TOL
     for got, w in zip(grads, want):

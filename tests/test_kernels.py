@@ -10,13 +10,13 @@ pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's int
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton, longest_first, pack_global, tma_checked  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton, segment_end  # noqa: E402
-from allhere.ops.aha import aha_attention, aha_attention_naive, dispatch, fast, triton_path  # noqa: E402
+from allhere.ops.aha import aha_attention, aha_attention_reference, fast, triton_path  # noqa: E402
 from allhere.ops.ste import straight_through  # noqa: E402
-from allhere.ops.sliding import sliding_window_attention_naive  # noqa: E402
+from allhere.ops.sliding import sliding_window_attention_reference  # noqa: E402
 
 from allhere.masks import segment_starts  # noqa: E402
 
-from helpers import rel_err, segment_mask  # noqa: E402
+from helpers import rel_err, segment_mask, spy_paths  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -50,7 +50,7 @@ def test_prefill_equals_reference(b, h, hkv, n, d, w, pattern):
     if pattern == "mixed":
         gate[:, 0] = True  # a busy head next to rare ones: packed per head, each with its own count
     out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, tiles=T16)
-    assert rel_err(out, aha_attention_naive(q, k, v, gate, w)) < TOL
+    assert rel_err(out, aha_attention_reference(q, k, v, gate, w)) < TOL
 
 
 def mixed_gate(b, h, n, p, seed=1):
@@ -67,7 +67,7 @@ def train_and_reference(q, k, v, gate, w, mask=None, **kernel_args):
     out, a_local = aha_train_triton(*leaves, gate.to(DEVICE), w, q.shape[-1] ** -0.5, **kernel_args)
     got = [out, *torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves)]
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = aha_attention_naive(*ref_leaves, gate, w, mask=mask)
+    ref = aha_attention_reference(*ref_leaves, gate, w, mask=mask)
     want = [ref, *torch.autograd.grad((ref * up).sum(), ref_leaves)]
     return [t.float().cpu() for t in got], want, a_local.float().cpu()
 
@@ -82,7 +82,7 @@ def test_training_kernels_give_the_reference_outputs_and_gradients(b, h, hkv, n,
             "all-global": lambda: torch.ones(b, h, n, dtype=torch.bool),
             "all-local": lambda: torch.zeros(b, h, n, dtype=torch.bool)}[gates]()
     got, want, a_local = train_and_reference(q, k, v, gate, w, tiles=tiles(bm, bn))
-    assert rel_err(a_local, sliding_window_attention_naive(q, k, v, w)) < TOL
+    assert rel_err(a_local, sliding_window_attention_reference(q, k, v, w)) < TOL
     for name, a, r in zip(["out", "q", "k", "v"], got, want):
         assert rel_err(a, r) < TOL, name
 
@@ -106,7 +106,7 @@ def test_kernels_with_segments_equal_the_reference_with_the_mask(layout, kernel,
     gate = mixed_gate(b, h, n, 0.3)
     if kernel == "prefill":
         out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, tiles=T16, row_start=starts.to(DEVICE))
-        assert rel_err(out, aha_attention_naive(q, k, v, gate, w, mask=mask)) < TOL
+        assert rel_err(out, aha_attention_reference(q, k, v, gate, w, mask=mask)) < TOL
         return
     got, want, _ = train_and_reference(q, k, v, gate, w, mask, tiles=T16, row_start=starts.to(DEVICE))
     for name, a, r in zip(["out", "q", "k", "v"], got, want):
@@ -144,9 +144,7 @@ def test_op_takes_the_kernels_and_the_router_gets_its_gradient(monkeypatch, layo
     """aha_attention with backend "triton" (on the CPU: Triton's interpreter), without and with segments
     (one launch, a_full from the prefill kernels): values, and q, k, v and the router scores get the
     reference's straight-through gradients."""
-    called = []
-    real = dispatch.aha_attention_triton
-    monkeypatch.setattr(dispatch, "aha_attention_triton", lambda *a, **kw: called.append(1) or real(*a, **kw))
+    calls = spy_paths(monkeypatch)
     monkeypatch.setattr(fast, "_per_segment", None)  # the kernels must not need it
     n = 50
     q, k, v = inputs(2, 4, 2, n, n, 16)
@@ -163,7 +161,7 @@ def test_op_takes_the_kernels_and_the_router_gets_its_gradient(monkeypatch, layo
         with torch.no_grad():  # the prefill kernels
             results[-1].append(aha_attention(*(t.detach() for t in leaves[:3]), leaves[3] > 0.5, 6, row_start=rs,
                                              backend=backend))
-    assert len(called) == 2
+    assert calls.count(("aha", "triton")) == 2
     for name, got, want in zip(["out", "q", "k", "v", "scores", "no grad"], *results):
         assert rel_err(got.float().cpu(), want.float().cpu()) < TOL, name
 
@@ -194,7 +192,7 @@ def test_decode_equals_reference(b, h, hkv, t, d, w, split):
     gate[0, 0], gate[-1, -1] = True, False
     out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), w, d ** -0.5,
               tiles=dict(SPLIT=split, BLOCK_N=16))
-    assert rel_err(out, aha_attention_naive(q, k, v, gate, w)) < TOL
+    assert rel_err(out, aha_attention_reference(q, k, v, gate, w)) < TOL
 
 
 def test_decode_with_left_padding_equals_reference_with_the_mask():
@@ -205,7 +203,7 @@ def test_decode_with_left_padding_equals_reference_with_the_mask():
     mask = torch.stack([torch.arange(90) >= s for s in starts])[:, None, None, :]
     out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), 6, 16 ** -0.5,
               tiles=dict(SPLIT=32, BLOCK_N=16), kv_start=starts.to(DEVICE))
-    assert rel_err(out, aha_attention_naive(q, k, v, gate, 6, mask=mask)) < TOL
+    assert rel_err(out, aha_attention_reference(q, k, v, gate, 6, mask=mask)) < TOL
     assert out[2].abs().max() == 0
     with torch.no_grad():  # the op maps segment starts to kv_start
         via_op = aha_attention(*(t.to(DEVICE, DTYPE) for t in (q, k, v)), gate.to(DEVICE), 6,
@@ -237,7 +235,7 @@ def test_tensor_descriptor_path_equals_the_reference(kernel):
     tma = dict(BLOCK_M=16, BLOCK_N=16, TMA=True)
     if kernel == "prefill":
         out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, tiles=tma, row_start=starts)
-        assert rel_err(out, aha_attention_naive(q, k, v, gate, w, mask=mask)) < TOL
+        assert rel_err(out, aha_attention_reference(q, k, v, gate, w, mask=mask)) < TOL
         return
     got, want, _ = train_and_reference(q, k, v, gate, w, mask, tiles=tma, row_start=starts)
     for name, a, r in zip(["out", "q", "k", "v"], got, want):

@@ -9,8 +9,8 @@ import torch
 
 import allhere as ah
 from allhere import registry
-from allhere.ops.dar import dar_attention_naive
-from allhere.ops.full import reference_attention
+from allhere.ops.dar import dar_attention_reference
+from allhere.ops.full import pattern_attention_reference
 from allhere.serve.paged import dar_choice, masked_choice, paged_attention, paged_view, write
 
 HEADS, KV_HEADS, D, BS = 4, 2, 8, 4  # 2 query heads per kv head; blocks of 4 tokens
@@ -67,7 +67,7 @@ def test_masked_patterns_equal_dense_reference(cfg):
     pred = registry.from_dict(registry.to_dict(cfg)).mask_fn(None)
     outs, data = _serve([13, 5, 9], 3, 1, masked_choice(pred), gen)
     for out, (q, [(k, v)]) in zip(outs, data):
-        want = reference_attention(_bhld(q), _bhld(k), _bhld(v), pred, scale=D ** -0.5)[0].transpose(0, 1)
+        want = pattern_attention_reference(_bhld(q), _bhld(k), _bhld(v), pred, scale=D ** -0.5)[0].transpose(0, 1)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
@@ -76,7 +76,7 @@ def test_dar_equals_reference(window):
     gen = torch.Generator().manual_seed(1)
     outs, data = _serve([11, 6], 2, 2, dar_choice(window), gen)
     for out, (q, [(kn, vn), (kf, vf)]) in zip(outs, data):
-        want = dar_attention_naive(*map(_bhld, (q, kn, vn, kf, vf)), window, scale=D ** -0.5)[0].transpose(0, 1)
+        want = dar_attention_reference(*map(_bhld, (q, kn, vn, kf, vf)), window, scale=D ** -0.5)[0].transpose(0, 1)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 

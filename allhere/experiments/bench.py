@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..backend import use_backend
-from ..config import ConfigError
+from ..validation import ConfigError
 from ..kernels import autotune, triton_available
-from ..ops.aha import aha_attention_fast, aha_attention_naive
+from ..ops.aha import aha_attention_fast, aha_attention_reference
 from ..ops.ste import straight_through
 from .gates import PATTERNS, byte_limit, flop_limit
 from .report import write_report
@@ -142,9 +142,9 @@ def check_paths(cfg: BenchConfig) -> dict:
     rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa: E731
     f32 = [t.float() for t in (q, k, v)]
     with torch.no_grad():
-        prefill = rel(aha_attention_fast(q, k, v, gate, w), aha_attention_naive(*f32, gate, w))
+        prefill = rel(aha_attention_fast(q, k, v, gate, w), aha_attention_reference(*f32, gate, w))
         decode = rel(aha_attention_fast(q[:, :, -1:], k, v, gate[..., -1:], w),
-                     aha_attention_naive(f32[0][:, :, -1:], *f32[1:], gate[..., -1:], w))
+                     aha_attention_reference(f32[0][:, :, -1:], *f32[1:], gate[..., -1:], w))
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     scores = torch.rand(2, cfg.heads, n, device=cfg.device, requires_grad=True)
     up = torch.randn_like(q, dtype=torch.float32)
@@ -152,7 +152,7 @@ def check_paths(cfg: BenchConfig) -> dict:
     grads = torch.autograd.grad((fast.float() * up).sum(), [qg, kg, vg, scores])
     qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
     sr = scores.detach().requires_grad_()
-    ref = aha_attention_naive(qr, kr, vr, straight_through(sr, 0.5), w)
+    ref = aha_attention_reference(qr, kr, vr, straight_through(sr, 0.5), w)
     grads_ref = torch.autograd.grad((ref * up).sum(), [qr, kr, vr, sr])
     train = max(rel(a, b) for a, b in zip(grads, grads_ref))
     return {"prefill": prefill, "decode": decode, "training_grads": train}
@@ -229,6 +229,22 @@ def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
             "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "torch_path_ms": 1e3 * torch_path, "overhead": aha / dense}
 
 
+def profile_cases(cfg: BenchConfig) -> dict:
+    """{name: callable} of the paths ``bench_profile`` profiles, on the inputs the bench's own rows use."""
+    pattern, mu = cfg.patterns[0], cfg.mus[0]
+    n = max([x for x in cfg.prefill_lengths if x <= 32768] or [min(cfg.prefill_lengths)])
+    t = max(cfg.decode_lengths)
+    prefill, decode = prefill_inputs(cfg, n, pattern, mu), decode_inputs(cfg, t, pattern, mu)
+
+    def attend(inputs):
+        with torch.no_grad():
+            aha_attention_fast(*inputs, cfg.window)
+
+    return {f"prefill, B = 1, n = {n}": lambda: attend(prefill),
+            f"decode, B = {cfg.decode_batch}, n = {t}": lambda: attend(decode),
+            f"training forward + backward, B = 1, n = {cfg.train_length}": training_steps(cfg, pattern, mu)[2]}
+
+
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
     """The correctness check, then every prefill, decode and training row of ``cfg``; ``progress`` gets a
     line per row. The Triton kernels' launch settings are autotuned on the GPU (``allhere.kernels.autotune``:
@@ -257,7 +273,7 @@ def _run_bench(cfg: BenchConfig, progress) -> dict:
     if cfg.profile:  # first: a few seconds, and what a missed goal needs even if the tables are cut short
         from .bench_profile import profile_paths
 
-        report["profile"] = profile_paths(cfg, progress)
+        report["profile"] = profile_paths(profile_cases(cfg), cfg.device, progress)
     if cfg.model_lengths:
         from .model_bench import run_model_bench
 

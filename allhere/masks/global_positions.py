@@ -15,8 +15,8 @@ from typing import Iterable
 
 import torch
 
-from .predicates import MaskFn, _with_tiles, or_masks
-from .tables import _Tables
+from .predicates import MaskFn, with_tiles, or_masks
+from .tables import DeviceTables
 from .windows import dilated_window
 
 INLINE_RUNS = 8  # global positions in at most this many runs are compared with, not looked up
@@ -46,7 +46,7 @@ def _lookup(flags: torch.Tensor):
     whether a flag lies in [lo, hi]; and the tables' ``prepare``."""
     n = flags.shape[-1]
     counts = torch.cat([torch.zeros(*flags.shape[:-1], 1, dtype=torch.long), flags.long().cumsum(-1)], -1)
-    tables = _Tables(flags=flags, counts=counts)
+    tables = DeviceTables(flags=flags, counts=counts)
 
     def at(b, pos):
         f = tables.get("flags", pos)
@@ -118,10 +118,10 @@ def global_tokens(is_global: torch.Tensor, causal: bool = True) -> MaskFn:
         return any_in(b, torch.maximum(ql, kl), qh) | any_in(b, kl, torch.minimum(kh, qh))
 
     pred.prepare = prepare
-    return _with_tiles(pred, "global_tokens" + ("" if causal else "_bidir"), tiles)
+    return with_tiles(pred, "global_tokens" + ("" if causal else "_bidir"), tiles)
 
 
 def longformer(window: int, is_global: torch.Tensor, dilation=1, causal: bool = True) -> MaskFn:
     """Longformer's pattern (arXiv:2004.05150): a (dilated) window OR global tokens."""
     pred = or_masks(dilated_window(window, dilation, causal=causal), global_tokens(is_global, causal=causal))
-    return _with_tiles(pred, f"longformer_{window}" + ("" if causal else "_bidir"))
+    return with_tiles(pred, f"longformer_{window}" + ("" if causal else "_bidir"))

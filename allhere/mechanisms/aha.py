@@ -19,12 +19,10 @@ from torch import nn
 
 from ..masks import causal, sliding_window
 from ..ops.aha import aha_attention
-from ..ops.aha.naive import aha_attention_naive
 from ..ops.ste import straight_through
 from ..registry import register
-from ..routing import LayerRouting
 from ..validation import check, check_int, is_number
-from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan
+from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan, LayerRouting
 
 ROUTER_KINDS = ("linear", "qproj")
 ROUTER_INITS = ("global", "neutral", "local")
@@ -140,11 +138,9 @@ class AHAAttention(AttentionMechanism):
         gate, hard = self.gate(s)
         if cache is not None:
             k, v = cache.update(k, v)
-        if call.attend is not None:  # the host's softmax has terms of its own: both attentions through it, dense
-            out = aha_attention_naive(q, k, v, gate, self.cfg.window, call.scale, row_start=call.segment_starts,
-                                      attend=call.attend)
-        else:
-            out = aha_attention(q, k, v, gate, self.cfg.window, scale=call.scale, row_start=call.segment_starts)
+        # a host whose softmax has terms of its own (call.attend): both attentions through it, on the reference
+        out = aha_attention(q, k, v, gate, self.cfg.window, scale=call.scale, row_start=call.segment_starts,
+                            attend=call.attend)
         return out, LayerRouting(scores=s, gates=hard)
 
     def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:

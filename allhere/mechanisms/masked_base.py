@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import get_backend
+from ..backend import dispatch, register_path
 from ..masks import MaskFn, and_masks, within_segments
 from ..ops.blocksparse import BlockPlan, blocksparse_attention, plan_blocks
-from ..ops.full import masked_attention
+from ..ops.full import full_attention_reference, masked_attention
 from ..validation import ConfigError, check, check_int
 from .base import AttentionCall, AttentionMechanism, ContextParallelPlan
 from .block_cache import BlockCache
+
+BACKEND_GONE = ("PatternAttention.backend is gone: choose the path with allhere.use_backend('torch' | 'flex' | "
+                "'reference')")
 
 
 def _kv_with_positions(cache, k, v, positions=None):
@@ -49,22 +52,19 @@ class PatternAttention(AttentionMechanism):
     """A mechanism that attends under a fixed mask predicate: ``mask_fn(n)`` (given by its config), at the
     positions the call gives (``AttentionCall.positions``) or those its cache counts.
 
-    Calls whose keys are contiguous positions run, on CUDA, FlexAttention (``allhere.ops.flex``: compiled
-    for at most ``flex_shapes`` (pattern, call shape) pairs in the process) and elsewhere the block-sparse op
-    (``allhere.ops.blocksparse``) or the subclass's faster op for whole sequences (``fast``); small calls
+    Its calls form op family ``"patterns"`` (``allhere.backend``). The "torch" path runs the block-sparse op
+    (``allhere.ops.blocksparse``) or the subclass's faster op for whole sequences (``fast``); the "flex"
+    path (the default on CUDA) FlexAttention (``allhere.ops.flex``: compiled for at most ``flex_shapes``
+    (pattern, call shape) pairs in the process), the block-sparse op past that. On both, small calls
     (``dense_below``: decode steps) and scattered key positions (a cache that dropped keys, a shard's
-    positions) run the dense reference over the keys at hand. The block mask or tile plan of a call is
+    positions) run SDPA over the keys at hand. The "reference" path computes every call densely in fp32. The block mask or tile plan of a call is
     built once and shared by every layer with the same pattern (``BlockCache``): once in all, or once per
     forward with segment boundaries.
     """
 
     reads_all_keys = False
     tile = 64  # query / key tile of the block-sparse op
-    dense_below = 1 << 16  # calls with q_len * kv_len up to this run the dense reference instead
-    # "auto" (default): FlexAttention on CUDA (its Triton kernel skips masked tiles), the block-sparse op
-    # elsewhere; or "blocksparse" / "flex" (``allhere.ops.flex``, compiled), set per module. Under
-    # ``allhere.use_backend("reference")`` every call runs the dense reference.
-    backend = "auto"
+    dense_below = 1 << 16  # calls with q_len * kv_len up to this run one dense SDPA call instead
     # FlexAttention compiles again for every call shape (and after dynamo's limit of 8 runs unfused, over the
     # whole score matrix): calls with fewer queries (decode, small chunks), and new shapes once this many
     # were compiled in the process (varying lengths: evaluation, generation), take the block-sparse op.
@@ -150,6 +150,14 @@ class PatternAttention(AttentionMechanism):
             per_head=getattr(pred, "varies_by_head", False)), starts)
         return flex_pattern_attention(q, k, v, mask, scale)
 
+    @property
+    def backend(self):
+        raise AttributeError(BACKEND_GONE)
+
+    @backend.setter
+    def backend(self, value):
+        raise AttributeError(BACKEND_GONE)
+
     def forward(self, q, k, v, call: AttentionCall, cache=None):
         if cache is not None and not getattr(self.cfg, "causal", True):
             raise ValueError(f"{type(self.cfg).__name__}(causal=False) cannot decode with a KV cache: later keys "
@@ -159,26 +167,39 @@ class PatternAttention(AttentionMechanism):
             raise NotImplementedError("segment boundaries (padding, packed documents) bound keys from below only; "
                                       "with causal=False a query would read later segments")
         k, v, kpos = _kv_with_positions(cache, k, v, call.positions)
+        return dispatch("patterns", self, q, k, v, kpos, starts, call.scale), None
+
+    def _torch_path(self, q, k, v, kpos, starts, scale):
+        return self._sparse(q, k, v, kpos, starts, scale, flex=False)
+
+    def _flex_path(self, q, k, v, kpos, starts, scale):
+        return self._sparse(q, k, v, kpos, starts, scale, flex=self._flex_allowed(q, k, kpos))
+
+    def _reference_path(self, q, k, v, kpos, starts, scale):
+        return full_attention_reference(q, k, v, scale, self._dense_mask(q, k, kpos, starts))
+
+    def _sparse(self, q, k, v, kpos, starts, scale, flex: bool):
         lq, lk = q.shape[2], k.shape[2]
-        backend = self.backend if self.backend != "auto" else ("flex" if q.is_cuda else "blocksparse")
-        if backend == "flex" and not self._flex_allowed(q, k, kpos):
-            backend = "blocksparse"
-        if (isinstance(kpos, int) and kpos == 0 and lq == lk and starts is None and backend == "blocksparse"
-                and get_backend() != "reference"):
-            out = self.fast(q, k, v, call.scale)
+        if isinstance(kpos, int) and kpos == 0 and lq == lk and starts is None and not flex:
+            out = self.fast(q, k, v, scale)
             if out is not None:
-                return out, None
-        if isinstance(kpos, int) and lq * lk > self.dense_below and get_backend() != "reference":
+                return out
+        if isinstance(kpos, int) and lq * lk > self.dense_below:
             n = kpos + lk  # the sequence length so far
             pred = self.mask_fn(n)
             if starts is not None:
                 pred = and_masks(pred, within_segments(starts, q_offset=n - lq))
-            if backend == "flex":
-                return self._flex(pred, q, k, v, kpos, call.scale, starts), None
+            if flex:
+                return self._flex(pred, q, k, v, kpos, scale, starts)
             plan = self._plan(pred, q, k, kpos, starts)
-            return blocksparse_attention(q, k, v, plan, call.scale), None
+            return blocksparse_attention(q, k, v, plan, scale)
         # Decode steps and small calls (a plan costs more than it saves), and scattered positions (kept by a
         # PatternKVCache, or given for a shard): dense over the keys at hand.
+        return masked_attention(q, k, v, self._dense_mask(q, k, kpos, starts), scale)
+
+    def _dense_mask(self, q, k, kpos, starts):
+        """bool [b, h, q_len, kv_len]: the predicate at the keys' positions, within each query's segment."""
+        lq, lk = q.shape[2], k.shape[2]
         if isinstance(kpos, int):
             kpos = torch.arange(kpos, kpos + lk, device=q.device)
         qpos = kpos[-lq:]  # the new tokens are the last keys
@@ -189,4 +210,13 @@ class PatternAttention(AttentionMechanism):
         if starts is not None:  # within each query's segment (starts are absolute positions)
             s = starts[:, None, :, None]
             mask = mask & (s >= 0) & (kpos.view(1, 1, 1, -1) >= s)
-        return masked_attention(q, k, v, mask.expand(b, h, lq, lk), call.scale), None
+        return mask.expand(b, h, lq, lk)
+
+
+def _on_cuda(mech, q, *args) -> bool:
+    return q.is_cuda
+
+
+register_path("patterns", "reference", PatternAttention._reference_path)
+register_path("patterns", "torch", PatternAttention._torch_path)
+register_path("patterns", "flex", PatternAttention._flex_path, auto=_on_cuda)

@@ -62,11 +62,10 @@ from vllm.model_executor.models.transformers import TransformersForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .. import registry
-from .vllm_paged import SUBMODULE, block_argument, install_dar, install_masked
+from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from .vllm_paged import block_argument, install_dar, install_masked
 from .vllm_plugin import PAGED, RESET_SUFFIX, SERVED, STATS_ENV
 
-CONFIG_KEY = "allhere_mechanism"  # as allhere.hf.convert writes them (not imported: no transformers import here)
-LAYERS_KEY = "allhere_layers"
 VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
 
 

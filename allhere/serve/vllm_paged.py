@@ -29,9 +29,9 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
+from ..hosts import SUBMODULE
 from .paged import Choose, dar_choice, masked_choice, paged_attention, paged_view, write
 
-SUBMODULE = "allhere"  # the mechanism's name inside the attention block, as in allhere.hf
 PAGED_ATTR = "_allhere_paged"  # on the owner Attention: [its PagedAttention] (a list: no module cycle)
 
 
