@@ -286,12 +286,10 @@ def test_one_block_structure_per_forward_for_all_layers(backend, monkeypatch):
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
                       mechanism=LongformerConfig(window=32, global_first=4))
     model = Decoder(cfg).eval()
-    for mech in mechanism_layers(model):
-        mech.backend = backend
     n = 384  # past dense_below (q x k > 2^16) and flex_min_queries
     ids = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(n).remainder(100).expand(2, n)  # packed documents of 100 tokens
-    with torch.no_grad():
+    with torch.no_grad(), use_backend("flex" if backend == "flex" else "torch"):
         model(ids)
         model(ids)
         assert len(builds) == 1
