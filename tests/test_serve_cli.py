@@ -52,16 +52,17 @@ def test_head_size_without_a_cpu_kernel(tmp_path, capfd):
     assert "head_dim 16 is not supported by vLLM's CPU attention" in err
 
 
-def test_paged_mechanisms_only_on_the_cpu(tmp_path):
-    """Sinks, the other masked patterns and DAR run allhere's own attention over vLLM's paged cache, tested
-    on vLLM's CPU backend only: refused on a GPU rather than served untested."""
+@pytest.mark.parametrize("mech", [{"kind": "dar", "window": 4, "d_down": 8}, AHA], ids=["dar", "aha"])
+def test_paged_mechanisms_only_on_the_cpu(tmp_path, mech):
+    """AHA, sinks, the other masked patterns and DAR run allhere's own attention over vLLM's paged cache,
+    tested on vLLM's CPU backend only: refused on a GPU rather than served untested."""
     from allhere.serve.launch import check_servable
     from allhere.validation import ConfigError
 
-    dar = {**LLAMA, "head_dim": 64, "allhere_mechanism": {"kind": "dar", "window": 4, "d_down": 8}}
-    check_servable(dar, tmp_path, cpu=True)
-    with pytest.raises(ConfigError, match="dar is served on vLLM's CPU backend only"):
-        check_servable(dar, tmp_path, cpu=False)
+    config = {**LLAMA, "head_dim": 64, "allhere_mechanism": mech}
+    check_servable(config, tmp_path, cpu=True)
+    with pytest.raises(ConfigError, match=f"{mech['kind']} is served on vLLM's CPU backend only"):
+        check_servable(config, tmp_path, cpu=False)
 
 
 def test_port_in_use(tmp_path, capfd):
