@@ -152,6 +152,17 @@ def test_aha_with_host_softmax_terms(terms):
                                                             6, SCALE, attend=attend)[0].transpose(0, 1))
 
 
+def test_matmul_path_equals_reference(monkeypatch):
+    """Scores by matmul (soft-capped layers; devices without the CPU's fused kernel) instead of the fused kernel."""
+    import allhere.serve.paged_chunks as chunks
+
+    monkeypatch.setattr(chunks, "FUSED", False)
+    gen = torch.Generator().manual_seed(4)
+    outs, data = _serve(AHA_READS, gen)
+    _check(outs, data, lambda q, kv, g: aha_attention_naive(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]),
+                                                            g.T[None], 6, SCALE)[0].transpose(0, 1))
+
+
 @pytest.mark.parametrize("window", [0, 3, 20])
 def test_dar_equals_reference(window):
     gen = torch.Generator().manual_seed(3)

@@ -43,6 +43,7 @@ import torch
 
 from .. import masks
 from .paged_chunks import Workspace, attend_part, merge, tile_rows
+from .paged_decode import decode_rows
 
 
 class Read(NamedTuple):
@@ -122,6 +123,7 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
         return
     dev = q.device
     workspace = workspace or Workspace()
+    reads = [[Read(*r) for r in parts] for parts in reads]
     bs = views[0].shape[3]
     starts, lens = query_start.long(), seq_lens.long()
     q_len = starts[1:] - starts[:-1]
@@ -131,28 +133,31 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
     head = torch.arange(heads, device=dev).repeat(n)
     cls = (torch.zeros(n * heads, dtype=torch.long, device=dev) if row_class is None
            else row_class[:n].reshape(-1).long())
-    decode = (q_len == 1)[req][tok]
-    buckets = [None]  # decode rows (at most heads / kv_heads per tile) in tiles of their own
-    if bool(decode.any()) and not bool(decode.all()):
-        buckets = [decode, ~decode]
+    qflat = q[:n].reshape(n * heads, q.shape[2])  # by row id (one copy where q is a strided view)
     found = []  # (row ids tok * heads + head [n, size], -1: padding; output [n, size, d]; log-sum-exp [n, size])
-    for bucket in buckets:
-        tiled = {}
+    one = q_len == 1
+    if bool(one.any()):  # decode rows: one tile per (token, kv head, class)
+        t = starts[:-1][one]
+        found += decode_rows(qflat, t, req[t], pos[t], None if row_class is None else row_class[t], reads, views,
+                             block_table, scale, softcap, heads, workspace)
+    if not bool(one.all()):  # longer queries: tiles of rows in order of position, read chunk by chunk
+        longer = ~one[req][tok]
+        tok, head, cls = tok[longer], head[longer], cls[longer]
         for c, reads_c in enumerate(reads):
-            in_c = cls == c if bucket is None else (cls == c) & bucket
+            in_c = cls == c
             if not bool(in_c.any()):
                 continue
-            for read in (Read(*r) for r in reads_c):
-                size = read.q_tile or q_tile
-                kt = read.k_tile or k_tile
+            tiled = {}
+            for read in reads_c:
+                size, kt = read.q_tile or q_tile, read.k_tile or k_tile
                 kt = kt if bs % kt == 0 else bs
-                if (c, size) not in tiled:
-                    tiled[(c, size)] = tile_rows(tok[in_c], head[in_c], req, pos, q, views[0].shape[1], size)
-                for tiles in tiled[(c, size)]:
+                if size not in tiled:
+                    tiled[size] = tile_rows(tok[in_c], head[in_c], req, pos, qflat, heads, views[0].shape[1], size)
+                for tiles in tiled[size]:
                     for t, o, lse in attend_part(tiles, read.pred, views[read.key_set], block_table, scale, softcap,
                                                  kt, pack, workspace):
                         found.append((tiles.row[t], o, lse))
     if sinks is not None:  # exp(sink logit) joins every row's denominator, with no value
         rows = torch.arange(n * heads, device=dev)[:, None]
-        found.append((rows, q.new_zeros(n * heads, 1, q.shape[2]), sinks.float()[head][:, None]))
+        found.append((rows, q.new_zeros(n * heads, 1, q.shape[2]), sinks.float().repeat(n)[:, None]))
     out[:n] = merge(found, n * heads, q.shape[2], dev).view(n, heads, -1).to(out.dtype)

@@ -8,6 +8,7 @@ import torch
 MAX_GATHER_BYTES = 32 << 20  # keys and values gathered for one call (a longer batch runs in pieces)
 MAX_MASK_ELEMENTS = 4 << 20  # (row, key) pairs of the predicate evaluated at once
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+FUSED = True  # torch's fused flash attention on the CPU; False (or another device, or capped scores): matmuls
 _NEG = float("-inf")
 
 
@@ -35,6 +36,7 @@ class Tiles:
     ``kv_head``, first and last position ``lo`` / ``hi``. Made by ``tile_rows``."""
 
     def __init__(self, row, head, pos, req, q: torch.Tensor, group: int, tile, slot, count: int, size: int) -> None:
+        """``q`` [tokens x heads, d]: the queries by row id."""
         dev = row.device
         self.size, self.count, self.group = size, count, group
         self.row = torch.full((count, size), -1, dtype=torch.long, device=dev)
@@ -44,20 +46,19 @@ class Tiles:
         self.req, self.kv_head = (torch.zeros(count, dtype=torch.long, device=dev) for _ in range(2))
         self.req[tile], self.kv_head[tile] = req, head // group
         self.lo, self.hi = self.pos[:, 0], self.pos.max(1).values
-        self.q = q.reshape(-1, q.shape[-1])[self.row.clamp_min(0)]
+        self.q = q[self.row.clamp_min(0)]
 
     def group_heads(self, tile: torch.Tensor) -> torch.Tensor:
         """[len(tile), 1, group]: the query heads of each tile's kv head."""
         return (self.kv_head[tile] * self.group)[:, None, None] + torch.arange(self.group, device=tile.device)
 
 
-def tile_rows(tok, head, req, pos, q: torch.Tensor, kv_heads: int, q_tile: int) -> list[Tiles]:
+def tile_rows(tok, head, req, pos, q: torch.Tensor, heads: int, kv_heads: int, q_tile: int) -> list[Tiles]:
     """Rows (token ``tok``, query ``head``) grouped by (request, kv head) in order of position, the query heads
     of a kv head together, cut into tiles of ``q_tile`` rows; what is left of a group (and a group shorter than
     a tile) goes into one tile of the smallest size q_tile / 4^i that holds it, so a head with few rows is not
-    padded to a full tile. One ``Tiles`` per size."""
+    padded to a full tile. One ``Tiles`` per size. ``q`` [tokens x heads, d]: the queries by row id."""
     dev = tok.device
-    heads = q.shape[1]
     group = heads // kv_heads
     r = req[tok]
     key, order = torch.sort(r * kv_heads + head // group, stable=True)  # stable: positions stay in order
@@ -67,26 +68,21 @@ def tile_rows(tok, head, req, pos, q: torch.Tensor, kv_heads: int, q_tile: int) 
     grp = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts, output_size=n)
     rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[grp]
     whole = counts // q_tile  # full tiles per group
-    sizes = [q_tile]
-    while sizes[-1] > 1:
-        sizes.append(max(1, sizes[-1] // 4))
     rest = counts - whole * q_tile
     rest_size = torch.full_like(counts, q_tile)
-    for s in sizes[1:]:
+    s = q_tile
+    while s > 1:  # the smallest q_tile / 4^i that holds the rest
+        s = max(1, s // 4)
         rest_size = torch.where(rest <= s, s, rest_size)
+    rest_size = torch.where(rest > 0, rest_size, 0)
+    sizes = set(rest_size.unique().tolist()) - {0} | ({q_tile} if bool(whole.any()) else set())
     in_rest = rank >= whole[grp] * q_tile
     out = []
-    for s in sizes:
-        if s == q_tile:
-            per = whole + (rest_size == s) * (rest > 0)  # full tiles, and a rest that needs this size
-        else:
-            per = (rest_size == s) & (rest > 0)
-        per = per.long()
+    for s in sorted(sizes, reverse=True):
+        per = (rest_size == s).long() + (whole if s == q_tile else 0)  # tiles per group of this size
         mine = (rest_size[grp] == s) & in_rest
         if s == q_tile:
             mine |= ~in_rest
-        if not bool(mine.any()):
-            continue
         g, k = grp[mine], rank[mine]
         tile = (torch.cumsum(per, 0) - per)[g] + torch.where(k >= whole[g] * q_tile, whole[g] if s == q_tile else 0,
                                                                 k // q_tile)
@@ -161,19 +157,25 @@ def attend_part(tiles: Tiles, pred, view, block_table, scale: float, softcap: fl
     for a in range(0, part.numel(), step):
         p = part[a:a + step]
         allowed = _allowed(tiles, tile[p], chunk[p], pred, kt) if kept is None else kept[a:a + step]
-        k, v = (torch.index_select(flat, 0, i, out=workspace.take(name, (i.numel(), kt, flat.shape[-1]), flat))
-                for name, i in (("k", idx[p]), ("v", idx[p] + nsub)))
-        o, lse = _attend(tiles.q.index_select(0, tile[p]), k, v, allowed, scale, softcap)
+        k, v = _gather(flat, idx[p], nsub, workspace)
+        o, lse = attend(tiles.q.index_select(0, tile[p]), k, v, allowed, scale, softcap)
         found.append((tile[p], o, lse.masked_fill_(~allowed.any(-1), _NEG)))
     for t, members in _packed(tile, dense, pack):
         s = members.shape[1]
         step = max(1, MAX_GATHER_BYTES // (2 * s * kt * view.shape[4] * view.element_size()))
         for a in range(0, t.numel(), step):
             m = members[a:a + step]
-            k, v = (torch.index_select(flat, 0, i, out=workspace.take(name, (i.numel(), kt, flat.shape[-1]), flat))
-                    .view(m.shape[0], s * kt, -1) for name, i in (("k", idx[m].flatten()), ("v", idx[m].flatten() + nsub)))
-            found.append((t[a:a + step], *_attend(tiles.q.index_select(0, t[a:a + step]), k, v, None, scale, softcap)))
+            k, v = (t.view(m.shape[0], s * kt, -1) for t in _gather(flat, idx[m].flatten(), nsub, workspace))
+            found.append((t[a:a + step], *attend(tiles.q.index_select(0, t[a:a + step]), k, v, None, scale, softcap)))
     return found
+
+
+def _gather(flat, idx, nsub: int, workspace: Workspace):
+    """The keys and values [len(idx), kt, d] of the chunks ``idx`` (rows of ``flat``; values ``nsub`` rows
+    further), in one copy into the workspace (one parallel region rather than two)."""
+    both = workspace.take("kv", (2 * idx.numel(), *flat.shape[1:]), flat)
+    torch.index_select(flat, 0, torch.cat([idx, idx + nsub]), out=both)
+    return both[: idx.numel()], both[idx.numel():]
 
 
 def _packed(tile: torch.Tensor, dense: torch.Tensor, pack: int):
@@ -200,11 +202,14 @@ def _packed(tile: torch.Tensor, dense: torch.Tensor, pack: int):
         yield tile[members[:, 0]], members
 
 
-def _attend(q, k, v, allowed, scale: float, softcap: float):
+def attend(q, k, v, allowed, scale: float, softcap: float):
     """q [n, size, d] against k, v [n, keys, d] (``allowed`` [n, size, keys] or None: every key): (output
-    [n, size, d], log-sum-exp [n, size] float32)."""
-    if softcap:
-        s = torch.tanh(torch.bmm(q.float(), k.float().transpose(1, 2)) * (scale / softcap)) * softcap
+    [n, size, d], log-sum-exp [n, size] float32). torch's fused flash attention for the CPU where it applies;
+    otherwise scores by matmul in float32, soft-capped if asked."""
+    if softcap or not q.is_cpu or not FUSED:
+        s = torch.bmm(q.float(), k.float().transpose(1, 2)) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         if allowed is not None:
             s = s.masked_fill(~allowed, _NEG)
         lse = torch.logsumexp(s, -1)
@@ -212,7 +217,8 @@ def _attend(q, k, v, allowed, scale: float, softcap: float):
         return torch.bmm(p, v.float()).to(q.dtype), lse
     mask = None
     if allowed is not None:
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, _NEG)[:, None]
+        mask = torch.where(allowed, torch.zeros((), dtype=q.dtype, device=q.device),
+                           torch.full((), _NEG, dtype=q.dtype, device=q.device))[:, None]
     o, lse = _flash(q[:, None], k[:, None], v[:, None], 0.0, False, attn_mask=mask, scale=scale)
     return o[:, 0], lse[:, 0].float()
 
