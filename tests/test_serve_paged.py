@@ -17,7 +17,7 @@ from allhere.ops.dar import dar_attention_naive
 from allhere.ops.full import reference_attention
 from allhere.serve.paged import causal_read, paged_attention, paged_view, window_read, write
 
-HEADS, KV_HEADS, D, BS = 4, 2, 8, 8  # 2 query heads per kv head; blocks of 8 tokens
+HEADS, KV_HEADS, D, BS = 4, 2, 8, 4  # 2 query heads per kv head; blocks of 4 tokens
 LENGTHS = [29, 5, 17]  # tokens per request; request 3 (PREFIXED) reuses the first SHARED of request 0
 SHARED, PREFIXED = 16, 21
 SCALE = D ** -0.5
@@ -28,7 +28,7 @@ SCALE = D ** -0.5
 STEPS = [{0: 12, 1: 3, 2: 7}, {0: 6, 1: 2, 2: 6}, {0: 1, 2: 1, 3: 3}, {0: 1, 2: 1, 3: 1}, {0: None, 2: None, 3: None}]
 
 
-def _serve(reads, gen, sets=1, gate=None, k_tile=4, q_tile=4, **options):
+def _serve(reads, gen, sets=1, gate=None, q_tile=4, **options):
     """Serve LENGTHS (+ the prefixed request) step by step as vLLM schedules them (STEPS), each step's K/V
     written first (with a padding slot), then attended (with a padding row after the real ones). Request 3
     starts with its first SHARED tokens already cached (request 0's blocks). Returns per request its outputs
@@ -74,7 +74,7 @@ def _serve(reads, gen, sets=1, gate=None, k_tile=4, q_tile=4, **options):
         out = torch.full((q.shape[0] + 1, HEADS, D), 7.0)
         used = table[[r for r, _, _ in rows]]
         paged_attention(torch.cat([q, q[:1]]), views, torch.tensor(starts), torch.tensor(lens), used, reads, SCALE,
-                        out, row_class=row_class, q_tile=q_tile, k_tile=k_tile, **options)
+                        out, row_class=row_class, q_tile=q_tile, **options)
         assert bool((out[-1] == 7.0).all())  # the padding row is left alone
         for (r, a, b), s0, s1 in zip(rows, starts, starts[1:]):
             outs[r][a:b] = out[s0:s1]
@@ -114,15 +114,15 @@ def test_masked_patterns_equal_dense_reference(cfg):
 AHA_READS = [[window_read(6)], [causal_read()]]  # with their dense tests
 
 
-@pytest.mark.parametrize("tiles", [(4, 4, 8), (64, 8, 1), (1, 2, 2), (4, 4, 0)],
-                         ids=["tiles4x4-pack8", "tiles64x8", "tiles1x2-pack2", "no-dense-tests"])
+@pytest.mark.parametrize("tiles", [(4, 8), (64, 1), (1, 2), (4, 0)],
+                         ids=["tile4-pack8", "tile64", "tile1-pack2", "no-dense-tests"])
 def test_aha_equals_reference(tiles):
     """Per (token, head) the window (class 0) or every earlier key (class 1), whatever the tile sizes, the
     chunks read entirely found by the reads' dense tests or by evaluating their predicates."""
     gen = torch.Generator().manual_seed(1)
-    q_tile, k_tile, pack = tiles
+    q_tile, pack = tiles
     reads = AHA_READS if pack else [[(sliding_window(6), 0)], [(causal, 0)]]
-    outs, data = _serve(reads, gen, q_tile=q_tile, k_tile=k_tile, pack=pack or 4)
+    outs, data = _serve(reads, gen, q_tile=q_tile, pack=pack or 4)
     _check(outs, data, lambda q, kv, g: aha_attention_naive(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]),
                                                             g.T[None], 6, SCALE)[0].transpose(0, 1))
 
@@ -150,6 +150,22 @@ def test_aha_with_host_softmax_terms(terms):
     attend = _dense_terms(terms.get("sinks"), terms.get("softcap", 0.0))
     _check(outs, data, lambda q, kv, g: aha_attention_naive(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]), g.T[None],
                                                             6, SCALE, attend=attend)[0].transpose(0, 1))
+
+
+def test_class_without_reads_keeps_out():
+    """AHA's local rows computed elsewhere (vLLM's windowed kernel): the rows of a class that reads nothing keep
+    what ``out`` held; the others are written."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(6, HEADS, D, generator=gen), torch.randn(6, KV_HEADS, D, generator=gen), torch.randn(6, KV_HEADS, D, generator=gen)
+    view = paged_view(torch.zeros(3, KV_HEADS, BS, 2 * D), BS, KV_HEADS, D)
+    write(view, torch.tensor([8, 9, 10, 11, 0, 1]), k, v)
+    gate = torch.rand(6, HEADS, generator=gen) < 0.5
+    out = torch.full((6, HEADS, D), 7.0)
+    paged_attention(q, [view], torch.tensor([0, 6]), torch.tensor([6]), torch.tensor([[2, 0]]), [[], [causal_read()]],
+                    SCALE, out, row_class=gate)
+    want = aha_attention_naive(_bhld(q), _bhld(k), _bhld(v), gate.T[None], 1, SCALE)[0].transpose(0, 1)
+    torch.testing.assert_close(out[gate], want[gate], atol=1e-5, rtol=1e-5)
+    assert bool((out[~gate] == 7.0).all())
 
 
 def test_matmul_path_equals_reference(monkeypatch):

@@ -6,10 +6,12 @@ mapping, block table and the per-request query ranges.
 
 Layout. vLLM allocates a layer's cache tensor, hands its blocks to requests (block table) and keeps them across
 steps and requests (prefix caching); what a block holds is up to the attention that writes and reads it.
-allhere reads the tensor's storage as ``[blocks, kv_heads, 2 (key, value), block_size, head_dim]`` (as many
-elements as vLLM's CPU cache, ``[blocks, kv_heads, block_size, 2 x head_dim]``): token slot ``s`` (vLLM's slot
-mapping) is row ``s % block_size`` of block ``s // block_size``, so one (block, kv head) holds its keys and
-its values each as one contiguous ``[block_size, head_dim]`` tile.
+allhere reads the tensor's storage as ``[blocks, kv_heads, 2 (key, value), block_size x head_dim]``: token slot
+``s`` (vLLM's slot mapping) is position ``s % block_size`` of block ``s // block_size``; one (block, kv head)
+holds its keys transposed, one contiguous ``[head_dim, block_size]`` tile, then its values, ``[block_size,
+head_dim]``. That is the layout vLLM's own CPU attention kernel reads (its "vec" and "vec16" variants, for x86
+without AMX), so that kernel can read the same blocks where it computes a part of the rule (AHA's windowed
+rows: ``allhere.serve.vllm_paged``).
 
 The rule. A mechanism gives, per *row class*, what a row of that class reads: pairs (mask predicate over
 positions, key set), the predicate the same function allhere trains and generates with (``allhere.masks``;
@@ -23,10 +25,10 @@ rule's parts and over pieces of bounded memory, never over requests or heads):
 1. rows are grouped by (class, request, kv head) and cut into query tiles of up to ``q_tile`` rows, in order
    of position, the query heads of one kv head together (a tile shares its keys); single-token (decode)
    requests get tiles of their own size;
-2. per tile and part, the key chunks (``k_tile`` consecutive positions inside one block) its rows may read:
+2. per tile and part, the key blocks its rows may read:
    at or before the tile's last position and not excluded by ``tiles``. A chunk no row of the tile may read
    is never gathered (``allhere.serve.paged_chunks``);
-3. chunks that every row reads entirely (``dense``, or the predicate evaluated) are packed several to a call
+3. blocks that every row reads entirely (``dense``, or the predicate evaluated) are packed several to a call
    and attended unmasked; the others under the predicate's mask, each (tile, chunk) in torch's fused flash
    attention for the CPU, which also returns each row's log-sum-exp;
 4. a tile's chunks are merged by their log-sum-exp (one softmax over everything a row reads), learned sink
@@ -52,12 +54,11 @@ class Read(NamedTuple):
     pred: masks.MaskFn  # (b, h, q_idx, kv_idx) -> allowed, with its ``tiles`` (and optional ``dense``) test
     key_set: int = 0  # which of the views it reads
     q_tile: int | None = None  # rows per query tile for this part (None: paged_attention's q_tile)
-    k_tile: int | None = None  # positions per key chunk for this part (None: paged_attention's k_tile)
 
 
 def paged_view(cache: torch.Tensor, block_size: int, kv_heads: int, head_dim: int) -> torch.Tensor:
     """``cache`` (a layer's whole cache tensor, any shape, contiguous) as [blocks, kv_heads, 2, block_size,
-    head_dim]."""
+    head_dim] (``[..., 0, :, :]`` holds the keys transposed: see the module docstring)."""
     per_block = block_size * 2 * kv_heads * head_dim
     if not cache.is_contiguous() or cache.numel() % per_block:
         raise ValueError(f"a paged cache of {tuple(cache.shape)} does not hold whole blocks of {block_size} tokens x "
@@ -70,13 +71,13 @@ def write(view: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Ten
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
-    bs = view.shape[3]
+    nb, kv_heads, _, bs, d = view.shape
     blocks, rows = slots.long() // bs, slots.long() % bs
-    view[blocks, :, 0, rows] = k.to(view.dtype)
+    view[:, :, 0].view(nb, kv_heads, d, bs)[blocks, :, :, rows] = k.to(view.dtype)  # keys transposed
     view[blocks, :, 1, rows] = v.to(view.dtype)
 
 
-def window_read(window: int, key_set: int = 0, q_tile: int | None = None, k_tile: int | None = None) -> Read:
+def window_read(window: int, key_set: int = 0, q_tile: int | None = None) -> Read:
     """The ``window`` most recent keys, the query's own included (``masks.sliding_window``), with its dense test."""
     inner = masks.sliding_window(window)
 
@@ -85,37 +86,36 @@ def window_read(window: int, key_set: int = 0, q_tile: int | None = None, k_tile
 
     pred.tiles = inner.tiles
     pred.dense = lambda b, h, ql, qh, kl, kh: (kh <= ql) & (qh - kl < window)  # noqa: E731
-    return Read(pred, key_set, q_tile, k_tile)
+    return Read(pred, key_set, q_tile)
 
 
-def causal_read(key_set: int = 0, q_tile: int | None = None, k_tile: int | None = None) -> Read:
+def causal_read(key_set: int = 0, q_tile: int | None = None) -> Read:
     """Every key at or before the query (``masks.causal``), with its dense test."""
     def pred(b, h, q_idx, kv_idx):
         return masks.causal(b, h, q_idx, kv_idx)
 
     pred.tiles = masks.causal.tiles
     pred.dense = lambda b, h, ql, qh, kl, kh: kh <= ql  # noqa: E731
-    return Read(pred, key_set, q_tile, k_tile)
+    return Read(pred, key_set, q_tile)
 
 
 def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, reads: Sequence[Sequence[Read]], scale: float,
                     out: torch.Tensor, row_class: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                    softcap: float = 0.0, q_tile: int = 64, k_tile: int = 128, pack: int = 8,
+                    softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
                     workspace: Workspace | None = None) -> None:
     """Every request's queries against its cached keys (the step's own already written).
 
     q [tokens, heads, d]: request r's queries are rows ``query_start[r]:query_start[r + 1]``, at the last
     positions of its ``seq_lens[r]`` tokens (rows past ``query_start[-1]`` are not read). ``views``: one
     ``paged_view`` per key set, all read through ``block_table`` [requests, blocks]. ``reads[c]``: what a row of
-    class c reads, ``Read`` tuples (see the module docstring); ``row_class`` [tokens, heads] (int or bool; None:
-    all class 0). ``sinks`` [heads]: learned sink logits (one more term in each row's softmax denominator);
+    class c reads, ``Read`` tuples (see the module docstring); rows of a class that reads nothing are left as they
+    are in ``out`` (another kernel computes them); ``row_class`` [tokens, heads] (int or bool; None: all class 0). ``sinks`` [heads]: learned sink logits (one more term in each row's softmax denominator);
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (0: none). Writes ``out`` [>= tokens, heads,
     d] (rows past the last request's are left as they are); a row that reads no key gets 0.
 
-    ``q_tile``: rows per query tile; ``k_tile``: positions per key chunk (a divisor of the block size, else the
-    block size); both unless a ``Read`` names its own. ``pack``: at most this many chunks read entirely by a
-    tile go into one call (a power of two). ``workspace``: memory reused across calls for the gathered keys and
+    ``q_tile``: rows per query tile, unless a ``Read`` names its own. ``pack``: at most this many blocks read
+    entirely by a tile go into one call (a power of two). ``workspace``: memory reused across calls for the gathered keys and
     values (one is made for this call if None)."""
     heads = q.shape[1]
     n = int(query_start[-1])
@@ -124,15 +124,14 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
     dev = q.device
     workspace = workspace or Workspace()
     reads = [[Read(*r) for r in parts] for parts in reads]
-    bs = views[0].shape[3]
     starts, lens = query_start.long(), seq_lens.long()
     q_len = starts[1:] - starts[:-1]
     req = torch.repeat_interleave(torch.arange(q_len.numel(), device=dev), q_len, output_size=n)  # [n]
     pos = torch.arange(n, device=dev) - starts[req] + (lens - q_len)[req]
     tok = torch.arange(n, device=dev).repeat_interleave(heads)  # rows, token-major
     head = torch.arange(heads, device=dev).repeat(n)
-    cls = (torch.zeros(n * heads, dtype=torch.long, device=dev) if row_class is None
-           else row_class[:n].reshape(-1).long())
+    cls = cls_all = (torch.zeros(n * heads, dtype=torch.long, device=dev) if row_class is None
+                     else row_class[:n].reshape(-1).long())
     qflat = q[:n].reshape(n * heads, q.shape[2])  # by row id (one copy where q is a strided view)
     found = []  # (row ids tok * heads + head [n, size], -1: padding; output [n, size, d]; log-sum-exp [n, size])
     one = q_len == 1
@@ -149,15 +148,20 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
                 continue
             tiled = {}
             for read in reads_c:
-                size, kt = read.q_tile or q_tile, read.k_tile or k_tile
-                kt = kt if bs % kt == 0 else bs
+                size = read.q_tile or q_tile
                 if size not in tiled:
                     tiled[size] = tile_rows(tok[in_c], head[in_c], req, pos, qflat, heads, views[0].shape[1], size)
                 for tiles in tiled[size]:
                     for t, o, lse in attend_part(tiles, read.pred, views[read.key_set], block_table, scale, softcap,
-                                                 kt, pack, workspace):
+                                                 pack, workspace):
                         found.append((tiles.row[t], o, lse))
     if sinks is not None:  # exp(sink logit) joins every row's denominator, with no value
         rows = torch.arange(n * heads, device=dev)[:, None]
         found.append((rows, q.new_zeros(n * heads, 1, q.shape[2]), sinks.float().repeat(n)[:, None]))
-    out[:n] = merge(found, n * heads, q.shape[2], dev).view(n, heads, -1).to(out.dtype)
+    merged = merge(found, n * heads, q.shape[2], dev).view(n, heads, -1).to(out.dtype)
+    empty = [c for c, parts in enumerate(reads) if not parts]
+    if not empty:
+        out[:n] = merged
+    else:  # rows of a class that reads nothing here keep what ``out`` holds
+        mine = ~torch.isin(cls_all, torch.tensor(empty, device=dev)).view(n, heads, 1)
+        out[:n] = torch.where(mine, merged, out[:n])

@@ -93,9 +93,9 @@ def tile_rows(tok, head, req, pos, q: torch.Tensor, heads: int, kv_heads: int, q
 
 
 def candidates(tiles: Tiles, pred, kt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tile, chunk index) of every key chunk a tile may read under ``pred``, sorted by tile: at or before
-    the tile's last position and not excluded by the predicate's ``tiles`` test for any query head of the
-    tile's kv head."""
+    """(tile, block index) of every key block (``kt`` positions) a tile may read under ``pred``, sorted by tile:
+    at or before the tile's last position and not excluded by the predicate's ``tiles`` test for any query
+    head of the tile's kv head."""
     lo, hi = tiles.lo, tiles.hi
     kl = torch.arange(int(hi.max()) // kt + 1, device=lo.device) * kt
     ok = kl[None] <= hi[:, None]
@@ -118,19 +118,26 @@ def _allowed(tiles: Tiles, tile, chunk, pred, kt: int) -> torch.Tensor:
     return pred(zero, tiles.head[tile].to(i32)[:, :, None], qpos, kpos) & (kpos <= qpos)
 
 
-def _rows_of(view: torch.Tensor, block_table, tiles: Tiles, tile, chunk, kt: int):
-    """(flat view [blocks x kv_heads x 2 x chunks per block, kt, d], index of each chunk's keys; its values
-    are ``chunks per block`` rows further)."""
+def gather(view: torch.Tensor, base: torch.Tensor, workspace: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of the (block, kv head) tiles ``base`` (= block x kv_heads + kv head, any shape
+    [...]): [..., block_size, d] each, contiguous (the keys transposed back from the cache's layout). One copy
+    of the tiles into the workspace, one more for the keys' transposition."""
     bs, d = view.shape[3], view.shape[4]
-    nsub = bs // kt
-    block = block_table[tiles.req[tile], (chunk * kt) // bs].long()
-    return view.reshape(-1, kt, d), ((block * view.shape[1] + tiles.kv_head[tile]) * 2) * nsub + (chunk * kt % bs) // kt
+    flat = view.reshape(-1, bs, d)  # rows: (block, kv head, keys | values)
+    idx = base.flatten() * 2
+    n = idx.numel()
+    both = workspace.take("kv", (2 * n, bs, d), flat)
+    torch.index_select(flat, 0, torch.cat([idx, idx + 1]), out=both)
+    k = workspace.take("k", (n, bs, d), flat)
+    k.copy_(both[:n].view(n, d, bs).transpose(1, 2))
+    return k.view(*base.shape, bs, d), both[n:].view(*base.shape, bs, d)
 
 
-def attend_part(tiles: Tiles, pred, view, block_table, scale: float, softcap: float, kt: int, pack: int,
+def attend_part(tiles: Tiles, pred, view, block_table, scale: float, softcap: float, pack: int,
                 workspace: Workspace):
     """The tiles against the keys of ``view`` that ``pred`` allows them: a list of (tile [n], output [n, size,
     d], log-sum-exp [n, size] float32, -inf where a row reads none of those keys)."""
+    kt = view.shape[3]  # a chunk is one block
     tile, chunk = candidates(tiles, pred, kt)
     if tile.numel() == 0:
         return []
@@ -150,14 +157,13 @@ def attend_part(tiles: Tiles, pred, view, block_table, scale: float, softcap: fl
         kept = torch.cat([p[~d] for p, d in zip(pieces, dense)])
         dense = torch.cat(dense)
     found = []
-    flat, idx = _rows_of(view, block_table, tiles, tile, chunk, kt)
-    nsub = view.shape[3] // kt
+    base = block_table[tiles.req[tile], chunk].long() * view.shape[1] + tiles.kv_head[tile]
     part = (~dense).nonzero().squeeze(1)
     step = max(1, min(MAX_MASK_ELEMENTS // per_mask, MAX_GATHER_BYTES // (2 * kt * view.shape[4] * view.element_size())))
     for a in range(0, part.numel(), step):
         p = part[a:a + step]
         allowed = _allowed(tiles, tile[p], chunk[p], pred, kt) if kept is None else kept[a:a + step]
-        k, v = _gather(flat, idx[p], nsub, workspace)
+        k, v = gather(view, base[p], workspace)
         o, lse = attend(tiles.q.index_select(0, tile[p]), k, v, allowed, scale, softcap)
         found.append((tile[p], o, lse.masked_fill_(~allowed.any(-1), _NEG)))
     for t, members in _packed(tile, dense, pack):
@@ -165,17 +171,9 @@ def attend_part(tiles: Tiles, pred, view, block_table, scale: float, softcap: fl
         step = max(1, MAX_GATHER_BYTES // (2 * s * kt * view.shape[4] * view.element_size()))
         for a in range(0, t.numel(), step):
             m = members[a:a + step]
-            k, v = (t.view(m.shape[0], s * kt, -1) for t in _gather(flat, idx[m].flatten(), nsub, workspace))
+            k, v = (t.view(m.shape[0], s * kt, -1) for t in gather(view, base[m], workspace))
             found.append((t[a:a + step], *attend(tiles.q.index_select(0, t[a:a + step]), k, v, None, scale, softcap)))
     return found
-
-
-def _gather(flat, idx, nsub: int, workspace: Workspace):
-    """The keys and values [len(idx), kt, d] of the chunks ``idx`` (rows of ``flat``; values ``nsub`` rows
-    further), in one copy into the workspace (one parallel region rather than two)."""
-    both = workspace.take("kv", (2 * idx.numel(), *flat.shape[1:]), flat)
-    torch.index_select(flat, 0, torch.cat([idx, idx + nsub]), out=both)
-    return both[: idx.numel()], both[idx.numel():]
 
 
 def _packed(tile: torch.Tensor, dense: torch.Tensor, pack: int):

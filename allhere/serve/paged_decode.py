@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged_chunks import MAX_GATHER_BYTES, Workspace, attend
+from .paged_chunks import MAX_GATHER_BYTES, Workspace, attend, gather
 
 _NEG = float("-inf")
 
@@ -53,7 +53,6 @@ def _attend_read(qflat, tile_rows, heads_t, kv_head, req, pos, read, view, block
     # each tile's readable blocks first, in order (a stable sort of "not readable")
     cols = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices
     per_tile = 2 * bs * d * view.element_size()
-    flat = view.reshape(-1, bs, d)
     found = []
     take = max(1, MAX_GATHER_BYTES // (per_tile * max(1, int(count.max()))))  # tiles per piece
     for start in range(0, order.numel(), take):
@@ -64,10 +63,8 @@ def _attend_read(qflat, tile_rows, heads_t, kv_head, req, pos, read, view, block
         j = cols[idx, :width]  # [n, width] block positions in the request
         valid = torch.arange(width, device=dev) < count[idx, None]
         block = torch.where(valid, block_table[req[idx, None], j].long(), 0)
-        base = (block * view.shape[1] + kv_head[idx, None]) * 2  # rows of ``flat``: (block, kv head, K|V)
-        kv = workspace.take("kv", (2 * base.numel(), bs, d), flat)
-        torch.index_select(flat, 0, torch.cat([base.flatten(), base.flatten() + 1]), out=kv)
-        k, v = kv[: base.numel()].view(idx.numel(), width * bs, d), kv[base.numel():].view(idx.numel(), width * bs, d)
+        k, v = (t.view(idx.numel(), width * bs, d) for t in gather(view, block * view.shape[1] + kv_head[idx, None],
+                                                                    workspace))
         kpos = (j[:, :, None] * bs + torch.arange(bs, device=dev)).view(idx.numel(), 1, -1)
         qpos = pos[idx, None, None]
         zero = torch.zeros((), dtype=torch.long, device=dev)

@@ -8,7 +8,9 @@ never by ``import allhere``. The mechanisms' own pure pieces give the rules: AHA
   recent keys, a global one every earlier key, in prefill (chunked prefill included) as in decode. The router
   ``S = sigmoid(X W_router + b)`` on the block's input X (the weights allhere saved,
   ``...self_attn.allhere.router.{weight,bias}``) gives the gate per (token, query head) in a forward pre-hook.
-  The host's softmax terms are kept: learned sink logits (gpt-oss) and soft-capped scores (Gemma-2).
+  The host's softmax terms are kept: learned sink logits (gpt-oss) and soft-capped scores (Gemma-2). Where
+  vLLM's CPU kernel reads allhere's block layout, the local rows are its windowed kernel's (in place, over the
+  same blocks) and allhere's attention computes the global rows only.
 - sinks, dilated, Longformer, BigBird (causal): one class reading what the pattern's predicate allows.
 - DAR: near keys (the window) from the layer's cache, far keys from a second cache of K/V rebuilt from the
   bottleneck, h' = (h W_down) W_up, through the host's own K/V path: a forward pre-hook appends h' to the
@@ -83,7 +85,7 @@ def install_aha(block: nn.Module, attn: Attention, settings: dict, d_model: int,
     mech = AHAServe(settings, d_model, n_heads)
     block.add_module(SUBMODULE, mech)
     reads = [[window_read(mech.window, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]]  # gate 0 / 1
-    block.attn = PagedAttention([attn], reads, softmax_terms=True, router=mech)
+    block.attn = PagedAttention([attn], reads, softmax_terms=True, router=mech, window_class=(0, mech.window))
     block.register_forward_pre_hook(_route_hook, with_kwargs=True)
     return mech
 

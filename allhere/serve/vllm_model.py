@@ -60,11 +60,11 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from .. import registry
 from .vllm_layers import AHAServe, install_aha, install_dar, install_masked
+from .vllm_paged import VLLM_WINDOW_OFFSET
 from .vllm_plugin import PAGED, RESET_SUFFIX, SERVED, STATS_ENV
 
 CONFIG_KEY = "allhere_mechanism"  # as allhere.hf.convert writes them (not imported: no transformers import here)
 LAYERS_KEY = "allhere_layers"
-VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
 
 
 def _attention_blocks(model: nn.Module) -> dict[int, tuple[nn.Module, Attention]]:

@@ -9,6 +9,11 @@ for prefix caching and frees them; its kernel is never called. ``PagedAttention`
 with ``paged_attention``, for the whole batch in one call, reading per (request, query head) only what the
 mechanism's rule allows through vLLM's block table. It runs as one custom op (``allhere::paged_attention``),
 so vLLM's torch.compile sees one opaque call; a per-(token, head) row class (AHA's gate) is its argument.
+
+allhere's block layout is the one vLLM's CPU kernel reads in its "vec" / "vec16" variants (x86 without AMX:
+keys transposed, then values; checked once per process by writing a few tokens both ways). Where the layer's
+kernel is one of those, the rows that read a plain window (AHA's local rows) are computed by vLLM's own windowed
+kernel over the same blocks, in place, and allhere's attention computes the rest (AHA's global rows).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
@@ -24,7 +31,51 @@ from .paged import Read, paged_attention, paged_view, write
 from .paged_chunks import Workspace
 
 PAGED_ATTR = "_allhere_paged"  # on the owner Attention: [its PagedAttention] (a list: no module cycle)
+VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
+LAYOUT_ISAS = ("vec", "vec16")  # vLLM CPU kernels that read allhere's block layout (if the check below agrees)
 _WORKSPACE = Workspace()  # the gathered keys' memory, reused by every layer of this process (they run in turn)
+_LAYOUT_CHECKED: dict[tuple, bool] = {}
+
+
+def same_layout(isa: str, dtype: torch.dtype) -> bool:
+    """Whether vLLM's CPU cache writer for ``isa`` stores tokens as ``allhere.serve.paged.write`` does (once per
+    process and (isa, dtype))."""
+    key = (isa, dtype)
+    if key not in _LAYOUT_CHECKED:
+        ok = isa in LAYOUT_ISAS
+        if ok:
+            nb, kvh, bs, d = 3, 2, 32, 32
+            g = torch.Generator().manual_seed(0)
+            k, v = (torch.randn(40, kvh, d, generator=g).to(dtype) for _ in range(2))
+            slots = torch.randperm(nb * bs, generator=g)[:40]
+            theirs, ours = torch.zeros(nb, kvh, bs, 2 * d, dtype=dtype), torch.zeros(nb, kvh, bs, 2 * d, dtype=dtype)
+            kc, vc = theirs.view(nb, kvh, 2 * bs, d).chunk(2, dim=2)
+            try:
+                ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+                write(paged_view(ours, bs, kvh, d), slots, k, v)
+                ok = torch.equal(theirs, ours)
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _LAYOUT_CHECKED[key] = ok
+    return _LAYOUT_CHECKED[key]
+
+
+def vllm_window(q, cache, meta, window: int, scale: float, softcap: float, sinks, isa: str, out) -> None:
+    """vLLM's own CPU attention over ``cache`` (in allhere's layout, which is the kernel's), every query
+    reading its ``window`` most recent keys: ``out`` [tokens, heads, d] for the first meta.num_actual_tokens."""
+    nb, kv_heads, bs, _ = cache.shape
+    n, heads, d = meta.num_actual_tokens, q.shape[1], q.shape[2]
+    kc, vc = cache.view(nb, kv_heads, 2 * bs, d).chunk(2, dim=2)
+    reqs = meta.query_start_loc.numel() - 1
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=reqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, seq_lens=meta.seq_lens[:reqs],
+        dtype=q.dtype, query_start_loc=meta.query_start_loc, causal=True,
+        sliding_window_size=window + VLLM_WINDOW_OFFSET, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+    ops.cpu_attention_with_kv_cache(
+        query=q[:n], key_cache=kc, value_cache=vc, output=out[:n], query_start_loc=meta.query_start_loc,
+        seq_lens=meta.seq_lens[:reqs], scale=scale, causal=True, alibi_slopes=None,
+        sliding_window=window + VLLM_WINDOW_OFFSET, block_table=meta.block_table, softcap=softcap,
+        scheduler_metadata=sched, s_aux=sinks)
 
 
 @torch.library.custom_op("allhere::paged_attention", mutates_args=("out",))
@@ -47,10 +98,11 @@ class PagedAttention(nn.Module):
     are queries, keys and values, the second only keys and values. ``softmax_terms``: compute the host's
     learned sink logits and soft-capped scores (AHA does, as allhere's own attention does for it); the other
     mechanisms refuse a layer that has them. ``router``: a module whose ``gate`` [tokens, heads] (set by the
-    block's pre-hook) is the row class of this step."""
+    block's pre-hook) is the row class of this step. ``window_class``: (class, window) whose rows read exactly
+    their window most recent keys, for vLLM's windowed kernel where it reads allhere's layout."""
 
     def __init__(self, owners: list[Attention], reads: Sequence[Sequence[Read]], softmax_terms: bool = False,
-                 router: nn.Module | None = None) -> None:
+                 router: nn.Module | None = None, window_class: tuple[int, int] | None = None) -> None:
         super().__init__()
         first = owners[0]
         self.softcap = float(getattr(first.impl, "logits_soft_cap", 0) or 0.0)
@@ -60,6 +112,7 @@ class PagedAttention(nn.Module):
                                       "sinks, which this mechanism does not compute")
         self.owners = nn.ModuleList(owners)
         self.reads = reads
+        self.window_class = window_class
         self._router = [router] if router is not None else []  # a plain reference: registered under the block
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_size
         self.scale = float(first.impl.scale)
@@ -92,6 +145,15 @@ class PagedAttention(nn.Module):
         for i, view in enumerate(views):
             write(view, slots, k[i * half: i * half + n], v[i * half: i * half + n])
         sinks = self.sinks.float() if self.sinks is not None else None
-        paged_attention(q[:n], views, meta.query_start_loc, meta.seq_lens, meta.block_table, self.reads, self.scale,
+        reads = self.reads
+        isa = getattr(self.owners[0], "isa", None)
+        if self.window_class is not None and len(self.owners) == 1 and same_layout(isa, cache.dtype):
+            c, window = self.window_class
+            vllm_window(q, cache, meta, window, self.scale, self.softcap, self.sinks, isa, out)
+            reads = [[] if i == c else parts for i, parts in enumerate(reads)]  # those rows are done
+            if row_class is not None and not bool((row_class[:n] != c).any()):
+                out[n:].zero_()
+                return
+        paged_attention(q[:n], views, meta.query_start_loc, meta.seq_lens, meta.block_table, reads, self.scale,
                         out, row_class=row_class, sinks=sinks, softcap=self.softcap, workspace=_WORKSPACE)
         out[n:].zero_()
