@@ -1,7 +1,8 @@
 """One layer's attention over a paged KV cache, as served: allhere's batched paged attention
 (``allhere.serve.paged``) per mechanism against vLLM's own CPU attention kernel (``cpu_attention_with_kv_cache``)
 over the same blocks, and AHA computed with vLLM's kernel on the subsets (the windowed kernel for every token, the
-full kernel again for the tokens with a global head, joined per head).
+full kernel again for the tokens with a global head, joined per head), and AHA as served (vLLM's windowed kernel for
+the local rows, allhere's attention for the global ones).
 
     .venv-serve/bin/python benchmarks/serve_paged_op.py             # decode 16 x 8k, decode 1 x 8k, a prefill chunk
     .venv-serve/bin/python benchmarks/serve_paged_op.py --threads 1
@@ -33,7 +34,7 @@ def setup(requests: int, length: int, q_len: int):
     nb = requests * (length // BS) + 4
     cache = torch.randn(nb, KVH, BS, 2 * D) * 0.5
     table = torch.randperm(nb)[: requests * (length // BS)].view(requests, length // BS).int()
-    return dict(nb=nb, view=paged_view(cache, BS, KVH, D), vcache=torch.randn(nb, KVH, BS, 2 * D) * 0.5, table=table,
+    return dict(nb=nb, cache=cache, view=paged_view(cache, BS, KVH, D), table=table,
                 seq=torch.full((requests,), length, dtype=torch.int32),
                 qs=torch.arange(requests + 1, dtype=torch.int32) * q_len, q=torch.randn(requests * q_len, H, D),
                 out=torch.zeros(requests * q_len, H, D),
@@ -41,11 +42,11 @@ def setup(requests: int, length: int, q_len: int):
 
 
 def vllm_attention(s, q, qs, seq, table, window, out):
-    """vLLM's CPU kernel over its own layout of the same shape (``vcache``: keys as vLLM's reshape_and_cache
-    writes them), causal, ``window`` keys (-1: all)."""
+    """vLLM's CPU kernel over the same blocks (allhere's layout is the kernel's "vec" layout), causal,
+    ``window`` keys (-1: all)."""
     from vllm import _custom_ops as ops
 
-    kv = s["vcache"].view(s["nb"], KVH, BS * 2, D)
+    kv = s["cache"].view(s["nb"], KVH, BS * 2, D)
     kc, vc = kv.chunk(2, dim=2)
     meta = ops.cpu_attn_get_scheduler_metadata(num_reqs=len(seq), num_heads=H, num_kv_heads=KVH, head_dim=D,
                                                seq_lens=seq, dtype=q.dtype, query_start_loc=qs, causal=True,
@@ -72,6 +73,22 @@ def vllm_aha(s):
                        table[req].contiguous(), -1, full)
         local[idx] = torch.where(gate[idx][..., None], full, local[idx])
     s["out"].copy_(local)
+
+
+def aha_served(s, workspace):
+    """AHA as ``allhere serve`` computes it on this CPU: vLLM's windowed kernel for every row in place, then
+    allhere's attention for the global rows."""
+    from types import SimpleNamespace
+
+    from allhere.serve.paged import causal_read, paged_attention
+    from allhere.serve.vllm_layers import WIDE_TILE
+    from allhere.serve.vllm_paged import vllm_window
+
+    meta = SimpleNamespace(num_actual_tokens=s["q"].shape[0], query_start_loc=s["qs"], seq_lens=s["seq"],
+                           block_table=s["table"])
+    vllm_window(s["q"], s["cache"], meta, 256, D ** -0.5, 0.0, None, "vec", s["out"])
+    paged_attention(s["q"], [s["view"]], s["qs"], s["seq"], s["table"], [[], [causal_read(q_tile=WIDE_TILE)]],
+                    D ** -0.5, s["out"], row_class=s["gate"], workspace=workspace)
 
 
 def allhere_reads():
@@ -115,6 +132,7 @@ def main() -> None:
             runs[f"allhere {name}"] = (lambda reads=reads, sets=sets, routed=routed: paged_attention(
                 s["q"], [s["view"]] * sets, s["qs"], s["seq"], s["table"], reads, D ** -0.5, s["out"],
                 row_class=s["gate"] if routed else None, workspace=workspace))
+        runs["allhere aha, as served (local rows: vLLM's windowed kernel)"] = lambda: aha_served(s, workspace)
         base = None
         for name, run in runs.items():
             run()

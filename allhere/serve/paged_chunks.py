@@ -118,16 +118,19 @@ def _allowed(tiles: Tiles, tile, chunk, pred, kt: int) -> torch.Tensor:
     return pred(zero, tiles.head[tile].to(i32)[:, :, None], qpos, kpos) & (kpos <= qpos)
 
 
-def gather(view: torch.Tensor, base: torch.Tensor, workspace: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+def gather(view: torch.Tensor, base: torch.Tensor, workspace: Workspace,
+           transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values of the (block, kv head) tiles ``base`` (= block x kv_heads + kv head, any shape
-    [...]): [..., block_size, d] each, contiguous (the keys transposed back from the cache's layout). One copy
-    of the tiles into the workspace, one more for the keys' transposition."""
+    [...]): [..., block_size, d] each, contiguous (the keys transposed back from the cache's layout: one more
+    copy), or with ``transposed`` the keys as the cache holds them, [..., d, block_size]."""
     bs, d = view.shape[3], view.shape[4]
     flat = view.reshape(-1, bs, d)  # rows: (block, kv head, keys | values)
     idx = base.flatten() * 2
     n = idx.numel()
     both = workspace.take("kv", (2 * n, bs, d), flat)
     torch.index_select(flat, 0, torch.cat([idx, idx + 1]), out=both)
+    if transposed:
+        return both[:n].view(*base.shape, d, bs), both[n:].view(*base.shape, bs, d)
     k = workspace.take("k", (n, bs, d), flat)
     k.copy_(both[:n].view(n, d, bs).transpose(1, 2))
     return k.view(*base.shape, bs, d), both[n:].view(*base.shape, bs, d)

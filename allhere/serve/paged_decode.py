@@ -1,6 +1,7 @@
 """The decode rows of ``allhere.serve.paged.paged_attention`` (requests with one query this step): each (token,
 kv head, class) is one tile of the query heads sharing that kv head, which gathers every block its rule may
-read, all of them in one row, and attends them in one fused call under the rule's mask. A decode step has a few
+read, all of them in one row, and attends them at once under the rule's mask (scores by matmul straight from
+the keys as the cache holds them, transposed). A decode step has a few
 rows per request and a long key range each: one gather and one call per piece of tiles costs far fewer
 operations than the chunked prefill path (``allhere.serve.paged_chunks``), whose per-chunk bookkeeping pays off
 only where a tile has many rows."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged_chunks import MAX_GATHER_BYTES, Workspace, attend, gather
+from .paged_chunks import MAX_GATHER_BYTES, Workspace, gather
 
 _NEG = float("-inf")
 
@@ -63,14 +64,29 @@ def _attend_read(qflat, tile_rows, heads_t, kv_head, req, pos, read, view, block
         j = cols[idx, :width]  # [n, width] block positions in the request
         valid = torch.arange(width, device=dev) < count[idx, None]
         block = torch.where(valid, block_table[req[idx, None], j].long(), 0)
-        k, v = (t.view(idx.numel(), width * bs, d) for t in gather(view, block * view.shape[1] + kv_head[idx, None],
-                                                                    workspace))
+        kt, v = gather(view, block * view.shape[1] + kv_head[idx, None], workspace, transposed=True)
         kpos = (j[:, :, None] * bs + torch.arange(bs, device=dev)).view(idx.numel(), 1, -1)
         qpos = pos[idx, None, None]
         zero = torch.zeros((), dtype=torch.long, device=dev)
         allowed = read.pred(zero, heads_t[idx, :, None], qpos, kpos) & (kpos <= qpos)
         allowed &= valid.repeat_interleave(bs, dim=1)[:, None, :]
         rows = tile_rows[idx]
-        o, lse = attend(qflat[rows.clamp_min(0)], k, v, allowed, scale, softcap)
-        found.append((rows, o, lse.masked_fill_(~allowed.any(-1), _NEG)))
+        o, lse = _attend_t(qflat[rows.clamp_min(0)], kt, v.view(idx.numel(), width * bs, d), allowed, scale, softcap)
+        found.append((rows, o, lse))
     return found
+
+
+def _attend_t(q, kt, v, allowed, scale: float, softcap: float):
+    """q [n, group, d] against keys as the cache holds them, kt [n, blocks, d, block_size], and values [n, keys,
+    d]: (output [n, group, d], log-sum-exp [n, group] float32, -inf where a row reads nothing). The scores are
+    a few per key (a decode row has one query), so they are made by matmul straight from the transposed keys:
+    no copy of the keys."""
+    n, g, _ = q.shape
+    s = torch.matmul(q[:, None].float(), kt.float())  # [n, blocks, group, bs] (float32: no copy in float32)
+    s = s.transpose(1, 2).reshape(n, g, -1) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s.masked_fill_(~allowed, _NEG)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
+    return torch.bmm(p, v.float()).to(q.dtype), lse
