@@ -156,7 +156,8 @@ def test_class_without_reads_keeps_out():
     """AHA's local rows computed elsewhere (vLLM's windowed kernel): the rows of a class that reads nothing keep
     what ``out`` held; the others are written."""
     gen = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(6, HEADS, D, generator=gen), torch.randn(6, KV_HEADS, D, generator=gen), torch.randn(6, KV_HEADS, D, generator=gen)
+    q = torch.randn(6, HEADS, D, generator=gen)
+    k, v = torch.randn(6, KV_HEADS, D, generator=gen), torch.randn(6, KV_HEADS, D, generator=gen)
     view = paged_view(torch.zeros(3, KV_HEADS, BS, 2 * D), BS, KV_HEADS, D)
     write(view, torch.tensor([8, 9, 10, 11, 0, 1]), k, v)
     gate = torch.rand(6, HEADS, generator=gen) < 0.5

@@ -109,14 +109,15 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
     q [tokens, heads, d]: request r's queries are rows ``query_start[r]:query_start[r + 1]``, at the last
     positions of its ``seq_lens[r]`` tokens (rows past ``query_start[-1]`` are not read). ``views``: one
     ``paged_view`` per key set, all read through ``block_table`` [requests, blocks]. ``reads[c]``: what a row of
-    class c reads, ``Read`` tuples (see the module docstring); rows of a class that reads nothing are left as they
-    are in ``out`` (another kernel computes them); ``row_class`` [tokens, heads] (int or bool; None: all class 0). ``sinks`` [heads]: learned sink logits (one more term in each row's softmax denominator);
+    class c reads, ``Read`` tuples (see the module docstring); rows of a class that reads nothing are left as
+    they are in ``out`` (another kernel computes them); ``row_class`` [tokens, heads] (int or bool; None: all
+    class 0). ``sinks`` [heads]: learned sink logits (one more term in each row's softmax denominator);
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (0: none). Writes ``out`` [>= tokens, heads,
     d] (rows past the last request's are left as they are); a row that reads no key gets 0.
 
     ``q_tile``: rows per query tile, unless a ``Read`` names its own. ``pack``: at most this many blocks read
-    entirely by a tile go into one call (a power of two). ``workspace``: memory reused across calls for the gathered keys and
-    values (one is made for this call if None)."""
+    entirely by a tile go into one call (a power of two). ``workspace``: memory reused across calls for the
+    gathered keys and values (one is made for this call if None)."""
     heads = q.shape[1]
     n = int(query_start[-1])
     if n == 0:

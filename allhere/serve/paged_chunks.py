@@ -162,7 +162,8 @@ def attend_part(tiles: Tiles, pred, view, block_table, scale: float, softcap: fl
     found = []
     base = block_table[tiles.req[tile], chunk].long() * view.shape[1] + tiles.kv_head[tile]
     part = (~dense).nonzero().squeeze(1)
-    step = max(1, min(MAX_MASK_ELEMENTS // per_mask, MAX_GATHER_BYTES // (2 * kt * view.shape[4] * view.element_size())))
+    per_block = 2 * kt * view.shape[4] * view.element_size()
+    step = max(1, min(MAX_MASK_ELEMENTS // per_mask, MAX_GATHER_BYTES // per_block))
     for a in range(0, part.numel(), step):
         p = part[a:a + step]
         allowed = _allowed(tiles, tile[p], chunk[p], pred, kt) if kept is None else kept[a:a + step]

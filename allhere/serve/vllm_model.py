@@ -23,6 +23,9 @@ Window convention: allhere's window w = the w most recent keys, the query's own 
 ``(w - 1, 0)``); so w is handed over as it is to vLLM's sliding layers (``VLLM_WINDOW_OFFSET`` is that one
 place); allhere's own attention uses ``allhere.masks.sliding_window`` itself.
 
+KV bytes (``kv_bytes``): what the model's caches keep per token of context, beside the unconverted model's;
+written with the routing statistics and printed by ``allhere serve`` once it is ready.
+
 Routing statistics: every AHA layer counts its (token, head) pairs and the global ones over every forward
 pass (prefill and decode tokens alike, vLLM's warm-up passes included until ``reset_routing_stats``);
 ``routing_stats(model)`` (through ``LLM.apply_model``) returns them and mu_f. Where the environment names a
@@ -43,6 +46,7 @@ import os
 import time
 from pathlib import Path
 
+import torch
 from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
@@ -59,7 +63,7 @@ from vllm.model_executor.models.transformers import TransformersForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .. import registry
-from .vllm_layers import AHAServe, install_aha, install_dar, install_masked
+from .vllm_layers import SUBMODULE, AHAServe, install_aha, install_dar, install_masked
 from .vllm_paged import VLLM_WINDOW_OFFSET
 from .vllm_plugin import PAGED, RESET_SUFFIX, SERVED, STATS_ENV
 
@@ -126,14 +130,35 @@ def aha_layers(model: nn.Module) -> dict[int, AHAServe]:
     return {m.layer: m for m in model.modules() if isinstance(m, AHAServe)}
 
 
+def kv_bytes(model: nn.Module, dtype: torch.dtype, max_len: int) -> dict:
+    """What the model's KV caches keep, from its vLLM ``Attention`` layers: ``per_token``, bytes per token of
+    context (layers that keep every key); ``per_request``, bytes of the sliding-window layers' windows (a
+    constant per request, past the window); ``plain_per_token``, bytes per token of the unconverted model
+    (every layer keeping every key, none of allhere's extra caches)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    out = {"per_token": 0, "per_request": 0, "plain_per_token": 0}
+    for m in model.modules():
+        if not isinstance(m, Attention) or getattr(m, "kv_sharing_target_layer_name", None):
+            continue
+        b = 2 * m.num_kv_heads * m.head_size * size
+        window = getattr(m, "sliding_window", None)
+        if window is not None and window < max_len:
+            out["per_request"] += b * window
+        else:
+            out["per_token"] += b
+        if f".{SUBMODULE}." not in m.layer_name:  # DAR's far cache is allhere's own
+            out["plain_per_token"] += b
+    return out
+
+
 def routing_stats(model: nn.Module) -> dict:
     """Global and total (token, head) pairs per AHA layer since the last reset, and mu_f over all of them
-    (``LLM.apply_model(routing_stats)``)."""
+    (``LLM.apply_model(routing_stats)``); ``kv``: the caches' bytes (``kv_bytes``)."""
     found = sorted(aha_layers(model).items())
     layers = {i: (int(m.n_global), int(m.n_pairs)) for i, m in found}
     g, n = sum(a for a, _ in layers.values()), sum(b for _, b in layers.values())
     tokens = layers[found[0][0]][1] // found[0][1].router.out_features if found else 0
-    return {"layers": layers, "mu_f": g / n if n else None, "tokens": tokens}
+    return {"layers": layers, "mu_f": g / n if n else None, "tokens": tokens, "kv": getattr(model, "allhere_kv", None)}
 
 
 def reset_routing_stats(model: nn.Module) -> None:
@@ -183,9 +208,13 @@ class _Converted:
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.allhere_layers = install(self, vllm_config.model_config.hf_config)
+        model_config = vllm_config.model_config
+        self.allhere_kv = kv_bytes(self, model_config.dtype, model_config.max_model_len)
         path = os.environ.get(STATS_ENV)
         cuda = vllm_config.device_config.device_type == "cuda"
-        self.allhere_stats = StatsFile(path, cuda) if path and aha_layers(self) else None
+        self.allhere_stats = StatsFile(path, cuda) if path and self.allhere_layers else None
+        if self.allhere_stats is not None:
+            self.allhere_stats.write(self)  # the caches' bytes, for allhere serve's first line
 
     def forward(self, *args, **kwargs):
         if self.allhere_stats is not None:
