@@ -8,10 +8,11 @@ the local rows, allhere's attention for the global ones).
     .venv-serve/bin/python benchmarks/serve_paged_op.py --threads 1
 
 Shapes: 4 heads of 64 (4 kv heads), fp32, blocks of 128 (vLLM's CPU default), blocks scattered at random.
-Scenarios: "decode16": 16 requests of 8192 tokens, one query each; "decode1": one such request; "prefill" ("prefill2k"): the
-last 2048-token chunk of an 8192-token prompt (a 2048-token prompt; vLLM's CPU server schedules 2048 tokens a step). AHA's gates: head 0
-global for 27% of the queries, the others for 2% (mu_f about 8%), drawn at random. Times are the median of
---reps calls after one warm-up; the load average is printed with each row (the machine may be shared).
+Scenarios: "decode16": 16 requests of 8192 tokens, one query each; "decode1": one such request; "prefill": the
+last 2048-token chunk of an 8192-token prompt (vLLM's CPU server schedules 2048 tokens a step); "prefill2k": a
+2048-token prompt. AHA's gates: head 0 global for 27% of the queries, the others for 2% (mu_f about 8%), drawn
+at random. Times are the median of --reps calls after one warm-up; the load average is printed with each row
+(the machine may be shared).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import time
 import torch
 
 H, KVH, D, BS = 4, 4, 64, 128
-SCENARIOS = {"decode16": (16, 8192, 1), "decode1": (1, 8192, 1), "prefill": (1, 8192, 2048), "prefill2k": (1, 2048, 2048)}
+SCENARIOS = {"decode16": (16, 8192, 1), "decode1": (1, 8192, 1), "prefill": (1, 8192, 2048),
+             "prefill2k": (1, 2048, 2048)}
 
 
 def setup(requests: int, length: int, q_len: int):
@@ -98,13 +100,16 @@ def allhere_reads():
     from allhere.serve.paged import Read, causal_read, window_read
     from allhere.serve.vllm_layers import WIDE_TILE, WINDOW_TILE
 
-    pattern = lambda cfg: [[Read(registry.from_dict(registry.to_dict(cfg)).mask_fn(None), 0, WINDOW_TILE)]]  # noqa: E731
+    def pattern(cfg):
+        return [[Read(registry.from_dict(registry.to_dict(cfg)).mask_fn(None), 0, WINDOW_TILE)]]
+
     return {"full": ([[causal_read(q_tile=WIDE_TILE)]], 1, False),
             "aha": ([[window_read(256, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]], 1, True),
             "sinks": (pattern(ah.SinksConfig(window=252, n_sinks=4)), 1, False),
             "dilated": (pattern(ah.DilatedConfig(window=128, dilation=(1, 2, 3, 4))), 1, False),
             "longformer": (pattern(ah.LongformerConfig(window=256, global_first=4)), 1, False),
-            "bigbird": (pattern(ah.BigBirdConfig(block=64, window_blocks=3, global_blocks=1, random_blocks=1)), 1, False),
+            "bigbird": (pattern(ah.BigBirdConfig(block=64, window_blocks=3, global_blocks=1, random_blocks=1)), 1,
+                        False),
             "dar": ([[window_read(256, 0, q_tile=WINDOW_TILE), Read(far_keys(256), 1, WIDE_TILE)]], 2, False)}
 
 
