@@ -22,19 +22,20 @@ class each is in (AHA: 0 local, 1 global, from the router; one class otherwise).
 The work (``paged_attention``), batched tensor operations throughout (the only Python loops run over the
 rule's parts and over pieces of bounded memory, never over requests or heads):
 
-1. rows are grouped by (class, request, kv head) and cut into query tiles of up to ``q_tile`` rows, in order
-   of position, the query heads of one kv head together (a tile shares its keys); single-token (decode)
-   requests get tiles of their own size;
-2. per tile and part, the key blocks its rows may read:
-   at or before the tile's last position and not excluded by ``tiles``. A chunk no row of the tile may read
-   is never gathered (``allhere.serve.paged_chunks``);
-3. blocks that every row reads entirely (``dense``, or the predicate evaluated) are packed several to a call
-   and attended unmasked; the others under the predicate's mask, each (tile, chunk) in torch's fused flash
-   attention for the CPU, which also returns each row's log-sum-exp;
-4. a tile's chunks are merged by their log-sum-exp (one softmax over everything a row reads), learned sink
+1. rows of requests with several queries this step (prefill, chunked prefill) are grouped by (class, request,
+   kv head) and cut into query tiles of up to ``q_tile`` rows, in order of position, the query heads of one
+   kv head together (a tile shares its keys; the rest of a group goes into a smaller tile);
+2. per tile and part, the key blocks its rows may read: at or before the tile's last position and not
+   excluded by ``tiles``. A block no row of the tile may read is never gathered (``paged_chunks``);
+3. blocks every row of the tile reads entirely (``dense``, or the predicate evaluated) are packed several to a
+   call and attended unmasked; the others under the predicate's mask, each (tile, block) in torch's fused
+   flash attention for the CPU, which also returns each row's log-sum-exp;
+4. decode rows (one query in their request) take one tile per (token, kv head, class) that gathers all its
+   blocks at once and scores them by matmul from the transposed keys (``paged_decode``);
+5. all pieces a row read are merged by their log-sum-exp (one softmax over everything it reads), learned sink
    logits (gpt-oss) joining as one more term; the rows are written to ``out``.
 
-Soft-capped scores (Gemma-2) have no fused kernel: their chunks' scores are computed with matmuls.
+Soft-capped scores (Gemma-2) have no fused kernel: there the scores are computed with matmuls too.
 """
 
 from __future__ import annotations

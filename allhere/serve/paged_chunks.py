@@ -1,5 +1,6 @@
-"""The work of ``allhere.serve.paged.paged_attention``: query tiles, the key chunks each reads, their attention
-in few fused calls, and the merge of a tile's chunks by log-sum-exp. Plain torch."""
+"""The prefill work of ``allhere.serve.paged.paged_attention`` (query tiles, the key blocks each reads, their
+attention in few fused calls) and what both paths share: the gather of blocks, the workspace, the merge of a
+row's pieces by log-sum-exp. Plain torch."""
 
 from __future__ import annotations
 
