@@ -68,6 +68,25 @@ class AHAConfig:
               self.router_init_bias, "a finite number >= 0")
 
 
+def router_scores(logits: torch.Tensor) -> torch.Tensor:
+    """The router's scores s = sigmoid(logits) in fp32 (Eq. 1), same shape: ``logits`` = X W_router (+ bias),
+    per (token, head). A pure piece every host calls on its own router output (allhere's modules, vLLM)."""
+    return torch.sigmoid(logits.float())
+
+
+def hidden_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tau: float,
+                forced: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """AHA's gate from the attention block's input, for a host that holds the linear router's weights itself:
+    x [..., d_model], weight [heads, d_model], bias [heads] or None -> (scores [..., heads] fp32, hard gate
+    [..., heads] bool: True = full causal attention, False = the window). ``forced`` True / False sets every
+    gate global / local (the scores are still computed)."""
+    s = router_scores(torch.nn.functional.linear(x, weight, bias))
+    hard = s > tau
+    if forced is not None:
+        hard = torch.full_like(hard, bool(forced))
+    return s, hard
+
+
 def init_router_(weight: torch.Tensor, bias: torch.Tensor | None, cfg: AHAConfig) -> None:
     """Initialise router weights [heads, d] and bias [heads] in place (see ``AHAConfig``)."""
     with torch.no_grad():
@@ -120,7 +139,7 @@ class AHAAttention(AttentionMechanism):
             if q_extra is None:
                 raise ValueError("router='qproj' needs its logits from the host's fused query projection")
             logits = q_extra if self.router_bias is None else q_extra + self.router_bias
-        return torch.sigmoid(logits.float().transpose(1, 2))  # not a view: FSDP2 warns of views among outputs
+        return router_scores(logits.transpose(1, 2))  # not a view: FSDP2 warns of views among outputs
 
     def gate(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate for the op, hard bool gate): the straight-through gate while training the router."""
