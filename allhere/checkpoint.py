@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
+from .validation import ConfigError
 
 
 class CheckpointError(ValueError):

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import registry
 from .mechanisms.full import FullConfig
-from .validation import ConfigError, check, check_int, is_number  # noqa: F401  (ConfigError: importable from here)
+from .validation import ConfigError, check, check_int, is_number
 
 
 @dataclass(frozen=True)

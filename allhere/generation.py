@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from .mechanisms.base import mechanism_layers
 from .model import Decoder
 from .routing import routed_layers
 from .validation import ConfigError
@@ -186,7 +187,8 @@ class _Streamer:
 @torch.no_grad()
 def _hf_generate(model, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float | None,
                  stream: TextStream, stats: Stats, eos: set[int], use_cache: bool, pad: int | None) -> list[int]:
-    """A transformers model: its own ``generate`` (its cache, DAR's compressed one included). The model's
+    """A transformers model: its own ``generate``, a converted one on ``allhere.hf.new_cache`` (in-place
+    layers sized for the prompt and the reply, DAR's compressed ones), a plain one on its own. The model's
     generation config applies but for the length, the end tokens and the sampling settings set here (a
     checkpoint's recommended temperature / top_k / top_p are not used: the caller's are)."""
     config = copy.deepcopy(model.generation_config)
@@ -207,10 +209,15 @@ def _hf_generate(model, prompt: list[int], max_new_tokens: int, temperature: flo
             stats.count(collect_routing(model))
 
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    cache = {}
+    if config.use_cache and mechanism_layers(model):  # in-place layers sized once for prompt + reply
+        from .hf.cache import cache_kwargs, new_cache
+
+        cache = cache_kwargs(new_cache(model, reserve=len(prompt) + max_new_tokens))
     hook = model.register_forward_hook(count) if stats.routed else None
     try:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                             streamer=_Streamer(stream))
+                             streamer=_Streamer(stream), **cache)
     finally:
         if hook is not None:
             hook.remove()

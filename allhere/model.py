@@ -11,7 +11,7 @@ from torch import nn
 from . import registry
 from .config import ModelConfig
 from .mechanisms.base import AttentionCall, AttentionDims, mechanism_layers
-from .routing import Routing, routed_layers, set_forced_gate  # noqa: F401  (set_forced_gate: public here too)
+from .routing import Routing
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

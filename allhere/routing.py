@@ -1,8 +1,9 @@
 """What the routers decided in one forward pass, and the statistics of the AHA paper's Eqs. 7-8.
 
 A model returns a ``Routing`` (never global state): per AHA layer the router scores s and the hard gates
-g = 1[s > tau], each [batch, heads, tokens]. Padding positions (``padding_mask`` False) are excluded
-from every mean.
+g = 1[s > tau], each [batch, heads, tokens] (a ``LayerRouting``, what a routed mechanism returns: defined
+with the mechanism interface, ``allhere.mechanisms.base``). Padding positions (``padding_mask`` False) are
+excluded from every mean. ``routed_layers`` and ``set_forced_gate`` find the routed mechanisms of a model.
 """
 
 from __future__ import annotations
@@ -11,11 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .mechanisms.base import LayerRouting, mechanism_layers
 
-@dataclass
-class LayerRouting:
-    scores: torch.Tensor  # [batch, heads, tokens] router scores s in (0, 1) (fp32, differentiable)
-    gates: torch.Tensor  # [batch, heads, tokens] bool hard gates, True = full attention
+__all__ = ["LayerRouting", "Routing", "routed_layers", "set_forced_gate"]
 
 
 @dataclass
@@ -56,8 +55,6 @@ class Routing:
 def routed_layers(model) -> list[tuple[int, "torch.nn.Module"]]:
     """(layer index, mechanism module) of every layer whose mechanism routes (e.g. AHA), in our decoder
     or in a converted Hugging Face model (whose mechanisms know their layer: ``layer_index``)."""
-    from .mechanisms.base import mechanism_layers
-
     return [(getattr(m, "layer_index", i), m) for i, m in enumerate(mechanism_layers(model)) if m.routed]
 
 

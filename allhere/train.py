@@ -18,8 +18,8 @@ import torch
 
 from .checkpoint import CheckpointError, read_checkpoint, restore_model, restore_optimizer, save_checkpoint
 from .config import TrainConfig
-from .distributed.context import check_trainable as check_context_parallel, shard_loss
-from .distributed.env import detect
+from .distributed.context import check_supported as check_context_parallel, shard_loss
+from .distributed.parallel import ParallelConfig
 from .distributed.training import distributed_run
 from .interrupt import Interrupted, stop_signals
 from .losses import training_loss
@@ -102,8 +102,7 @@ def adapt_lam(lam: float, mu_f: float, cfg: TrainConfig) -> float:
 
 def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | Path, resume: bool = False,
           eval_fn: EvalFn | None = None, progress: "bool | Callable" = True, extra_state: dict | None = None,
-          train_only: str | None = None, context_parallel: str | None = None,
-          context_parallel_size: int | None = None) -> dict:
+          train_only: str | None = None, parallel: ParallelConfig | None = None) -> dict:
     """Train ``model`` in place; checkpoint to ``ckpt_path``; return the final state (history, metrics).
 
     ``model``: our ``Decoder`` or anything with its call interface (``allhere.hf.HFCausalLM``).
@@ -117,12 +116,12 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     FSDP2, each rank takes its share of every step's micro-batches (same global batch, same gradient),
     checkpoints are sharded (``ckpt_path`` with suffix ``.dcp``) and the final model is exported to
     ``ckpt_path``; only rank 0 writes files and shows progress. With one process nothing of this runs.
-    ``context_parallel`` ("zigzag" or "contiguous"): the ranks form a dp x cp mesh with cp =
-    ``context_parallel_size`` (default: all of them); each micro-batch goes to one data-parallel replica,
-    whose cp ranks split each sequence with that layout, attention running through the ring
-    (``allhere.distributed.context``: every mechanism that declares a ring plan; packed documents, no
-    padding). The gradient and the logged losses are the one-process ones. The model and the layout are
-    checked before training starts, also with one process, where no ring runs.
+    ``parallel`` (``allhere.distributed.ParallelConfig``, default: data parallel over every process): the
+    ranks form its dp x cp mesh; each micro-batch goes to one data-parallel replica, whose cp ranks split
+    each sequence with its layout, attention running through the ring (``allhere.distributed.context``:
+    every mechanism that declares a ring plan; packed documents, no padding). The gradient and the logged
+    losses are the one-process ones. With cp > 1 the model is checked before anything starts, then the
+    mesh against the processes and ``cfg.grad_accum``.
 
     No other process may write ``ckpt_path``'s folder meanwhile (``allhere.runlock.RunLocked``). SIGINT
     (Ctrl-C) or SIGTERM during the loop: the step in flight is finished and checkpointed, then
@@ -132,21 +131,14 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     ckpt_path = Path(ckpt_path)
     with run_lock(ckpt_path.parent):
         return _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_state, train_only,
-                      context_parallel, context_parallel_size)
+                      parallel or ParallelConfig())
 
 
-def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_state, train_only, context_parallel,
-           context_parallel_size):
-    if context_parallel is not None:
-        check_context_parallel(model, context_parallel)
-        env = detect()
-        size = context_parallel_size or (1 if env is None else env.world)
-    elif context_parallel_size not in (None, 1):
-        raise ConfigError(f"context_parallel_size = {context_parallel_size} without a context_parallel layout")
-    else:
-        size = 1
-    run = distributed_run(cfg.device, size)  # None with one process
-    cp = None if run is None or run.cp == 1 else context_parallel  # the layout of context-parallel training, or None
+def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_state, train_only, parallel):
+    if parallel.context_parallel > 1:  # every layer must run through the ring: said before anything starts
+        check_context_parallel(model)
+    run = distributed_run(cfg.device, parallel, cfg.grad_accum)  # None with one process
+    cp = None if run is None or run.cp == 1 else run.layout  # the layout of context-parallel training, or None
     device = cfg.device if run is None else run.device
     model.to(device)
     for name, p in model.named_parameters():  # stage-wise training (e.g. only a new bottleneck first)
@@ -194,7 +186,7 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
                 group["lr"] = lr_at(cfg, step) * group["lr_mult"]
             sums = {"loss": 0.0, "lm": 0.0, "mu_f": 0.0}
             # this rank's share of the step's micro-batches
-            micros = range(cfg.grad_accum) if run is None else run.micro_batches(cfg.grad_accum)
+            micros = range(cfg.grad_accum) if run is None else run.micro_batches()
             share = cfg.grad_accum * (run.cp if cp else 1)  # context parallel: every cp rank logs 1/cp
             for micro in micros:
                 batch = batches(step, micro, step_generator(cfg.seed, step, micro))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from allhere.experiments.gates import PATTERNS, flop_limit
 from allhere.experiments.timing import median_time
 from allhere.masks import segment_starts
-from allhere.ops.aha import aha_attention, aha_attention_naive
+from allhere.ops.aha import aha_attention, aha_attention_reference
 from allhere.ops.aha.fast import aha_attention_torch
 from allhere.ops.ste import straight_through
 
@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     n0 = min(a.lengths)  # correctness before speed
     q, k, v = (torch.randn(1, a.heads, n0, a.dim) for _ in range(3))
     gate = PATTERNS[a.patterns[0]](1, a.heads, n0, a.mu)
-    err = (fast(q, k, v, gate, a.window) - aha_attention_naive(q, k, v, gate, a.window)).abs().max()
+    err = (fast(q, k, v, gate, a.window) - aha_attention_reference(q, k, v, gate, a.window)).abs().max()
     print(f"# check at n={n0}: max |fast - reference| = {err.item():.2e}")
     if err > 1e-4:
         raise SystemExit("fast path disagrees with the reference")
@@ -123,9 +123,9 @@ def padded_table(a) -> None:
             for name in a.patterns:
                 gate = PATTERNS[name](4, a.heads, n, a.mu)
                 per_segment = lambda: fast(q, k, v, gate, a.window, row_start=starts)  # noqa: E731
-                ref = aha_attention_naive(q, k, v, gate, a.window, mask=mask)
+                ref = aha_attention_reference(q, k, v, gate, a.window, mask=mask)
                 err = (per_segment() - ref).abs().max().item()
-                t_ref = median_time(lambda: aha_attention_naive(q, k, v, gate, a.window, mask=mask), a.repeats)
+                t_ref = median_time(lambda: aha_attention_reference(q, k, v, gate, a.window, mask=mask), a.repeats)
                 t_fast = median_time(per_segment, a.repeats)
                 print(f"| {n} | {name} | {t_sdpa * 1e3:.0f} | {t_ref * 1e3:.0f} | {t_fast * 1e3:.0f} | "
                       f"{t_ref / t_fast:.1f}x | {err:.1e} |", flush=True)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from allhere.experiments.timing import median_time
-from allhere.ops.dar import dar_attention, dar_attention_naive
+from allhere.ops.dar import dar_attention, dar_attention_reference
 
 
 def main(argv=None) -> None:
@@ -36,12 +36,12 @@ def main(argv=None) -> None:
         q, kn, vn, kf, vf = (torch.randn(1, a.heads, n, a.dim) for _ in range(5))
         with torch.no_grad():
             if n == a.lengths[0]:
-                ref = dar_attention_naive(q, kn, vn, kf, vf, a.window)
+                ref = dar_attention_reference(q, kn, vn, kf, vf, a.window)
                 err = (dar_attention(q, kn, vn, kf, vf, a.window) - ref).norm() / ref.norm()
                 assert err < 1e-5, f"blocked DAR differs from the reference: rel. error {err:.2e}"
             sdpa = median_time(lambda: F.scaled_dot_product_attention(q, kn, vn, is_causal=True), a.repeats)
             fast = median_time(lambda: dar_attention(q, kn, vn, kf, vf, a.window), a.repeats)
-            naive = median_time(lambda: dar_attention_naive(q, kn, vn, kf, vf, a.window), a.repeats)
+            naive = median_time(lambda: dar_attention_reference(q, kn, vn, kf, vf, a.window), a.repeats)
         print(f"| {n} | {1e3 * sdpa:.1f} ms | {1e3 * fast:.1f} ms | {1e3 * naive:.1f} ms | "
               f"{fast / sdpa:.2f}x | {naive / fast:.2f}x |")
 

@@ -1,29 +1,43 @@
 """Every GPU check and measurement of the project, run in one call of a lent device within its time.
 
-    python3 benchmarks/gpu_session.py                         # every part in order, until --deadline
-    python3 benchmarks/gpu_session.py bench patterns --deadline 250 --cap bench=400
-    python3 benchmarks/gpu_session.py --continue --deadline 200  # what the last call here left, at once
-    python3 benchmarks/gpu_session.py --plan                  # the parts and their caps; runs nothing
+    python3 benchmarks/gpu_session.py --deadline 560          # one 10-minute device call (timeout >= 580)
+    python3 benchmarks/gpu_session.py --continue --deadline 200  # at once, on the warm machine: what is left
+    python3 benchmarks/gpu_session.py model train --deadline 250 --cap model=300   # chosen parts
+    python3 benchmarks/gpu_session.py --plan                  # parts, caps, commands, expected times; runs nothing
 
 Run from the repository root; nothing is installed (the device's image has torch, triton and transformers,
 and nothing can be fetched there). A lent device gives a session 15 minutes in all, a machine's start
-included, and one command at most 10: so the parts run in order of what they are worth, each stopped at
-its cap (a guess: none has run on a GPU yet; interrupted, then killed with its children), and none is
-started with under 30 s left before --deadline (the device call's timeout: at least the deadline + 20 s).
-Each part's output goes to its own file under $OUT (or runs/gpu) as it comes, so a part stopped halfway
-still shows how far it got; session.md says for each part what became of it, and what the next call
-should run. At most 8 files: what the device tool brings back.
+(1-2 minutes) included, and one command at most 10: so the plan is one call with --deadline 560 and, on the
+same warm machine, one ``--continue`` call with what is left (about 200 s). The parts run in order of
+worth, each stopped at its cap (the time it took on the H200 of 2026-11-26 with a margin; an estimate for
+those that have not run yet; interrupted, then killed with its children), and none is started with under
+30 s left before --deadline (the device call's timeout: at least the deadline + 20 s). Each part's output
+goes to its file under $OUT (or runs/gpu) as it comes, so a part stopped halfway still shows how far it
+got; session.md says for each part what became of it, and what the next call should run. At most 8 files:
+what the device tool brings back (the pattern parts share one).
 
-Parts, in order:
-  tests       CUDA tests of the kernels: compiled for real, bf16 against the fp32 reference
-  bench       allhere bench --profile: where each AHA path's time goes (kernel by kernel), then prefill /
-              decode / training against the fastest dense SDPA backend (the goals)
-  mechanisms  every mechanism in a Decoder against the CPU, the patterns' FlexAttention path, the AA-MoE
-              op, ring attention and FSDP2 (bf16, sharded checkpoint) in a one-rank NCCL group
-  patterns    benchmarks/patterns_speed.py at n = 8192 and 32768, block-sparse then FlexAttention
-  train       allhere demo --preset tiny on CUDA, then SFT tokens/s of AHA against SDPA
-              (benchmarks/sft_throughput.py, one document per row, then packed documents of 512 tokens)
-  tiles       benchmarks/kernel_tiles.py: block sizes, warps, stages, decode split of the Triton kernels
+Parts, in order (took: seconds on that H200, ~: an estimate):
+  tests        took 93   CUDA tests of the kernels: compiled for real, bf16 against the fp32 reference
+  tiles        ~120      benchmarks/kernel_tiles.py: every launch setting the kernels' autotuner may pick on
+                         this GPU, checked against the fp32 reference and timed; then the autotuner's first
+                         calls (tuning included) and choices. Before bench: its compiles stay in Triton's cache
+  bench        took 42   allhere bench --profile: where each AHA path's time goes (kernel by kernel), then
+                         the op's prefill / decode / training against the fastest dense SDPA backend
+  model        ~80       allhere bench --tables model: a Llama-3.2-1B-shaped model, plain SDPA against AHA
+                         (mu_f 7%): prefill tokens/s at 8k and 32k, decode tokens/s at B = 8 with 32k and
+                         128k contexts through generate on allhere's in-place cache
+  mechanisms   took 94   every mechanism in a Decoder against the CPU, the patterns' FlexAttention path, the
+                         AA-MoE op, ring attention and FSDP2 (bf16, sharded checkpoint) in a one-rank NCCL group
+  patterns     ~75       benchmarks/patterns_speed.py, FlexAttention (the patterns' path on CUDA) at 8k, 32k
+  flexcost     ~80       benchmarks/flex_mask_cost.py at 32k: FlexAttention's time per pattern on the same
+                         tiles with the pattern's predicate, its earlier table forms and no mask
+  train        ~100      SFT tokens/s of AHA against plain SDPA at the Llama-3.2-1B shape
+                         (benchmarks/sft_throughput.py: one document per row, then packed documents of 512)
+  blocksparse  ~60       benchmarks/patterns_speed.py, the block-sparse op at 8k and 32k (measured twice on
+                         that H200 and unchanged since: last)
+
+The demo's ``tiny`` preset is not run on CUDA: its 2-minute models say nothing there (7.4 bits/byte, mu_f
+100% on that H200).
 """
 
 from __future__ import annotations
@@ -46,28 +60,33 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Part:
-    cap: int  # seconds: the part is stopped there (a guess, to be replaced by what the GPU shows)
-    log: str  # its file under the output folder
+    cap: int  # seconds: the part is stopped there (what it took on a GPU with a margin, or a guess)
+    log: str  # its file under the output folder (parts may share one: each appends)
     commands: tuple  # argv lists, run one after the other within the cap; "{tmp}" is a scratch folder
+    expect: int = 0  # seconds it is expected to take (measured where it ran; for --plan)
+
+
+def _patterns(backend: str, *lengths: str) -> tuple:
+    return tuple((PY, "benchmarks/patterns_speed.py", "--device", "cuda", "--n", n, "--backend", backend)
+                 for n in lengths)
 
 
 PARTS = {
-    "tests": Part(200, "tests.log", (
-        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/test_gpu.py", "tests/test_kernels.py"),)),
-    "bench": Part(240, "bench.log", (
-        (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),)),
-    "mechanisms": Part(200, "mechanisms.log", (
-        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=15", "tests/test_gpu_mechanisms.py"),)),
-    "patterns": Part(150, "patterns.md", tuple(
-        (PY, "benchmarks/patterns_speed.py", "--device", "cuda", "--n", n, "--backend", backend)
-        for n in ("8192", "32768") for backend in ("blocksparse", "flex"))),
-    "train": Part(180, "train.log", (
-        (PY, "-m", "allhere.cli", "demo", "--preset", "tiny", "--device", "cuda", "--no-progress",
-         "--out", "{tmp}/demo"),
-        (PY, "benchmarks/sft_throughput.py", "--device", "cuda", "--steps", "60", "--warmup", "10"),
-        (PY, "benchmarks/sft_throughput.py", "--device", "cuda", "--steps", "60", "--warmup", "10",
-         "--doc-len", "512", "--router-init", "local"))),
-    "tiles": Part(200, "tiles.md", ((PY, "benchmarks/kernel_tiles.py"),)),
+    "tests": Part(150, "tests.log", (
+        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/test_gpu.py", "tests/test_kernels.py"),), 93),
+    "tiles": Part(180, "tiles.md", ((PY, "benchmarks/kernel_tiles.py", "--repeats", "5"),), 120),
+    "bench": Part(120, "bench.log", (
+        (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),), 42),
+    "model": Part(180, "model.log", (
+        (PY, "-m", "allhere.cli", "bench", "--tables", "model", "--out", "{tmp}/model"),), 80),
+    "mechanisms": Part(150, "mechanisms.log", (
+        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=15", "tests/test_gpu_mechanisms.py"),), 94),
+    "patterns": Part(150, "patterns.md", _patterns("flex", "8192", "32768"), 75),
+    "flexcost": Part(150, "patterns.md", ((PY, "benchmarks/flex_mask_cost.py", "--device", "cuda"),), 80),
+    "train": Part(180, "train.log", tuple(
+        (PY, "benchmarks/sft_throughput.py", "--device", "cuda", "--shape", "llama-1b", "--router-init", "global",
+         *extra) for extra in ((), ("--doc-len", "512"))), 100),
+    "blocksparse": Part(100, "patterns.md", _patterns("blocksparse", "8192", "32768"), 60),
 }
 SUMMARY = "session.md"
 MIN_START = 30  # seconds: a part is not started with less left before the deadline
@@ -171,6 +190,23 @@ def write_summary(out: Path, header: str, parts: dict, rows: list, waiting: list
     return text
 
 
+def print_plan(parts: dict, deadline: float) -> None:
+    """Each part's cap, file, expected time and commands; then which parts the expected times fit before
+    ``deadline`` (a part past it is stopped there and left to --continue)."""
+    at, fits = 0, []
+    for name, part in parts.items():
+        print(f"{name}: cap {part.cap} s, expected ~{part.expect} s -> {part.log}")
+        for cmd in part.commands:
+            print("   ", " ".join(cmd[1:]))
+        if deadline - at >= MIN_START:
+            fits.append(name)
+        at += part.expect
+    print(f"caps add up to {sum(p.cap for p in parts.values())} s, expected times to ~{at} s; deadline "
+          f"{deadline:.0f} s: this call starts {' '.join(fits)}"
+          + (f"; --continue runs {' '.join(n for n in parts if n not in fits)} and any part cut short"
+             if len(fits) < len(parts) else ""))
+
+
 def parse_caps(items: list[str]) -> dict[str, int]:
     caps = {}
     for item in items:
@@ -226,13 +262,9 @@ def main(argv=None) -> int:
         names, caps = args.parts or list(PARTS), {}
         state = {"order": names, "caps": {}, "results": {}}
     caps.update(parse_caps(args.cap))
-    parts = {n: Part(caps.get(n, PARTS[n].cap), PARTS[n].log, PARTS[n].commands) for n in names}
+    parts = {n: Part(caps.get(n, PARTS[n].cap), PARTS[n].log, PARTS[n].commands, PARTS[n].expect) for n in names}
     if args.plan:
-        for name, part in parts.items():
-            print(f"{name}: cap {part.cap} s -> {part.log}")
-            for cmd in part.commands:
-                print("   ", " ".join(cmd[1:]))
-        print(f"caps add up to {sum(p.cap for p in parts.values())} s; deadline {args.deadline:.0f} s")
+        print_plan(parts, args.deadline)
         return 0
     if not names:
         print(f"nothing left: every part in {args.state} has run")

@@ -1,9 +1,11 @@
 """Compile every Triton kernel of the project for a GPU that is not here, and print what each tile
 setting costs it: registers per thread, bytes spilled to local memory, shared memory, whether Hopper's
-wgmma instructions are used, and whether the setting can launch at all on that GPU.
+wgmma instructions are used, and whether the setting can launch at all on that GPU. The settings are each
+kernel's candidates in ``allhere/kernels/tiles.py`` pruned for that GPU (``tiles.prune``: what the
+autotuner would time there).
 
-    python benchmarks/kernel_compile.py                 # sm_90 (H100), every setting of allhere/kernels/tiles.py
-    python benchmarks/kernel_compile.py --default-only  # the kernels' default settings only (a test runs this)
+    python benchmarks/kernel_compile.py                 # sm_90 (H100): every candidate the autotuner may time there
+    python benchmarks/kernel_compile.py --default-only  # per kernel the setting autotune.pinned() gives there (a test runs this)
     python benchmarks/kernel_compile.py --arch 80       # A100
     python benchmarks/kernel_compile.py --default-only --arch 89 --head-dim 64 --dtype float16
 
@@ -33,11 +35,10 @@ from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from allhere.experiments.gates import long_tailed  # noqa: E402
-from allhere.kernels import stages_for  # noqa: E402
+from allhere.kernels import autotune, tiles  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
-from allhere.kernels.tiles import BLOCK_TILES, DECODE_TILES, DKDV_TILES  # noqa: E402
 from allhere.masks import segment_starts  # noqa: E402
 
 # Shared memory one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), per compute capability.
@@ -135,43 +136,42 @@ def main() -> None:
     gate = torch.ones(2, h, dtype=torch.bool)
 
     segments = segment_starts(segment_mask(n), n, n)  # 16 padding positions, then packed documents
+    scale = d ** -0.5
 
-    def train(tiles, starts, dkdv):
-        out, _ = aha_train_triton(q, k, v, hard, w, d ** -0.5, *tiles, row_start=starts, dkdv_rows=dkdv[0],
-                                  dkdv_warps=dkdv[1])
+    def prefill(starts):
+        with torch.no_grad():
+            aha_prefill_triton(q, k, v, hard, w, scale, row_start=starts)
+
+    def train(starts):
+        out, _ = aha_train_triton(q, k, v, hard, w, scale, row_start=starts)
         torch.autograd.grad(out.sum(), [q, k, v])  # the three backward kernels (values are meaningless)
 
-    def record(part, tiles, dkdv, start, only=None):  # the dK / dV kernel has its own (rows, warps)
-        rows.extend((f"{name} ({part})", dkdv + (tiles[1], tiles[3]) if name == "_dkdv_kernel" else tiles,
-                     resources(kernel)) for name, kernel in log[start:] if only in (None, name))
+    def decode(starts):
+        aha_decode_triton(decode_q, k.detach(), v.detach(), gate, w, scale)
 
+    # Each kernel's candidates pruned for the target (what the autotuner would time on it), pinned one at a
+    # time for that kernel alone (the others run their interpreter defaults, not recorded).
+    calls = {"sliding": ("prefill", prefill, "_sliding_kernel"), "global": ("prefill", prefill, "_global_kernel"),
+             "local_dq": ("training", train, "_local_dq_kernel"), "global_dq": ("training", train, "_global_dq_kernel"),
+             "dkdv": ("training", train, "_dkdv_kernel"), "decode": ("decode", decode, None)}
+    capability, shared = divmod(args.arch, 10), MAX_SHARED.get(args.arch, MAX_SHARED[80])
     rows = []
-    default = (*BLOCK_TILES[0][:3], stages_for(MAX_SHARED.get(args.arch, MAX_SHARED[80])))  # as on that GPU
-    for tiles in [default] if args.default_only else BLOCK_TILES:
-        for starts in (None, segments):
-            seg = "" if starts is None else ", segments"
-            start = len(log)
-            with torch.no_grad():
-                aha_prefill_triton(q, k, v, hard, w, d ** -0.5, *tiles, row_start=starts)
-            record(f"prefill{seg}", tiles, DKDV_TILES[0], start)
-            start = len(log)
-            train(tiles, starts, DKDV_TILES[0])
-            record(f"training{seg}", tiles, DKDV_TILES[0], start)
-    for dkdv in [] if args.default_only else DKDV_TILES[1:]:
-        start = len(log)
-        train(default, None, dkdv)
-        record("training", default, dkdv, start, only="_dkdv_kernel")
-    for tiles in DECODE_TILES[:1] if args.default_only else DECODE_TILES:
-        start = len(log)
-        aha_decode_triton(decode_q, k.detach(), v.detach(), gate, w, d ** -0.5, *tiles)
-        record("decode", tiles, None, start)
+    for kernel, (part, call, only) in calls.items():
+        settings = tiles.prune(kernel, d, dtype.itemsize, capability, shared, n)
+        for setting in settings[:1] if args.default_only else settings:
+            for starts in (None, segments) if part != "decode" else (None,):
+                start = len(log)
+                with autotune.pinned({kernel: setting}):
+                    call(starts)
+                seg = "" if starts is None else ", segments"
+                rows.extend((f"{name} ({part}{seg})", setting, resources(compiled)) for name, compiled in log[start:]
+                            if only in (None, name))
 
     print(f"# Triton kernels compiled for sm_{args.arch} (triton {triton.__version__}, no GPU; head dim {d}, "
-          f"{args.dtype})\n\nTiles: (block_m, block_n, warps, stages); dK / dV: (rows, warps, block_n, stages); decode: "
-          "(split, block_n, warps).\n")
+          f"{args.dtype})\n\nSettings: (BLOCK_M, BLOCK_N, warps, stages); decode: (SPLIT, BLOCK_N, warps, stages).\n")
     print("| kernel | tiles | registers | spilled B | shared KiB | wgmma | launches |\n|---|---|---|---|---|---|---|")
-    for label, tiles, r in rows:
-        print(f"| {label} | {tiles} | {r['regs']} | {r['local'] + r['stack']} | {r['shared'] / 1024:.0f} "
+    for label, setting, r in rows:
+        print(f"| {label} | {tuple(setting.values())} | {r['regs']} | {r['local'] + r['stack']} | {r['shared'] / 1024:.0f} "
               f"| {'yes' if r['wgmma'] else 'no'} | {fits(r, args.arch)} |")
 
 

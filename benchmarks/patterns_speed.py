@@ -3,7 +3,7 @@
     python benchmarks/patterns_speed.py [--n 8192] [--heads 8] [--kv-heads 2] [--dim 64] [--repeats 3]
                                         [--device cpu|cuda] [--backend blocksparse|flex]
 
-Per pattern: density (allowed scores / n^2), the fast path's time (its block structure built once
+Per pattern: density (allowed scores / n^2), the fast path's time in milliseconds (its block structure built once
 beforehand, as a model reuses it across layers and steps: the tile plan of the block-sparse op, or
 FlexAttention's BlockMask with ``--backend flex``; the build time is printed apart, and FlexAttention's
 compilation happens in an untimed warm-up call), dense causal SDPA's time, ratio = dense / fast and limit =
@@ -149,7 +149,7 @@ def main(argv=None) -> None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != h)
         print(f"n={n} heads={h} kv_heads={hkv} dim={d} threads={torch.get_num_threads()} device=cpu"
               + ("" if blocked else f" backend={args.backend}"))
-    print(f"{'pattern':<28} {'density':>8} {'plan s':>7} {'fast s':>8} {'dense s':>8} {'ratio':>6} {'limit':>6}  >= limit/2")
+    print(f"{'pattern':<28} {'density':>8} {'plan ms':>9} {'fast ms':>9} {'dense ms':>9} {'ratio':>6} {'limit':>6}  >= limit/2")
     failed = 0
     with torch.no_grad():
         dense = best(dense_call, args.repeats, cuda)
@@ -174,7 +174,7 @@ def main(argv=None) -> None:
                 continue
             td = min(dense, best(dense_call, 1, cuda))
             ratio, limit = td / t, dense_scores / s
-            print(f"{name:<28} {s / n ** 2:8.3%} {t_plan:7.2f} {t:8.3f} {td:8.3f} {ratio:6.2f} {limit:6.2f}  "
+            print(f"{name:<28} {s / n ** 2:8.3%} {1e3 * t_plan:9.1f} {1e3 * t:9.3f} {1e3 * td:9.3f} {ratio:6.2f} {limit:6.2f}  "
                   f"{'yes' if ratio >= limit / 2 else 'no'}")
     if failed:
         raise SystemExit(f"{failed} pattern(s) failed")

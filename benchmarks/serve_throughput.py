@@ -1,21 +1,28 @@
-"""Serving throughput under vLLM: models converted by allhere (AHA by default) against the same model
-unconverted, each behind ``allhere serve`` (vLLM's OpenAI-compatible server with allhere's plugin), in one run.
+"""Serving throughput under vLLM: the plain model served by vLLM's own attention against the same model converted
+by allhere to each mechanism, each behind ``allhere serve`` (vLLM's OpenAI-compatible server with allhere's
+plugin), one server after the other, in one run and one table.
 
-    .venv-serve/bin/python benchmarks/serve_throughput.py            # ~5 minutes on 2 CPU cores
-    .venv-serve/bin/python benchmarks/serve_throughput.py --quick    # prompt 256, 16 new tokens
-    .venv-serve/bin/python benchmarks/serve_throughput.py --mechanisms aha sinks dar   # + the paged ones
+    .venv-serve/bin/python benchmarks/serve_throughput.py                       # every mechanism, 2k and 8k prompts
+    .venv-serve/bin/python benchmarks/serve_throughput.py --mechanisms aha sinks --prompts 8192
+    .venv-serve/bin/python benchmarks/serve_throughput.py --quick               # prompts of 256, 16 new tokens
 
-(needs the serving environment: bash scripts/install_serve.sh). Model: a random-weight Llama of 4 layers,
-d = 256, 4 heads of 64 (fp32) and a word-level tokenizer of 1024 words, saved with transformers; the AHA
-version (w = 256) has its routers set as ``allhere bench``'s whole-model table sets them (one head at 27% in
-three layers, every other head at 2%: mu_f about 7%, measured on the prompts and printed). Workload:
-prompts of --prompt random words, a new prompt for every request (so vLLM's prefix cache never hits), --new
-greedy tokens each (ignore_eos), streamed; batch 1 (--rounds requests one after another) and batch 16 (16
-concurrent requests, --rounds times). Time to first token (TTFT) is the
-median over requests; output tokens/s is all new tokens over the wall time of the batch. The two servers run
-one after the other (the machine has 2 cores); the load average is printed before and after. Sinks
-(w = 252 + 4 sinks) and DAR (w = 256, d_down = 64) are served by allhere's reference attention over vLLM's
-paged cache (docs/serving.md).
+(needs the serving environment: bash scripts/install_serve.sh). Model: a random-weight Llama of 4 layers, d = 256,
+4 heads of 64 (fp32) and a word-level tokenizer of 1024 words, saved with transformers. Its versions: AHA (w = 256,
+routers set as ``allhere bench``'s whole-model table sets them: one head global for 27% of the tokens in three
+layers, every other head for 2%: mu_f about 7%, measured on a prompt and while serving, both printed), a sliding
+window of 256 (vLLM's own sliding-window layers), attention sinks (252 + 4), a per-head dilated window (128 keys
+at strides 1, 2, 3, 4), Longformer (window 256, the first 4 tokens global), BigBird (blocks of 64: 3 window
+blocks, 1 global, 1 random) and DAR (w = 256, d_down = 64).
+
+Workload, per prompt length (--prompts): every request its own prompt of random words (vLLM's prefix cache never
+hits), --new greedy tokens (ignore_eos), streamed; batch 1: --rounds requests one after another; batch 16: 16
+concurrent requests, --rounds16 times. Columns: time to first token (TTFT, median over requests); decode tokens/s
+(batch x new tokens after the first / time from first to last token, summed over the requests: the rate a
+request's tokens come at, times the batch; at batch 16 the steps also carry other requests' prefill chunks, as
+vLLM schedules them); output tokens/s (every new token over the batch's wall time); KV bytes per token of context
+(vLLM's kv_cache_usage_perc, polled during the batch-1 requests, at its highest, times the cache's bytes, over
+prompt + new tokens). Ratios are against the plain model in the same run. The load average is printed before and
+after each server: the machine may be shared, so read the ratios.
 """
 
 from __future__ import annotations
@@ -23,18 +30,21 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 VOCAB = 1024
+LAYERS, HIDDEN, HEADS = 4, 256, 4
 
 
 def tokenizer():
@@ -48,31 +58,39 @@ def tokenizer():
                                    unk_token="<unk>")
 
 
-def build(root: Path, prompt_len: int, mechanisms: list[str]) -> tuple[dict[str, Path], float | None]:
+def configs():
+    import allhere as ah
+
+    return {"aha": ah.AHAConfig(window=256), "sliding": ah.SlidingConfig(window=256),
+            "sinks": ah.SinksConfig(window=252, n_sinks=4),
+            "dilated": ah.DilatedConfig(window=128, dilation=(1, 2, 3, 4)),
+            "longformer": ah.LongformerConfig(window=256, global_first=4),
+            "bigbird": ah.BigBirdConfig(block=64, window_blocks=3, global_blocks=1, random_blocks=1),
+            "dar": ah.DARConfig(window=256, d_down=64)}
+
+
+def build(root: Path, calibrate: int, mechanisms: list[str], max_len: int) -> tuple[dict[str, Path], float | None]:
     """The plain folder and one per mechanism; returns them and the AHA model's mu_f on a prompt."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import allhere as ah
     from allhere.experiments.model_bench import head_shares, set_routers
     from allhere.hf import collect_routing, convert, save_pretrained
 
     tok = tokenizer()
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=max_len,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
     torch.manual_seed(0)
     plain = LlamaForCausalLM(cfg).eval()
     folders, mu_f = {"plain": root / "plain"}, None
     plain.save_pretrained(folders["plain"])
     tok.save_pretrained(folders["plain"])
-    configs = {"aha": ah.AHAConfig(window=256), "sinks": ah.SinksConfig(window=252, n_sinks=4),
-               "dar": ah.DARConfig(window=256, d_down=64)}
     for name in mechanisms:
-        model = convert(LlamaForCausalLM.from_pretrained(folders["plain"], dtype=torch.float32).eval(), configs[name])
+        model = convert(LlamaForCausalLM.from_pretrained(folders["plain"], dtype=torch.float32).eval(), configs()[name])
         if name == "aha":
-            ids = torch.randint(4, VOCAB, (1, max(prompt_len, 512)), generator=torch.Generator().manual_seed(1))
+            ids = torch.randint(4, VOCAB, (1, calibrate), generator=torch.Generator().manual_seed(1))
             run = lambda x: model(x, use_cache=False).logits  # noqa: E731
-            set_routers(model, run, ids, head_shares(4, 4))
+            set_routers(model, run, ids, head_shares(LAYERS, HEADS))
             with torch.no_grad():
                 run(ids)
             mu_f = float(collect_routing(model).mu_f())
@@ -83,10 +101,11 @@ def build(root: Path, prompt_len: int, mechanisms: list[str]) -> tuple[dict[str,
 
 
 class Server:
-    def __init__(self, folder: Path, port: int) -> None:
+    def __init__(self, folder: Path, port: int, max_len: int, kv_gib: float) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen([sys.executable, "-m", "allhere.cli", "serve", "--model", str(folder), "--port",
-                                      str(port), "--dtype", "float32", "--max-model-len", "4096", "--kv-cache-gib", "2"],
+                                      str(port), "--dtype", "float32", "--max-model-len", str(max_len),
+                                      "--kv-cache-gib", str(kv_gib)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "ALLHERE_SERVE_STATS_EVERY": "1"})
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
@@ -100,78 +119,134 @@ class Server:
         self.proc.wait(120)
 
 
-def one_request(client, name: str, prompt: str, new: int) -> tuple[float, int, float]:
-    """(time to first token, new tokens, seconds) of one streamed completion."""
+class KVPoll:
+    """The highest vllm:kv_cache_usage_perc seen on the server's /metrics while it runs."""
+
+    def __init__(self, port: int) -> None:
+        self.url, self.peak, self.stop = f"http://127.0.0.1:{port}/metrics", 0.0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                text = urllib.request.urlopen(self.url, timeout=5).read().decode()
+                for m in re.finditer(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.eE+-]+)$", text, re.M):
+                    self.peak = max(self.peak, float(m.group(1)))
+            except OSError:
+                pass
+            self.stop.wait(0.05)
+
+    def close(self) -> float:
+        self.stop.set()
+        self.thread.join()
+        return self.peak
+
+
+def one_request(client, name: str, prompt: str, new: int) -> tuple[float, int, float, float]:
+    """(time to first token, new tokens, first and last token's times after the start) of one streamed
+    completion."""
     start = time.perf_counter()
-    first, tokens = None, 0
+    first = last = None
+    tokens = 0
     stream = client.completions.create(model=name, prompt=prompt, max_tokens=new, temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True, "min_tokens": new})
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
-            first = first or time.perf_counter() - start
-            tokens += 1
-    return first, tokens, time.perf_counter() - start
+            last = time.perf_counter() - start
+            first = first if first is not None else last
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return first, tokens, first, last
 
 
-def workload(port: int, name: str, prompts: list[str], new: int, rounds: int) -> dict:
+def workload(port: int, name: str, prompts: list[str], new: int, rounds: int, rounds16: int, prompt_len: int,
+             kv_bytes: float) -> dict:
     import openai
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
     one_request(client, name, prompts[0], 2)  # warm-up
     out, fresh = {}, iter(prompts[1:])  # every request its own prompt: no prefix-cache hits
-    for batch in (1, 16):
-        ttft, walls, tokens = [], [], 0
-        for r in range(rounds):
+    for batch, n_rounds in ((1, rounds), (16, rounds16)):
+        ttft, walls, tokens, decode_tokens, decode_time = [], [], 0, 0, 0.0
+        poll = KVPoll(port) if batch == 1 else None
+        for _ in range(n_rounds):
             start = time.perf_counter()
             group = [next(fresh) for _ in range(batch)]
             with ThreadPoolExecutor(batch) as pool:
                 results = list(pool.map(lambda p: one_request(client, name, p, new), group))
             walls.append(time.perf_counter() - start)
-            ttft += [t for t, _, _ in results]
-            tokens += sum(n for _, n, _ in results)
-        out[batch] = {"ttft": statistics.median(ttft), "tokens_per_s": tokens / sum(walls)}
+            ttft += [t for t, _, _, _ in results]
+            tokens += sum(n for _, n, _, _ in results)
+            decode_tokens += sum(n - 1 for _, n, _, _ in results)
+            decode_time += sum(b - a for _, _, a, b in results)
+        out[batch] = {"ttft": statistics.median(ttft), "tokens_per_s": tokens / sum(walls),
+                      "decode_per_s": batch * decode_tokens / decode_time}
+        if poll is not None:
+            out["kv_per_token"] = poll.close() * kv_bytes / (prompt_len + new)
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompt", type=int, default=2048, help="prompt tokens (default 2048)")
-    p.add_argument("--new", type=int, default=64, help="new tokens per request (default 64)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompts", type=int, nargs="+", default=[2048, 8192], help="prompt lengths (default 2048 8192)")
+    p.add_argument("--new", type=int, default=128, help="new tokens per request (default 128)")
+    p.add_argument("--rounds", type=int, default=2, help="batch-1 requests per prompt length (default 2)")
+    p.add_argument("--rounds16", type=int, default=1, help="rounds of 16 concurrent requests (default 1)")
+    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="each server's KV cache (default 4)")
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--mechanisms", nargs="+", choices=("aha", "sinks", "dar"), default=["aha"],
-                   help="converted models to serve against the plain one (default: aha)")
+    names = list(configs())
+    p.add_argument("--mechanisms", nargs="+", choices=names, default=names,
+                   help="converted models to serve against the plain one (default: all)")
     a = p.parse_args()
     if a.quick:
-        a.prompt, a.new, a.rounds = 256, 16, 2
+        a.prompts, a.new, a.rounds, a.rounds16 = [256], 16, 2, 1
+    max_len = max(a.prompts) + a.new + 64
     root = Path(tempfile.mkdtemp(prefix="serve-bench-"))
-    folders, mu_f = build(root, a.prompt, list(dict.fromkeys(a.mechanisms)))
+    folders, mu_f = build(root, min(max(a.prompts), 4096), list(dict.fromkeys(a.mechanisms)), max(max_len, 4096))
     g = torch.Generator().manual_seed(2)
-    prompts = [" ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 4, (a.prompt - 1,), generator=g))
-               for _ in range(1 + 17 * a.rounds)]  # + BOS = a.prompt tokens; one per request
-    print(f"# {platform.machine()}, torch {torch.__version__}, {os.cpu_count()} cores; load average before: "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; prompt {a.prompt} tokens, {a.new} new"
-          + (f", AHA w = 256, mu_f on a prompt {100 * mu_f:.1f}%" if mu_f is not None else ""))
+    prompts = {n: [" ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 4, (n - 1,), generator=g))
+                   for _ in range(1 + a.rounds + 16 * a.rounds16)] for n in a.prompts}  # + BOS = n tokens each
+    load = lambda: " ".join(f"{x:.2f}" for x in os.getloadavg())  # noqa: E731
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; prompts {a.prompts} tokens, "
+          f"{a.new} new, batch 1 x {a.rounds}, batch 16 x {a.rounds16}; KV cache {a.kv_cache_gib} GiB"
+          + (f"; AHA mu_f on a prompt {100 * mu_f:.1f}%" if mu_f is not None else ""), flush=True)
     results = {}
+    kv_bytes = a.kv_cache_gib * 2 ** 30
     for name, folder in folders.items():
-        server = Server(folder, a.port)
+        print(f"# {name}: load average before {load()}", flush=True)
+        server = Server(folder, a.port, max_len, a.kv_cache_gib)
         try:
-            results[name] = workload(a.port, folder.name, prompts, a.new, a.rounds)
+            for n in a.prompts:
+                results[name, n] = workload(a.port, folder.name, prompts[n], a.new, a.rounds, a.rounds16, n, kv_bytes)
+                print(f"# {name} {n}: {results[name, n]}", flush=True)
             time.sleep(2)  # the last routing line
             stats = [line.strip() for line in server.lines if "mu_f" in line]
             if stats:
                 print(f"# {name}: {stats[-1]}")
         finally:
             server.close()
-    print("| model | batch | TTFT ms | vs plain | tokens/s | vs plain |")
-    print("|---|---|---|---|---|---|")
+        print(f"# {name}: load average after {load()}", flush=True)
+    def kv(r, pl=None):  # a request shorter than the polling interval leaves no reading
+        if not r["kv_per_token"] or (pl is not None and not pl["kv_per_token"]):
+            return "n/a"
+        return f"{r['kv_per_token']:.0f}" if pl is None else f"{r['kv_per_token'] / pl['kv_per_token']:.2f}x"
+
+    print("| model | prompt | batch | TTFT ms | vs plain | decode tokens/s | vs plain | output tokens/s | vs plain "
+          "| KV bytes / token | vs plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in folders:
-        for batch in (1, 16):
-            pl, r = results["plain"][batch], results[name][batch]
-            print(f"| {name} | {batch} | {1e3 * r['ttft']:.0f} | {r['ttft'] / pl['ttft']:.2f}x | "
-                  f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / pl['tokens_per_s']:.2f}x |")
-    print(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        for n in a.prompts:
+            for batch in (1, 16):
+                pl, r = results["plain", n], results[name, n]
+                b, pb = r[batch], pl[batch]
+                print(f"| {name} | {n} | {batch} | {1e3 * b['ttft']:.0f} | {pb['ttft'] / b['ttft']:.2f}x | "
+                      f"{b['decode_per_s']:.1f} | {b['decode_per_s'] / pb['decode_per_s']:.2f}x | "
+                      f"{b['tokens_per_s']:.1f} | {b['tokens_per_s'] / pb['tokens_per_s']:.2f}x | "
+                      f"{kv(r)} | {kv(r, pl)} |")
+    print(f"# load average at the end: {load()}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,20 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _pinned_tiles(request):
+    """On a GPU the Triton kernels would time their candidate launch settings at every new shape class (the
+    tests' many small shapes: minutes in all); the tests run them pinned, except those marked ``unpinned``.
+    ``benchmarks/kernel_tiles.py`` checks every candidate against the reference on the GPU."""
+    if not torch.cuda.is_available() or "unpinned" in request.keywords:
+        yield
+        return
+    from allhere.kernels import autotune
+
+    with autotune.pinned():
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

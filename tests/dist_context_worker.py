@@ -151,7 +151,7 @@ def errors(world) -> dict:
     return found
 
 
-# -- allhere.train.train(..., context_parallel=layout) --------------------------------------------------------
+# -- allhere.train.train(..., parallel=ParallelConfig(context_parallel=world, layout=layout)) ------------------
 
 TRAIN_N = 32
 
@@ -162,7 +162,7 @@ def train_cfg():
     return TrainConfig(steps=4, batch_size=2, grad_accum=2, lr=3e-3, ckpt_every=4, log_every=1)
 
 
-def train_run(path, context_parallel=None) -> dict:
+def train_run(path, parallel=None) -> dict:
     from allhere.train import train
 
     torch.set_num_threads(1)
@@ -170,12 +170,12 @@ def train_run(path, context_parallel=None) -> dict:
     net = Decoder(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                               mechanism=MECHANISMS["aha"]))
     data = lambda step, micro, g: torch.randint(0, VOCAB, (2, TRAIN_N), generator=g)  # noqa: E731
-    return train(net, data, train_cfg(), path, progress=False, context_parallel=context_parallel)
+    return train(net, data, train_cfg(), path, progress=False, parallel=parallel)
 
 
 def train_spawned(rank, world, tmp, path, layout):
     """The training run on this rank; also the query lengths the ring saw (a shard's, if it ran)."""
-    from allhere.distributed import context
+    from allhere.distributed import ParallelConfig, context
 
     seen = []
     original = context.ring_gated_attention
@@ -186,7 +186,7 @@ def train_spawned(rank, world, tmp, path, layout):
 
     context.ring_gated_attention = counting
     try:
-        state = train_run(path, layout)
+        state = train_run(path, ParallelConfig(context_parallel=world, layout=layout))
     finally:
         context.ring_gated_attention = original
     return {"history": state["history"], "seen": seen}

@@ -39,3 +39,22 @@ def segment_mask(b, lq, lk, boundaries, pad_left, pad_right=None):
     real = lambda t, p, r: (t >= p) & (t < lk - r)  # noqa: E731
     return torch.stack([(j <= pos) & real(j, p, r) & real(pos, p, r) & (doc(j) == doc(pos))
                         for p, r in zip(pad_left, pad_right or [0] * b)])[:, None]
+
+
+def spy_paths(monkeypatch):
+    """Record (op family, backend) of every op path that runs (``allhere.backend``'s registry) until the test
+    ends; returns the list it appends to."""
+    import dataclasses
+
+    import allhere.mechanisms  # noqa: F401  (every built-in op family registered)
+    from allhere import backend
+
+    calls = []
+    for op in backend.ops():
+        for name, path in backend.paths(op).items():
+            def counted(*args, _path=path, **kwargs):
+                calls.append((_path.op, _path.backend))
+                return _path.fn(*args, **kwargs)
+
+            monkeypatch.setitem(backend._PATHS[op], name, dataclasses.replace(path, fn=counted))
+    return calls

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from allhere.ops.aamoe import aamoe_attention, aamoe_attention_naive
+from allhere.ops.aamoe import aamoe_attention, aamoe_attention_reference
 
 from helpers import rel_err
 
@@ -66,8 +66,8 @@ def brute_force(q, k, v, mk, mv, choice, logp, m, own, q_mem=None):
 def test_reference_equals_brute_force(own):
     args = random_case(b=1, h=2, hkv=1, lq=7, lk=9, m=2, e=2, grad=False)
     q_mem = torch.randn_like(args[0])
-    assert rel_err(aamoe_attention_naive(*args, 2, own), brute_force(*args, 2, own)) < 1e-6
-    assert rel_err(aamoe_attention_naive(*args, 2, own, q_mem=q_mem), brute_force(*args, 2, own, q_mem)) < 1e-6
+    assert rel_err(aamoe_attention_reference(*args, 2, own), brute_force(*args, 2, own)) < 1e-6
+    assert rel_err(aamoe_attention_reference(*args, 2, own, q_mem=q_mem), brute_force(*args, 2, own, q_mem)) < 1e-6
 
 
 @pytest.mark.parametrize("own,lq,lk", [(True, 13, 13), (False, 13, 13), (True, 5, 14), (False, 1, 10)])
@@ -75,7 +75,7 @@ def test_gathered_equals_reference_outputs_and_grads(own, lq, lk):
     args = random_case(lq=lq, lk=lk, m=3, seed=lq + lk)
     q_mem = torch.randn_like(args[0]).requires_grad_(own)  # with and without a separate memory query
     args = (*args, q_mem) if own else args
-    ref = aamoe_attention_naive(*args[:7], 3, own, q_mem=args[7] if own else None)
+    ref = aamoe_attention_reference(*args[:7], 3, own, q_mem=args[7] if own else None)
     out = aamoe_attention(*args[:7], 3, own, q_mem=args[7] if own else None)
     assert (out - ref).abs().max() < 1e-5
     w = torch.randn_like(ref)
@@ -88,7 +88,7 @@ def test_gathered_equals_reference_outputs_and_grads(own, lq, lk):
 
 def assert_same_as_reference(args, m, own, q_mem=None, tol=1e-5):
     """Outputs and the gradients of every input that requires one, gathered against naive (fp32)."""
-    ref = aamoe_attention_naive(*args, m, own, q_mem=q_mem)
+    ref = aamoe_attention_reference(*args, m, own, q_mem=q_mem)
     out = aamoe_attention(*args, m, own, q_mem=q_mem)
     assert out.dtype == args[0].dtype and (out.float() - ref.float()).abs().max() < tol
     w = torch.randn_like(ref)
@@ -132,7 +132,7 @@ def test_gathered_keeps_a_low_precision_dtype():
     args = random_case(lq=13, lk=13, m=3, seed=7, grad=False)
     low = [a.to(torch.bfloat16).requires_grad_() if a.is_floating_point() else a for a in args]
     out = aamoe_attention(*low, 3, True)
-    ref = aamoe_attention_naive(*[a.float() if a.is_floating_point() else a for a in low], 3, True)
+    ref = aamoe_attention_reference(*[a.float() if a.is_floating_point() else a for a in low], 3, True)
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
     grads = torch.autograd.grad(out.float().sum(), [a for a in low if a.requires_grad])
     assert all(g.dtype == torch.bfloat16 and torch.isfinite(g.float()).all() for g in grads)
@@ -141,7 +141,7 @@ def test_gathered_keeps_a_low_precision_dtype():
 def test_nothing_to_read_gives_zero_and_no_nan_gradient():
     q, k, v, mk, mv, choice, logp = random_case(lq=6, lk=6, m=3)
     choice[:, :2] = -1  # the first two queries get no resource
-    for op in (aamoe_attention_naive, aamoe_attention):
+    for op in (aamoe_attention_reference, aamoe_attention):
         out = op(q, k, v, mk, mv, choice, logp, 3, False)
         assert torch.equal(out[:, :, :2], torch.zeros_like(out[:, :, :2]))
         grads = torch.autograd.grad(out.sum(), (q, k, logp))

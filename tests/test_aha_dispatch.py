@@ -5,20 +5,14 @@ import torch
 
 from allhere.backend import use_backend
 from allhere.masks import segment_starts
-from allhere.ops.aha import aha_attention, aha_attention_fast, aha_attention_naive, dispatch
+from allhere.ops.aha import aha_attention, aha_attention_fast, aha_attention_reference
 from allhere.ops.ste import straight_through
 
-from helpers import brute_force_aha, rel_err, segment_mask
+from helpers import brute_force_aha, rel_err, segment_mask, spy_paths
 
 
 def qkv(b=2, h=4, hkv=2, lq=24, lk=24, d=16):
     return torch.randn(b, h, lq, d), torch.randn(b, hkv, lk, d), torch.randn(b, hkv, lk, d)
-
-
-def spy(monkeypatch, name):
-    calls, real = [], getattr(dispatch, name)
-    monkeypatch.setattr(dispatch, name, lambda *a, **kw: calls.append(name) or real(*a, **kw))
-    return calls
 
 
 def backends():
@@ -58,7 +52,7 @@ def test_tau_07_gate_is_the_hard_gate_and_its_gradient_reaches_the_scores(backen
     got, got_grad = run(lambda t: straight_through(t.to(device), 0.7),
                         lambda g: aha_attention(*(x.to(device, dtype) for x in (q, k, v)), g, w, backend=backend)
                         .float().cpu())
-    want, want_grad = run(lambda t: hard.float() + (t - t.detach()), lambda g: aha_attention_naive(q, k, v, g, w))
+    want, want_grad = run(lambda t: hard.float() + (t - t.detach()), lambda g: aha_attention_reference(q, k, v, g, w))
     a_full, a_local = (brute_force_aha(q, k, v, torch.full_like(hard, on), w) for on in (True, False))
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert rel_err(got, want) < tol and rel_err(got, brute_force_aha(q, k, v, hard, w)) < tol
@@ -86,19 +80,20 @@ def test_backends_route_and_agree(monkeypatch):
     gate = torch.rand(2, 4, 9) < 0.3
     mask = segment_mask(2, 9, 24, [17], [0, 4])
     starts = segment_starts(mask, 9, 24)
-    want = aha_attention_naive(q, k, v, gate, 5, mask=mask)
-    naive, torch_path = spy(monkeypatch, "aha_attention_naive"), spy(monkeypatch, "aha_attention_torch")
+    want = aha_attention_reference(q, k, v, gate, 5, mask=mask)
+    calls = spy_paths(monkeypatch)
+    ref, torch_path = ("aha", "reference"), ("aha", "torch")
     assert rel_err(aha_attention(q, k, v, gate, 5, row_start=starts, backend="reference"), want) < 1e-6
-    assert naive and not torch_path
+    assert calls == [ref]
     with use_backend("reference"):
         assert rel_err(aha_attention(q, k, v, gate, 5, row_start=starts), want) < 1e-6
-        assert len(naive) == 2
+        assert calls == [ref] * 2
         assert rel_err(aha_attention_fast(q, k, v, gate, 5, row_start=starts), want) < 1e-5  # never the reference
-        assert len(naive) == 2 and torch_path
+        assert calls == [ref] * 2 + [torch_path]
         assert rel_err(aha_attention(q, k, v, gate, 5, row_start=starts, backend="torch"), want) < 1e-5
-    assert len(torch_path) == 2
+    assert calls.count(torch_path) == 2
     assert rel_err(aha_attention(q, k, v, gate, 5, row_start=starts), want) < 1e-5  # auto on the CPU: PyTorch
-    assert len(torch_path) == 3 and len(naive) == 2
+    assert calls.count(torch_path) == 3 and calls.count(ref) == 2
     with pytest.raises(ValueError, match="backend must be one of"):
         aha_attention(q, k, v, gate, 5, backend="flash")
     with pytest.raises(ValueError, match="row_start must be"):
@@ -112,7 +107,7 @@ def test_triton_backend_says_why_it_cannot_take_a_call(monkeypatch):
     gate = torch.zeros(2, 4, 24, dtype=torch.bool)
 
     def refused(match, q, k, v, g=gate):
-        with pytest.raises(ValueError, match=f"backend 'triton' cannot take this call: .*{match}"):
+        with pytest.raises(ValueError, match=f"backend 'triton' cannot take this aha call: .*{match}"):
             aha_attention(q, k, v, g, 5, backend="triton")
 
     refused("head dim 8", *qkv(d=8))

@@ -41,3 +41,89 @@ def test_bench_smoke_run_on_cpu(tmp_path, capsys):
 def test_bench_without_a_gpu_says_so(capsys):
     assert main(["bench"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_whole_model_tables_smoke_run_on_cpu(tmp_path, capsys):
+    """``allhere bench --device cpu --tables model``: the Llama-3.2-1B structure at toy sizes, prefill and
+    decode through generate, plain against AHA; labelled as a smoke test (its numbers mean nothing)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "model"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine stalls a thread pool at every toy-sized decode step
+    try:
+        assert main(["bench", "--device", "cpu", "--tables", "model", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((out / "bench.json").read_text())
+    llama = report["llama"]
+    assert llama["settings"]["smoke"] and "check" not in report and "prefill" not in report  # no op tables
+    assert llama["shape"]["rope_scaling"]["rope_type"] == "llama3" and llama["shape"]["tie_word_embeddings"]
+    assert [p["n"] for p in llama["prefill"]] == [256] and 0.05 < llama["prefill"][0]["mu_f"] < 0.2
+    rows = llama["decode"]
+    assert [(r["context"], r["model"].split(" (")[0].split(",")[0]) for r in rows] == [
+        (c, m) for c in (128, 256) for m in ("plain", "plain", "AHA", "AHA")]
+    for r in rows:
+        assert r["steps"] == 2 and r["tokens_per_s"] > 0 and r["cache_used_gb"] <= r["cache_gb"]
+        assert (r["mu_f"] is not None) == (r["model"] == "AHA")
+        # head 0 of every layer global: the first KV head of each layer is read whole, of 2
+        read_whole = {"plain (transformers SDPA)": 1.0, "AHA": 0.5, "AHA, every gate local (ceiling)": 0.0}
+        assert r["kv_heads_global"] == read_whole[r["model"]]
+        assert (r["byte_limit"] == 1.0) == r["model"].startswith("plain")
+    assert llama["prefill"][0]["flop_limit"] > 1
+    # the in-place cache allocated once for the context and two runs of warm-up + timed tokens (+2: 10), in
+    # 64-token grains, never reallocated:
+    # 2 layers x (K, V) x batch 2 x 2 KV heads x head dim 8 x fp32
+    aha = [r for r in rows if r["model"].startswith("AHA")]
+    assert [round(r["cache_gb"] * 1e9) for r in aha] == [2 * 2 * 2 * 2 * 8 * 4 * t for t in (192, 192, 320, 320)]
+    md = (out / "bench.md").read_text()
+    assert "SMOKE TEST on the CPU" in md and "### Decode (B = 2" in md and "SMOKE TEST" in capsys.readouterr().out
+
+
+def test_a_decode_row_out_of_memory_leaves_the_others(monkeypatch):
+    """On an 80 GB GPU a 128k-token row could run out of memory: it says so, and the other rows still run."""
+    pytest.importorskip("transformers")
+    from transformers.cache_utils import DynamicCache
+
+    from allhere.experiments import generate_bench
+    from allhere.experiments.llama_bench import build_models, decode_rows, llama_tables, render_llama
+
+    real = generate_bench.decode_steps
+
+    def steps(model, ids, cache, *args, **kwargs):
+        if isinstance(cache, DynamicCache) and type(cache.layers[0]).__name__ == "DynamicLayer":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, ids, cache, *args, **kwargs)
+
+    monkeypatch.setattr(generate_bench, "decode_steps", steps)
+    t = llama_tables("cpu", contexts=(128,), new_tokens=2)
+    rows = decode_rows(t, *build_models(t), progress=lambda *_: None)
+    assert [r.get("error", "ok")[:13] for r in rows] == ["out of memory", "ok", "ok", "ok"]
+    assert rows[1]["speedup"] == 1.0
+    table = render_llama({"settings": vars(t), "shape": {"hidden_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 256},
+                          "parameters": 1, "transformers": "x", "load_before": (0, 0, 0), "load_after": (0, 0, 0),
+                          "prefill": [], "decode": rows})
+    assert any("| out of memory: CUDA out of memory" in line for line in table)
+
+
+def test_launch_settings_section_names_each_choice_and_the_tuning_cost():
+    from allhere.experiments.bench import render_launch_settings
+
+    choices = [{"id": "H100 sm90|triton 3.6.0|global|d128-bfloat16-g1-n32768", "setting": dict(BLOCK_M=128, BLOCK_N=128,
+                num_warps=8, num_stages=3), "ms": 1.9, "tried": 8, "tuning_s": 4.5, "source": "tuned"},
+               {"id": "H100 sm90|triton 3.6.0|decode|d128-bfloat16-g1-n131072-bh128", "setting": dict(SPLIT=1024,
+                BLOCK_N=64, num_warps=4, num_stages=3), "ms": 0.3, "tried": 7, "tuning_s": 0.0, "source": "file"}]
+    md = "\n".join(render_launch_settings(choices))
+    assert "4.5 s in all" in md and "| global | d128-bfloat16-g1-n32768 | (128, 128, 8, 3) | 1.9 | 8 | 4.5 | tuned |" in md
+    assert "| decode |" in md and "| file |" in md
+    assert "Pinned" in "\n".join(render_launch_settings("pinned")) and render_launch_settings([]) == []
+
+
+def test_bench_pin_tiles_is_recorded(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "--device", "cpu", "--lengths", "128", "--decode-lengths", "64", "--train-length", "64",
+                 "--heads", "2", "--dim", "16", "--window", "16", "--repeats", "1", "--model-lengths", "128",
+                 "--pin-tiles", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["config"]["pin_tiles"] and report["launch_settings"] == "pinned"
+    assert "Pinned (`--pin-tiles`)" in (out / "bench.md").read_text()

@@ -34,6 +34,7 @@ def bad_values(type_name: str, paths: dict) -> list[str]:
     """Values each argument type must refuse, keyed by the type's name."""
     table = {
         "integer>=1": ["0", "-3", "1.5", "x", ""],
+        "integer>=2": ["1", "0", "x"],
         "integer>=0": ["-1", "x", "nan"],
         "number>=0": ["-1e-3", "inf", "-inf", "nan", "x"],
         "number>0": ["0", "-1", "inf", "nan"],

@@ -66,3 +66,31 @@ def test_train_config_refuses_bad_values_naming_the_field(field, value):
     with pytest.raises(ConfigError, match=rf"TrainConfig\.{field} = "):
         TrainConfig(**{field: value})
     assert TrainConfig(lam=None).lam is None and TrainConfig(clip=0).clip == 0
+
+
+@pytest.mark.parametrize("field,value", [("context_parallel", 0), ("context_parallel", 1.5), ("layout", "diagonal"),
+                                         ("data_parallel", 0)])
+def test_parallel_config_refuses_bad_values_naming_the_field(field, value):
+    from allhere.distributed import ParallelConfig
+
+    with pytest.raises(ConfigError, match=rf"ParallelConfig\.{field} = "):
+        ParallelConfig(**{field: value})
+
+
+def test_parallel_config_mesh_against_the_run():
+    """The dp x cp mesh on a number of processes: cp divides them, dp (when given) is the rest, the replicas
+    share a step's micro-batches evenly, a sequence cuts into the layout's chunks."""
+    from allhere.distributed import ParallelConfig
+
+    assert ParallelConfig().mesh(4, grad_accum=8) == (4, 1)
+    assert ParallelConfig(context_parallel=2, layout="zigzag").mesh(8, grad_accum=4, seq_len=64) == (4, 2)
+    assert ParallelConfig(context_parallel=2, data_parallel=2).mesh(4) == (2, 2)
+    for cfg, world, kwargs, match in [
+        (ParallelConfig(context_parallel=3), 4, {}, "context parallel 3 needs a multiple of 3 processes"),
+        (ParallelConfig(context_parallel=2, data_parallel=3), 4, {}, "data parallel 3 x context parallel 2 needs 6"),
+        (ParallelConfig(context_parallel=2), 8, {"grad_accum": 6}, "grad_accum .* = 6 .* 4 data-parallel replicas"),
+        (ParallelConfig(context_parallel=2), 2, {"seq_len": 30}, "seq_len = 30 must be a multiple of 4"),
+        (ParallelConfig(context_parallel=2, layout="contiguous"), 2, {"seq_len": 31}, "multiple of 2"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            cfg.mesh(world, **kwargs)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from allhere import ConfigError, DARConfig, Decoder, ModelConfig, swap_mechanism
-from allhere.ops.dar import dar_attention, dar_attention_naive
+from allhere.ops.dar import dar_attention_reference, dar_attention_torch
 
 from helpers import rel_err
 
@@ -32,7 +32,7 @@ def loop_dar(q, kn, vn, kf, vf, w):
 def test_reference_equals_loop(w, lq, lk):
     q = torch.randn(2, 4, lq, 8)
     kn, vn, kf, vf = (torch.randn(2, 2, lk, 8) for _ in range(4))
-    assert rel_err(dar_attention_naive(q, kn, vn, kf, vf, w), loop_dar(q, kn, vn, kf, vf, w)) < 1e-5
+    assert rel_err(dar_attention_reference(q, kn, vn, kf, vf, w), loop_dar(q, kn, vn, kf, vf, w)) < 1e-5
 
 
 @pytest.mark.parametrize("w", [0, 1, 5, 100])
@@ -41,8 +41,8 @@ def test_reference_equals_loop(w, lq, lk):
 def test_blocked_equals_reference_with_gradients(w, lq, lk, kv_heads, block):
     q = torch.randn(2, 4, lq, 8, requires_grad=True)
     kv = [torch.randn(2, kv_heads, lk, 8, requires_grad=True) for _ in range(4)]
-    fast = dar_attention(q, *kv, w, block=block)
-    ref = dar_attention_naive(q, *kv, w)
+    fast = dar_attention_torch(q, *kv, w, block=block)
+    ref = dar_attention_reference(q, *kv, w)
     assert rel_err(fast, ref) < 1e-5
     up = torch.randn_like(ref)
     g_fast = torch.autograd.grad((fast * up).sum(), [q, *kv])
@@ -56,18 +56,18 @@ def test_blocked_with_padding_mask_equals_reference():
     kv = [torch.randn(2, 2, 10, 8) for _ in range(4)]
     mask = torch.ones(2, 1, 10, 10, dtype=torch.bool)
     mask[0, ..., :3] = False  # left padding of 3 tokens in sequence 0: its first 3 queries see nothing
-    fast, ref = dar_attention(q, *kv, 4, mask=mask, block=3), dar_attention_naive(q, *kv, 4, mask=mask)
+    fast, ref = dar_attention_torch(q, *kv, 4, mask=mask, block=3), dar_attention_reference(q, *kv, 4, mask=mask)
     assert torch.isfinite(fast).all() and rel_err(fast, ref) < 1e-5
     assert fast[0, :, :3].abs().max() == 0
     with pytest.raises(ValueError, match="mask must be"):
-        dar_attention(q, *kv, 4, mask=mask[:, :, :5])
+        dar_attention_torch(q, *kv, 4, mask=mask[:, :, :5])
 
 
 def test_blocked_bf16_close_to_fp32_reference():
     q = torch.randn(1, 4, 64, 16)
     kv = [torch.randn(1, 2, 64, 16) for _ in range(4)]
-    fast = dar_attention(q.bfloat16(), *(t.bfloat16() for t in kv), 8, block=16)
-    assert fast.dtype == torch.bfloat16 and rel_err(fast.float(), dar_attention_naive(q, *kv, 8)) < 2e-2
+    fast = dar_attention_torch(q.bfloat16(), *(t.bfloat16() for t in kv), 8, block=16)
+    assert fast.dtype == torch.bfloat16 and rel_err(fast.float(), dar_attention_reference(q, *kv, 8)) < 2e-2
 
 
 def base_model(kv_heads=2):

@@ -1,7 +1,7 @@
 """Context parallelism of a whole Decoder (``allhere.distributed.context``) over 2 and 4 gloo processes:
 the sharded forward + backward equals the one-process run in loss and every parameter gradient, for full,
 sliding, AHA (routers trained) and Longformer, in both layouts; the activations saved per rank fall to
-about 1/world; ``train(..., context_parallel=...)`` gives the one-process training run."""
+about 1/world; ``train(..., parallel=ParallelConfig(...))`` gives the one-process training run."""
 
 import sys
 from pathlib import Path
@@ -18,6 +18,7 @@ import dist_context_worker as W  # noqa: E402
 import dist_worker  # noqa: E402
 
 from allhere.checkpoint import load_model  # noqa: E402
+from allhere import ConfigError  # noqa: E402
 from allhere.config import ModelConfig  # noqa: E402
 from allhere.distributed import layouts  # noqa: E402
 from allhere.distributed.context import IGNORE, context_parallel, shard_batch  # noqa: E402
@@ -127,11 +128,14 @@ def test_train_context_parallel_matches_one_process(tmp_path):
 def test_train_refuses_before_starting(tmp_path):
     net = Decoder(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4,
                               mechanism=AAMoEConfig(chunk=4, experts=2)))
-    with pytest.raises(NotImplementedError, match="AAMoEAttention"):
-        from allhere.train import train
-        train(net, lambda s, m, g: torch.zeros(2, 8, dtype=torch.long), W.train_cfg(), tmp_path / "x", progress=False,
-              context_parallel="zigzag")
-    with pytest.raises(ValueError, match="layout"):
-        train(Decoder(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4)),
-              lambda s, m, g: torch.zeros(2, 8, dtype=torch.long), W.train_cfg(), tmp_path / "y", progress=False,
-              context_parallel="diagonal")
+    from allhere.distributed import ParallelConfig
+    from allhere.train import train
+
+    batches = lambda s, m, g: torch.zeros(2, 8, dtype=torch.long)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="AAMoEAttention"):  # the model first, before the processes
+        train(net, batches, W.train_cfg(), tmp_path / "x", progress=False, parallel=ParallelConfig(context_parallel=2))
+    plain = Decoder(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4))
+    with pytest.raises(ConfigError, match="context parallel 2 needs a multiple of 2 processes"):
+        train(plain, batches, W.train_cfg(), tmp_path / "y", progress=False,
+              parallel=ParallelConfig(context_parallel=2))
+    assert not (tmp_path / "y").exists()

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from allhere import AHAConfig, Decoder, ModelConfig
-from allhere.ops.aha import aha_attention, aha_attention_fast, aha_attention_naive
+from allhere.ops.aha import aha_attention, aha_attention_fast, aha_attention_reference
 from allhere.ops.ste import straight_through
 
-from helpers import rel_err
+from helpers import rel_err, spy_paths
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ def test_fast_bf16_on_cuda_matches_reference(kv_heads, backend):
     k, v = (torch.randn(2, kv_heads, 1000, 64, device="cuda") for _ in range(2))
     gate = torch.rand(2, 8, 1000, device="cuda") < 0.07
     gate[:, 0] = True
-    ref = aha_attention_naive(q, k, v, gate, 64)
+    ref = aha_attention_reference(q, k, v, gate, 64)
     out = aha_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), gate, 64, backend=backend)
     assert rel_err(out.float(), ref) < 2e-2
 
@@ -37,7 +37,6 @@ def test_model_cached_decoding_on_cuda():
 @pytest.mark.parametrize("lq", [1000, 1])  # whole-sequence prefill, one-token decode
 def test_triton_kernels_picked_on_cuda_match_reference(lq):
     pytest.importorskip("triton")
-    from allhere.ops.aha import dispatch
     from allhere.ops.aha.triton_path import triton_refusal
 
     q = torch.randn(2, 8, lq, 128, device="cuda")
@@ -47,14 +46,12 @@ def test_triton_kernels_picked_on_cuda_match_reference(lq):
     bf16 = [t.bfloat16() for t in (q, k, v)]
     assert triton_refusal(*bf16, gate) is None
     assert "float32" in triton_refusal(q, k, v, gate)  # fp32 stays on the PyTorch path (tf32 dots)
-    called = []
-    real = dispatch.aha_attention_triton
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
-        mp.setattr(dispatch, "aha_attention_triton", lambda *a: called.append(1) or real(*a))
+        calls = spy_paths(mp)
         out = aha_attention_fast(*bf16, gate, 256)
         assert rel_err(aha_attention(*bf16, gate, 256, backend="triton").float(), out.float()) < 1e-6
-    assert len(called) == 2
-    assert rel_err(out.float(), aha_attention_naive(q, k, v, gate, 256)) < 2e-2
+    assert calls == [("aha", "triton")] * 2
+    assert rel_err(out.float(), aha_attention_reference(q, k, v, gate, 256)) < 2e-2
     with pytest.raises(ValueError, match="float32"):
         aha_attention(q, k, v, gate, 256, backend="triton")
 

@@ -28,9 +28,9 @@ from allhere.mechanisms import (AAMoEConfig, AHAConfig, AllAttentionConfig, Atte
                                 DARConfig, DilatedConfig, FullConfig, LongformerConfig, SinksConfig, SlidingConfig,
                                 mechanism_layers)
 from allhere.mechanisms.masked_base import PatternAttention
-from allhere.ops.aamoe import aamoe_attention, aamoe_attention_naive
+from allhere.ops.aamoe import aamoe_attention, aamoe_attention_reference
 from allhere.ops.aha import aha_attention
-from allhere.ops.full import causal_attention, masked_attention, reference_attention
+from allhere.ops.full import causal_attention, masked_attention, pattern_attention_reference
 from allhere.ops.sliding import sliding_window_attention
 from allhere.ops.ste import straight_through
 
@@ -249,8 +249,8 @@ def test_decoder_logits_and_gradients_match_cpu(kind):
     patterns = [m for m in mechanism_layers(dev) if isinstance(m, PatternAttention)]
     if patterns:
         for m in patterns:
-            m.backend, m.dense_below = "blocksparse", 0
-        with torch.no_grad():
+            m.dense_below = 0
+        with torch.no_grad(), use_backend("torch"):  # the block-sparse op
             assert_close([dev.eval()(ids.to(DEVICE)).logits], logits[:1], FP32, f"{kind} block-sparse")
 
 
@@ -296,9 +296,7 @@ def test_decoder_patterns_default_backend_at_length(flex_calls):
 
 
 def flex_mech(name):
-    mech = registry.build(LONG[name], DIMS)
-    mech.backend = "flex"
-    return mech.to(DEVICE)
+    return registry.build(LONG[name], DIMS).to(DEVICE)  # run under use_backend("flex")
 
 
 def qkv(n, b=2, seed=0):
@@ -311,10 +309,11 @@ def test_flex_path_matches_dense_reference(name, dtype, flex_calls):
     n = 384
     q, k, v = qkv(n)
     dout = randn(2, 4, n, 16, seed=9)
-    want = outputs_and_grads(lambda *t: reference_attention(*t, LONG[name].mask_fn(n)), (q, k, v), dout)
+    want = outputs_and_grads(lambda *t: pattern_attention_reference(*t, LONG[name].mask_fn(n)), (q, k, v), dout)
     mech = flex_mech(name)
-    got = outputs_and_grads(lambda *t: mech(*t, AttentionCall(x=None))[0],
-                            [t.to(DEVICE, dtype) for t in (q, k, v)], dout, FLEX_GRADS)
+    with use_backend("flex"):
+        got = outputs_and_grads(lambda *t: mech(*t, AttentionCall(x=None))[0],
+                                [t.to(DEVICE, dtype) for t in (q, k, v)], dout, FLEX_GRADS)
     assert len(flex_calls) == 1
     tol = FP32 if dtype == torch.float32 else BF16[0]
     assert_close(got[:1], want[:1], tol, f"{name} {dtype}")
@@ -330,10 +329,11 @@ def test_flex_path_with_segments(name, flex_calls):
     pos = torch.cat([torch.arange(150), torch.arange(n - 150)])[None]
     starts = torch.cat([starts_from(position_ids=pos), starts_from(padding_mask=(torch.arange(n) >= 40)[None])])
     pred = and_masks(LONG[name].mask_fn(n), within_segments(starts))
-    want = outputs_and_grads(lambda *t: reference_attention(*t, pred), (q, k, v), dout)
+    want = outputs_and_grads(lambda *t: pattern_attention_reference(*t, pred), (q, k, v), dout)
     mech = flex_mech(name)
     call = AttentionCall(x=None, segment_starts=starts.to(DEVICE))
-    got = outputs_and_grads(lambda *t: mech(*t, call)[0], [t.to(DEVICE) for t in (q, k, v)], dout, FLEX_GRADS)
+    with use_backend("flex"):
+        got = outputs_and_grads(lambda *t: mech(*t, call)[0], [t.to(DEVICE) for t in (q, k, v)], dout, FLEX_GRADS)
     assert len(flex_calls) == 1
     assert_close(got, want[:len(got)], FP32, name)
     assert got[0][1, :, :40].abs().max() == 0  # padding reads nothing
@@ -350,11 +350,11 @@ def test_flex_path_with_kv_cache(name, flex_calls):
     mech = flex_mech(name)
     cache = mech.new_cache()
     parts = []
-    with torch.no_grad():
+    with torch.no_grad(), use_backend("flex"):
         for a, b in [(0, 320), (320, 570)] + [(t, t + 1) for t in range(570, n)]:
             parts.append(mech(*(t[:, :, a:b].to(DEVICE) for t in (q, k, v)), AttentionCall(x=None), cache=cache)[0])
     assert len(flex_calls) == (2 if name in ("dilated", "bigbird") else 1)
-    assert_close([torch.cat(parts, 2)], [reference_attention(q, k, v, LONG[name].mask_fn(n))], FP32, name)
+    assert_close([torch.cat(parts, 2)], [pattern_attention_reference(q, k, v, LONG[name].mask_fn(n))], FP32, name)
 
 
 def test_bigbird_predicate_still_covers_longer_sequences_after_a_flex_mask():
@@ -382,9 +382,9 @@ def test_aamoe_op_matches_reference(own, dtype):
     def op(fn, choice):
         return lambda q, k, v, mk, mv, logp, q_mem: fn(q, k, v, mk, mv, choice, logp, 4, own, q_mem=q_mem)
 
-    want = outputs_and_grads(op(aamoe_attention_naive, choice), tensors, dout)
+    want = outputs_and_grads(op(aamoe_attention_reference, choice), tensors, dout)
     on_dev = [t.to(DEVICE, dtype if i < 5 or i == 6 else torch.float32) for i, t in enumerate(tensors)]
-    for fn in (aamoe_attention, aamoe_attention_naive):
+    for fn in (aamoe_attention, aamoe_attention_reference):
         got = outputs_and_grads(op(fn, choice.to(DEVICE)), on_dev, dout)
         assert all(torch.isfinite(g).all() for g in got)
         if dtype == torch.float32:

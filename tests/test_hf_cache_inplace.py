@@ -90,3 +90,28 @@ def test_a_hybrid_keeps_transformers_layers_where_it_is_not_converted(tmp_path):
         out = model.generate(ids, max_new_tokens=8, return_dict_in_generate=True, **GREEDY)
     assert {type(layer) for layer in out.past_key_values.layers} == {InPlaceLayer, DynamicSlidingWindowLayer}
     assert not any(type(layer) is DynamicLayer for layer in out.past_key_values.layers)
+
+
+class NumberTokenizer:
+    """Token ids in, their numbers out: enough for ``allhere.generation.generate``."""
+
+    eos_token_id, pad_token_id, chat_template = None, 0, None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+
+def test_allhere_generate_sizes_the_in_place_cache_once(monkeypatch):
+    """``allhere generate`` hands transformers' ``generate`` a cache whose in-place layers hold prompt + reply
+    from the start: one allocation. Filled by the prompt alone (100 tokens: 128 of room), a layer doubled
+    at the 129th token; a 128k-token prompt on a GPU would hold room for 256k (twice the bytes)."""
+    import allhere.hf.cache as hf_cache
+    from allhere.generation import generate
+
+    made, real = [], hf_cache.new_cache
+    monkeypatch.setattr(hf_cache, "new_cache", lambda model, reserve=None: made.append(real(model, reserve)) or made[-1])
+    model = aha_model()
+    reply = generate(model, NumberTokenizer(), list(range(3, 97)) + [3] * 6, max_new_tokens=30)
+    assert len(reply.ids) == 30 and len(made) == 1
+    for layer in made[0].layers:
+        assert layer.get_seq_length() == 129 and layer._kv.reallocations == 1 and layer._kv.capacity == 192

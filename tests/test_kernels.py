@@ -8,17 +8,25 @@ import torch
 pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
 
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
-from allhere.kernels.aha_prefill import aha_prefill_triton, pack_global  # noqa: E402
+from allhere.kernels.aha_prefill import aha_prefill_triton, longest_first, pack_global, tma_checked  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton, segment_end  # noqa: E402
-from allhere.ops.aha import aha_attention, aha_attention_naive, dispatch, fast, triton_path  # noqa: E402
+from allhere.ops.aha import aha_attention, aha_attention_reference, fast, triton_path  # noqa: E402
 from allhere.ops.ste import straight_through  # noqa: E402
-from allhere.ops.sliding import sliding_window_attention_naive  # noqa: E402
+from allhere.ops.sliding import sliding_window_attention_reference  # noqa: E402
 
 from allhere.masks import segment_starts  # noqa: E402
 
-from helpers import rel_err, segment_mask  # noqa: E402
+from helpers import rel_err, segment_mask, spy_paths  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tiles(block_m, block_n):
+    """A pinned launch setting (the rest from each kernel's default)."""
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n)
+
+
+T16 = tiles(16, 16)
 DTYPE, TOL = (torch.bfloat16, 2e-2) if DEVICE == "cuda" else (torch.float32, 1e-5)
 
 
@@ -41,8 +49,8 @@ def test_prefill_equals_reference(b, h, hkv, n, d, w, pattern):
             "all-local": torch.zeros(b, h, n, dtype=torch.bool), "all-global": torch.ones(b, h, n, dtype=torch.bool)}[pattern]
     if pattern == "mixed":
         gate[:, 0] = True  # a busy head next to rare ones: packed per head, each with its own count
-    out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, block_m=16, block_n=16)
-    assert rel_err(out, aha_attention_naive(q, k, v, gate, w)) < TOL
+    out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, tiles=T16)
+    assert rel_err(out, aha_attention_reference(q, k, v, gate, w)) < TOL
 
 
 def mixed_gate(b, h, n, p, seed=1):
@@ -59,7 +67,7 @@ def train_and_reference(q, k, v, gate, w, mask=None, **kernel_args):
     out, a_local = aha_train_triton(*leaves, gate.to(DEVICE), w, q.shape[-1] ** -0.5, **kernel_args)
     got = [out, *torch.autograd.grad((out.float() * up.to(DEVICE)).sum(), leaves)]
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = aha_attention_naive(*ref_leaves, gate, w, mask=mask)
+    ref = aha_attention_reference(*ref_leaves, gate, w, mask=mask)
     want = [ref, *torch.autograd.grad((ref * up).sum(), ref_leaves)]
     return [t.float().cpu() for t in got], want, a_local.float().cpu()
 
@@ -73,8 +81,8 @@ def test_training_kernels_give_the_reference_outputs_and_gradients(b, h, hkv, n,
     gate = {"mixed": lambda: mixed_gate(b, h, n, 0.3), "one head": lambda: mixed_gate(b, h, n, 0.0),
             "all-global": lambda: torch.ones(b, h, n, dtype=torch.bool),
             "all-local": lambda: torch.zeros(b, h, n, dtype=torch.bool)}[gates]()
-    got, want, a_local = train_and_reference(q, k, v, gate, w, block_m=bm, block_n=bn)
-    assert rel_err(a_local, sliding_window_attention_naive(q, k, v, w)) < TOL
+    got, want, a_local = train_and_reference(q, k, v, gate, w, tiles=tiles(bm, bn))
+    assert rel_err(a_local, sliding_window_attention_reference(q, k, v, w)) < TOL
     for name, a, r in zip(["out", "q", "k", "v"], got, want):
         assert rel_err(a, r) < TOL, name
 
@@ -97,11 +105,10 @@ def test_kernels_with_segments_equal_the_reference_with_the_mask(layout, kernel,
     starts = segment_starts(mask, n, n)
     gate = mixed_gate(b, h, n, 0.3)
     if kernel == "prefill":
-        out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, block_m=16, block_n=16,
-                  row_start=starts.to(DEVICE))
-        assert rel_err(out, aha_attention_naive(q, k, v, gate, w, mask=mask)) < TOL
+        out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, tiles=T16, row_start=starts.to(DEVICE))
+        assert rel_err(out, aha_attention_reference(q, k, v, gate, w, mask=mask)) < TOL
         return
-    got, want, _ = train_and_reference(q, k, v, gate, w, mask, block_m=16, block_n=16, row_start=starts.to(DEVICE))
+    got, want, _ = train_and_reference(q, k, v, gate, w, mask, tiles=T16, row_start=starts.to(DEVICE))
     for name, a, r in zip(["out", "q", "k", "v"], got, want):
         assert rel_err(a, r) < TOL, name
 
@@ -119,9 +126,9 @@ def test_kernels_on_random_shapes_windows_blocks_and_segments(seed):
     q, k, v = inputs(b, h, hkv, n, n, 16, seed=seed)
     gate = torch.rand(b, h, n, generator=torch.Generator().manual_seed(seed)) < rng.choice([0.0, 0.1, 0.5, 1.0])
     starts = segment_starts(mask, n, n).to(DEVICE)
-    got, want, _ = train_and_reference(q, k, v, gate, w, mask, block_m=bm, block_n=bn, row_start=starts,
-                                       dkdv_rows=rng.choice([16, 32, 64]))
-    got.append(run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, 0.25, bm, bn, row_start=starts))
+    got, want, _ = train_and_reference(q, k, v, gate, w, mask, tiles=tiles(bm, bn), row_start=starts,
+                                       dkdv=tiles(rng.choice([16, 32, 64]), rng.choice([16, 32])))
+    got.append(run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, 0.25, tiles(bm, bn), row_start=starts))
     want.append(want[0])
     for name, a, r in zip(["out", "q", "k", "v", "prefill"], got, want):  # w = 1: dq = dk = 0, hence max(|r|, 1)
         assert (a - r).norm() / max(r.norm(), 1.0) < TOL, name
@@ -137,9 +144,7 @@ def test_op_takes_the_kernels_and_the_router_gets_its_gradient(monkeypatch, layo
     """aha_attention with backend "triton" (on the CPU: Triton's interpreter), without and with segments
     (one launch, a_full from the prefill kernels): values, and q, k, v and the router scores get the
     reference's straight-through gradients."""
-    called = []
-    real = dispatch.aha_attention_triton
-    monkeypatch.setattr(dispatch, "aha_attention_triton", lambda *a, **kw: called.append(1) or real(*a, **kw))
+    calls = spy_paths(monkeypatch)
     monkeypatch.setattr(fast, "_per_segment", None)  # the kernels must not need it
     n = 50
     q, k, v = inputs(2, 4, 2, n, n, 16)
@@ -156,7 +161,7 @@ def test_op_takes_the_kernels_and_the_router_gets_its_gradient(monkeypatch, layo
         with torch.no_grad():  # the prefill kernels
             results[-1].append(aha_attention(*(t.detach() for t in leaves[:3]), leaves[3] > 0.5, 6, row_start=rs,
                                              backend=backend))
-    assert len(called) == 2
+    assert calls.count(("aha", "triton")) == 2
     for name, got, want in zip(["out", "q", "k", "v", "scores", "no grad"], *results):
         assert rel_err(got.float().cpu(), want.float().cpu()) < TOL, name
 
@@ -185,8 +190,9 @@ def test_decode_equals_reference(b, h, hkv, t, d, w, split):
     q, k, v = inputs(b, h, hkv, 1, t, d)
     gate = torch.rand(b, h, 1, generator=torch.Generator().manual_seed(2)) < 0.5
     gate[0, 0], gate[-1, -1] = True, False
-    out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), w, d ** -0.5, split=split, block_n=16)
-    assert rel_err(out, aha_attention_naive(q, k, v, gate, w)) < TOL
+    out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), w, d ** -0.5,
+              tiles=dict(SPLIT=split, BLOCK_N=16))
+    assert rel_err(out, aha_attention_reference(q, k, v, gate, w)) < TOL
 
 
 def test_decode_with_left_padding_equals_reference_with_the_mask():
@@ -195,11 +201,49 @@ def test_decode_with_left_padding_equals_reference_with_the_mask():
     gate[:, 0] = True
     starts = torch.tensor([0, 37, 90])  # no padding; padding; nothing real at all
     mask = torch.stack([torch.arange(90) >= s for s in starts])[:, None, None, :]
-    out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), 6, 16 ** -0.5, split=32, block_n=16,
-              kv_start=starts.to(DEVICE))
-    assert rel_err(out, aha_attention_naive(q, k, v, gate, 6, mask=mask)) < TOL
+    out = run(aha_decode_triton, q, k, v, gate[..., 0].to(DEVICE), 6, 16 ** -0.5,
+              tiles=dict(SPLIT=32, BLOCK_N=16), kv_start=starts.to(DEVICE))
+    assert rel_err(out, aha_attention_reference(q, k, v, gate, 6, mask=mask)) < TOL
     assert out[2].abs().max() == 0
     with torch.no_grad():  # the op maps segment starts to kv_start
         via_op = aha_attention(*(t.to(DEVICE, DTYPE) for t in (q, k, v)), gate.to(DEVICE), 6,
                                row_start=torch.tensor([[0], [37], [-1]], device=DEVICE), backend="triton")
     assert rel_err(via_op.float().cpu(), out) < TOL
+
+
+def test_global_blocks_start_longest_first_across_heads():
+    """Work items (head, block of 4 packed queries): ordered by the last position each block reaches,
+    across heads; blocks past a head's count come last."""
+    gate = torch.zeros(1, 3, 12, dtype=torch.bool)
+    gate[0, 0, [0, 1, 2, 3, 4, 11]] = True  # blocks: rows 0-3 (reach 3), rows 4, 11 (reach 11)
+    gate[0, 2, [5, 7]] = True  # one block reaching 7; head 1 has none
+    order = longest_first(*pack_global(gate), 4).tolist()
+    per_head = 3
+    assert order[:3] == [0 * per_head + 1, 2 * per_head + 0, 0 * per_head + 0]
+    assert sorted(order) == list(range(9))  # every item once: the 6 empty ones after
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "training"])
+def test_tensor_descriptor_path_equals_the_reference(kernel):
+    """The key loops through tensor descriptors (TMA on Hopper; Triton's interpreter runs them on the
+    CPU), with segments and keys past the end of a block (n = 50, blocks of 16): values and gradients."""
+    b, h, hkv, n, d, w = 2, 4, 2, 50, 16, 6
+    q, k, v = inputs(b, h, hkv, n, n, d)
+    mask = segment_mask(b, n, n, *SEGMENTS["documents+pad"])
+    starts = segment_starts(mask, n, n).to(DEVICE)
+    gate = mixed_gate(b, h, n, 0.3)
+    tma = dict(BLOCK_M=16, BLOCK_N=16, TMA=True)
+    if kernel == "prefill":
+        out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, tiles=tma, row_start=starts)
+        assert rel_err(out, aha_attention_reference(q, k, v, gate, w, mask=mask)) < TOL
+        return
+    got, want, _ = train_and_reference(q, k, v, gate, w, mask, tiles=tma, row_start=starts)
+    for name, a, r in zip(["out", "q", "k", "v"], got, want):
+        assert rel_err(a, r) < TOL, name
+
+
+def test_tensor_descriptors_only_where_the_layout_allows_them():
+    k = torch.zeros(2, 2, 40, 16)
+    assert tma_checked(dict(TMA=True), k)["TMA"] is True
+    assert tma_checked(dict(TMA=True), k.flatten()[1:].view(-1)[:2 * 2 * 39 * 16].view(2, 2, 39, 16))["TMA"] is False
+    assert tma_checked(dict(BLOCK_M=16), k) == dict(BLOCK_M=16)

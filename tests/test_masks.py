@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from allhere.masks import and_masks, causal, dense_mask, or_masks, segment_starts, sliding_window
-from allhere.ops.aha import aha_attention_naive
+from allhere.ops.aha import aha_attention_reference
 from allhere.ops.common import segment_mask
 
 from helpers import brute_force_aha, rel_err
@@ -114,24 +114,7 @@ def test_reference_under_segments_equals_brute_force(layout, lq, window):
     mask = mask_of_layout(2, lq, 20, *LAYOUTS[layout])
     starts = segment_starts(mask, lq, 20)
     want = brute_force_segments(q, k, v, gate, window, starts)
-    assert rel_err(aha_attention_naive(q, k, v, gate, window, row_start=starts), want) < 1e-6
-    assert rel_err(aha_attention_naive(q, k, v, gate, window, mask=mask), want) < 1e-6
-    out = aha_attention_naive(q, k, v, gate, window, row_start=starts)
+    assert rel_err(aha_attention_reference(q, k, v, gate, window, row_start=starts), want) < 1e-6
+    assert rel_err(aha_attention_reference(q, k, v, gate, window, mask=mask), want) < 1e-6
+    out = aha_attention_reference(q, k, v, gate, window, row_start=starts)
     assert torch.all(out.transpose(1, 2)[starts < 0] == 0)
-
-
-@pytest.mark.parametrize("old, new, names", [
-    ("allhere.patterns", "allhere.masks", ["global_first", "global_at", "global_from_ids"]),
-    ("allhere.patterns", "allhere.ops.full", ["reference_attention"]),
-    ("allhere.mechanisms.pattern", "allhere.mechanisms.masked_base", ["PatternAttention", "check_dilation"]),
-])
-def test_moved_modules_still_import_with_a_deprecation_warning(old, new, names):
-    import importlib
-    import sys
-
-    sys.modules.pop(old, None)  # import it afresh so that its warning is emitted here
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-        shim = importlib.import_module(old)
-    moved = importlib.import_module(new)
-    for name in names:
-        assert getattr(shim, name) is getattr(moved, name)

@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from allhere.masks import segment_starts
-from allhere.ops.aha import aha_attention_fast, aha_attention_naive
+from allhere.ops.aha import aha_attention_fast, aha_attention_reference
 from allhere.ops.aha.fast import aha_attention_torch
 from allhere.ops.ste import straight_through
-from allhere.ops.sliding import sliding_window_attention, sliding_window_attention_naive
+from allhere.ops.sliding import sliding_window_attention_reference, sliding_window_attention_torch
 
 from helpers import brute_force_aha, rel_err, segment_mask
 
@@ -35,14 +35,14 @@ def make(shape, dtype=torch.float32, p_global=0.3):
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_reference_equals_brute_force_loop(shape):
     q, k, v, gate, w = make(shape)
-    assert rel_err(aha_attention_naive(q, k, v, gate, w), brute_force_aha(q, k, v, gate, w)) < 1e-5
+    assert rel_err(aha_attention_reference(q, k, v, gate, w), brute_force_aha(q, k, v, gate, w)) < 1e-5
 
 
 def test_gate_all_one_is_causal_sdpa():
     q, k, v, _, w = make((2, 4, 4, 50, 50, 16, 8))
     gate = torch.ones(2, 4, 50, dtype=torch.bool)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    assert rel_err(aha_attention_naive(q, k, v, gate, w), ref) < 1e-5
+    assert rel_err(aha_attention_reference(q, k, v, gate, w), ref) < 1e-5
     assert rel_err(aha_attention_fast(q, k, v, gate, w), ref) < 1e-5
 
 
@@ -50,8 +50,8 @@ def test_gate_all_zero_is_sliding_window():
     q, k, v, _, w = make((2, 4, 2, 50, 50, 16, 8))
     gate = torch.zeros(2, 4, 50)
     ref = brute_force_aha(q, k, v, gate, w)
-    assert rel_err(aha_attention_naive(q, k, v, gate, w), ref) < 1e-5
-    assert rel_err(sliding_window_attention_naive(q, k, v, w), ref) < 1e-5
+    assert rel_err(aha_attention_reference(q, k, v, gate, w), ref) < 1e-5
+    assert rel_err(sliding_window_attention_reference(q, k, v, w), ref) < 1e-5
     assert rel_err(aha_attention_fast(q, k, v, gate, w), ref) < 1e-5
 
 
@@ -59,15 +59,15 @@ def test_gate_all_zero_is_sliding_window():
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_blocked_sliding_equals_reference(shape, block):
     q, k, v, _, w = make(shape)
-    out = sliding_window_attention(q, k, v, w, block=block)
-    assert rel_err(out, sliding_window_attention_naive(q, k, v, w)) < 1e-5
+    out = sliding_window_attention_torch(q, k, v, w, block=block)
+    assert rel_err(out, sliding_window_attention_reference(q, k, v, w)) < 1e-5
 
 
 @pytest.mark.parametrize("p_global", [0.0, 0.07, 0.5, 1.0])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_fast_inference_equals_reference(shape, p_global):
     q, k, v, gate, w = make(shape, p_global=p_global)
-    ref = aha_attention_naive(q, k, v, gate, w)
+    ref = aha_attention_reference(q, k, v, gate, w)
     assert rel_err(aha_attention_fast(q, k, v, gate, w, chunk=4), ref) < 1e-5
     assert rel_err(aha_attention_fast(q, k, v, gate, w, dense_above=0.0), ref) < 1e-5
 
@@ -97,7 +97,7 @@ def test_fast_gradients_equal_reference(shape, sparse_backward):
 
     scale = q.shape[-1] ** -0.5
     out_f, g_f = grads(lambda *a: aha_attention_torch(*a, scale, chunk=3, sparse_backward=sparse_backward))
-    out_r, g_r = grads(aha_attention_naive)
+    out_r, g_r = grads(aha_attention_reference)
     assert rel_err(out_f, out_r) < 1e-5
     for name, a, b in zip("qkvs", g_f, g_r):
         assert rel_err(a, b) < 1e-4, name
@@ -124,18 +124,18 @@ def test_fast_per_segment_equals_reference_with_the_mask(layout, lq):
         return [out] + [t.grad for t in leaves] + [st.grad]
 
     got = run(aha_attention_fast, row_start=starts)
-    want = run(aha_attention_naive, mask=mask)
+    want = run(aha_attention_reference, mask=mask)
     for name, a, b in zip(["out", "q", "k", "v", "s"], got, want):
         assert rel_err(a, b) < 1e-4, name
     with torch.no_grad():
         assert rel_err(aha_attention_fast(q, k, v, gate, w, row_start=starts),
-                       aha_attention_naive(q, k, v, gate, w, mask=mask)) < 1e-5
+                       aha_attention_reference(q, k, v, gate, w, mask=mask)) < 1e-5
 
 
 def test_fast_inference_path_gradients_to_qkv():
     q, k, v, gate, w = make((2, 4, 2, 30, 30, 8, 5))
     outs = []
-    for fn in (aha_attention_fast, aha_attention_naive):
+    for fn in (aha_attention_fast, aha_attention_reference):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         fn(*leaves, gate, w).square().sum().backward()
         outs.append([t.grad for t in leaves])
@@ -143,7 +143,7 @@ def test_fast_inference_path_gradients_to_qkv():
         assert rel_err(a, b) < 1e-4
 
 
-@pytest.mark.parametrize("fn", [aha_attention_naive, aha_attention_fast], ids=["naive", "fast"])
+@pytest.mark.parametrize("fn", [aha_attention_reference, aha_attention_fast], ids=["naive", "fast"])
 def test_straight_through_gradient(fn):
     """dL/ds = sum_dim dL/da * (a_full - a_local); the forward value uses the hard gate exactly."""
     q, k, v, _, w = make((2, 4, 2, 24, 24, 8, 4))
@@ -154,7 +154,7 @@ def test_straight_through_gradient(fn):
     a_full = fn(q, k, v, torch.ones_like(hard), w)
     a_local = fn(q, k, v, torch.zeros_like(hard), w)
     hard_out = torch.where(hard[..., None], a_full, a_local)
-    if fn is aha_attention_naive:  # forward: exactly the hard gate, bit for bit
+    if fn is aha_attention_reference:  # forward: exactly the hard gate, bit for bit
         assert torch.equal(out, hard_out)
     else:  # the fast path's training kernels may round differently from its inference kernels
         assert rel_err(out, hard_out) < 1e-6
@@ -167,7 +167,7 @@ def test_straight_through_gradient(fn):
 
 def test_bf16_fast_matches_fp32_reference():
     q, k, v, gate, w = make((1, 4, 2, 64, 64, 32, 16))
-    ref = aha_attention_naive(q, k, v, gate, w)
+    ref = aha_attention_reference(q, k, v, gate, w)
     out = aha_attention_fast(q.bfloat16(), k.bfloat16(), v.bfloat16(), gate, w)
     assert out.dtype == torch.bfloat16
     assert rel_err(out.float(), ref) < 2e-2
@@ -183,7 +183,7 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", BAD)
-@pytest.mark.parametrize("fn", [aha_attention_naive, aha_attention_fast], ids=["naive", "fast"])
+@pytest.mark.parametrize("fn", [aha_attention_reference, aha_attention_fast], ids=["naive", "fast"])
 def test_bad_inputs_raise_clear_errors(fn, case):
     q, k, gate, window, match = BAD[case]
     with pytest.raises(ValueError, match=match):

@@ -11,7 +11,7 @@ from allhere.checkpoint import load_model, save_checkpoint
 from allhere.masks import and_masks, causal, starts_from
 from allhere.mechanisms import AttentionCall, AttentionDims, AttentionMechanism
 from allhere.ops.common import segment_mask
-from allhere.ops.full import masked_attention
+from allhere.ops.full import full_attention
 from allhere.registry import from_dict, get, kinds
 
 from helpers import rel_err
@@ -36,7 +36,7 @@ class EveryOther(AttentionMechanism):
         b, lq, lk = q.shape[0], q.shape[2], k.shape[2]
         starts = call.segment_starts if call.segment_starts is not None else torch.zeros(b, lq, dtype=torch.long)
         mask = segment_mask(starts, lq, lk, and_masks(causal, every_other))
-        return masked_attention(q, k, v, mask, call.scale), None
+        return full_attention(q, k, v, call.scale, mask), None
 
 
 def tiny():

@@ -52,16 +52,17 @@ def test_head_size_without_a_cpu_kernel(tmp_path, capfd):
     assert "head_dim 16 is not supported by vLLM's CPU attention" in err
 
 
-def test_paged_mechanisms_only_on_the_cpu(tmp_path):
-    """Sinks, the other masked patterns and DAR run allhere's own attention over vLLM's paged cache, tested
-    on vLLM's CPU backend only: refused on a GPU rather than served untested."""
+@pytest.mark.parametrize("mech", [{"kind": "dar", "window": 4, "d_down": 8}, AHA], ids=["dar", "aha"])
+def test_paged_mechanisms_only_on_the_cpu(tmp_path, mech):
+    """AHA, sinks, the other masked patterns and DAR run allhere's own attention over vLLM's paged cache,
+    tested on vLLM's CPU backend only: refused on a GPU rather than served untested."""
     from allhere.serve.launch import check_servable
     from allhere.validation import ConfigError
 
-    dar = {**LLAMA, "head_dim": 64, "allhere_mechanism": {"kind": "dar", "window": 4, "d_down": 8}}
-    check_servable(dar, tmp_path, cpu=True)
-    with pytest.raises(ConfigError, match="dar is served on vLLM's CPU backend only"):
-        check_servable(dar, tmp_path, cpu=False)
+    config = {**LLAMA, "head_dim": 64, "allhere_mechanism": mech}
+    check_servable(config, tmp_path, cpu=True)
+    with pytest.raises(ConfigError, match=f"{mech['kind']} is served on vLLM's CPU backend only"):
+        check_servable(config, tmp_path, cpu=False)
 
 
 def test_port_in_use(tmp_path, capfd):
@@ -81,3 +82,15 @@ def test_bad_flags(tmp_path, capfd):
 def test_without_vllm_says_how_to_install(tmp_path, capfd):
     err = refused(capfd, "--model", folder(tmp_path, LLAMA), "--port", str(free_port()))
     assert "vLLM is not installed" in err and "scripts/install_serve.sh" in err
+
+
+def test_kv_line():
+    """The caches' bytes as ``allhere serve`` prints them once the server is ready."""
+    from allhere.serve.launch import format_kv, format_stats
+
+    kv = {"per_token": 16384, "per_request": 0, "plain_per_token": 8192}
+    assert format_kv(kv) == "KV cache 16384 bytes per token of context; the unconverted model: 8192 bytes per token"
+    window = format_kv({"per_token": 0, "per_request": 2 ** 20, "plain_per_token": 8192})
+    assert "+ 1048576 bytes per request (sliding windows)" in window
+    line = format_stats({"layers": {"0": [1, 4]}, "mu_f": 0.25, "tokens": 2, "kv": kv})
+    assert line == "mu_f 25.0% over 2 tokens (per layer 0: 25.0%); KV cache 16384 bytes per token"

@@ -128,6 +128,8 @@ def test_routing_line_then_sigterm_leaves_no_process(server):
     while not any("mu_f" in line for line in lines) and time.monotonic() - start < 30:
         time.sleep(0.5)
     assert any("allhere serve: mu_f" in line for line in lines), "".join(lines)
+    kv = [line for line in lines if line.startswith("allhere serve: KV cache ")]
+    assert kv and "bytes per token of context" in kv[0], "".join(lines)
     below = descendants(proc.pid)
     assert below  # vLLM's server and engine processes
     proc.send_signal(signal.SIGTERM)

@@ -1,6 +1,7 @@
-"""allhere's attention over a paged KV cache (allhere.serve.paged; what vLLM serving runs for sinks, the other
-masked patterns and DAR): equal to the dense references, for requests split into chunks over scattered blocks.
-No vLLM needed."""
+"""allhere's batched attention over a paged KV cache (allhere.serve.paged; what vLLM serving runs for AHA, sinks,
+the other masked patterns and DAR) equals the dense references: requests written in chunks to scattered blocks
+(chunked prefill, then decode steps beside other requests' prefill), a request whose first blocks come from
+another's (a prefix-cache hit), padding slots and rows. No vLLM needed."""
 
 from __future__ import annotations
 
@@ -9,75 +10,183 @@ import torch
 
 import allhere as ah
 from allhere import registry
-from allhere.ops.dar import dar_attention_naive
-from allhere.ops.full import reference_attention
-from allhere.serve.paged import dar_choice, masked_choice, paged_attention, paged_view, write
+from allhere.masks import causal, sliding_window
+from allhere.mechanisms.dar import far_keys
+from allhere.ops.aha import aha_attention_reference
+from allhere.ops.dar import dar_attention_reference
+from allhere.ops.full import pattern_attention_reference
+from allhere.serve.paged import causal_read, paged_attention, paged_view, window_read, write
 
 HEADS, KV_HEADS, D, BS = 4, 2, 8, 4  # 2 query heads per kv head; blocks of 4 tokens
+LENGTHS = [29, 5, 17]  # tokens per request; request 3 (PREFIXED) reuses the first SHARED of request 0
+SHARED, PREFIXED = 16, 21
+SCALE = D ** -0.5
 
 
-def _serve(lengths, chunks, sets, choose, gen):
-    """Fill a paged cache request by request in ``chunks`` steps of several requests each (as vLLM
-    schedules: a step holds the next tokens of every request), attending after each write; returns each
-    request's outputs over all its tokens [length, heads, d], and its q and key sets [length, kv_heads, d]."""
-    blocks_needed = sum(-(-n // BS) for n in lengths)
-    views = [paged_view(torch.zeros(blocks_needed + 3, KV_HEADS, BS, 2 * D), BS, KV_HEADS, D) for _ in range(sets)]
-    order = torch.randperm(blocks_needed + 3, generator=gen)[:blocks_needed]  # scattered, in no order
-    table, used = torch.full((len(lengths), max(-(-n // BS) for n in lengths)), -1, dtype=torch.int32), 0
-    for r, n in enumerate(lengths):
-        table[r, : -(-n // BS)] = order[used: used + -(-n // BS)]
-        used += -(-n // BS)
-    data = [(torch.randn(n, HEADS, D, generator=gen), [(torch.randn(n, KV_HEADS, D, generator=gen),
-                                                         torch.randn(n, KV_HEADS, D, generator=gen)) for _ in range(sets)])
-            for n in lengths]
-    outs = [torch.zeros(n, HEADS, D) for n in lengths]
-    done = [0] * len(lengths)
-    for step in range(chunks):
+# per step, request -> its next tokens (None: the rest): chunks of prompts beside other requests' single
+# (decode) tokens; request 3 joins at step 2 once request 0 has written its first SHARED tokens
+STEPS = [{0: 12, 1: 3, 2: 7}, {0: 6, 1: 2, 2: 6}, {0: 1, 2: 1, 3: 3}, {0: 1, 2: 1, 3: 1}, {0: None, 2: None, 3: None}]
+
+
+def _serve(reads, gen, sets=1, gate=None, q_tile=4, **options):
+    """Serve LENGTHS (+ the prefixed request) step by step as vLLM schedules them (STEPS), each step's K/V
+    written first (with a padding slot), then attended (with a padding row after the real ones). Request 3
+    starts with its first SHARED tokens already cached (request 0's blocks). Returns per request its outputs
+    [length, heads, d] (rows before SHARED of request 3: never computed) and [q, key sets, gate [length,
+    heads] or None]."""
+    lengths = LENGTHS + [PREFIXED]
+    n_blocks = sum(-(-n // BS) for n in LENGTHS) + -(-(PREFIXED - SHARED) // BS)
+    views = [paged_view(torch.zeros(n_blocks + 3, KV_HEADS, BS, 2 * D), BS, KV_HEADS, D) for _ in range(sets)]
+    order = torch.randperm(n_blocks + 3, generator=gen)[:n_blocks].tolist()  # scattered, in no order
+    table = torch.full((4, -(-max(lengths) // BS)), -1, dtype=torch.int32)
+    for r, n in enumerate(LENGTHS):
+        for b in range(-(-n // BS)):
+            table[r, b] = order.pop()
+    table[3, : SHARED // BS] = table[0, : SHARED // BS]
+    for b in range(SHARED // BS, -(-PREFIXED // BS)):
+        table[3, b] = order.pop()
+    data = []
+    for n in lengths:
+        kv = [(torch.randn(n, KV_HEADS, D, generator=gen), torch.randn(n, KV_HEADS, D, generator=gen))
+              for _ in range(sets)]
+        g = torch.rand(n, HEADS, generator=gen) < 0.3 if gate is None else None
+        data.append([torch.randn(n, HEADS, D, generator=gen), kv, g])
+    data[3][0][:SHARED] = data[0][0][:SHARED]  # the shared prefix: the same tokens
+    for i in range(sets):
+        for t in (0, 1):
+            data[3][1][i][t][:SHARED] = data[0][1][i][t][:SHARED]
+    outs = [torch.full((n, HEADS, D), float("nan")) for n in lengths]
+    done = [0, 0, 0, SHARED]
+    for step in STEPS:
         rows, starts, lens = [], [0], []
-        for r, n in enumerate(lengths):
-            take = n - done[r] if step == chunks - 1 else min(n - done[r], (n + chunks - 1) // chunks)
-            rows.append((r, done[r], done[r] + take))
-            starts.append(starts[-1] + take)
-            lens.append(done[r] + take)
-            done[r] += take
+        for r, take in step.items():
+            b = lengths[r] if take is None else done[r] + take
+            rows.append((r, done[r], b))
+            starts.append(starts[-1] + b - done[r])
+            lens.append(b)
+            done[r] = b
         q = torch.cat([data[r][0][a:b] for r, a, b in rows])
-        slots = torch.cat([torch.tensor([int(table[r, p // BS]) * BS + p % BS for p in range(a, b)], dtype=torch.long)
-                           for r, a, b in rows])
+        slots = torch.tensor([int(table[r, p // BS]) * BS + p % BS for r, a, b in rows for p in range(a, b)])
         for i, view in enumerate(views):
-            k = torch.cat([data[r][1][i][0][a:b] for r, a, b in rows])
-            v = torch.cat([data[r][1][i][1][a:b] for r, a, b in rows])
-            write(view, torch.cat([slots, torch.tensor([-1])]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]]))  # + padding
+            k, v = (torch.cat([data[r][1][i][t][a:b] for r, a, b in rows]) for t in (0, 1))
+            write(view, torch.cat([slots, torch.tensor([-1])]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]]))
+        row_class = None if gate is not None else torch.cat([data[r][2][a:b] for r, a, b in rows] + [gate_pad()])
         out = torch.full((q.shape[0] + 1, HEADS, D), 7.0)
-        paged_attention(q, views, torch.tensor(starts), torch.tensor(lens), table, choose, D ** -0.5, out)
+        used = table[[r for r, _, _ in rows]]
+        paged_attention(torch.cat([q, q[:1]]), views, torch.tensor(starts), torch.tensor(lens), used, reads, SCALE,
+                        out, row_class=row_class, q_tile=q_tile, **options)
         assert bool((out[-1] == 7.0).all())  # the padding row is left alone
         for (r, a, b), s0, s1 in zip(rows, starts, starts[1:]):
             outs[r][a:b] = out[s0:s1]
+    assert done == lengths
     return outs, data
+
+
+def gate_pad():
+    return torch.ones(1, HEADS, dtype=torch.bool)
 
 
 def _bhld(x):
     return x.transpose(0, 1)[None]
 
 
-@pytest.mark.parametrize("cfg", [ah.SinksConfig(window=3, n_sinks=2), ah.DilatedConfig(window=6, dilation=(1, 2, 1, 3)),
-                                 ah.LongformerConfig(window=3, global_first=2, global_positions=(7,)),
-                                 ah.BigBirdConfig(block=2, window_blocks=1, global_blocks=1, random_blocks=1)])
+def _check(outs, data, want_fn):
+    for r, (out, d) in enumerate(zip(outs, data)):
+        want = want_fn(*d)
+        first = SHARED if r == 3 else 0
+        torch.testing.assert_close(out[first:], want[first:], atol=1e-5, rtol=1e-5)
+
+
+PATTERNS = [ah.SinksConfig(window=5, n_sinks=2), ah.DilatedConfig(window=4, dilation=(1, 2, 1, 3)),
+            ah.LongformerConfig(window=3, global_first=2, global_positions=(11,)),
+            ah.BigBirdConfig(block=2, window_blocks=2, global_blocks=1, random_blocks=1)]
+
+
+@pytest.mark.parametrize("cfg", PATTERNS, ids=lambda c: c.kind)
 def test_masked_patterns_equal_dense_reference(cfg):
     gen = torch.Generator().manual_seed(0)
     pred = registry.from_dict(registry.to_dict(cfg)).mask_fn(None)
-    outs, data = _serve([13, 5, 9], 3, 1, masked_choice(pred), gen)
-    for out, (q, [(k, v)]) in zip(outs, data):
-        want = reference_attention(_bhld(q), _bhld(k), _bhld(v), pred, scale=D ** -0.5)[0].transpose(0, 1)
-        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    outs, data = _serve([[(pred, 0)]], gen, gate=False)
+    _check(outs, data, lambda q, kv, g: pattern_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]), pred,
+                                                            scale=SCALE)[0].transpose(0, 1))
+
+
+AHA_READS = [[window_read(6)], [causal_read()]]  # with their dense tests
+
+
+@pytest.mark.parametrize("tiles", [(4, 8), (64, 1), (1, 2), (4, 0)],
+                         ids=["tile4-pack8", "tile64", "tile1-pack2", "no-dense-tests"])
+def test_aha_equals_reference(tiles):
+    """Per (token, head) the window (class 0) or every earlier key (class 1), whatever the tile sizes, the
+    chunks read entirely found by the reads' dense tests or by evaluating their predicates."""
+    gen = torch.Generator().manual_seed(1)
+    q_tile, pack = tiles
+    reads = AHA_READS if pack else [[(sliding_window(6), 0)], [(causal, 0)]]
+    outs, data = _serve(reads, gen, q_tile=q_tile, pack=pack or 4)
+    _check(outs, data, lambda q, kv, g: aha_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]),
+                                                            g.T[None], 6, SCALE)[0].transpose(0, 1))
+
+
+def _dense_terms(sinks=None, cap=0.0):
+    """A dense ``attend`` with the host's softmax terms: learned sink logits, soft-capped scores."""
+    def attend(q, k, v, allowed):
+        rep = q.shape[1] // k.shape[1]
+        s = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * SCALE
+        if cap:
+            s = torch.tanh(s / cap) * cap
+        s = s.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+        p = torch.softmax(s, -1)[..., : k.shape[2]]
+        return p.nan_to_num(0.0) @ v.repeat_interleave(rep, 1)
+    return attend
+
+
+@pytest.mark.parametrize("terms", [{"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}, {"softcap": 0.7}],
+                         ids=["sink-logits", "softcap"])
+def test_aha_with_host_softmax_terms(terms):
+    gen = torch.Generator().manual_seed(2)
+    outs, data = _serve(AHA_READS, gen, **terms)
+    attend = _dense_terms(terms.get("sinks"), terms.get("softcap", 0.0))
+    _check(outs, data, lambda q, kv, g: aha_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]), g.T[None],
+                                                            6, SCALE, attend=attend)[0].transpose(0, 1))
+
+
+def test_class_without_reads_keeps_out():
+    """AHA's local rows computed elsewhere (vLLM's windowed kernel): the rows of a class that reads nothing keep
+    what ``out`` held; the others are written."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(6, HEADS, D, generator=gen)
+    k, v = torch.randn(6, KV_HEADS, D, generator=gen), torch.randn(6, KV_HEADS, D, generator=gen)
+    view = paged_view(torch.zeros(3, KV_HEADS, BS, 2 * D), BS, KV_HEADS, D)
+    write(view, torch.tensor([8, 9, 10, 11, 0, 1]), k, v)
+    gate = torch.rand(6, HEADS, generator=gen) < 0.5
+    out = torch.full((6, HEADS, D), 7.0)
+    paged_attention(q, [view], torch.tensor([0, 6]), torch.tensor([6]), torch.tensor([[2, 0]]), [[], [causal_read()]],
+                    SCALE, out, row_class=gate)
+    want = aha_attention_reference(_bhld(q), _bhld(k), _bhld(v), gate.T[None], 1, SCALE)[0].transpose(0, 1)
+    torch.testing.assert_close(out[gate], want[gate], atol=1e-5, rtol=1e-5)
+    assert bool((out[~gate] == 7.0).all())
+
+
+def test_matmul_path_equals_reference(monkeypatch):
+    """Scores by matmul (soft-capped layers; devices without the CPU's fused kernel) instead of the fused kernel."""
+    import allhere.serve.paged_chunks as chunks
+
+    monkeypatch.setattr(chunks, "FUSED", False)
+    gen = torch.Generator().manual_seed(4)
+    outs, data = _serve(AHA_READS, gen)
+    _check(outs, data, lambda q, kv, g: aha_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]),
+                                                            g.T[None], 6, SCALE)[0].transpose(0, 1))
 
 
 @pytest.mark.parametrize("window", [0, 3, 20])
 def test_dar_equals_reference(window):
-    gen = torch.Generator().manual_seed(1)
-    outs, data = _serve([11, 6], 2, 2, dar_choice(window), gen)
-    for out, (q, [(kn, vn), (kf, vf)]) in zip(outs, data):
-        want = dar_attention_naive(*map(_bhld, (q, kn, vn, kf, vf)), window, scale=D ** -0.5)[0].transpose(0, 1)
-        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    gen = torch.Generator().manual_seed(3)
+    reads = [([window_read(window, 0)] if window else []) + [(far_keys(window), 1)]]
+    outs, data = _serve(reads, gen, sets=2, gate=False)
+    _check(outs, data, lambda q, kv, g: dar_attention_reference(_bhld(q), *(_bhld(t) for t in (*kv[0], *kv[1])), window,
+                                                            scale=SCALE)[0].transpose(0, 1))
 
 
 def test_view_refuses_partial_blocks():

@@ -23,7 +23,7 @@ import allhere as ah  # noqa: E402
 from allhere.generation import generate, load  # noqa: E402
 from allhere.hf import convert, save_pretrained  # noqa: E402
 from allhere.hf.io import load_local  # noqa: E402
-from allhere.routing import set_forced_gate  # noqa: E402
+from allhere import set_forced_gate  # noqa: E402
 from hf_fixtures import write_model  # noqa: E402
 from real_configs import PUBLISHED  # noqa: E402
 
@@ -194,3 +194,34 @@ def test_dar_compiled(sharp):
     and DAR's hooks are traced; the tokens stay allhere's."""
     prompts = sharp["prompts"]
     assert _vllm(sharp["llama_dar"], prompts, compiled=True)["none"]["tokens"] == _allhere(sharp["llama_dar"], prompts)
+
+
+def test_vllm_window_kernel_reads_allheres_layout():
+    """Where vLLM's CPU kernel stores blocks as allhere does ("vec" / "vec16"), AHA's local rows are its windowed
+    kernel's over allhere's cache: equal to allhere's own window read, chunked prefill beside a decode, scattered
+    blocks of 32, sink logits and a soft cap included."""
+    from types import SimpleNamespace
+
+    from allhere.serve.paged import paged_attention, paged_view, window_read, write
+    from allhere.serve.vllm_paged import same_layout, vllm_window
+
+    if not same_layout("vec", torch.float32):
+        pytest.skip("this build's vLLM CPU kernel stores its blocks otherwise")
+    heads, kv_heads, d, bs, window = 4, 2, 64, 32, 40
+    gen = torch.Generator().manual_seed(0)
+    lens, q_lens = [100, 70], [60, 1]  # a chunk of a prompt, and a decode step
+    cache = torch.zeros(9, kv_heads, bs, 2 * d)
+    view = paged_view(cache, bs, kv_heads, d)
+    table = torch.tensor([[7, 2, 5, 0], [1, 8, 3, 4]], dtype=torch.int32)
+    for r, n in enumerate(lens):
+        slots = torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(n)])
+        write(view, slots, torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen))
+    q = torch.randn(sum(q_lens), heads, d, generator=gen)
+    meta = SimpleNamespace(num_actual_tokens=q.shape[0], query_start_loc=torch.tensor([0, 60, 61], dtype=torch.int32),
+                           seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table)
+    for sinks, cap in ((None, 0.0), (torch.tensor([0.5, -1.0, 2.0, 0.0]), 0.0), (None, 3.0)):
+        theirs, ours = torch.zeros_like(q), torch.zeros_like(q)
+        vllm_window(q, cache, meta, window, d ** -0.5, cap, sinks, "vec", theirs)
+        paged_attention(q, [view], meta.query_start_loc, meta.seq_lens, table, [[window_read(window)]], d ** -0.5,
+                        ours, sinks=sinks, softcap=cap)
+        torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)

@@ -36,6 +36,7 @@ def dilated_rule(w, dil, causal):
 FLAGS = torch.zeros(B, 30, dtype=torch.bool)
 FLAGS[0, [0, 7, 19]] = True
 FLAGS[1, [3, 4]] = True
+MANY = torch.arange(30) % 3 == 0  # 10 runs: more than global_tokens compares with, so looked up
 
 
 def global_rule(flags, causal):
@@ -79,6 +80,8 @@ CASES = [  # (name, predicate, rule(b, h, q, k))
      lambda b, h, q, k: dilated_rule(3, (3, 1, 2), False)(h, q, k)),
     ("global", global_tokens(FLAGS), lambda b, h, q, k: global_rule(FLAGS, True)(b, q, k)),
     ("global_1d_bidir", global_tokens(FLAGS[0], causal=False), lambda b, h, q, k: global_rule(FLAGS[0], False)(b, q, k)),
+    ("global_first", global_tokens(global_first(30, 5)), lambda b, h, q, k: global_rule(global_first(30, 5), True)(b, q, k)),
+    ("global_many_runs", global_tokens(MANY), lambda b, h, q, k: global_rule(MANY, True)(b, q, k)),
     ("longformer", longformer(3, FLAGS, dilation=2),
      lambda b, h, q, k: dilated_rule(3, 2, True)(h, q, k) or global_rule(FLAGS, True)(b, q, k)),
     ("longformer_bidir", longformer(3, FLAGS[1], causal=False),
@@ -168,3 +171,48 @@ def test_prepare_is_passed_on_and_does_not_freeze_the_random_blocks():
 
     with pytest.raises(RuntimeError, match="must be drawn before the mask is traced"):  # vmap reads no position
         create_block_mask(bigbird(4, 2, 1, 1, seed=2), 1, 1, 32, 32, device="cpu")
+
+
+def traced_ops(pred) -> list:
+    """The calls of the graph torch.compile traces of ``pred`` on index tensors, as FlexAttention's kernel
+    evaluates it per score: (name, args), a tensor argument given by its dtype; a captured table shows as an
+    indexing (getitem)."""
+    graphs = []
+
+    def keep(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    args = (torch.tensor(0), torch.tensor(1), torch.arange(8, dtype=torch.int32).view(-1, 1),
+            torch.arange(8, dtype=torch.int32).view(1, -1))  # FlexAttention's positions are int32
+    torch.compile(pred, backend=keep, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    arg = lambda a: a.meta["example_value"].dtype if hasattr(a, "meta") else a  # noqa: E731
+    return [(getattr(n.target, "__name__", str(n.target)), tuple(map(arg, n.args))) for n in graphs[0].graph.nodes
+            if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("name,pred", [
+    ("longformer, first 16 global", longformer(512, global_first(64, 16))),
+    ("longformer, global positions", longformer(8, global_at(64, [0, 1, 2, 30, 40]), dilation=2)),
+])
+def test_global_tokens_read_no_table_per_score(name, pred):
+    """Longformer's global tokens (a few runs of positions) are comparisons, not lookups of a captured table:
+    FlexAttention evaluates the predicate for every score of a partly masked tile. On an H200 Longformer ran
+    at 0.75x dense at 32k with a lookup of its flags, where sinks, of the same tiles, ran at 6.3x."""
+    assert not any(name == "getitem" for name, _ in traced_ops(pred))
+
+
+def test_many_global_runs_and_per_batch_flags_still_look_up():
+    for pred in (global_tokens(MANY), global_tokens(FLAGS)):
+        assert any(name == "getitem" for name, _ in traced_ops(pred))
+
+
+@pytest.mark.parametrize("dilation", [(1, 2, 4, 8) * 2, 3, 1])
+def test_dilated_windows_divide_in_32_bits(dilation):
+    """A per-head stride is looked up as int32, so the predicate divides int32 positions by an int32 (an int64
+    stride made every score of a partly masked tile a 64-bit division on a GPU); one stride is a constant,
+    and a stride of 1 divides by nothing."""
+    mods = [args for name, args in traced_ops(dilated_window(128, dilation)) if name == "mod"]
+    assert all(d in (torch.int32, dilation) for _, d in mods) and (dilation != 1 or not mods), mods

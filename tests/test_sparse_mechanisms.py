@@ -5,12 +5,12 @@ caches, segments, checkpoints and the Hugging Face conversion."""
 import pytest
 import torch
 
-from allhere import ConfigError, Decoder, ModelConfig
+from allhere import ConfigError, Decoder, ModelConfig, use_backend
 from allhere.checkpoint import load_model, save_checkpoint
 from allhere.masks import dense_mask, starts_from
 from allhere.mechanisms import (AttentionCall, AttentionDims, BigBirdConfig, DilatedConfig, LongformerConfig,
                                 SinksConfig, SlidingConfig, bigbird_schedule, dilation_schedule, mechanism_layers)
-from allhere.ops.full import masked_attention, reference_attention
+from allhere.ops.full import masked_attention, pattern_attention_reference
 from allhere.registry import build, from_dict, to_dict
 
 from helpers import rel_err
@@ -46,10 +46,10 @@ def test_forward_equals_reference_of_its_predicate(name):
             mech.dense_below = dense_below
             out, routing = mech(q, k, v, AttentionCall(x=None))
             assert routing is None
-            assert rel_err(out, reference_attention(q, k, v, cfg.mask_fn(37))) < 1e-5
+            assert rel_err(out, pattern_attention_reference(q, k, v, cfg.mask_fn(37))) < 1e-5
         with torch.no_grad():  # queries: the last q_len of the keys
             out, _ = mech(q[:, :, -9:], k, v, AttentionCall(x=None))
-        assert rel_err(out, reference_attention(q[:, :, -9:], k, v, cfg.mask_fn(37))) < 1e-5
+        assert rel_err(out, pattern_attention_reference(q[:, :, -9:], k, v, cfg.mask_fn(37))) < 1e-5
         # the predicate is the pattern the config describes
         assert dense_mask(cfg.mask_fn(37), 37, 37, heads=4).any(-1).all()
 
@@ -154,7 +154,7 @@ def test_cache_memory_is_bounded(cfg, kept):
     for t in range(512):
         out, _ = mech(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], AttentionCall(x=None), cache=cache)
         if t in (63, 200, 511):
-            want = reference_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], pred)
+            want = pattern_attention_reference(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], pred)
             assert rel_err(out, want) < 1e-5
         sizes[t] = (cache.nbytes(), len(cache))
     assert sizes[63] == sizes[300] == sizes[511]
@@ -222,11 +222,11 @@ def test_flex_attention_backend_equals_reference():
     """FlexAttention (compiled; about 20 s on a CPU) under a BigBird pattern with per-head random blocks, GQA."""
     cfg = BigBirdConfig(block=16, window_blocks=2, global_blocks=1, random_blocks=1, seed=1)
     mech = build(cfg, DIMS)
-    mech.backend, mech.dense_below = "flex", 0
+    mech.dense_below = 0
     q, k, v = qkv(128)
-    with torch.no_grad():
+    with torch.no_grad(), use_backend("flex"):
         out, _ = mech(q, k, v, AttentionCall(x=None))
-    assert rel_err(out, reference_attention(q, k, v, cfg.mask_fn(128))) < 1e-5
+    assert rel_err(out, pattern_attention_reference(q, k, v, cfg.mask_fn(128))) < 1e-5
 
 
 def test_flex_is_compiled_for_a_bounded_number_of_shapes(monkeypatch):
@@ -240,10 +240,11 @@ def test_flex_is_compiled_for_a_bounded_number_of_shapes(monkeypatch):
     monkeypatch.setattr(flex, "flex_pattern_attention", no_flex)
     cfg = CONFIGS["longformer"]
     mech = build(cfg, DIMS)
-    mech.backend, mech.dense_below, mech.flex_min_queries, mech.flex_shapes = "flex", 0, 1, 0
+    mech.dense_below, mech.flex_min_queries, mech.flex_shapes = 0, 1, 0
     q, k, v = qkv(37)
-    out, _ = mech(q, k, v, AttentionCall(x=None))
-    assert rel_err(out, reference_attention(q, k, v, cfg.mask_fn(37))) < 1e-5
+    with use_backend("flex"):
+        out, _ = mech(q, k, v, AttentionCall(x=None))
+    assert rel_err(out, pattern_attention_reference(q, k, v, cfg.mask_fn(37))) < 1e-5
 
 
 @pytest.mark.parametrize("cfg", [SlidingConfig(window=256), SinksConfig(window=252, n_sinks=4),
@@ -261,3 +262,37 @@ def test_cache_bytes_constant_from_4k_to_64k_generated_tokens(cfg):
         cache.update(chunk[:, :, :1], chunk[:, :, :1])
     assert sizes[4096] == sizes[16384] == sizes[65536] == cache.nbytes()
     assert len(cache) <= 257
+
+
+@pytest.mark.parametrize("backend", ["blocksparse", "flex"])
+def test_one_block_structure_per_forward_for_all_layers(backend, monkeypatch):
+    """Three Longformer layers build one tile plan (block-sparse op) or one BlockMask (FlexAttention) for all
+    of them: once in all without segment boundaries, once per forward with them. Each layer used to build
+    its own, and with segments at every call: L builds per forward (at 32k tokens on a GPU, tens of ms each)."""
+    import allhere.mechanisms.masked_base as base
+    import allhere.ops.flex as flex
+    from allhere.mechanisms.block_cache import BlockCache
+
+    monkeypatch.setattr(base.PatternAttention, "_blocks", BlockCache())
+    monkeypatch.setattr(base.PatternAttention, "_flex_seen", set())
+    builds = []
+    if backend == "flex":  # the kernel is not what is counted: a stand-in spares the CPU its compilation
+        real = flex.flex_block_mask
+        monkeypatch.setattr(flex, "flex_block_mask", lambda *a, **kw: builds.append(1) or real(*a, **kw))
+        monkeypatch.setattr(flex, "flex_pattern_attention", lambda q, k, v, mask, scale=None: torch.zeros_like(q))
+    else:
+        real = base.plan_blocks
+        monkeypatch.setattr(base, "plan_blocks", lambda *a, **kw: builds.append(1) or real(*a, **kw))
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                      mechanism=LongformerConfig(window=32, global_first=4))
+    model = Decoder(cfg).eval()
+    n = 384  # past dense_below (q x k > 2^16) and flex_min_queries
+    ids = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(n).remainder(100).expand(2, n)  # packed documents of 100 tokens
+    with torch.no_grad(), use_backend("flex" if backend == "flex" else "torch"):
+        model(ids)
+        model(ids)
+        assert len(builds) == 1
+        model(ids, segment_starts=starts_from(position_ids=positions))
+        model(ids, segment_starts=starts_from(position_ids=positions))  # a new batch: new starts
+        assert len(builds) == 3

@@ -10,7 +10,7 @@ from allhere.masks import (and_masks, bigbird, causal, dense_mask, dilated_windo
                            sliding_window, sliding_with_sinks, within_segments)
 from allhere.ops.blocksparse import blocksparse_attention, pattern_attention, plan_blocks
 from allhere.ops.dilated import dilated_window_attention
-from allhere.ops.full import reference_attention
+from allhere.ops.full import pattern_attention_reference
 
 FLAGS = torch.zeros(2, 64, dtype=torch.bool)
 FLAGS[0, [0, 17, 40]] = True
@@ -55,7 +55,7 @@ def max_diff(a, b):
 def test_blocksparse_equals_dense_reference(name, lq, lk, key_offset, block):
     pred = PATTERNS[name]
     q, k, v = qkv(lq, lk)
-    ref = reference_attention(q, k, v, pred, key_offset=key_offset)
+    ref = pattern_attention_reference(q, k, v, pred, key_offset=key_offset)
     out = pattern_attention(q, k, v, pred, block=block, key_offset=key_offset)
     assert max_diff([out], [ref]) < 1e-5
     assert max_diff(grads(out, (q, k, v)), grads(ref, (q, k, v))) < 1e-5
@@ -73,7 +73,7 @@ def test_plan_reuse_bucketing_and_work():
     with torch.no_grad():
         a = blocksparse_attention(q, k, v, plan)
         b = blocksparse_attention(q, k, v, plan, chunk_bytes=1)  # one row per SDPA call
-        ref = reference_attention(q, k, v, sliding_with_sinks(64, 4))
+        ref = pattern_attention_reference(q, k, v, sliding_with_sinks(64, 4))
     assert max_diff([a], [ref]) < 1e-5 and max_diff([b], [ref]) < 1e-5
     with pytest.raises(ValueError, match="the plan is for"):
         blocksparse_attention(q[:, :, 1:], k, v, plan)
@@ -85,7 +85,7 @@ def test_segments_with_blocksparse():
     starts = torch.tensor([[0] * 20 + [20] * 44, [-1] * 10 + [10] * 54])  # packed documents; left padding
     pred = and_masks(bigbird(8, 2, 1, 1, seed=0), within_segments(starts))
     q, k, v = qkv(64, 64)
-    ref = reference_attention(q, k, v, pred)
+    ref = pattern_attention_reference(q, k, v, pred)
     out = pattern_attention(q, k, v, pred, block=8)
     assert max_diff([out], [ref]) < 1e-5 and not out[1, :, :10].any()
     assert max_diff(grads(out, (q, k, v)), grads(ref, (q, k, v))) < 1e-5
@@ -96,7 +96,7 @@ def test_segments_with_blocksparse():
 def test_dilated_op_equals_reference(dilation, causal_):
     q, k, v = qkv(61, 61)
     pred = dilated_window(5, dilation, causal=causal_)
-    ref = reference_attention(q, k, v, pred)
+    ref = pattern_attention_reference(q, k, v, pred)
     out = dilated_window_attention(q, k, v, 5, dilation, causal=causal_, block=16)
     assert max_diff([out], [ref]) < 1e-5
     assert max_diff(grads(out, (q, k, v)), grads(ref, (q, k, v))) < 1e-5
@@ -108,7 +108,7 @@ def test_dense_reference_equals_brute_force_loop(name):
     pred = PATTERNS[name]
     lq, lk, off = 9, 40, 3
     q, k, v = (t.detach().double() for t in qkv(lq, lk))
-    out = reference_attention(q, k, v, pred, key_offset=off)
+    out = pattern_attention_reference(q, k, v, pred, key_offset=off)
     g = q.shape[1] // k.shape[1]
     first = off + lk - lq
     for b in range(2):

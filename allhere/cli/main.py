@@ -58,7 +58,8 @@ COMMANDS = (
     Command("perplexity", "rolling-window perplexity of a checkpoint on held-out documents",
             perplexity_arguments, perplexity),
     Command("eval", "lm-evaluation-harness tasks, with mu_f next to each task's metrics", eval_arguments, evaluate),
-    Command("bench", "AHA prefill / decode / training against the fastest dense attention (GPU)",
+    Command("bench", "AHA against the fastest dense attention: the op's prefill / decode / training, and a whole "
+            "model's prefill and decode tokens/s (GPU)",
             bench_arguments, bench),
     Command("convert", "convert a local Hugging Face model to AHA, DAR or a windowed sparse pattern and save it",
             convert_arguments, convert),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError
+from ..validation import ConfigError
 
 BOS, SEP = 0, 1
 

@@ -249,13 +249,6 @@ def _require_positions(module, args, kwargs):
     return None
 
 
-def check_trainable(model: torch.nn.Module, layout: str) -> None:
-    """What ``allhere.train.train(..., context_parallel=layout)`` checks before it starts: the layout, and
-    every layer of the model (``check_supported``)."""
-    layouts.check_layout(layout)
-    check_supported(model)
-
-
 def shard_loss(model: torch.nn.Module, ids: torch.Tensor, lam: float, layout: str, loss_mask=None, autocast=None,
                group=None, segment_starts: torch.Tensor | None = None) -> Loss:
     """One micro-batch of context-parallel training: the forward pass of this rank's shard of ids [batch, n]

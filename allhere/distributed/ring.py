@@ -344,14 +344,15 @@ class _Ring:
         return dq, dk, dv
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
+def finite(lse: torch.Tensor) -> torch.Tensor:
+    """A log-sum-exp (or running maximum) with -inf (a row that saw no key yet) read as 0, safe to subtract."""
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
 def _merge(o1, l1, o2, l2):
     """Two partial softmax results over disjoint key sets, merged by log-sum-exp."""
     l_new = torch.logaddexp(l1, l2)
-    ref = _finite(l_new)
+    ref = finite(l_new)
     return o1 * torch.exp(l1 - ref)[..., None] + o2 * torch.exp(l2 - ref)[..., None], l_new
 
 
@@ -362,7 +363,7 @@ def _attend(q, k, v, mask, scale, logits=None):
     s = (q @ kr.transpose(-1, -2)) * scale if logits is None else logits(q, kr).float()
     s = s.masked_fill(~mask, NEG_INF)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - _finite(lse)[..., None])
+    p = torch.exp(s - finite(lse)[..., None])
     return p @ repeat_kv(v, h), lse
 
 
@@ -379,7 +380,7 @@ def _attend_backward(q, do, out, lse, delta, k, v, mask, scale, logits=None):
             qg, kg = q.detach().requires_grad_(True), kr.detach().requires_grad_(True)
             s_g = logits(qg, kg).float()
         s = s_g.detach()
-    p = torch.exp(s.masked_fill(~mask, NEG_INF) - _finite(lse)[..., None])
+    p = torch.exp(s.masked_fill(~mask, NEG_INF) - finite(lse)[..., None])
     dv = p.transpose(-1, -2) @ do
     dp = do @ vr.transpose(-1, -2)
     ds = p * (dp - delta[..., None])

@@ -64,9 +64,6 @@ class RingPlan:
         """Query rows computed per (batch, head) for ``block`` on ``rank``."""
         return self.chunk if block.rows == "all" else self.wide_rows[rank][block.q_chunk]
 
-    def rounds_run(self, rank: int) -> int:
-        return sum(1 for t in range(self.world) if self.blocks(rank, t))
-
     def transfers(self, rank: int) -> int:
         """Rounds in which ``rank`` receives a key/value block (round 0 is local)."""
         return sum(1 for t in range(1, self.world) if self.blocks(rank, t))

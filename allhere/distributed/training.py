@@ -1,9 +1,9 @@
 """The hooks ``allhere.train.train`` calls in a torchrun job with more than one process: FSDP2 training
-where the ranks form a 2-D mesh, data parallel x context parallel (dp x cp = world; row-major, so the cp
-ranks of one data-parallel replica are neighbours). Each data-parallel replica takes its share of each
-step's micro-batches; the cp ranks of a replica split each of its sequences and run attention through the
-ring. The parameters are sharded over all ranks, and FSDP's mean of the gradients over all of them is the
-one-process gradient of the global batch (``allhere.distributed.context`` weights each rank's loss so)."""
+where the ranks form the 2-D mesh of a ``ParallelConfig`` (``allhere.distributed.parallel``), data parallel
+x context parallel. Each data-parallel replica takes its share of each step's micro-batches; the cp ranks
+of a replica split each of its sequences and run attention through the ring. The parameters are sharded
+over all ranks, and FSDP's mean of the gradients over all of them is the one-process gradient of the global
+batch (``allhere.distributed.context`` weights each rank's loss so)."""
 
 from __future__ import annotations
 
@@ -12,20 +12,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..validation import ConfigError
-from . import checkpoint as sharded, layouts
+from . import checkpoint as sharded
 from .env import DistEnv, detect, init
 from .fsdp import shard_model
+from .parallel import ParallelConfig
 
 
 class DistributedRun:
-    def __init__(self, env: DistEnv, device: str, context_parallel: int = 1) -> None:
-        check_mesh(env.world, context_parallel)
+    """The run of ``parallel``'s mesh over the processes of ``env`` (checked: ``ParallelConfig.mesh``), each
+    step of ``grad_accum`` micro-batches."""
+
+    def __init__(self, env: DistEnv, device: str, parallel: ParallelConfig, grad_accum: int) -> None:
+        self.dp, self.cp = parallel.mesh(env.world, grad_accum)
+        self.layout, self.grad_accum = parallel.layout, grad_accum
         self.env = env
         self.device = init(env, device)
-        self.cp, self.dp = context_parallel, env.world // context_parallel
         self.cp_group, self.dp_rank = None, env.rank  # one process per replica: no ring
-        if context_parallel > 1:
+        if self.cp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(torch.device(self.device).type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
@@ -38,13 +41,12 @@ class DistributedRun:
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         return shard_model(model, self.device)
 
-    def micro_batches(self, grad_accum: int) -> range:
+    def micro_batches(self) -> range:
         """This rank's micro-batch indices of a step: r, r + d, r + 2d, ... for data-parallel replica r of d
         (every cp rank of a replica takes the same ones). Each rank divides its loss by its own count and
         FSDP averages the gradients over ranks, so the step's gradient is the mean over all grad_accum
         micro-batches, as with one process."""
-        check_mesh(self.env.world, self.cp, grad_accum)
-        return range(self.dp_rank, grad_accum, self.dp)
+        return range(self.dp_rank, self.grad_accum, self.dp)
 
     def sum(self, values: dict[str, float]) -> dict[str, float]:
         """The logged per-step sums over every rank's micro-batches."""
@@ -77,33 +79,11 @@ class DistributedRun:
         sharded.export(ckpt_path, model, state, self.env)
 
 
-def distributed_run(device: str, context_parallel: int = 1) -> DistributedRun | None:
-    """A ``DistributedRun`` when this process is one of several torchrun workers, else None. ``context_parallel``:
-    the ranks that split each sequence (the rest of the world is data parallel)."""
+def distributed_run(device: str, parallel: ParallelConfig, grad_accum: int) -> DistributedRun | None:
+    """A ``DistributedRun`` of ``parallel``'s mesh when this process is one of several torchrun workers, else
+    None (after checking that one process can run ``parallel``)."""
     env = detect()
     if env is None:
-        check_mesh(1, context_parallel)
+        parallel.mesh(1, grad_accum)
         return None
-    return DistributedRun(env, device, context_parallel)
-
-
-def check_mesh(world: int, context_parallel: int, grad_accum: int | None = None, layout: str | None = None,
-               seq_len: int | None = None) -> None:
-    """ConfigError (one line) for a dp x cp mesh a run cannot have: ``context_parallel`` ranks must divide the
-    ``world`` processes; the world / cp data-parallel replicas must share a step's ``grad_accum`` micro-batches
-    evenly; with cp > 1, a sequence of ``seq_len`` tokens must cut into ``layout``'s chunks. Checked by the
-    run itself, and by a caller that wants the error before it loads anything (``allhere.hf.sft``)."""
-    if context_parallel < 1 or world % context_parallel:
-        raise ConfigError(f"context parallel {context_parallel} needs a multiple of {context_parallel} processes "
-                          f"(torchrun --nproc-per-node); this run has {world}")
-    dp = world // context_parallel
-    if grad_accum is not None and grad_accum % dp:
-        what = f"{world} processes / context parallel {context_parallel}" if context_parallel > 1 else "processes"
-        raise ConfigError(f"grad_accum (global batch / batch size) = {grad_accum} micro-batches per step cannot be "
-                          f"shared evenly by {dp} data-parallel replicas ({what})")
-    if context_parallel == 1 or layout is None:
-        return
-    pieces = context_parallel * layouts.chunks_per_rank(layout)  # a ConfigError for an unknown layout
-    if seq_len is not None and seq_len % pieces:
-        raise ConfigError(f"seq_len = {seq_len} must be a multiple of {pieces} to be cut into the {layout} layout's "
-                          f"chunks over {context_parallel} ranks")
+    return DistributedRun(env, device, parallel, grad_accum)

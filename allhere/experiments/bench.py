@@ -11,10 +11,15 @@ B = 8 at n in 8k, 32k, 128k, training forward + backward at n = 16k. Writes benc
 On the CPU (``--device cpu``) it runs the same code through the PyTorch paths (no Triton, no
 FlexAttention): a smoke run of the op-level tables, not a measurement of the GPU goals; its main table
 is the whole-model prefill (``model_bench``: allhere's Decoder and a converted Llama, dense against AHA).
+
+``tables`` picks what runs: "ops" (all of the above) and/or "model": a Llama-3.2-1B-shaped model, plain
+against converted to AHA, prefill and decode tokens/s as a user runs them (``llama_bench``; on the CPU a
+smoke test at toy sizes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -23,9 +28,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..backend import use_backend
-from ..config import ConfigError
-from ..kernels import triton_available
-from ..ops.aha import aha_attention_fast, aha_attention_naive
+from ..validation import ConfigError
+from ..kernels import autotune, triton_available
+from ..ops.aha import aha_attention_fast, aha_attention_reference
 from ..ops.ste import straight_through
 from .gates import PATTERNS, byte_limit, flop_limit
 from .report import write_report
@@ -54,25 +59,36 @@ class BenchConfig:
     check_length: int = 1024
     model_lengths: tuple = ()  # whole-model prefill (``model_bench``); on the CPU by default 2k..16k
     profile: bool = False  # also torch.profiler's op table of each AHA path (``bench_profile``)
+    pin_tiles: bool = False  # the kernels' fixed launch settings (``autotune.pinned``), not tuned ones
+    tables: tuple = ("ops",)  # "ops": the tables above; "model": the whole model of ``llama`` (``llama_bench``)
+    llama: object = None  # ``llama_bench.LlamaTables`` of the "model" tables
 
     @property
     def dtype(self):
         return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
 
 
-def bench_config(device: str | None = None, **sizes) -> BenchConfig:
-    """The ``BenchConfig`` of ``allhere bench``: ``sizes`` are its fields, None leaves a default. Without a
-    ``device``, the first GPU -- and a ConfigError where there is none (on the CPU the bench is only a
-    smoke run of the script, which must be asked for: device "cpu")."""
+def bench_config(device: str | None = None, tables=("ops",), llama: dict | None = None, **sizes) -> BenchConfig:
+    """The ``BenchConfig`` of ``allhere bench``: ``sizes`` are its fields and ``llama`` those of the "model"
+    tables' ``LlamaTables``, None leaves a default. Without a ``device``, the first GPU -- and a ConfigError
+    where there is none (on the CPU the bench is only a smoke run of the script, which must be asked for:
+    device "cpu")."""
     if device is None:
         if not torch.cuda.is_available():
             raise ConfigError("allhere bench measures the GPU kernels and found no CUDA device; pass "
                               "--device cpu for a smoke run of the script (its numbers are not the goals)")
         device = "cuda"
+    unknown = set(tables) - {"ops", "model"}
+    if unknown or not tables:
+        raise ConfigError(f"tables must be ops and/or model, got {' '.join(tables) or 'none'}")
     given = {k: tuple(v) if isinstance(v, list) else v for k, v in sizes.items() if v is not None}
-    if device == "cpu":
+    if device == "cpu" and "ops" in tables:
         given.setdefault("model_lengths", (2048, 4096, 8192, 16384))
-    return BenchConfig(device=device, **given)
+    if "model" in tables:
+        from .llama_bench import llama_tables
+
+        given["llama"] = llama_tables(device, **(llama or {}))
+    return BenchConfig(device=device, tables=tuple(dict.fromkeys(tables)), **given)
 
 
 def fastest_dense(fn, cfg: BenchConfig) -> tuple[str, float]:
@@ -126,9 +142,9 @@ def check_paths(cfg: BenchConfig) -> dict:
     rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa: E731
     f32 = [t.float() for t in (q, k, v)]
     with torch.no_grad():
-        prefill = rel(aha_attention_fast(q, k, v, gate, w), aha_attention_naive(*f32, gate, w))
+        prefill = rel(aha_attention_fast(q, k, v, gate, w), aha_attention_reference(*f32, gate, w))
         decode = rel(aha_attention_fast(q[:, :, -1:], k, v, gate[..., -1:], w),
-                     aha_attention_naive(f32[0][:, :, -1:], *f32[1:], gate[..., -1:], w))
+                     aha_attention_reference(f32[0][:, :, -1:], *f32[1:], gate[..., -1:], w))
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     scores = torch.rand(2, cfg.heads, n, device=cfg.device, requires_grad=True)
     up = torch.randn_like(q, dtype=torch.float32)
@@ -136,7 +152,7 @@ def check_paths(cfg: BenchConfig) -> dict:
     grads = torch.autograd.grad((fast.float() * up).sum(), [qg, kg, vg, scores])
     qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
     sr = scores.detach().requires_grad_()
-    ref = aha_attention_naive(qr, kr, vr, straight_through(sr, 0.5), w)
+    ref = aha_attention_reference(qr, kr, vr, straight_through(sr, 0.5), w)
     grads_ref = torch.autograd.grad((ref * up).sum(), [qr, kr, vr, sr])
     train = max(rel(a, b) for a, b in zip(grads, grads_ref))
     return {"prefill": prefill, "decode": decode, "training_grads": train}
@@ -213,20 +229,51 @@ def bench_training(cfg: BenchConfig, pattern: str, mu: float) -> dict:
             "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "torch_path_ms": 1e3 * torch_path, "overhead": aha / dense}
 
 
+def profile_cases(cfg: BenchConfig) -> dict:
+    """{name: callable} of the paths ``bench_profile`` profiles, on the inputs the bench's own rows use."""
+    pattern, mu = cfg.patterns[0], cfg.mus[0]
+    n = max([x for x in cfg.prefill_lengths if x <= 32768] or [min(cfg.prefill_lengths)])
+    t = max(cfg.decode_lengths)
+    prefill, decode = prefill_inputs(cfg, n, pattern, mu), decode_inputs(cfg, t, pattern, mu)
+
+    def attend(inputs):
+        with torch.no_grad():
+            aha_attention_fast(*inputs, cfg.window)
+
+    return {f"prefill, B = 1, n = {n}": lambda: attend(prefill),
+            f"decode, B = {cfg.decode_batch}, n = {t}": lambda: attend(decode),
+            f"training forward + backward, B = 1, n = {cfg.train_length}": training_steps(cfg, pattern, mu)[2]}
+
+
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
     """The correctness check, then every prefill, decode and training row of ``cfg``; ``progress`` gets a
-    line per row."""
+    line per row. The Triton kernels' launch settings are autotuned on the GPU (``allhere.kernels.autotune``:
+    the first call of each shape class times a few; ``report["launch_settings"]`` lists what was chosen and
+    what the tuning cost), or pinned with ``cfg.pin_tiles``."""
+    with autotune.pinned() if cfg.pin_tiles else contextlib.nullcontext():
+        report = _run_bench(cfg, progress)
+    report["launch_settings"] = "pinned" if cfg.pin_tiles else autotune.choices()
+    return report
+
+
+def _run_bench(cfg: BenchConfig, progress) -> dict:
     report = {"config": dataclasses.asdict(cfg), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"}
     report["aha_path"] = "Triton kernels" if cfg.device.startswith("cuda") and triton_available() else \
         "PyTorch path (no CUDA or no triton: pip install 'allhere[gpu]')"
     progress(f"AHA runs the {report['aha_path']}")
+    if "model" in cfg.tables:  # first when asked for: the tables a user's runs reach
+        from .llama_bench import run_llama_tables
+
+        report["llama"] = run_llama_tables(cfg.llama, progress)
+    if "ops" not in cfg.tables:
+        return report
     report["check"] = check_paths(cfg)
     progress(f"check against the fp32 reference: {report['check']}")
     if cfg.profile:  # first: a few seconds, and what a missed goal needs even if the tables are cut short
         from .bench_profile import profile_paths
 
-        report["profile"] = profile_paths(cfg, progress)
+        report["profile"] = profile_paths(profile_cases(cfg), cfg.device, progress)
     if cfg.model_lengths:
         from .model_bench import run_model_bench
 
@@ -250,11 +297,18 @@ def _mu(row: dict) -> str:
 
 
 def render(report: dict) -> str:
-    """bench.md: the check and one table per part (prefill, decode, training)."""
+    """bench.md: the whole-model tables (when run), the check and one table per part (prefill, decode,
+    training)."""
     c = report["config"]
-    out = [f"# AHA kernels vs dense attention ({report['device_name']}, torch {report['torch']})", "",
-           f"heads {c['heads']}, head dim {c['dim']}, w = {c['window']}; ratios against the fastest dense SDPA "
-           f"backend of the same run. AHA runs the {report['aha_path']}.", "",
+    out = [f"# AHA against dense attention ({report['device_name']}, torch {report['torch']})", ""]
+    if report.get("llama"):
+        from .llama_bench import render_llama
+
+        out += [*render_llama(report["llama"]), ""]
+    if "check" not in report:
+        return "\n".join(out) + "\n"
+    out += [f"The op: heads {c['heads']}, head dim {c['dim']}, w = {c['window']}; ratios against the fastest "
+            f"dense SDPA backend of the same run. AHA runs the {report['aha_path']}.", "",
            "Check against the fp32 reference (relative error): "
            + ", ".join(f"{k} {v:.1e}" for k, v in report["check"].items()), "",
            "## Prefill (B = 1)", "",
@@ -284,7 +338,27 @@ def render(report: dict) -> str:
         from .bench_profile import render_profile
 
         out += ["", *render_profile(report["profile"])]
+    out += ["", *render_launch_settings(report.get("launch_settings"))]
     return "\n".join(out) + "\n"
+
+
+def render_launch_settings(settings) -> list[str]:
+    """The Triton kernels' launch settings of the run: pinned, or each autotuned choice with its cost."""
+    if settings == "pinned":
+        return ["## Launch settings", "", "Pinned (`--pin-tiles`): each kernel's first candidate this GPU runs."]
+    if not settings:
+        return []
+    total = sum(c["tuning_s"] for c in settings)
+    out = ["## Launch settings (autotuned on this GPU)", "",
+           f"The first call of each shape class timed the candidates below: {total:.1f} s in all, spent once per "
+           "GPU and triton version (kept in the settings file; 0 s where read from it).", "",
+           "| kernel | shape class | chosen (tiles, warps, stages) | ms | timed | tuning s | from |",
+           "|---|---|---|---|---|---|---|"]
+    for c in settings:
+        kernel, shape = c["id"].split("|")[2:4]
+        out.append(f"| {kernel} | {shape} | {tuple(c['setting'].values())} | {c['ms']} | {c['tried']} "
+                   f"| {c['tuning_s']} | {c['source']} |")
+    return out
 
 
 def write_bench(report: dict, out: str | Path) -> dict[str, Path]:

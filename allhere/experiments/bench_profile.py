@@ -8,38 +8,19 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.aha import aha_attention_fast
-from .bench import decode_inputs, prefill_inputs, training_steps
-
 CALLS = 3  # profiled calls per path, after one warm-up
 
 
-def profile_cases(cfg) -> dict:
-    """{name: callable} of the paths to profile, on the inputs the bench's own rows use."""
-    pattern, mu = cfg.patterns[0], cfg.mus[0]
-    n = max([x for x in cfg.prefill_lengths if x <= 32768] or [min(cfg.prefill_lengths)])
-    t = max(cfg.decode_lengths)
-    prefill, decode = prefill_inputs(cfg, n, pattern, mu), decode_inputs(cfg, t, pattern, mu)
-
-    def attend(inputs):
-        with torch.no_grad():
-            aha_attention_fast(*inputs, cfg.window)
-
-    return {f"prefill, B = 1, n = {n}": lambda: attend(prefill),
-            f"decode, B = {cfg.decode_batch}, n = {t}": lambda: attend(decode),
-            f"training forward + backward, B = 1, n = {cfg.train_length}": training_steps(cfg, pattern, mu)[2]}
-
-
-def profile_paths(cfg, progress=print, rows: int = 12) -> dict[str, str]:
-    """{path: torch.profiler's table of its ``rows`` most expensive ops} for ``profile_cases``; each table
-    goes to ``progress`` as it is made."""
+def profile_paths(cases: dict, device: str, progress=print, rows: int = 12) -> dict[str, str]:
+    """{path: torch.profiler's table of its ``rows`` most expensive ops} for ``cases`` ({name: callable}, the
+    bench's ``profile_cases``) on ``device``; each table goes to ``progress`` as it is made."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = cfg.device.startswith("cuda")
+    cuda = device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     tables = {}
-    for name, fn in profile_cases(cfg).items():
+    for name, fn in cases.items():
         fn()
         if cuda:
             torch.cuda.synchronize()

@@ -4,13 +4,17 @@ random -- and the FLOP limit of AHA prefill against dense causal attention."""
 import torch
 
 
+def tail_share(heads: int, mu: float) -> float:
+    """The share of global tokens of each head but head 0 when head 0 is always global and the mean is mu."""
+    return max(0.0, (mu * heads - 1.0) / (heads - 1))
+
+
 def long_tailed(batch: int, heads: int, n: int, mu: float, generator=None, device="cpu") -> torch.Tensor:
     """Head 0 always global, the other heads share the rest of the budget: overall mean ~= mu. With one
     head there is no tail to share: the uniform pattern."""
     if heads == 1:
         return uniform(batch, heads, n, mu, generator, device)
-    rest = max(0.0, (mu * heads - 1.0) / (heads - 1))
-    gate = torch.rand(batch, heads, n, generator=generator, device=device) < rest
+    gate = torch.rand(batch, heads, n, generator=generator, device=device) < tail_share(heads, mu)
     gate[:, 0] = True
     return gate
 

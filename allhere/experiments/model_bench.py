@@ -17,13 +17,20 @@ import time
 import torch
 
 from ..mechanisms.base import mechanism_layers
+from .gates import tail_share
 
 SHAPE = dict(vocab=256, d_model=256, layers=4, heads=4, window=256)
 BUSY, QUIET = 0.27, 0.02  # share of global tokens of the busy head (layers 0-2) and of every other head
 
 
-def head_shares(layers: int, heads: int) -> torch.Tensor:
-    """[layers, heads]: the share of global tokens each (layer, head) is set to."""
+def head_shares(layers: int, heads: int, mu: float | None = None) -> torch.Tensor:
+    """[layers, heads]: the share of global tokens each (layer, head) is set to. Without ``mu``: one head at
+    ``BUSY`` in the first three layers, every other head at ``QUIET``; with it, every layer as the op bench's
+    long-tailed gates (``gates.long_tailed``): head 0 always global, the others at the rest of mu."""
+    if mu is not None:
+        shares = torch.full((layers, heads), tail_share(heads, mu) if heads > 1 else mu)
+        shares[:, 0] = 1.0 if heads > 1 else mu
+        return shares
     shares = torch.full((layers, heads), QUIET)
     shares[: min(3, layers), 0] = BUSY
     return shares
@@ -44,7 +51,8 @@ def _router_inputs(model, run, ids) -> list[torch.Tensor]:
 
 def set_routers(model, run, ids, shares: torch.Tensor) -> None:
     """Give every AHA router of ``model`` random weights and, layer by layer, the bias that makes head h of
-    layer l global for ``shares[l, h]`` of the tokens of ``ids`` (the quantile of its logits)."""
+    layer l global for ``shares[l, h]`` of the tokens of ``ids`` (the quantile of its logits; a share of 1:
+    global for any token)."""
     g = torch.Generator().manual_seed(0)
     mechs = mechanism_layers(model)
     with torch.no_grad():
@@ -53,9 +61,11 @@ def set_routers(model, run, ids, shares: torch.Tensor) -> None:
             m.router.bias.fill_(-30.0)
         for i, m in enumerate(mechs):  # layer i's input depends on the gates of the layers before it
             x = _router_inputs(model, run, ids)[i]
-            logits = m.router(x).reshape(-1, m.router.out_features).float()
-            cut = torch.stack([torch.quantile(logits[:, h], 1.0 - float(shares[i, h])) for h in range(logits.shape[1])])
-            m.router.bias.sub_(cut.to(m.router.bias.dtype))
+            # in fp32 and without the bias: a bf16 logit near the bias of -30 is 0.125 coarse
+            logits = (x.float() @ m.router.weight.float().T).reshape(-1, m.router.out_features)
+            cut = torch.stack([torch.quantile(logits[:, h], 1.0 - float(shares[i, h])) if shares[i, h] < 1
+                               else logits[:, h].min() - 1e3 for h in range(logits.shape[1])])  # 1: always global
+            m.router.bias.copy_(-cut)
 
 
 def build(n_calibrate: int = 2048):

@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from .. import registry
-from ..config import ConfigError, ModelConfig, TrainConfig
+from ..config import ModelConfig, TrainConfig
+from ..validation import ConfigError
 from ..data.corpus import VOCAB_SIZE
 from ..data.recall import RecallTask
 from ..mechanisms import AHAConfig

@@ -35,7 +35,7 @@ from . import sparse_graph as graph
 from .sparse_family import KV_DTYPES, NAMES, PatternSettings, build, figure_settings, layer_masks
 from .sparse_plot import mask_figure, receptive_figure
 from .report import write_report
-from .timing import median_time
+from .timing import median_time, ms_text
 
 MODES = {"decoder": True, "encoder": False}  # mode -> causal
 
@@ -214,7 +214,7 @@ def time_patterns(s: PatternSettings, causal: bool, names, head_dim: int, n: int
                         "limit": dense_scores / _mean(per_layer, "scores"),
                         "tile_limit": base.kept_tiles / _mean(per_layer, "tiles"), "plan_ms": _mean(per_layer, "plan_ms"),
                         "how": "allhere.ops.blocksparse", "per_layer": per_layer}
-        progress(f"{label}: {p.name} at n = {n}: {ms:.1f} ms against dense SDPA {dense_ms:.1f} ms: {speedup:.2f}x "
+        progress(f"{label}: {p.name} at n = {n}: {ms_text(ms)} against dense SDPA {ms_text(dense_ms)}: {speedup:.2f}x "
                  f"(limit {rows[p.name]['limit']:.1f}x scores, {rows[p.name]['tile_limit']:.1f}x tiles)")
     if not dense_all:  # only the full pattern asked for
         with torch.no_grad():
@@ -223,7 +223,7 @@ def time_patterns(s: PatternSettings, causal: bool, names, head_dim: int, n: int
     if "full" in names:
         rows = {"full": {"ms": dense_ms, "dense_ms": dense_ms, "speedup": 1.0, "limit": 1.0, "tile_limit": 1.0,
                          "plan_ms": 0.0, "how": "dense SDPA itself"}, **rows}
-    progress(f"{label}: dense SDPA at n = {n}: {dense_ms:.1f} ms (median of {len(dense_all)} calls)")
+    progress(f"{label}: dense SDPA at n = {n}: {ms_text(dense_ms)} (median of {len(dense_all)} calls)")
     return {"n": n, "heads": s.heads, "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""),
             "device": device, "dense_ms": dense_ms, "repeats": repeats, "rows": rows}
 
@@ -363,7 +363,7 @@ def cost_table(m: dict, s: dict, causal: bool) -> list[str]:
         lines.append(f"Time of one layer at n = {t['n']} (B = 1, {t['heads']} heads x {t['head_dim']}, {t['dtype']}, "
                      f"{t['device']}, median of {t['repeats']}): the block-sparse op (``allhere.ops.blocksparse``, "
                      f"tiles of {s['block']}) against dense SDPA ({'causal' if causal else 'bidirectional'}) timed "
-                     f"alternately with each pattern in the same run ({t['dense_ms']:.1f} ms: the median of all its "
+                     f"alternately with each pattern in the same run ({ms_text(t['dense_ms'])}: the median of all its "
                      f"calls); the speed-up is the median ratio of adjacent dense and pattern calls. Limit: dense scores / pattern scores; tile limit: "
                      f"dense tiles / tiles the op computes.")
         head += " time | vs dense SDPA | limit (scores) | limit (tiles) |"
@@ -380,7 +380,7 @@ def cost_table(m: dict, s: dict, causal: bool) -> list[str]:
                       f"{kv['measured_keys_at_n']:,.0f} ({kv['formula_keys_at_n']:,.0f})"]
         if t:
             tr = t["rows"].get(r["name"])
-            cells += ([f"{tr['ms']:.1f} ms", f"{tr['speedup']:.2f}x", f"{tr['limit']:.1f}x", f"{tr['tile_limit']:.1f}x"]
+            cells += ([ms_text(tr['ms']), f"{tr['speedup']:.2f}x", f"{tr['limit']:.1f}x", f"{tr['tile_limit']:.1f}x"]
                       if tr else ["n/a"] * 4)
         lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -26,3 +27,11 @@ def median_time(fn, repeats: int = 5, warmup: int = 1, device: str = "cpu") -> f
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def ms_text(ms: float) -> str:
+    """Milliseconds with three significant digits and no exponent ("0.215 ms", "27.1 ms", "2712 ms"): a
+    GPU's fast paths take fractions of a millisecond, which a fixed one decimal would print as 0.0."""
+    if not ms > 0:
+        return f"{ms:.0f} ms"
+    return f"{ms:.{max(0, 2 - math.floor(math.log10(ms)))}f} ms"

@@ -12,7 +12,7 @@ gets the rotary embedding of those positions from the model's own rotary module,
 hands the pre-hook.
 
 KV cache: mechanisms that decode with transformers' own layers (every key kept) read the keys the module
-hands over; a mechanism with its own cache layer (``new_hf_cache_layer``, see ``allhere.hf.cache``) also
+hands over; a mechanism with its own cache layer (``allhere.hf.cache.has_own_layer``) also
 gets that layer's view of the call as ``cache``.
 
 Sequence boundaries: the registered mask function builds transformers' usual mask once per forward (one
@@ -35,12 +35,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..hosts import SUBMODULE
 from ..masks import segment_starts
 from ..mechanisms.base import AttentionCall
 from .cache import own_layer
 
 ATTN_NAME = "allhere"
-SUBMODULE = "allhere"  # the mechanism's name inside the attention module
 SOFTMAX_TERMS = ("s_aux", "softcap")  # what hosts pass for softmax terms beyond scaled scores (sinks, capping)
 HOST_IMPL = "allhere_host_attention"  # attribute of every attention module: "sdpa" or "eager" for its layer
 _CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # by transformers version and family

@@ -3,10 +3,12 @@
 Every converted layer decodes with a cache written in place (``allhere.mechanisms.caches``): a mechanism
 that keeps every key (full attention, AHA, sliding window and sinks, which mask what they read) gets
 ``InPlaceLayer``, transformers' ``DynamicLayer`` with a buffer that doubles when full instead of a
-concatenation of the whole cache at every token. A mechanism whose cache is not transformers' every-key ``DynamicLayer`` (DAR keeps full K/V of the last
-``window`` tokens and a d_down latent per token) defines ``new_hf_cache_layer()``: a transformers cache
-layer (``CacheLayerMixin``) that the attention module updates itself (``past_key_values.update``, before
-the attention function) and whose ``for_call(position_ids)`` gives what the mechanism decodes with
+concatenation of the whole cache at every token. A mechanism whose cache is not transformers' every-key
+``DynamicLayer`` (``hf_cache = False``; DAR keeps full K/V of the last ``window`` tokens and a d_down latent
+per token) decodes with a transformers cache layer (``CacheLayerMixin``) of its own: this host's
+(``OWN_LAYERS``, by kind: the mechanisms import no host), or the one a mechanism defined outside allhere
+makes itself (``new_hf_cache_layer()``). The attention module updates it itself (``past_key_values.update``,
+before the attention function) and its ``for_call(position_ids)`` gives what the mechanism decodes with
 (its ``forward(..., cache=)``).
 
 Where such layers come from:
@@ -29,12 +31,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..mechanisms.base import mechanism_layers
-from ..mechanisms.caches import GrowingTensor, KVCache, RollingKVCache, storage_bytes
-
-
-def nbytes(t: torch.Tensor | None) -> int:
-    """Bytes of the storage behind ``t`` (a view holding a larger tensor alive counts it all)."""
-    return storage_bytes(t)
+from ..mechanisms.caches import GrowingTensor, KVCache, RollingKVCache, storage_bytes, view_bytes
 
 
 class BufferRows:
@@ -76,6 +73,11 @@ class InPlaceLayer(BufferRows, DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         self.keys, self.values = self._kv.update(key_states, value_states)
         return self.keys, self.values
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` tokens in all (prompt + new tokens): one allocation, where a buffer filled by
+        the prompt would double at the first new token."""
+        self._kv.reserve(tokens)
 
     def nbytes(self) -> int:
         return self._kv.nbytes()
@@ -199,6 +201,24 @@ class DARCall:
         return self.layer.positions
 
 
+# mechanism kind -> its own cache layer on Hugging Face models, made from the mechanism module
+OWN_LAYERS = {"dar": lambda mech: DARCacheLayer(mech.cfg.window)}
+
+
+def has_own_layer(module, kind: str) -> bool:
+    """Whether mechanism class (or module) ``module`` of ``kind`` decodes with a cache layer of its own."""
+    return kind in OWN_LAYERS or hasattr(module, "new_hf_cache_layer")
+
+
+def new_own_layer(mech):
+    """A new cache layer of the mechanism's own (``has_own_layer``), else an ``InPlaceLayer``."""
+    make = getattr(mech, "new_hf_cache_layer", None)
+    if make is not None:
+        return make()
+    own = OWN_LAYERS.get(mech.cfg.kind)
+    return InPlaceLayer() if own is None else own(mech)
+
+
 def own_layer(cache: Cache, layer_idx: int, mech, new_tokens: int, key: torch.Tensor, value: torch.Tensor):
     """The mechanism's own layer of ``cache`` at ``layer_idx``, or None when the mechanism decodes with
     every key (then the layer becomes an ``InPlaceLayer``). The attention module has just updated the layer
@@ -206,9 +226,8 @@ def own_layer(cache: Cache, layer_idx: int, mech, new_tokens: int, key: torch.Te
     empty before this call (then ``key``, ``value`` are the new tokens') is replaced by the mechanism's
     layer, holding the same tokens; for a mechanism with its own layer, one holding earlier keys is
     refused (a plain mechanism leaves it as it is)."""
-    make = getattr(mech, "new_hf_cache_layer", None)
     layer = cache.layers[layer_idx]
-    if make is None:
+    if not has_own_layer(mech, mech.cfg.kind):
         if type(layer) is DynamicLayer and layer.get_seq_length() == new_tokens:
             cache.layers[layer_idx] = fresh = InPlaceLayer()
             fresh.update(key, value)
@@ -220,24 +239,36 @@ def own_layer(cache: Cache, layer_idx: int, mech, new_tokens: int, key: torch.Te
                            f"{type(cache).__name__} holding every key ({type(layer).__name__}, "
                            f"{layer.get_seq_length() - new_tokens} earlier tokens): start from past_key_values="
                            "None, an empty DynamicCache or allhere.hf.new_cache(model)")
-    fresh = make()
+    fresh = new_own_layer(mech)
     fresh.update(key, value)
     cache.layers[layer_idx] = fresh
     return fresh
 
 
-def new_cache(model) -> Cache:
+def new_cache(model, reserve: int | None = None) -> Cache:
     """An empty transformers ``Cache`` for a converted model: each converted layer the mechanism's own
-    (``new_hf_cache_layer``) or an ``InPlaceLayer``; the layers left unconverted (a hybrid's sliding
+    (``new_own_layer``) or an ``InPlaceLayer``; the layers left unconverted (a hybrid's sliding
     layers) transformers' own. Pass it as ``past_key_values=`` to ``generate`` or ``forward``;
-    ``generate`` builds an equivalent one by itself."""
+    ``generate`` builds an equivalent one by itself. ``reserve``: the tokens the in-place layers will hold
+    (prompt + new tokens), allocated at once: without it a layer filled by a long prompt doubles its
+    buffer at the first new token (a 128k-token prompt would hold room for 256k)."""
     mechs = mechanism_layers(model)
     if not mechs:
         raise ValueError("this model has no allhere mechanisms: convert it with allhere.hf.convert first")
     cache = DynamicCache(config=model.config)
     for mech in mechs:
-        cache.layers[mech.layer_index] = getattr(mech, "new_hf_cache_layer", InPlaceLayer)()
+        layer = cache.layers[mech.layer_index] = new_own_layer(mech)
+        if reserve is not None and isinstance(layer, InPlaceLayer):
+            layer.reserve(reserve)
     return cache
+
+
+def cache_kwargs(cache: Cache) -> dict:
+    """``{name: cache}`` to hand ``generate`` or a forward a cache: ``cache`` where transformers takes that name (it renamed
+    ``past_key_values``, which then warns), else ``past_key_values``."""
+    from transformers.generation import utils
+
+    return {"cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values": cache}
 
 
 def cache_nbytes(cache: Cache, used: bool = False) -> int:
@@ -246,7 +277,7 @@ def cache_nbytes(cache: Cache, used: bool = False) -> int:
     def layer_bytes(layer):
         if hasattr(layer, "nbytes"):
             return layer.used_nbytes() if used else layer.nbytes()
-        size = (lambda t: 0 if t is None else t.numel() * t.element_size()) if used else nbytes
+        size = view_bytes if used else storage_bytes
         return size(layer.keys) + size(layer.values)
 
     return sum(layer_bytes(layer) for layer in cache.layers)

@@ -26,26 +26,14 @@ from .. import registry
 from ..mechanisms.base import AttentionDims, mechanism_layers
 from ..routing import Routing, routed_layers
 from ..validation import ConfigError
-from .attention import ATTN_NAME, HOST_IMPL, SUBMODULE, register, stash_call
+from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from .attention import ATTN_NAME, HOST_IMPL, register, stash_call
+from .cache import has_own_layer
 
-CONFIG_KEY = "allhere_mechanism"  # config.json entry holding the mechanism's settings
-LAYERS_KEY = "allhere_layers"  # config.json entry: the indices of the converted layers
 KINDS_KEY = "allhere_original_layer_types"  # config.json entry: the layer types before windows were replaced
 LAYER_CHOICES = ("full", "all")
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names in config.layer_types
 LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}  # rotary frequencies that change with the sequence length
-
-
-def __getattr__(name):
-    if name == "SUPPORTED_MODEL_TYPES":  # removed: conversion follows the model's structure, not a table
-        import warnings
-
-        warnings.warn("SUPPORTED_MODEL_TYPES is deprecated: any decoder whose attention goes through transformers' "
-                      "attention interface converts (allhere.hf.attention_layers finds its layers)",
-                      DeprecationWarning, stacklevel=2)
-        return {t: ("gpt_neox.layers", "attention") if t == "gpt_neox" else ("model.layers", "self_attn")
-                for t in ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gpt_neox")}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @cache
@@ -214,7 +202,7 @@ def check_convertible(model, cfg=None, layers: str | Sequence[int] = "full") -> 
         if extras:
             raise ConfigError(f"layer {index} has {extras[0]}, which {name} does not compute; AHA does "
                               "(--mechanism aha)")
-    if hasattr(module, "new_hf_cache_layer"):
+    if has_own_layer(module, cfg.kind):
         dynamic = rope_types(config) & LENGTH_DEPENDENT_ROPE
         if dynamic:
             raise ConfigError(f"config.json: rope_type {dynamic.pop()!r} changes the rotary frequencies with the "
@@ -290,9 +278,9 @@ def convert(model, cfg, layers: str | Sequence[int] = "full", seed: int | None =
     (``init_mechanism``), whatever ran before: what a sharded load (``allhere.hf.sharded_load``) gives.
 
     KV cache: transformers' own (every key kept; a sliding layer's rolling one) for mechanisms that decode
-    with it; a mechanism with its own cache layer (``new_hf_cache_layer``: DAR's compressed cache) gets it
-    inside transformers' Cache (``allhere.hf.cache``), ``generate`` included; ``use_cache`` is switched off
-    only for a mechanism that has neither.
+    with it; a mechanism with its own cache layer (``allhere.hf.cache.has_own_layer``: DAR's compressed
+    cache) gets it inside transformers' Cache (``allhere.hf.cache``), ``generate`` included; ``use_cache`` is
+    switched off only for a mechanism that has neither.
     """
     entry = registry.of(cfg)
     found = attention_layers(model)
@@ -326,7 +314,7 @@ def convert(model, cfg, layers: str | Sequence[int] = "full", seed: int | None =
         attn.register_forward_pre_hook(partial(stash_call, rotary=_rotary_for(model, index)), with_kwargs=True)
     config = model.config
     _replace_windows(config, chosen)
-    if not entry.module.hf_cache and not hasattr(entry.module, "new_hf_cache_layer"):  # no cache it could use
+    if not entry.module.hf_cache and not has_own_layer(entry.module, cfg.kind):  # no cache it could use
         config.use_cache = False
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.use_cache = False

@@ -32,9 +32,9 @@ from .. import registry
 from ..checkpoint import CheckpointError
 from ..mechanisms.aha import AHAConfig
 from ..validation import ConfigError
-from .attention import SUBMODULE
-from .convert import CONFIG_KEY, attention_layers, check_rope, convert, converted_mechanism
-from .io import _weight_files
+from ..hosts import CONFIG_KEY, SUBMODULE
+from .convert import attention_layers, check_rope, convert, converted_mechanism
+from .files import weight_files
 
 MODEL_TYPE = "faolmo"
 ARCHITECTURE = "FAOlmoForCausalLM"
@@ -122,7 +122,7 @@ def load(path: str | Path, dtype: torch.dtype | str = "auto", local_files_only: 
     mech = registry.from_dict(getattr(config, CONFIG_KEY))
     rows = config.hidden_size  # H * D query rows, then H router rows
     tensors, routers = {}, {}
-    for f in _weight_files(path):
+    for f in weight_files(path):
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
                 tensors[name] = fh.get_tensor(name)

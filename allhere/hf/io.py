@@ -1,6 +1,5 @@
 """Save and load converted models: transformers' own safetensors files, the mechanism's settings in
-config.json (``allhere_mechanism``; models saved by earlier versions carry ``allhere_aha`` or
-``allhere_dar`` and load as well).
+config.json (``allhere_mechanism``).
 
 ``load_pretrained`` needs no ``trust_remote_code``: transformers loads the pretrained weights with its
 own loader, allhere converts the model again and loads the added weights (routers or bottlenecks) from
@@ -9,7 +8,6 @@ the same files.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -17,22 +15,15 @@ import torch
 from .. import registry
 from ..checkpoint import CheckpointError
 from ..validation import ConfigError
-from .attention import SUBMODULE
-from .convert import CONFIG_KEY, LAYERS_KEY, check_convertible, check_rope, convert
-
-LEGACY_KEYS = {"allhere_aha": "aha", "allhere_dar": "dar"}  # config.json keys of earlier versions
+from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from .convert import check_convertible, check_rope, convert
+from .files import weight_files
 
 
 def saved_mechanism(config):
     """The mechanism config stored in a transformers config, or None."""
     settings = getattr(config, CONFIG_KEY, None)
-    if settings is not None:
-        return registry.from_dict(settings)
-    for key, kind in LEGACY_KEYS.items():
-        legacy = getattr(config, key, None)
-        if legacy is not None:
-            return registry.from_dict({**legacy, "kind": kind})
-    return None
+    return None if settings is None else registry.from_dict(settings)
 
 
 def save_pretrained(model, path: str | Path, format: str = "allhere", **kwargs) -> None:
@@ -47,16 +38,6 @@ def save_pretrained(model, path: str | Path, format: str = "allhere", **kwargs) 
     if saved_mechanism(model.config) is None:
         raise ValueError("this model is not converted by allhere; save it with model.save_pretrained")
     model.save_pretrained(str(path), **kwargs)
-
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    single = path / "model.safetensors"
-    if not single.exists():
-        raise CheckpointError(f"{path} has no model.safetensors (or index): save with safe serialization")
-    return [single]
 
 
 def load_pretrained(path: str | Path, **kwargs):
@@ -87,19 +68,14 @@ def load_pretrained(path: str | Path, **kwargs):
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)  # SDPA where the family has it
     finally:
         hf_logging.set_verbosity(level)
-    for key in LEGACY_KEYS:  # converted again below, under the current key
-        if hasattr(model.config, key):
-            delattr(model.config, key)
     convert(model, mech, layers=getattr(config, LAYERS_KEY, None) or "full")
     wanted = {k for k in model.state_dict() if f".{SUBMODULE}." in k}
-    legacy = {k.replace(f".{SUBMODULE}.", f".{kind}."): k for k in wanted for kind in LEGACY_KEYS.values()}
     added: dict[str, torch.Tensor] = {}
-    for f in _weight_files(path):
+    for f in weight_files(path):
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
-                name = k if k in wanted else legacy.get(k)
-                if name is not None:
-                    added[name] = fh.get_tensor(k)
+                if k in wanted:
+                    added[k] = fh.get_tensor(k)
     missing = wanted - set(added)
     if missing:
         raise CheckpointError(f"{path} lacks the weights {sorted(missing)[:3]}...")
@@ -204,7 +180,7 @@ def saved_dtype(config, path: str | Path | None = None) -> torch.dtype:
     if value is None and path is not None:
         from safetensors import safe_open
 
-        with safe_open(str(_weight_files(Path(path))[0]), framework="pt") as fh:
+        with safe_open(str(weight_files(Path(path))[0]), framework="pt") as fh:
             value = next((fh.get_slice(k).get_dtype() for k in fh.keys()
                           if fh.get_slice(k).get_dtype() in ("BF16", "F16", "F32", "F64")), None)
         value = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}.get(value)

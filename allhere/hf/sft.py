@@ -22,7 +22,7 @@ import torch
 from ..config import TrainConfig
 from ..distributed.checkpoint import full_state_dict
 from ..distributed.env import detect
-from ..distributed.training import check_mesh
+from ..distributed.parallel import ParallelConfig
 from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversation
 from ..mechanisms import AHAConfig, DARConfig
 from ..runlock import run_lock
@@ -99,11 +99,11 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
 
     Under torchrun with several processes (``torchrun --nproc-per-node N -m allhere.cli sft ...``) the model
     is loaded straight into FSDP2 shards (``allhere.hf.sharded_load``; every rank's peak memory at load is
-    kept in the state as ``load``) and trained on a dp x cp mesh (``allhere.train.train``):
-    ``context_parallel`` = cp ranks split each sequence (``cp_layout``), the ring running every layer's
-    attention; the N / cp data-parallel replicas share each step's micro-batches, so ``global_batch /
-    batch_size`` must be a multiple of N / cp. The losses and the gradient are the one-process ones. Rank 0
-    writes ``out/model``.
+    kept in the state as ``load``) and trained on a dp x cp mesh (``allhere.train.train``; an
+    ``allhere.distributed.ParallelConfig``): ``context_parallel`` = cp ranks split each sequence
+    (``cp_layout``), the ring running every layer's attention; the N / cp data-parallel replicas share each
+    step's micro-batches, so ``global_batch / batch_size`` must be a multiple of N / cp. The losses and the
+    gradient are the one-process ones. Rank 0 writes ``out/model``.
     """
     if seq_len < 2:
         raise ConfigError(f"seq_len = {seq_len}: a sequence needs at least 2 tokens (one to predict the next from)")
@@ -111,8 +111,9 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
         raise ConfigError(f"global_batch = {global_batch} must be a multiple of batch_size = {batch_size}")
     if target_mu_f is not None and d_down is not None:
         raise ConfigError("target_mu_f steers AHA's routers; DAR (d_down) has none")
+    parallel = ParallelConfig(context_parallel=context_parallel, layout=cp_layout)
     env = detect()
-    check_mesh(1 if env is None else env.world, context_parallel, global_batch // batch_size, cp_layout, seq_len)
+    parallel.mesh(1 if env is None else env.world, global_batch // batch_size, seq_len)  # before loading anything
     out = Path(out)
     with run_lock(out):  # one writer per run folder; train() takes it again (reentrant)
         rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
@@ -143,15 +144,14 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
         if env is not None:
             extra["load"] = _load_report(model)
         lm = HFCausalLM(model)
-        cp = dict(context_parallel=cp_layout, context_parallel_size=context_parallel) if context_parallel > 1 else {}
         if d_down is None:
             state = train(lm, batches, cfg, out / "checkpoint.safetensors", resume=resume, progress=progress,
-                          extra_state=extra, **cp)
+                          extra_state=extra, parallel=parallel)
         else:
             train(lm, batches, dataclasses.replace(cfg, lr=stage1_lr), out / "stage1.safetensors", resume=resume,
-                  progress=progress, extra_state={**extra, "stage": 1}, train_only=".allhere.", **cp)
+                  progress=progress, extra_state={**extra, "stage": 1}, train_only=".allhere.", parallel=parallel)
             state = train(lm, batches, cfg, out / "stage2.safetensors", resume=resume, progress=progress,
-                          extra_state={**extra, "stage": 2}, **cp)
+                          extra_state={**extra, "stage": 2}, parallel=parallel)
         if env is not None:  # under torchrun the model is sharded: rank 0 saves the gathered weights
             sd = full_state_dict(lm)
             if env.main:  # the model around the gathered weights, without a second copy

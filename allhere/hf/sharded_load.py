@@ -40,11 +40,11 @@ from .. import registry
 from ..checkpoint import CheckpointError
 from ..distributed.fsdp import shard_model
 from ..validation import ConfigError
-from .attention import SUBMODULE
-from .convert import CONFIG_KEY, LAYERS_KEY, convert, dims_of, init_mechanism
-from .io import _weight_files, check_causal_lm, load_tokenizer, meta_model, saved_dtype, saved_mechanism
+from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from .convert import convert, dims_of, init_mechanism
+from .files import weight_files
+from .io import check_causal_lm, load_tokenizer, meta_model, saved_dtype, saved_mechanism
 
-LEGACY_SUBMODULES = ("aha", "dar")  # the mechanism's submodule name in files saved by earlier versions
 CHUNK_BYTES = 16 << 20  # the most of one tensor read from a file at a time
 
 
@@ -265,7 +265,7 @@ def _index(p: Path) -> dict[str, Path]:
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
         return {k: p / f for k, f in weight_map.items()}
-    (single,) = _weight_files(p)  # no index: model.safetensors, or the CheckpointError saying it is missing
+    (single,) = weight_files(p)  # no index: model.safetensors, or the CheckpointError saying it is missing
     return {k: single for k in _header(single)}
 
 
@@ -299,8 +299,6 @@ def _sources(p: Path, model, from_files: bool) -> dict[str, tuple[str, Path] | N
             out[name] = None
             continue
         names = aliases[id(param)]  # a tied head: whichever of its names the files hold
-        if mech:
-            names = names + [name.replace(f".{SUBMODULE}.", f".{kind}.") for kind in LEGACY_SUBMODULES]
         key = next((k for k in names if k in index), None)
         if key is None:
             raise CheckpointError(f"{p}: the weight files lack {name}" + (f" (or {', '.join(names[1:])})"

@@ -6,7 +6,8 @@ at once without writing anything. Each program that has keys writes its partial 
 second kernel merges the splits of every (sequence, head) by their weights, reading only the splits that
 had keys (so a local head costs its window's bytes, not one partial per split of the whole cache).
 
-Layout: q [b, h, 1, d], k/v [b, kv_heads, t, d] (the cache, every sequence t long), gate [b, h] bool.
+Layout: q [b, h, 1, d], k/v [b, kv_heads, t, d] (the cache, every sequence t long; any strides but a
+unit-stride last dimension), gate [b, h] bool.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from . import autotune
+from .aha_prefill import choose, strided
+from .tiles import default as default_tiles
 
 
 @triton.jit
@@ -89,26 +94,34 @@ def _merge_kernel(OP, LSE, O, GATE, KV_START, NSPLIT, T, H, W, SPLIT: tl.constex
 
 
 def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
-                      scale: float, split: int = 512, block_n: int = 64, num_warps: int = 4,
-                      kv_start: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float, tiles: dict | None = None, kv_start: torch.Tensor | None = None) -> torch.Tensor:
     """AHA attention of the last query of every (sequence, head) over the whole cache; returns [b, h, 1, d].
-    split: keys per program (the cache is split across programs); block_n: keys per step; kv_start:
-    optional int [b], keys before it are padding (a sequence with no real key gets zero)."""
+    k, v are read where they lie: a view of a larger cache buffer costs no copy (``strided``). tiles: None,
+    the launch setting from ``allhere.kernels.autotune``; or a pinned one (SPLIT: keys per program, the
+    cache being split across programs; BLOCK_N: keys per step; num_warps, num_stages; what is left out
+    comes from the default). kv_start: optional int [b], keys before it are padding (a sequence with no
+    real key gets zero)."""
     b, h, lq, d = q.shape
     if lq != 1:
         raise ValueError(f"the decode kernel takes one query per sequence, got {lq}")
+    q, k, v = strided(q, k, v)
     hkv, t = k.shape[1], k.shape[2]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    nsplit = triton.cdiv(t, split)
-    partial = torch.empty(b * h, nsplit, d, device=q.device, dtype=torch.float32)
-    lse = torch.empty(b * h, nsplit, device=q.device, dtype=torch.float32)
     g = gate.reshape(b * h).to(torch.int8).contiguous()
-    first = lse if kv_start is None else kv_start.to(torch.int32).contiguous()
+    first = g if kv_start is None else kv_start.to(torch.int32).contiguous()  # a placeholder when None
     has_start = kv_start is not None
-    _decode_kernel[(b * h, nsplit)](q, k, v, g, first, partial, lse, scale, t, h, h // hkv, window,
-                                    q.stride(0), q.stride(1), *k.stride()[:3],
-                                    SPLIT=split, BLOCK_N=block_n, D=d, HAS_START=has_start, num_warps=num_warps)
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
-    _merge_kernel[(b * h,)](partial, lse, out, g, first, nsplit, t, h, window, SPLIT=split, D=d, CHUNK=16,
-                            HAS_START=has_start)
+
+    def launch(s: dict) -> None:
+        split, nsplit = s["SPLIT"], triton.cdiv(t, s["SPLIT"])
+        partial = torch.empty(b * h, nsplit, d, device=q.device, dtype=torch.float32)
+        lse = torch.empty(b * h, nsplit, device=q.device, dtype=torch.float32)
+        _decode_kernel[(b * h, nsplit)](q, k, v, g, first, partial, lse, scale, t, h, h // hkv, window,
+                                        q.stride(0), q.stride(1), *k.stride()[:3], D=d, HAS_START=has_start, **s)
+        _merge_kernel[(b * h,)](partial, lse, out, g, first, nsplit, t, h, window, SPLIT=split, D=d, CHUNK=16,
+                                HAS_START=has_start)
+
+    if tiles is not None:
+        launch({**default_tiles("decode"), **tiles})
+    else:  # keyed also on the batch x heads bucket: with the cache length it sets how many programs fill the GPU
+        launch(choose("decode", q, k, launch, f"bh{autotune.length_bucket(b * h)}"))
     return out

@@ -8,7 +8,8 @@ program per (block of BLOCK_M of those positions, batch * head) for every block 
 (never padded to the busiest head: a head with 3 global queries does one block of 3 rows) while the
 grid, known from the shapes alone, needs nothing read back from the GPU. A program reads keys from 0 (or
 its earliest row's segment start) to its block's last position with a per-row causal mask and writes its
-rows over the local result in place; the blocks of a head run last position first (the longest first).
+rows over the local result in place; the blocks of all heads start longest first (``longest_first``: the
+latest last position first), so that no long block is left to run alone at the end.
 The local result of a global query is computed and overwritten (a fraction mu_f of the local work).
 
 Masks cost only on the edges: in both kernels the key blocks that every row of a block may see entirely
@@ -28,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pipeline_stages
+from . import autotune
+from .tiles import default as default_tiles
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -56,27 +58,46 @@ def inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def load_keys(K, V, kbase, skn, start, N, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """(positions, k, v) of the key block at ``start`` (``kbase``: the kv head's offset); MASKED: keys
-    past the sequence end N load as zeros, else every key of the block must exist."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    ptrs = kbase + offs_n[:, None] * skn + tl.arange(0, D)[None, :]
-    if MASKED:
-        return offs_n, tl.load(K + ptrs, mask=offs_n[:, None] < N, other=0.0), \
-            tl.load(V + ptrs, mask=offs_n[:, None] < N, other=0.0)
+def key_sources(K, V, B, HKV, N, skb, skh, skn, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
+    """K and V as ``load_keys`` reads them: with TMA, tensor descriptors over [B, HKV, N, D] (the copy
+    engine fetches a block of BLOCK_N keys and fills what lies past N with zeros); else the pointers."""
+    if TMA:
+        return (tl.make_tensor_descriptor(K, [B, HKV, N, D], [skb, skh, skn, 1], [1, 1, BLOCK_N, D]),
+                tl.make_tensor_descriptor(V, [B, HKV, N, D], [skb, skh, skn, 1], [1, 1, BLOCK_N, D]))
     else:
-        return offs_n, tl.load(K + ptrs), tl.load(V + ptrs)
+        return K, V
 
 
 @triton.jit
-def _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, m_i, l_i, acc, qk_scale,
-            MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+              TMA: tl.constexpr):
+    """(positions, k, v) of the key block at ``start`` of batch row ``kb``, kv head ``kh`` (``kbase``: their
+    offset); MASKED: keys past the sequence end N load as zeros, else every key of the block must exist.
+    With TMA, K and V are ``key_sources``' descriptors (past N: zeros either way)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if TMA:  # one return at the end: the compiler does not take a return inside a constexpr branch
+        k = K.load([kb, kh, start, 0]).reshape(BLOCK_N, D)
+        v = V.load([kb, kh, start, 0]).reshape(BLOCK_N, D)
+    else:
+        ptrs = kbase + offs_n[:, None] * skn + tl.arange(0, D)[None, :]
+        if MASKED:
+            k = tl.load(K + ptrs, mask=offs_n[:, None] < N, other=0.0)
+            v = tl.load(V + ptrs, mask=offs_n[:, None] < N, other=0.0)
+        else:
+            k = tl.load(K + ptrs)
+            v = tl.load(V + ptrs)
+    return offs_n, k, v
+
+
+@triton.jit
+def _attend(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, m_i, l_i, acc, qk_scale,
+            MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """The key blocks [lo, hi) of an online softmax in base 2 (``qk_scale`` = scale * log2 e) for the query
     positions ``rows``: returns the updated (m, l, acc). MASKED applies causality, the window W, each
     row's first key, the sequence end and the row mask; without it every key of the range must be valid
     for every row (the inner blocks: no mask work, the cost of a dense block)."""
     for start in range(lo, hi, BLOCK_N):
-        offs_n, k, v = load_keys(K, V, kbase, skn, start, N, MASKED, BLOCK_N, D)
+        offs_n, k, v = load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED, BLOCK_N, D, TMA)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             s = tl.where(edge_mask(rows, offs_n, first, rmask, N, W), s, float("-inf"))
@@ -91,8 +112,8 @@ def _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, m_i, l_i, acc
 
 
 @triton.jit
-def _attend_rows(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _attend_rows(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """Attention of ``rows`` over the key blocks [lo, hi), masked on the edges only (``inner_blocks``):
     (output [BLOCK_M, D] fp32, natural-log LSE; a row that saw nothing: 0, -inf)."""
     inner_lo, inner_hi = inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
@@ -100,12 +121,12 @@ def _attend_rows(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, sm_scale
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = sm_scale * LOG2E
-    m_i, l_i, acc = _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, lo, inner_lo, m_i, l_i, acc, qk_scale,
-                            True, BLOCK_N, D)
-    m_i, l_i, acc = _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, inner_lo, inner_hi, m_i, l_i, acc,
-                            qk_scale, False, BLOCK_N, D)
-    m_i, l_i, acc = _attend(q, K, V, kbase, skn, rows, first, rmask, N, W, inner_hi, hi, m_i, l_i, acc, qk_scale,
-                            True, BLOCK_N, D)
+    m_i, l_i, acc = _attend(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, inner_lo, m_i, l_i, acc,
+                            qk_scale, True, BLOCK_N, D, TMA)
+    m_i, l_i, acc = _attend(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, inner_lo, inner_hi, m_i, l_i, acc,
+                            qk_scale, False, BLOCK_N, D, TMA)
+    m_i, l_i, acc = _attend(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, inner_hi, hi, m_i, l_i, acc,
+                            qk_scale, True, BLOCK_N, D, TMA)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     return acc / l_safe[:, None], (m_i + tl.log2(l_safe)) * LN2
 
@@ -135,17 +156,18 @@ def row_starts(START, b, N, rows, rmask, SEGMENTS: tl.constexpr):
 
 
 @triton.jit
-def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, N, H, G, W,
+def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, B, N, H, G, W,
                     sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr,
-                    SEGMENTS: tl.constexpr):
+                    SEGMENTS: tl.constexpr, TMA: tl.constexpr = False):
     bh, b, h, kh, offs_m, lo, hi = window_block(N, H, G, W, BLOCK_M, BLOCK_N)
+    K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     rmask = offs_m < N
     first = row_starts(START, b, N, offs_m, rmask, SEGMENTS)
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=rmask[:, None], other=0.0)
-    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, skn, offs_m, first, rmask, N, W, lo, hi, sm_scale,
-                            BLOCK_M, BLOCK_N, D)
+    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, offs_m, first, rmask, N, W, lo,
+                            hi, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
     tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None])
     if STORE_LSE:
@@ -153,12 +175,14 @@ def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, N, H, G, W,
 
 
 @triton.jit
-def packed_block(ROWS, CUM, N, H, G, BLOCK_M: tl.constexpr):
-    """This program's block of global queries (program ids: block of its head, counted from the last;
-    batch * heads + head): (rows in it -- 0 or less when the head has fewer blocks --, b * h + h, b, h,
-    kv head, row mask, positions). A head's last (longest) block runs first."""
-    bh = tl.program_id(1)
-    blk = tl.num_programs(0) - 1 - tl.program_id(0)
+def packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M: tl.constexpr):
+    """This program's block of global queries: the work item ORDER[program id] = (batch * heads + head) *
+    blocks per head + block of that head (``longest_first``). Returns (rows in it -- 0 or less when the
+    head has fewer blocks --, b * h + h, b, h, kv head, row mask, positions)."""
+    item = tl.load(ORDER + tl.program_id(0))
+    per_head = tl.cdiv(N, BLOCK_M)
+    bh = item // per_head
+    blk = item % per_head
     count = tl.load(CUM + bh * N + N - 1) - blk * BLOCK_M
     b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
@@ -178,18 +202,19 @@ def packed_keys(START, b, N, pos, rmask, SEGMENTS: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
-def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, START, sm_scale, N, H, G,
+def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, ORDER, START, sm_scale, B, N, H, G,
                    sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr,
-                   SEGMENTS: tl.constexpr):
-    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, N, H, G, BLOCK_M)
+                   SEGMENTS: tl.constexpr, TMA: tl.constexpr = False):
+    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M)
     if count <= 0:
         return
+    K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :], mask=rmask[:, None], other=0.0)
     first, lo, last = packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
-    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, skn, pos, first, rmask, N, N, lo, last + 1, sm_scale,
-                            BLOCK_M, BLOCK_N, D)
+    out, lse = _attend_rows(q, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, pos, first, rmask, N, N, lo,
+                            last + 1, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
     tl.store(O + b * sob + h * soh + pos[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None])
     if STORE_LSE:
@@ -209,42 +234,89 @@ def pack_global(hard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, cum
 
 
+def longest_first(rows: torch.Tensor, cum: torch.Tensor, block_m: int) -> torch.Tensor:
+    """The global kernel's work items in the order they should start: every (batch * heads + head, block of
+    ``block_m`` of its packed queries) as one int32 (bh * blocks per head + block), the block whose last
+    query is latest (the most keys to read) first, across all heads, and the empty blocks (past a head's
+    count) last, where they return at once. A long block started last would run on alone after the rest
+    (the tail of the launch); on the device, without a host sync."""
+    bhs, n = cum.shape
+    per_head = triton.cdiv(n, block_m)
+    count = cum[:, -1:].long()  # [bh, 1]
+    last_row = torch.arange(1, per_head + 1, device=cum.device) * block_m - 1  # [per_head]
+    last_row = torch.minimum(last_row, count - 1)  # the block's last packed query (below its first: empty)
+    empty = last_row < torch.arange(per_head, device=cum.device) * block_m
+    reach = torch.where(empty, -1, rows.gather(1, last_row.clamp(min=0)).long())  # its position: the keys it reads
+    return torch.argsort(reach.flatten(), descending=True, stable=True).to(torch.int32)
+
+
 def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
-                       scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 8,
-                       num_stages: int | None = None, row_start: torch.Tensor | None = None) -> torch.Tensor:
+                       scale: float, tiles: dict | None = None, row_start: torch.Tensor | None = None) -> torch.Tensor:
     """AHA forward for queries and keys over the same positions; ``hard`` [b, h, n] bool (True = global).
-    block_m: query rows per program (and packed pairs per block); block_n: keys per step; num_warps,
-    num_stages: Triton's launch settings (``benchmarks/kernel_tiles.py`` times the choices; num_stages
-    None: ``allhere.kernels.pipeline_stages``, from the GPU's shared memory). row_start:
-    optional int [b, n] from ``allhere.masks.segment_starts``: each query sees only the keys from its
-    segment's start on (-1: none, zero output), all segments in the same launch."""
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    out = torch.empty_like(q)
-    tiles = launch_tiles(q, block_m, block_n, num_warps, num_stages)
+    q, k, v are read where they lie (``strided``). tiles: None, each kernel's launch setting from
+    ``allhere.kernels.autotune`` (tuned on the GPU, the default in the interpreter); or a setting pinned
+    for both kernels (BLOCK_M: query rows per program and packed pairs per block, BLOCK_N: keys per step,
+    num_warps, num_stages; what is left out comes from the default). row_start: optional int [b, n] from
+    ``allhere.masks.segment_starts``: each query sees only the keys from its segment's start on (-1: none,
+    zero output), all segments in the same launch."""
+    q, k, v = strided(q, k, v)
+    out = torch.empty_like(q)  # q's own layout where q is dense (a transposed projection stays one)
     start = segment_start(row_start, q.shape[2])
-    sliding_forward(q, k, v, out, None, start, window, scale, tiles)
-    global_forward(q, k, v, out, None, start, pack_global(hard), scale, tiles)
+    sliding_forward(q, k, v, out, None, start, window, scale, pinned_tiles("sliding", tiles))
+    global_forward(q, k, v, out, None, start, pack_global(hard), scale, pinned_tiles("global", tiles))
     return out
 
 
 def causal_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, row_start: torch.Tensor,
-                  block_m: int = 64, block_n: int = 64, num_warps: int = 8,
-                  num_stages: int | None = None) -> torch.Tensor:
+                  tiles: dict | None = None) -> torch.Tensor:
     """Full causal attention within segments (each query over its segment's keys up to itself; -1 in
     ``row_start``: zero): the global kernel alone with every query packed, for the router's ``a_full``
     where dense SDPA would need a mask. Arguments as in ``aha_prefill_triton``."""
-    q, k, v = (t.contiguous() for t in (q, k, v))
+    q, k, v = strided(q, k, v)
     out = torch.empty_like(q)
     everyone = torch.ones(q.shape[:3], dtype=torch.bool, device=q.device)
     global_forward(q, k, v, out, None, segment_start(row_start, q.shape[2]), pack_global(everyone), scale,
-                   launch_tiles(q, block_m, block_n, num_warps, num_stages))
+                   pinned_tiles("global", tiles))
     return out
 
 
-def launch_tiles(q: torch.Tensor, block_m: int, block_n: int, num_warps: int, num_stages: int | None) -> dict:
-    """The block kernels' tile settings for tensors like ``q`` (num_stages None: from the GPU)."""
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-                num_stages=num_stages or pipeline_stages(q.device))
+def strided(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the kernels read them: in place, any strides but a unit-stride last dimension (a view of
+    a larger cache buffer, a transposed projection); k and v with one layout. Only what breaks that is
+    copied: a last dimension with a stride, or k and v laid out differently."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if k.stride() != v.stride():
+        k, v = k.contiguous(), v.contiguous()
+    return q, k, v
+
+
+def pinned_tiles(kernel: str, tiles: dict | None) -> dict | None:
+    """None (the kernel chooses) or ``tiles`` completed from ``kernel``'s default setting."""
+    return None if tiles is None else {**default_tiles(kernel), **tiles}
+
+
+def choose(kernel: str, q: torch.Tensor, k: torch.Tensor, launch, *key: str) -> dict:
+    """``kernel``'s launch setting for a call like (q, k) (``autotune.setting``): keyed on head dim, dtype,
+    grouped-query group and the length bucket of the keys, plus ``key``."""
+    d, n = q.shape[-1], k.shape[2]
+    shape = (f"d{d}", str(q.dtype).removeprefix("torch."), f"g{q.shape[1] // k.shape[1]}",
+             f"n{autotune.length_bucket(n)}", *key)
+    return autotune.setting(kernel, shape, q.device, launch, d, q.element_size(), length=n)
+
+
+def tma_checked(setting: dict, k: torch.Tensor) -> dict:
+    """``setting``, its TMA (tensor descriptors for the keys and values) kept only where k and v allow it:
+    base and strides in multiples of 16 bytes (else the pointer path, same tiles). Descriptors built in a
+    kernel need scratch memory: Triton's allocator is set for this thread's context (autograd may run a
+    backward on another thread, so at every launch that uses them)."""
+    if not setting.get("TMA"):
+        return setting
+    elem = k.element_size()
+    if k.data_ptr() % 16 or any(s * elem % 16 for s in k.stride()[:3]):
+        return {**setting, "TMA": False}
+    device = k.device
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    return setting
 
 
 def segment_start(row_start: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -259,27 +331,36 @@ def segment_args(start: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch
     return (dummy, False) if start is None else (start, True)
 
 
-def sliding_forward(q, k, v, out, lse, start, window, scale, tiles: dict) -> None:
+def sliding_forward(q, k, v, out, lse, start, window, scale, tiles: dict | None) -> None:
     """The sliding-window kernel: writes every query's local output into ``out`` and, unless ``lse`` is
     None, its log-sum-exp (natural log of the scaled scores) into ``lse`` [b * h, n] fp32. ``start``:
-    None or ``segment_start``'s tensor. ``tiles``: BLOCK_M, BLOCK_N, num_warps, num_stages."""
+    None or ``segment_start``'s tensor. ``tiles``: the launch setting, None to choose (``choose``)."""
     b, h, n, d = q.shape
     strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
     start, segments = segment_args(start, out)
-    _sliding_kernel[(triton.cdiv(n, tiles["BLOCK_M"]), b * h)](
-        q, k, v, out, out if lse is None else lse, start, scale, n, h, h // k.shape[1], window, *strides, D=d,
-        STORE_LSE=lse is not None, SEGMENTS=segments, **tiles)
+
+    def launch(t: dict) -> None:
+        _sliding_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](
+            q, k, v, out, out if lse is None else lse, start, scale, b, n, h, h // k.shape[1], window, *strides, D=d,
+            STORE_LSE=lse is not None, SEGMENTS=segments, **tma_checked(t, k))
+
+    launch(tiles or choose("sliding", q, k, launch))
 
 
-def global_forward(q, k, v, out, lse, start, packed, scale, tiles: dict) -> None:
+def global_forward(q, k, v, out, lse, start, packed, scale, tiles: dict | None) -> None:
     """The global kernel over ``packed`` (from ``pack_global``): overwrites those rows of ``out`` (and of
     ``lse`` unless it is None) with full causal attention (within segments when ``start`` is given)."""
     b, h, n, d = q.shape
     strides = (*q.stride()[:3], *k.stride()[:3], *out.stride()[:3])
     start, segments = segment_args(start, out)
-    _global_kernel[(triton.cdiv(n, tiles["BLOCK_M"]), b * h)](
-        q, k, v, out, out if lse is None else lse, *packed, start, scale, n, h, h // k.shape[1], *strides, D=d,
-        STORE_LSE=lse is not None, SEGMENTS=segments, **tiles)
+
+    def launch(t: dict) -> None:
+        order = longest_first(*packed, t["BLOCK_M"])
+        _global_kernel[(order.numel(),)](
+            q, k, v, out, out if lse is None else lse, *packed, order, start, scale, b, n, h, h // k.shape[1], *strides,
+            D=d, STORE_LSE=lse is not None, SEGMENTS=segments, **tma_checked(t, k))
+
+    launch(tiles or choose("global", q, k, launch))
 
 
 def built_for_interpreter() -> bool:

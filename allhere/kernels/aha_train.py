@@ -21,13 +21,16 @@ Layout as in ``aha_prefill``: q [b, h, n, d], k/v [b, kv_heads, n, d], head dim 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
-from .aha_prefill import (edge_mask, global_forward, inner_blocks, launch_tiles, load_keys, pack_global,
-                          packed_block, packed_keys, row_starts, segment_args, segment_start, sliding_forward,
-                          window_block)
+from . import autotune
+from .aha_prefill import (choose, edge_mask, global_forward, inner_blocks, load_keys, longest_first, pack_global,
+                          key_sources, packed_block, packed_keys, pinned_tiles, row_starts, segment_args,
+                          segment_start, sliding_forward, strided, tma_checked, window_block)
 
 
 @triton.jit
@@ -42,11 +45,11 @@ def _grad_block(q, k, v, do, lse, delta, valid, sm_scale, MASKED: tl.constexpr =
 
 
 @triton.jit
-def _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, dq, sm_scale,
-               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, dq, sm_scale,
+               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """``dq`` (unscaled) plus the key blocks [lo, hi) of ``rows``; MASKED as in ``aha_prefill._attend``."""
     for start in range(lo, hi, BLOCK_N):
-        offs_n, k, v = load_keys(K, V, kbase, skn, start, N, MASKED, BLOCK_N, D)
+        offs_n, k, v = load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED, BLOCK_N, D, TMA)
         if MASKED:
             valid = edge_mask(rows, offs_n, first, rmask, N, W)
         else:
@@ -57,24 +60,25 @@ def _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo
 
 
 @triton.jit
-def _dq_rows(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _dq_rows(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """dQ (unscaled, fp32) of ``rows`` over the key blocks [lo, hi), masked on the edges only."""
     inner_lo, inner_hi = inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    dq = _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, lo, inner_lo, dq, sm_scale,
-                    True, BLOCK_N, D)
-    dq = _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, inner_lo, inner_hi, dq,
-                    sm_scale, False, BLOCK_N, D)
-    return _dq_blocks(q, do, lse, delta, K, V, kbase, skn, rows, first, rmask, N, W, inner_hi, hi, dq, sm_scale,
-                      True, BLOCK_N, D)
+    dq = _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, inner_lo, dq,
+                    sm_scale, True, BLOCK_N, D, TMA)
+    dq = _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, inner_lo, inner_hi, dq,
+                    sm_scale, False, BLOCK_N, D, TMA)
+    return _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, inner_hi, hi, dq,
+                      sm_scale, True, BLOCK_N, D, TMA)
 
 
 @triton.jit
-def _rows(Q, DO, LSE, DELTA, qo, lo, rmask):
-    """q, dO, log-sum-exp and delta of a tile of query rows: element offsets ``qo``, row offsets ``lo``."""
+def _rows(Q, DO, LSE, DELTA, qo, doo, lo, rmask):
+    """q, dO, log-sum-exp and delta of a tile of query rows: element offsets ``qo`` (q) and ``doo`` (dO),
+    row offsets ``lo``."""
     q = tl.load(Q + qo, mask=rmask[:, None], other=0.0)
-    do = tl.load(DO + qo, mask=rmask[:, None], other=0.0)
+    do = tl.load(DO + doo, mask=rmask[:, None], other=0.0)
     lse = tl.load(LSE + lo, mask=rmask, other=0.0)
     delta = tl.load(DELTA + lo, mask=rmask, other=0.0)
     return q, do, lse, delta
@@ -90,40 +94,46 @@ def _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale):
 
 
 @triton.jit
-def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, N, H, G, W,
-                     sqb, sqh, sqn, skb, skh, skn,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
+def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, B, N, H, G, W,
+                     sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
+                     TMA: tl.constexpr = False):
     bh, b, h, kh, offs_m, lo, hi = window_block(N, H, G, W, BLOCK_M, BLOCK_N)
+    K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     mmask = offs_m < N
     qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
-    q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + offs_m, mmask)
+    doo = b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :]  # dO and dQ share a layout
+    q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + offs_m, mmask)
     first = row_starts(START, b, N, offs_m, mmask, SEGMENTS)
     # Every row, global ones too (no gate test per pair): the global dQ kernel overwrites those rows.
-    dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, skn, offs_m, first, mmask, N, W, lo, hi, sm_scale,
-                  BLOCK_M, BLOCK_N, D)
-    tl.store(DQ + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mmask[:, None])
+    dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, offs_m, first, mmask, N, W,
+                  lo, hi, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
+    tl.store(DQ + doo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mmask[:, None])
 
 
 @triton.jit
-def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, START, sm_scale, N, H, G,
-                      sqb, sqh, sqn, skb, skh, skn,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
-    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, N, H, G, BLOCK_M)
+def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, ORDER, START, sm_scale, B, N, H, G,
+                      sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
+                      TMA: tl.constexpr = False):
+    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M)
     if count <= 0:
         return
+    K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
-    q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + pos, rmask)
+    doo = b * sdb + h * sdh + pos[:, None] * sdn + offs_d[None, :]
+    q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + pos, rmask)
     first, lo, last = packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
-    dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, skn, pos, first, rmask, N, N, lo, last + 1, sm_scale,
-                  BLOCK_M, BLOCK_N, D)
-    tl.store(DQ + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
+    dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, pos, first, rmask, N, N, lo,
+                  last + 1, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
+    tl.store(DQ + doo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_END, sm_scale, N, H, G, W,
-                 sqb, sqh, sqn, skb, skh, skn,
+                 sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn, sgb, sgh, sgn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
     pid_n = tl.program_id(0)
     bkh = tl.program_id(1)  # batch * kv_heads + kv head
@@ -155,7 +165,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             offs_m = start + i
             mmask = offs_m < N
             qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
-            q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + offs_m, mmask)
+            doo = b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :]
+            q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + offs_m, mmask)
             local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
             first = row_starts(START, b, N, offs_m, mmask, SEGMENTS)
             diff = offs_m[:, None] - offs_n[None, :]
@@ -171,53 +182,68 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             rmask = i < reach - blk * BLOCK_M
             pos = tl.load(ROWS + bh * (N + 1) + blk * BLOCK_M + i, mask=rmask, other=0)
             qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
-            q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, bh * N + pos, rmask)
+            doo = b * sdb + h * sdh + pos[:, None] * sdn + offs_d[None, :]
+            q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + pos, rmask)
             first = row_starts(START, b, N, pos, rmask, SEGMENTS)
             valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= first[:, None]) & rmask[:, None] \
                 & nmask[None, :]
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
-    tl.store(DK + kv, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask[:, None])
-    tl.store(DV + kv, dv.to(DV.dtype.element_ty), mask=nmask[:, None])
+    grad = b * sgb + kh * sgh + offs_n[:, None] * sgn + offs_d[None, :]  # dK and dV share a layout
+    tl.store(DK + grad, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask[:, None])
+    tl.store(DV + grad, dv.to(DV.dtype.element_ty), mask=nmask[:, None])
 
 
 class _AHATrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, hard, window, scale, tiles, dkdv, start):
         b, h, n, _ = q.shape
-        q, k, v = (t.contiguous() for t in (q, k, v))
+        q, k, v = strided(q, k, v)
         a_local = torch.empty_like(q)
         lse = torch.empty(b * h, n, device=q.device, dtype=torch.float32)
-        sliding_forward(q, k, v, a_local, lse, start, window, scale, tiles)
+        sliding_forward(q, k, v, a_local, lse, start, window, scale, pinned_tiles("sliding", tiles))
         out = a_local.clone()
         packed = pack_global(hard)
-        global_forward(q, k, v, out, lse, start, packed, scale, tiles)
+        global_forward(q, k, v, out, lse, start, packed, scale, pinned_tiles("global", tiles))
         ctx.save_for_backward(q, k, v, out, lse, hard, start, *packed)
-        ctx.config = (window, scale, tiles, dkdv)
+        ctx.config = (window, scale, tiles, dkdv, autotune.pins())  # the backward may run on another thread
         ctx.mark_non_differentiable(a_local)
         return out, a_local
 
     @staticmethod
     def backward(ctx, dout, _unused):
         q, k, v, out, lse, hard, start, rows, cum = ctx.saved_tensors
-        window, scale, tiles, dkdv = ctx.config
-        block_m, block_n = tiles["BLOCK_M"], tiles["BLOCK_N"]
+        window, scale, tiles, dkdv, pins = ctx.config
         b, h, n, d = q.shape
         hkv = k.shape[1]
-        dout = dout.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # dk, dv: one layout, as k, v
+        if dout.stride() != dq.stride():  # dO is read with dQ's strides
+            dout = torch.empty_like(dq).copy_(dout)
         delta = (dout.float() * out.float()).sum(-1).reshape(b * h, n)
         hard8 = hard.reshape(b * h, n).to(torch.int8)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        strides = (*q.stride()[:3], *k.stride()[:3])
+        strides = (*q.stride()[:3], *k.stride()[:3], *dq.stride()[:3])
         seg_end = cum if start is None else segment_end(start)
         start, segments = segment_args(start, cum)
-        shared = dict(D=d, SEGMENTS=segments, **tiles)
-        _local_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, dq, start, scale, n, h,
-                                                           h // hkv, window, *strides, **shared)
-        _global_dq_kernel[(triton.cdiv(n, block_m), b * h)](q, k, v, dout, lse, delta, dq, rows, cum, start, scale,
-                                                            n, h, h // hkv, *strides, **shared)
-        _dkdv_kernel[(triton.cdiv(n, block_n), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum, start,
-                                                         seg_end, scale, n, h, h // hkv, window, *strides,
-                                                         **{**shared, **dkdv})
+        common = dict(D=d, SEGMENTS=segments)
+
+        def local_dq(t: dict) -> None:
+            _local_dq_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](q, k, v, dout, lse, delta, dq, start, scale, b, n,
+                                                                    h, h // hkv, window, *strides, **common,
+                                                                    **tma_checked(t, k))
+
+        def global_dq(t: dict) -> None:
+            order = longest_first(rows, cum, t["BLOCK_M"])
+            _global_dq_kernel[(order.numel(),)](q, k, v, dout, lse, delta, dq, rows, cum, order, start, scale, b, n, h,
+                                                h // hkv, *strides, **common, **tma_checked(t, k))
+
+        def dkdv_grads(t: dict) -> None:
+            _dkdv_kernel[(triton.cdiv(n, t["BLOCK_N"]), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum,
+                                                                  start, seg_end, scale, n, h, h // hkv, window,
+                                                                  *strides, *dk.stride()[:3], **common, **t)
+
+        with contextlib.nullcontext() if pins is None else autotune.pinned(pins):
+            for name, launch, pinned in (("local_dq", local_dq, tiles), ("global_dq", global_dq, tiles),
+                                         ("dkdv", dkdv_grads, dkdv)):
+                launch(pinned_tiles(name, pinned) or choose(name, q, k, launch))
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -234,15 +260,13 @@ def segment_end(start: torch.Tensor) -> torch.Tensor:
 
 
 def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
-                     scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 8,
-                     num_stages: int | None = None, row_start: torch.Tensor | None = None, dkdv_rows: int = 32,
-                     dkdv_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, tiles: dict | None = None, dkdv: dict | None = None,
+                     row_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, a_local): ``out`` is AHA's output under the hard gate [b, h, n] (True = global),
     differentiable in q, k, v through the used path only; ``a_local`` is every query's sliding-window
-    output, without gradient (for the straight-through term). Tiles and ``row_start`` (segments) as in
-    ``aha_prefill_triton``, the same for the forward and the dQ kernels; the dK / dV kernel takes
-    ``dkdv_rows`` query rows at a time with ``dkdv_warps`` warps (its two [block_n, d] fp32 accumulators
-    leave fewer registers: with 64 rows it spills on sm_90, ``benchmarks/kernel_compile.py``)."""
-    tiles = launch_tiles(q, block_m, block_n, num_warps, num_stages)
-    dkdv = dict(BLOCK_M=dkdv_rows, num_warps=dkdv_warps)
+    output, without gradient (for the straight-through term). q, k, v are read where they lie
+    (``aha_prefill.strided``). tiles: None, each kernel's setting from ``allhere.kernels.autotune``; or one
+    pinned for the forward and dQ kernels, as in ``aha_prefill_triton``; dkdv: the same for the dK / dV
+    kernel (BLOCK_M: query rows at a time, BLOCK_N: keys per program). ``row_start``: segments, as in
+    ``aha_prefill_triton``."""
     return _AHATrain.apply(q, k, v, hard, window, scale, tiles, dkdv, segment_start(row_start, q.shape[2]))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .predicates import MaskFn, _check_count, _with_tiles, or_masks
-from .tables import _Tables, _tracing
+from .predicates import MaskFn, check_count, with_tiles, or_masks
+from .tables import DeviceTables, is_tracing
 from .windows import sliding_window
 
 
@@ -14,8 +14,8 @@ def bigbird_window(block: int, window_blocks: int, causal: bool = True) -> MaskF
     """BigBird's block window (arXiv:2007.14062): query block i sees key blocks j with 0 <= i - j <
     ``window_blocks`` (|i - j| < window_blocks for an encoder: BigBird's 3-block window is 2), and, if causal,
     only keys at or before the query."""
-    _check_count("block", block, 1)
-    inner = sliding_window(_check_count("window_blocks", window_blocks, 1), causal=causal)
+    check_count("block", block, 1)
+    inner = sliding_window(check_count("window_blocks", window_blocks, 1), causal=causal)
 
     def pred(b, h, q_idx, kv_idx):
         out = inner(b, h, q_idx // block, kv_idx // block)
@@ -25,14 +25,14 @@ def bigbird_window(block: int, window_blocks: int, causal: bool = True) -> MaskF
         out = inner.tiles(b, h, ql // block, qh // block, kl // block, kh // block)
         return out & (kl <= qh) if causal else out
 
-    return _with_tiles(pred, f"bigbird_window_{block}x{window_blocks}" + ("" if causal else "_bidir"), tiles)
+    return with_tiles(pred, f"bigbird_window_{block}x{window_blocks}" + ("" if causal else "_bidir"), tiles)
 
 
 def bigbird_global(block: int, global_blocks: int, causal: bool = True) -> MaskFn:
     """BigBird's global blocks (arXiv:2007.14062): the first ``global_blocks`` blocks see every key and are
     seen by every query (keys at or before the query if causal)."""
-    _check_count("block", block, 1)
-    edge = block * _check_count("global_blocks", global_blocks, 0)
+    check_count("block", block, 1)
+    edge = block * check_count("global_blocks", global_blocks, 0)
 
     def pred(b, h, q_idx, kv_idx):
         out = (q_idx < edge) | (kv_idx < edge)
@@ -42,7 +42,7 @@ def bigbird_global(block: int, global_blocks: int, causal: bool = True) -> MaskF
         out = (ql < edge) | (kl < edge)
         return out & (kl <= qh) if causal else out
 
-    return _with_tiles(pred, f"bigbird_global_{block}x{global_blocks}" + ("" if causal else "_bidir"), tiles)
+    return with_tiles(pred, f"bigbird_global_{block}x{global_blocks}" + ("" if causal else "_bidir"), tiles)
 
 
 class BigBirdRandom:
@@ -67,18 +67,18 @@ class BigBirdRandom:
 
     def __init__(self, block: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int = 0,
                  layer: int = 0, causal: bool = True, length: int | None = None, heads_per_draw: int = 1) -> None:
-        self.block = _check_count("block", block, 1)
-        self.window_blocks = _check_count("window_blocks", window_blocks, 1)
-        self.global_blocks = _check_count("global_blocks", global_blocks, 0)
-        self.random_blocks = _check_count("random_blocks", random_blocks, 0)
-        self.seed, self.layer, self.causal = _check_count("seed", seed, 0), _check_count("layer", layer, 0), causal
-        self.length = None if length is None else _check_count("length", length, 1)
-        self.heads_per_draw = _check_count("heads_per_draw", heads_per_draw, 1)
+        self.block = check_count("block", block, 1)
+        self.window_blocks = check_count("window_blocks", window_blocks, 1)
+        self.global_blocks = check_count("global_blocks", global_blocks, 0)
+        self.random_blocks = check_count("random_blocks", random_blocks, 0)
+        self.seed, self.layer, self.causal = check_count("seed", seed, 0), check_count("layer", layer, 0), causal
+        self.length = None if length is None else check_count("length", length, 1)
+        self.heads_per_draw = check_count("heads_per_draw", heads_per_draw, 1)
         self.__name__ = f"bigbird_random_{block}x{random_blocks}" + ("" if causal else "_bidir")
         self.varies_by_head = random_blocks > 0  # a draw per head (group)
         self._table = torch.zeros(0, 0, 0, dtype=torch.bool)
         self._n_blocks = None  # encoder: the number of key blocks the table was drawn for
-        self._tables = _Tables()  # the table and its 2-D prefix sums (for tiles), per device
+        self._tables = DeviceTables()  # the table and its 2-D prefix sums (for tiles), per device
 
     def row(self, head: int, i: int, n_blocks: int | None = None) -> list[int]:
         """The random key blocks of query block ``i`` of ``head`` (``n_blocks``: the encoder's block count)."""
@@ -125,7 +125,7 @@ class BigBirdRandom:
         self._tables.prepare(device=device)
 
     def _blocks_for(self, h, q_hi, k_hi) -> tuple[int, int]:
-        if _tracing(q_hi):  # no position can be read: the table as ``prepare`` drew it
+        if is_tracing(q_hi):  # no position can be read: the table as ``prepare`` drew it
             if not self._table.numel():
                 raise RuntimeError("BigBird's random blocks must be drawn before the mask is traced (vmap, "
                                    "torch.compile): call its prepare(heads, length, device) first")
@@ -173,4 +173,4 @@ def bigbird(block: int, window_blocks: int, global_blocks: int, random_blocks: i
     blocks of ``block`` positions: ``bigbird_window`` OR ``bigbird_global`` OR ``bigbird_random``."""
     rand = bigbird_random(block, window_blocks, global_blocks, random_blocks, seed, layer, causal, length, heads_per_draw)
     pred = or_masks(bigbird_window(block, window_blocks, causal), bigbird_global(block, global_blocks, causal), rand)
-    return _with_tiles(pred, f"bigbird_{block}" + ("" if causal else "_bidir"))
+    return with_tiles(pred, f"bigbird_{block}" + ("" if causal else "_bidir"))

@@ -15,9 +15,11 @@ from typing import Iterable
 
 import torch
 
-from .predicates import MaskFn, _with_tiles, or_masks
-from .tables import _Tables
+from .predicates import MaskFn, with_tiles, or_masks
+from .tables import DeviceTables
 from .windows import dilated_window
+
+INLINE_RUNS = 8  # global positions in at most this many runs are compared with, not looked up
 
 
 def global_first(n: int, g: int) -> torch.Tensor:
@@ -44,7 +46,7 @@ def _lookup(flags: torch.Tensor):
     whether a flag lies in [lo, hi]; and the tables' ``prepare``."""
     n = flags.shape[-1]
     counts = torch.cat([torch.zeros(*flags.shape[:-1], 1, dtype=torch.long), flags.long().cumsum(-1)], -1)
-    tables = _Tables(flags=flags, counts=counts)
+    tables = DeviceTables(flags=flags, counts=counts)
 
     def at(b, pos):
         f = tables.get("flags", pos)
@@ -65,14 +67,45 @@ def _lookup(flags: torch.Tensor):
     return at, any_in, tables.prepare
 
 
+def _runs(flags: torch.Tensor) -> list[tuple[int, int]] | None:
+    """The runs [first, last] of consecutive global positions of 1-D ``flags``, or None beyond
+    ``INLINE_RUNS`` runs."""
+    padded = torch.cat([torch.zeros(1, dtype=torch.int8), flags.to(torch.int8), torch.zeros(1, dtype=torch.int8)])
+    edges = (padded[1:] - padded[:-1]).nonzero().flatten().tolist()
+    if len(edges) > 2 * INLINE_RUNS:
+        return None
+    return [(edges[i], edges[i + 1] - 1) for i in range(0, len(edges), 2)]
+
+
+def _in_runs(runs: list[tuple[int, int]]):
+    """pos -> whether pos lies in one of ``runs``: comparisons only, no table read."""
+    def at(b, pos):
+        if not runs:
+            return (pos < 0) & (pos >= 0)  # False, shaped like pos
+        out = None
+        for lo, hi in runs:
+            inside = (pos >= lo) & (pos <= hi)
+            out = inside if out is None else out | inside
+        return out
+
+    return at
+
+
 def global_tokens(is_global: torch.Tensor, causal: bool = True) -> MaskFn:
     """Global tokens (Longformer, arXiv:2004.05150): ``is_global`` bool [n] or [batch, n] over absolute
     positions (positions past its end are not global). A global query sees every key, every query sees
-    every global key; with ``causal`` only keys at or before the query."""
+    every global key; with ``causal`` only keys at or before the query.
+
+    Flags [n] with at most ``INLINE_RUNS`` runs of consecutive global positions (the first g tokens, a few
+    positions) are tested by comparing positions with the runs' ends: a compiled kernel evaluating the
+    predicate per score (FlexAttention's) reads no table. Others look their flags up."""
     is_global = torch.as_tensor(is_global).bool().cpu()  # copied to each device by ``prepare``
     if is_global.dim() not in (1, 2):
         raise ValueError(f"is_global must be bool [n] or [batch, n], got shape {tuple(is_global.shape)}")
     at, any_in, prepare = _lookup(is_global)
+    runs = _runs(is_global) if is_global.dim() == 1 else None
+    if runs is not None:
+        at = _in_runs(runs)
 
     def pred(b, h, q_idx, kv_idx):
         out = at(b, q_idx) | at(b, kv_idx)
@@ -85,10 +118,10 @@ def global_tokens(is_global: torch.Tensor, causal: bool = True) -> MaskFn:
         return any_in(b, torch.maximum(ql, kl), qh) | any_in(b, kl, torch.minimum(kh, qh))
 
     pred.prepare = prepare
-    return _with_tiles(pred, "global_tokens" + ("" if causal else "_bidir"), tiles)
+    return with_tiles(pred, "global_tokens" + ("" if causal else "_bidir"), tiles)
 
 
 def longformer(window: int, is_global: torch.Tensor, dilation=1, causal: bool = True) -> MaskFn:
     """Longformer's pattern (arXiv:2004.05150): a (dilated) window OR global tokens."""
     pred = or_masks(dilated_window(window, dilation, causal=causal), global_tokens(is_global, causal=causal))
-    return _with_tiles(pred, f"longformer_{window}" + ("" if causal else "_bidir"))
+    return with_tiles(pred, f"longformer_{window}" + ("" if causal else "_bidir"))

@@ -69,14 +69,16 @@ def _tiles_of(preds, combine):
     return tiles
 
 
-def _with_tiles(pred: MaskFn, name: str, tiles=None) -> MaskFn:
+def with_tiles(pred: MaskFn, name: str, tiles=None) -> MaskFn:
+    """``pred`` named ``name``, with its block test ``tiles`` (see the package docstring) when given."""
     pred.__name__ = name
     if tiles is not None:
         pred.tiles = tiles
     return pred
 
 
-def _check_count(name: str, value, minimum: int) -> int:
+def check_count(name: str, value, minimum: int) -> int:
+    """``value`` if it is an integer >= ``minimum``, else ValueError naming ``name``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value

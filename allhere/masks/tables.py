@@ -15,7 +15,7 @@ def _device(device) -> torch.device:
     return device
 
 
-class _Tables:
+class DeviceTables:
     """The CPU tensors a predicate reads, with one copy per device they are read on: made by ``prepare``
     ahead of tracing (a traced evaluation cannot copy), or by the first eager read there."""
 
@@ -40,14 +40,14 @@ class _Tables:
             return self.cpu[name]
         device = _device(like.device)
         if device not in self.copies:
-            if _tracing(like):
+            if is_tracing(like):
                 raise RuntimeError("a mask predicate's tables must be on the device before it is traced: call its "
                                    "prepare(heads, length, device) first (allhere.ops.flex does)")
             self.prepare(device=device)
         return self.copies[device][name]
 
 
-def _tracing(t) -> bool:
+def is_tracing(t) -> bool:
     """Whether ``t`` is being traced (vmapped by ``create_block_mask``, compiled), where no value can be read."""
     return (torch.compiler.is_compiling() or type(t) is not torch.Tensor
             or torch._C._functorch.is_batchedtensor(t))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .predicates import MaskFn, _check_count, _with_tiles, or_masks
-from .tables import _Tables
+from .predicates import MaskFn, check_count, with_tiles, or_masks
+from .tables import DeviceTables
 
 
 def sliding_window(window: int, causal: bool = True) -> MaskFn:
@@ -43,14 +43,15 @@ def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
     or |q - k| in that set when ``causal=False``. ``dilation``: an int, or a tuple of one int per query head
     (indexed by the predicate's ``h``: Longformer's per-head dilation, "Longformer: The Long-Document
     Transformer", arXiv:2004.05150). ``dilation=1`` is ``sliding_window``."""
-    _check_count("window", window, 1)
+    check_count("window", window, 1)
     per_head = isinstance(dilation, (tuple, list))
     dils = tuple(dilation) if per_head else (dilation,)
     if not dils:
         raise ValueError("dilation must be an integer >= 1 or a non-empty tuple of them")
     for d in dils:
-        _check_count("dilation", d, 1)
-    table = _Tables(d=torch.tensor(dils, dtype=torch.long))
+        check_count("dilation", d, 1)
+    # int32, as FlexAttention's positions: a kernel dividing by an int64 stride runs 64-bit divisions
+    table = DeviceTables(d=torch.tensor(dils, dtype=torch.int32))
 
     def step(h, like):
         if not per_head:
@@ -58,10 +59,12 @@ def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
         return table.get("d", like)[torch.as_tensor(h, device=like.device)]
 
     def pred(b, h, q_idx, kv_idx):
-        d = step(h, q_idx)
         diff = q_idx - kv_idx
         if not causal:
             diff = diff.abs()
+        if dils == (1,):  # a sliding window: no division
+            return (diff >= 0) & (diff < window)
+        d = step(h, q_idx)
         return (diff >= 0) & (diff % d == 0) & (diff <= (window - 1) * d)
 
     def tiles(b, h, ql, qh, kl, kh):
@@ -73,14 +76,14 @@ def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
     name = f"dilated_window_{window}_{'x'.join(map(str, dils))}" + ("" if causal else "_bidir")
     if per_head:
         pred.prepare, pred.varies_by_head = table.prepare, True
-    return _with_tiles(pred, name, tiles)
+    return with_tiles(pred, name, tiles)
 
 
 def sinks(n_sinks: int, causal: bool = True) -> MaskFn:
     """Attention sinks: every query sees the keys at positions < ``n_sinks`` (earlier ones if causal), as in
     StreamingLLM ("Efficient Streaming Language Models with Attention Sinks", arXiv:2309.17453). A
     component: ``sliding_with_sinks`` ORs it with a window."""
-    _check_count("n_sinks", n_sinks, 0)
+    check_count("n_sinks", n_sinks, 0)
 
     def pred(b, h, q_idx, kv_idx):
         out = kv_idx < n_sinks
@@ -90,10 +93,10 @@ def sinks(n_sinks: int, causal: bool = True) -> MaskFn:
         out = kl < n_sinks
         return out & (kl <= qh) if causal else out
 
-    return _with_tiles(pred, f"sinks_{n_sinks}" + ("" if causal else "_bidir"), tiles)
+    return with_tiles(pred, f"sinks_{n_sinks}" + ("" if causal else "_bidir"), tiles)
 
 
 def sliding_with_sinks(window: int, n_sinks: int, causal: bool = True) -> MaskFn:
     """StreamingLLM's pattern (arXiv:2309.17453): the window of ``window`` keys OR the first ``n_sinks`` keys."""
     pred = or_masks(sliding_window(window, causal=causal), sinks(n_sinks, causal=causal))
-    return _with_tiles(pred, f"sliding_{window}_sinks_{n_sinks}" + ("" if causal else "_bidir"))
+    return with_tiles(pred, f"sliding_{window}_sinks_{n_sinks}" + ("" if causal else "_bidir"))

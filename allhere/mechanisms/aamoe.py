@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.aamoe import aamoe_attention, aamoe_attention_naive
+from ..ops.aamoe import aamoe_attention
 from ..registry import register
 from ..validation import check, check_int, is_number
 from .aamoe_budget import BudgetPredictor, prefix_log_share, sequence_log_share
@@ -43,6 +43,7 @@ SIGMOID_BUDGET = ("continuous", "floored", "straight_through")
 ROUTER_SOFTMAX = ("available", "chosen")
 PREDICTORS = ("learned", "prefix")
 BUDGET_SOURCES = ("sequence", "predictor")
+REFERENCE_GONE = "AAMoEAttention.reference is gone: run the dense reference with allhere.use_backend('reference')"
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class AAMoEConfig:
 @register(AAMoEConfig, summary="AA-MoE: a per-token budget shared between context chunks and experts")
 class AAMoEAttention(AttentionMechanism):
     """Runtime switches: ``budget_source`` ("sequence" | "predictor"), ``budget_scale`` (B x scale),
-    ``record`` (keep ``stats`` of the last forward), ``reference`` (the dense reference op)."""
+    ``record`` (keep ``stats`` of the last forward). The op's path follows ``allhere.use_backend``."""
 
     replaces_mlp = True
     hf_support = False  # a Hugging Face block cannot drop its MLP
@@ -131,7 +132,7 @@ class AAMoEAttention(AttentionMechanism):
         self.mem_k = nn.Parameter(torch.empty(h, e, m, dims.head_dim))  # expert key slots per head
         self.mem_v = nn.Parameter(torch.empty(h, e, m, dims.head_dim))  # expert value slots per head
         self.predictor = BudgetPredictor(d, cfg.predictor_hidden) if cfg.predictor == "learned" else None
-        self.budget_source, self.budget_scale, self.record, self.reference = "sequence", 1.0, False, False
+        self.budget_source, self.budget_scale, self.record = "sequence", 1.0, False
         self.stats: dict | None = None
         self.reset_parameters()
 
@@ -154,6 +155,14 @@ class AAMoEAttention(AttentionMechanism):
 
     def new_cache(self) -> AAMoECache:
         return AAMoECache(self.cfg.chunk)
+
+    @property
+    def reference(self):
+        raise AttributeError(REFERENCE_GONE)
+
+    @reference.setter
+    def reference(self, value):
+        raise AttributeError(REFERENCE_GONE)
 
     def log_shares(self, x: torch.Tensor, u: torch.Tensor, cache: AAMoECache | None) -> torch.Tensor:
         """The causal predictor's t_i = log(L b_i) estimate [b, n]."""
@@ -185,11 +194,10 @@ class AAMoEAttention(AttentionMechanism):
         r, avail, n_routed = router_scores(x, hq, lk - n, summaries if cfg.route_context else None,
                                            self.expert_emb, cfg.chunk, cfg.rope_theta)
         route = choose(r, avail, share, n_routed, -(-lk // cfg.chunk), cfg.sigmoid_budget, cfg.router_softmax)
-        op = aamoe_attention_naive if self.reference else aamoe_attention
         relative = cfg.memory_positions == "relative"  # the rotation of the queries as the host applied it
         q_mem = unrotate(q, lk - n, cfg.rope_theta, call.positions) if relative else None
-        out = op(q, k, v, self.mem_k, self.mem_v, route.choice, route.logp, cfg.chunk, cfg.own_chunk == "always",
-                 call.scale, q_mem)
+        out = aamoe_attention(q, k, v, self.mem_k, self.mem_v, route.choice, route.logp, cfg.chunk,
+                              cfg.own_chunk == "always", call.scale, q_mem)
         self.aux_loss = None
         if (source == "sequence" and self.predictor is not None and self.training and torch.is_grad_enabled()
                 and cfg.predictor_weight > 0):

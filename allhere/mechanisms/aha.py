@@ -19,12 +19,10 @@ from torch import nn
 
 from ..masks import causal, sliding_window
 from ..ops.aha import aha_attention
-from ..ops.aha.naive import aha_attention_naive
 from ..ops.ste import straight_through
 from ..registry import register
-from ..routing import LayerRouting
 from ..validation import check, check_int, is_number
-from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan
+from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan, LayerRouting
 
 ROUTER_KINDS = ("linear", "qproj")
 ROUTER_INITS = ("global", "neutral", "local")
@@ -68,6 +66,25 @@ class AHAConfig:
         check(self.router_init in ROUTER_INITS, c, "router_init", self.router_init, f"one of {ROUTER_INITS}")
         check(is_number(self.router_init_bias) and self.router_init_bias >= 0.0, c, "router_init_bias",
               self.router_init_bias, "a finite number >= 0")
+
+
+def router_scores(logits: torch.Tensor) -> torch.Tensor:
+    """The router's scores s = sigmoid(logits) in fp32 (Eq. 1), same shape: ``logits`` = X W_router (+ bias),
+    per (token, head). A pure piece every host calls on its own router output (allhere's modules, vLLM)."""
+    return torch.sigmoid(logits.float())
+
+
+def hidden_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tau: float,
+                forced: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """AHA's gate from the attention block's input, for a host that holds the linear router's weights itself:
+    x [..., d_model], weight [heads, d_model], bias [heads] or None -> (scores [..., heads] fp32, hard gate
+    [..., heads] bool: True = full causal attention, False = the window). ``forced`` True / False sets every
+    gate global / local (the scores are still computed)."""
+    s = router_scores(torch.nn.functional.linear(x, weight, bias))
+    hard = s > tau
+    if forced is not None:
+        hard = torch.full_like(hard, bool(forced))
+    return s, hard
 
 
 def init_router_(weight: torch.Tensor, bias: torch.Tensor | None, cfg: AHAConfig) -> None:
@@ -122,7 +139,7 @@ class AHAAttention(AttentionMechanism):
             if q_extra is None:
                 raise ValueError("router='qproj' needs its logits from the host's fused query projection")
             logits = q_extra if self.router_bias is None else q_extra + self.router_bias
-        return torch.sigmoid(logits.float().transpose(1, 2))  # not a view: FSDP2 warns of views among outputs
+        return router_scores(logits.transpose(1, 2))  # not a view: FSDP2 warns of views among outputs
 
     def gate(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate for the op, hard bool gate): the straight-through gate while training the router."""
@@ -140,11 +157,9 @@ class AHAAttention(AttentionMechanism):
         gate, hard = self.gate(s)
         if cache is not None:
             k, v = cache.update(k, v)
-        if call.attend is not None:  # the host's softmax has terms of its own: both attentions through it, dense
-            out = aha_attention_naive(q, k, v, gate, self.cfg.window, call.scale, row_start=call.segment_starts,
-                                      attend=call.attend)
-        else:
-            out = aha_attention(q, k, v, gate, self.cfg.window, scale=call.scale, row_start=call.segment_starts)
+        # a host whose softmax has terms of its own (call.attend): both attentions through it, on the reference
+        out = aha_attention(q, k, v, gate, self.cfg.window, scale=call.scale, row_start=call.segment_starts,
+                            attend=call.attend)
         return out, LayerRouting(scores=s, gates=hard)
 
     def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..backend import dispatch, register_path
 from ..masks import causal, dense_mask
 from ..ops.common import check_qkv, default_scale, repeat_kv, segment_mask
 from ..registry import register
@@ -69,13 +70,14 @@ def unrotate_queries(q: torch.Tensor, kv_len: int, theta: float,
     return (q.float() * ang.cos() - torch.cat([-x2, x1], dim=-1) * ang.sin()).to(q.dtype)
 
 
-def all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,
-                  scale: float | None = None, mask: torch.Tensor | None = None,
-                  q_mem: torch.Tensor | None = None) -> torch.Tensor:
+def all_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem_k: torch.Tensor,
+                            mem_v: torch.Tensor, scale: float | None = None, mask: torch.Tensor | None = None,
+                            q_mem: torch.Tensor | None = None) -> torch.Tensor:
     """softmax over [causal context; memory]. q [b, h, lq, d]; k, v [b, kv_heads, lk, d] (queries are the
     last lq positions); mem_k, mem_v [h, n_mem, d]; mask: optional bool [b, 1, lq, lk] over the context
-    (True = may attend), causal when None; q_mem: the queries that read the memory (default q). Dense,
-    one softmax over both parts. Returns [b, h, lq, d]."""
+    (True = may attend), causal when None; q_mem: the queries that read the memory (default q). Dense in
+    fp32, one softmax over both parts: the reference of op family ``"all_attention"``, so far its only path
+    (``allhere.backend``). Returns [b, h, lq, d] in q's dtype."""
     b, h, lq, d, _, lk = check_qkv(q, k, v)
     if mem_k.shape != mem_v.shape or mem_k.shape[0] != h or mem_k.shape[2] != d:
         raise ValueError(f"mem_k and mem_v must be [heads={h}, n_mem, dim={d}], got {tuple(mem_k.shape)}, "
@@ -86,6 +88,9 @@ def all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem_k: torc
     s_mem = (q if q_mem is None else q_mem).float() @ mem_k.float().transpose(-1, -2)[None] * scale
     p = torch.softmax(torch.cat([s_ctx, s_mem], dim=-1), dim=-1)  # the memory is never masked: no empty row
     return (p[..., :lk] @ repeat_kv(v, h).float() + p[..., lk:] @ mem_v.float()[None]).to(q.dtype)
+
+
+register_path("all_attention", "reference", all_attention_reference)
 
 
 @register(AllAttentionConfig, summary="All-Attention: persistent memory slots replace the feed-forward sublayer")
@@ -117,4 +122,4 @@ class AllAttention(AttentionMechanism):
             mask = segment_mask(call.segment_starts, q.shape[2], k.shape[2])
         relative = self.cfg.memory_positions == "relative"
         q_mem = unrotate_queries(q, k.shape[2], self.cfg.rope_theta, call.positions) if relative else q
-        return all_attention(q, k, v, self.mem_k, self.mem_v, call.scale, mask, q_mem), None
+        return dispatch("all_attention", q, k, v, self.mem_k, self.mem_v, call.scale, mask, q_mem), None

@@ -7,6 +7,8 @@ need travels in one ``AttentionCall``. A mechanism brings:
 
 - its config dataclass (frozen, validated, with a ``kind``) and its module class, registered together
   with ``allhere.registry.register``;
+- its attention through the entries of the op families (``allhere.ops``), so that ``allhere.use_backend``
+  picks their path (``"reference"`` included) for its layers too;
 - ``new_cache()``: the KV cache it decodes with (``allhere.mechanisms.caches`` has the common ones);
 - ``reset_parameters()``: (re-)initialises what it adds to a pretrained full-attention layer (routers,
   bottlenecks; the constructor calls it); every other weight is the host's and is copied on conversion;
@@ -19,8 +21,9 @@ need travels in one ``AttentionCall``. A mechanism brings:
 - ``aux_loss``: a scalar its last forward adds to the training objective (None: nothing), e.g. a budget
   predictor's regression loss; our decoder sums them into ``DecoderOutput.aux_loss`` and
   ``allhere.losses.training_loss`` into the total, so gradient accumulation scales it like the LM loss;
-- on Hugging Face models, either transformers' own KV cache (``hf_cache = True``: every key kept) or,
-  optionally, its own transformers cache layer (``new_hf_cache_layer()``, as DAR's compressed cache);
+- on Hugging Face models, either transformers' own KV cache (``hf_cache = True``: every key kept) or a
+  cache layer of its own, which the host builds (``allhere.hf.cache``: DAR's compressed cache; a
+  mechanism defined outside allhere may bring one, ``new_hf_cache_layer()``);
 - ``host_softmax``: True when it computes its attention through the host's own (``AttentionCall.attend``)
   where the host's softmax has terms of its own (attention sinks, soft-capped scores);
 - context parallelism (``allhere.distributed.context``: one sequence split across ranks, attention through
@@ -40,6 +43,14 @@ import torch
 from torch import nn
 
 from ..masks import MaskFn
+
+
+@dataclass
+class LayerRouting:
+    """What a routed mechanism decided in one forward pass (``allhere.routing.Routing`` gathers the layers')."""
+
+    scores: torch.Tensor  # [batch, heads, tokens] router scores s in (0, 1) (fp32, differentiable)
+    gates: torch.Tensor  # [batch, heads, tokens] bool hard gates, True = full attention
 
 
 @dataclass(frozen=True)

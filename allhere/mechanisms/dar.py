@@ -4,7 +4,7 @@ far from it, one softmax over all preceding tokens.
 
 For query i and key j <= i: K/V come from h_j when i - j < w and from h'_j = (h_j W_down) W_up otherwise,
 through the same W_K / W_V and RoPE (Eqs. 1-4). The attention runs in query blocks
-(``ops.dar.dar_attention``); ``ops.dar.dar_attention_naive`` is its dense reference.
+(``ops.dar.dar_attention``); ``ops.dar.dar_attention_reference`` is its dense reference.
 
 Inference cache (``DARCache``), which realises the paper's KV-cache saving: the last ``w`` tokens keep
 their full K/V in a rolling buffer; every token keeps only its d_down latent c = h W_down. Distant K/V
@@ -16,9 +16,9 @@ numbers per token instead of 2 x kv_heads x head_dim, and each step spends about
 multiply-adds per cached token where a plain cache only reads. RoPE rotates keys by their position after
 the projection, so rotated distant keys could only be cached by giving the memory saving back.
 
-On Hugging Face models the same cache lives in transformers' Cache API: ``new_hf_cache_layer()`` gives
-the layer (``allhere.hf.cache.DARCacheLayer``: rolling full K/V the attention module updates itself,
-the latent and position of every token), and the distant K/V of cached tokens are rebuilt through the
+On Hugging Face models the same cache lives in transformers' Cache API: the host builds the layer
+(``allhere.hf.cache.DARCacheLayer``: rolling full K/V the attention module updates itself, the latent and
+position of every token), and the distant K/V of cached tokens are rebuilt through the
 module's own K/V path at their own positions (``AttentionCall.project_kv(h, positions)``).
 
 Context parallelism (``allhere.distributed.context``, ring attention): a rank's key chunk travels as its
@@ -67,6 +67,22 @@ class DARConfig:
         check_int("DARConfig", "d_down", self.d_down, 1)
         if self.d_down > d_model:
             raise ConfigError(f"DARConfig.d_down = {self.d_down} is invalid: expected <= d_model = {d_model}")
+
+
+def far_keys(window: int) -> masks.MaskFn:
+    """DAR's far-key map as a mask predicate: query i reads key j through the bottleneck when i - j >= window
+    (the causal keys outside ``masks.sliding_window(window)``, which are read full-dimensional); with its exact
+    block tests: ``tiles`` (some entry of the rectangle is far) and ``dense`` (every entry is). A pure piece a
+    host reads a cache of rebuilt keys with (vLLM serving)."""
+    check_int("far_keys", "window", window, 0)
+
+    def pred(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx >= window
+
+    pred.__name__ = f"dar_far_{window}"
+    pred.tiles = lambda b, h, ql, qh, kl, kh: qh - kl >= window  # noqa: E731  (the rectangle's corner (qh, kl))
+    pred.dense = lambda b, h, ql, qh, kl, kh: ql - kh >= window  # noqa: E731  (its corner (ql, kh))
+    return pred
 
 
 class DARCache:
@@ -135,7 +151,7 @@ class DARAttention(AttentionMechanism):
     ``cache`` offering ``DARCache``'s interface (``update(k, v, latent)``, ``positions()``, ``absorbed``):
     a ``DARCache``, or on Hugging Face models a call's view of ``allhere.hf.cache.DARCacheLayer``."""
 
-    hf_cache = False  # not transformers' own every-key cache: it brings its layer (``new_hf_cache_layer``)
+    hf_cache = False  # not transformers' every-key cache: one of its own, built by the host (``allhere.hf.cache``)
 
     def __init__(self, cfg: DARConfig, dims: AttentionDims) -> None:
         super().__init__(cfg, dims)
@@ -153,12 +169,6 @@ class DARAttention(AttentionMechanism):
 
     def new_cache(self) -> DARCache:
         return DARCache(self.cfg.window)
-
-    def new_hf_cache_layer(self):
-        """The same compressed cache as a transformers cache layer, for converted Hugging Face models."""
-        from ..hf.cache import DARCacheLayer
-
-        return DARCacheLayer(self.cfg.window)
 
     def forward(self, q, k, v, call: AttentionCall, cache=None):
         if call.project_kv is None:

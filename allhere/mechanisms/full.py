@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from .. import masks
 from ..ops.common import segment_mask
-from ..ops.full import causal_attention, masked_attention
+from ..ops.full import full_attention
 from ..registry import register
 from .base import AttentionCall, AttentionMechanism, ContextParallelPlan
 
@@ -25,10 +25,9 @@ class FullAttention(AttentionMechanism):
     def forward(self, q, k, v, call: AttentionCall, cache=None):
         if cache is not None:
             k, v = cache.update(k, v)
-        if call.segment_starts is None:
-            return causal_attention(q, k, v, scale=call.scale), None
-        mask = segment_mask(call.segment_starts, q.shape[2], k.shape[2])
-        return masked_attention(q, k, v, mask, call.scale), None
+        starts = call.segment_starts
+        mask = None if starts is None else segment_mask(starts, q.shape[2], k.shape[2])
+        return full_attention(q, k, v, call.scale, mask), None
 
     def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:
         return ContextParallelPlan(reads=masks.causal)  # the causal ring

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import get_backend
+from ..backend import dispatch, register_path
 from ..masks import MaskFn, and_masks, within_segments
 from ..ops.blocksparse import BlockPlan, blocksparse_attention, plan_blocks
-from ..ops.full import masked_attention
+from ..ops.full import full_attention_reference, masked_attention
 from ..validation import ConfigError, check, check_int
 from .base import AttentionCall, AttentionMechanism, ContextParallelPlan
+from .block_cache import BlockCache
+
+BACKEND_GONE = ("PatternAttention.backend is gone: choose the path with allhere.use_backend('torch' | 'flex' | "
+                "'reference')")
 
 
 def _kv_with_positions(cache, k, v, positions=None):
@@ -48,28 +52,27 @@ class PatternAttention(AttentionMechanism):
     """A mechanism that attends under a fixed mask predicate: ``mask_fn(n)`` (given by its config), at the
     positions the call gives (``AttentionCall.positions``) or those its cache counts.
 
-    Calls whose keys are contiguous positions run, on CUDA, FlexAttention (``allhere.ops.flex``: compiled
-    for at most ``flex_shapes`` (pattern, call shape) pairs in the process, the block mask kept for the last few) and
-    elsewhere the block-sparse op (``allhere.ops.blocksparse``, the tile plan kept for the last few shapes)
-    or the subclass's faster op for whole sequences (``fast``); small calls (``dense_below``: decode steps)
-    and scattered key positions (a cache that dropped keys, a shard's positions) run the dense reference
-    over the keys at hand.
+    Its calls form op family ``"patterns"`` (``allhere.backend``). The "torch" path runs the block-sparse op
+    (``allhere.ops.blocksparse``) or the subclass's faster op for whole sequences (``fast``); the "flex"
+    path (the default on CUDA) FlexAttention (``allhere.ops.flex``: compiled for at most ``flex_shapes``
+    (pattern, call shape) pairs in the process), the block-sparse op past that. On both, small calls
+    (``dense_below``: decode steps) and scattered key positions (a cache that dropped keys, a shard's
+    positions) run SDPA over the keys at hand. The "reference" path computes every call densely in fp32. The block mask or tile plan of a call is
+    built once and shared by every layer with the same pattern (``BlockCache``): once in all, or once per
+    forward with segment boundaries.
     """
 
     reads_all_keys = False
     tile = 64  # query / key tile of the block-sparse op
-    dense_below = 1 << 16  # calls with q_len * kv_len up to this run the dense reference instead
-    # "auto" (default): FlexAttention on CUDA (its Triton kernel skips masked tiles), the block-sparse op
-    # elsewhere; or "blocksparse" / "flex" (``allhere.ops.flex``, compiled), set per module. Under
-    # ``allhere.use_backend("reference")`` every call runs the dense reference.
-    backend = "auto"
+    dense_below = 1 << 16  # calls with q_len * kv_len up to this run one dense SDPA call instead
     # FlexAttention compiles again for every call shape (and after dynamo's limit of 8 runs unfused, over the
     # whole score matrix): calls with fewer queries (decode, small chunks), and new shapes once this many
     # were compiled in the process (varying lengths: evaluation, generation), take the block-sparse op.
     flex_min_queries = 128
     flex_shapes = 6
     _flex_seen: set = set()  # the (pattern, call shape) pairs compiled so far, shared by every pattern layer
-    _max_plans = 8
+    _blocks = BlockCache()  # tile plans and block masks, shared by every pattern layer of the process
+    _max_plans = 8  # predicates kept per layer (one per length for a non-causal pattern)
 
     def __init__(self, cfg, dims) -> None:
         super().__init__(cfg, dims)
@@ -77,7 +80,6 @@ class PatternAttention(AttentionMechanism):
         if isinstance(dilation, tuple) and len(dilation) != dims.n_heads:
             raise ConfigError(f"{type(cfg).__name__}.dilation = {dilation!r} is invalid: expected one dilation per "
                               f"query head ({dims.n_heads})")
-        self._plans: dict[tuple, BlockPlan] = {}
         self._preds: dict = {}
 
     def mask_fn(self, n: int | None = None) -> MaskFn:
@@ -107,23 +109,23 @@ class PatternAttention(AttentionMechanism):
         """A faster exact op for a whole sequence (no cache, no segments), or None to use the plan."""
         return None
 
-    def _plan(self, pred, q, k, key_offset: int, cacheable: bool) -> BlockPlan:
+    def _pattern_key(self, n: int) -> tuple:
+        """What identifies this layer's pattern for ``BlockCache``: its type and config (equal configs give
+        equal patterns; a non-causal one also depends on the length n); a layer whose config cannot be
+        hashed keys on itself."""
+        try:
+            hash(self.cfg)
+            key = (type(self), self.cfg)
+        except TypeError:
+            key = (self,)
+        return key if getattr(self.cfg, "causal", True) else (*key, n)
+
+    def _plan(self, pred, q, k, key_offset: int, starts) -> BlockPlan:
         b, h, lq = q.shape[:3]
         hkv, lk = k.shape[1], k.shape[2]
-        key = (b, h, hkv, lq, lk, key_offset, q.device)
-        plan = self._plans.get(key) if cacheable else None
-        if plan is None:
-            plan = plan_blocks(pred, lq, lk, heads=h, kv_heads=hkv, batch=b, block=self.tile,
-                               key_offset=key_offset, device=q.device)
-            if cacheable:
-                self._keep(key, plan)
-        return plan
-
-    def _keep(self, key, plan) -> None:
-        """Keep a tile plan or block mask for its call shape, dropping the oldest beyond ``_max_plans``."""
-        if len(self._plans) >= self._max_plans:
-            self._plans.pop(next(iter(self._plans)))
-        self._plans[key] = plan
+        key = ("plan", self._pattern_key(key_offset + lk), self.tile, b, h, hkv, lq, lk, key_offset, q.device)
+        return self._blocks.get(key, lambda: plan_blocks(pred, lq, lk, heads=h, kv_heads=hkv, batch=b, block=self.tile,
+                                                         key_offset=key_offset, device=q.device), starts)
 
     def _flex_allowed(self, q, k, kpos) -> bool:
         """Whether this call may take FlexAttention: enough queries, and a (pattern, shape) compiled before
@@ -137,19 +139,24 @@ class PatternAttention(AttentionMechanism):
             self._flex_seen.add(key)
         return True
 
-    def _flex(self, pred, q, k, v, key_offset: int, scale, per_batch: bool):
+    def _flex(self, pred, q, k, v, key_offset: int, scale, starts):
         from ..ops.flex import flex_block_mask, flex_pattern_attention
 
         b, h, lq = q.shape[:3]
-        key = ("flex", b, h, lq, k.shape[2], key_offset, q.device)
-        mask = None if per_batch else self._plans.get(key)
-        if mask is None:
-            mask = flex_block_mask(pred, lq, k.shape[2], heads=h, batch=b, key_offset=key_offset,
-                                   device=q.device, per_batch=per_batch,
-                                   per_head=getattr(pred, "varies_by_head", False))
-            if not per_batch:
-                self._keep(key, mask)
+        lk = k.shape[2]
+        key = ("flex", self._pattern_key(key_offset + lk), b, h, lq, lk, key_offset, q.device)
+        mask = self._blocks.get(key, lambda: flex_block_mask(
+            pred, lq, lk, heads=h, batch=b, key_offset=key_offset, device=q.device, per_batch=starts is not None,
+            per_head=getattr(pred, "varies_by_head", False)), starts)
         return flex_pattern_attention(q, k, v, mask, scale)
+
+    @property
+    def backend(self):
+        raise AttributeError(BACKEND_GONE)
+
+    @backend.setter
+    def backend(self, value):
+        raise AttributeError(BACKEND_GONE)
 
     def forward(self, q, k, v, call: AttentionCall, cache=None):
         if cache is not None and not getattr(self.cfg, "causal", True):
@@ -160,26 +167,39 @@ class PatternAttention(AttentionMechanism):
             raise NotImplementedError("segment boundaries (padding, packed documents) bound keys from below only; "
                                       "with causal=False a query would read later segments")
         k, v, kpos = _kv_with_positions(cache, k, v, call.positions)
+        return dispatch("patterns", self, q, k, v, kpos, starts, call.scale), None
+
+    def _torch_path(self, q, k, v, kpos, starts, scale):
+        return self._sparse(q, k, v, kpos, starts, scale, flex=False)
+
+    def _flex_path(self, q, k, v, kpos, starts, scale):
+        return self._sparse(q, k, v, kpos, starts, scale, flex=self._flex_allowed(q, k, kpos))
+
+    def _reference_path(self, q, k, v, kpos, starts, scale):
+        return full_attention_reference(q, k, v, scale, self._dense_mask(q, k, kpos, starts))
+
+    def _sparse(self, q, k, v, kpos, starts, scale, flex: bool):
         lq, lk = q.shape[2], k.shape[2]
-        backend = self.backend if self.backend != "auto" else ("flex" if q.is_cuda else "blocksparse")
-        if backend == "flex" and not self._flex_allowed(q, k, kpos):
-            backend = "blocksparse"
-        if (isinstance(kpos, int) and kpos == 0 and lq == lk and starts is None and backend == "blocksparse"
-                and get_backend() != "reference"):
-            out = self.fast(q, k, v, call.scale)
+        if isinstance(kpos, int) and kpos == 0 and lq == lk and starts is None and not flex:
+            out = self.fast(q, k, v, scale)
             if out is not None:
-                return out, None
-        if isinstance(kpos, int) and lq * lk > self.dense_below and get_backend() != "reference":
+                return out
+        if isinstance(kpos, int) and lq * lk > self.dense_below:
             n = kpos + lk  # the sequence length so far
             pred = self.mask_fn(n)
             if starts is not None:
                 pred = and_masks(pred, within_segments(starts, q_offset=n - lq))
-            if backend == "flex":
-                return self._flex(pred, q, k, v, kpos, call.scale, starts is not None), None
-            plan = self._plan(pred, q, k, kpos, cacheable=starts is None)
-            return blocksparse_attention(q, k, v, plan, call.scale), None
+            if flex:
+                return self._flex(pred, q, k, v, kpos, scale, starts)
+            plan = self._plan(pred, q, k, kpos, starts)
+            return blocksparse_attention(q, k, v, plan, scale)
         # Decode steps and small calls (a plan costs more than it saves), and scattered positions (kept by a
         # PatternKVCache, or given for a shard): dense over the keys at hand.
+        return masked_attention(q, k, v, self._dense_mask(q, k, kpos, starts), scale)
+
+    def _dense_mask(self, q, k, kpos, starts):
+        """bool [b, h, q_len, kv_len]: the predicate at the keys' positions, within each query's segment."""
+        lq, lk = q.shape[2], k.shape[2]
         if isinstance(kpos, int):
             kpos = torch.arange(kpos, kpos + lk, device=q.device)
         qpos = kpos[-lq:]  # the new tokens are the last keys
@@ -190,4 +210,13 @@ class PatternAttention(AttentionMechanism):
         if starts is not None:  # within each query's segment (starts are absolute positions)
             s = starts[:, None, :, None]
             mask = mask & (s >= 0) & (kpos.view(1, 1, 1, -1) >= s)
-        return masked_attention(q, k, v, mask.expand(b, h, lq, lk), call.scale), None
+        return mask.expand(b, h, lq, lk)
+
+
+def _on_cuda(mech, q, *args) -> bool:
+    return q.is_cuda
+
+
+register_path("patterns", "reference", PatternAttention._reference_path)
+register_path("patterns", "torch", PatternAttention._torch_path)
+register_path("patterns", "flex", PatternAttention._flex_path, auto=_on_cuda)

@@ -45,7 +45,7 @@ class SinksAttention(PatternAttention):
 
     def fast(self, q, k, v, scale):
         if self.cfg.n_sinks == 0 and self.cfg.causal:  # a plain window: the blocked sliding op
-            from ..ops.sliding import sliding_window_attention
+            from ..ops.sliding import sliding_window_attention_torch
 
-            return sliding_window_attention(q, k, v, self.cfg.window, scale=scale)
+            return sliding_window_attention_torch(q, k, v, self.cfg.window, scale=scale)
         return None

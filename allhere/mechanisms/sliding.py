@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..masks import sliding_window
-from ..ops.common import segment_mask
-from ..ops.full import masked_attention
 from ..ops.sliding import sliding_window_attention
 from ..registry import register
 from ..validation import check_int
@@ -38,10 +36,8 @@ class SlidingAttention(AttentionMechanism):
         offset = 0 if cache is None else cache.dropped  # absolute position of the first key returned
         if cache is not None:
             k, v = cache.update(k, v)
-        if call.segment_starts is None:
-            return sliding_window_attention(q, k, v, self.cfg.window, scale=call.scale), None
-        mask = segment_mask(call.segment_starts, q.shape[2], k.shape[2], sliding_window(self.cfg.window), offset)
-        return masked_attention(q, k, v, mask, call.scale), None
+        return sliding_window_attention(q, k, v, self.cfg.window, call.scale, row_start=call.segment_starts,
+                                        key_offset=offset), None
 
     def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:
         # the window's block test is exact: the ring reads only the neighbouring chunks within reach

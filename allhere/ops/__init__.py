@@ -1,5 +1,7 @@
-"""Attention ops. Each op has a dense reference twin (``naive``, the ground truth in fp32) and fast paths
-tested against it; an op with several paths picks one by ``allhere.backend``.
+"""Attention ops, in families: full, sliding, aha, dar, aamoe (and the sparse patterns', registered by their
+mechanisms' base on ``blocksparse``, ``flex`` and ``dilated``). Each family has one entry, a dense reference
+path (``*_reference``, the ground truth in fp32) and fast paths (``*_torch``, ``*_triton``) tested against it,
+registered in ``allhere.backend``, which picks one per call.
 
 Layout everywhere: q [batch, heads, q_len, dim], k/v [batch, kv_heads, kv_len, dim] with heads a
 multiple of kv_heads (grouped-query attention), q_len <= kv_len and the queries being the *last*

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from .._deprecated import moved_names
 from ..masks import MaskFn, and_masks, causal, dense_mask, within_segments
 
 
@@ -96,11 +97,15 @@ def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def masked_attention_fp32(q, k, v, mask, scale):
-    """Dense softmax(q k^T * scale, masked) v in fp32. mask: bool broadcastable to [b, h, lq, lk]."""
-    heads = q.shape[1]
-    s = (q.float() @ repeat_kv(k, heads).float().transpose(-1, -2)) * scale
+def masked_attention_reference(q, k, v, mask, scale):
+    """Dense softmax(q k^T * scale, masked) v in fp32, or in q's dtype where it is wider (the building block
+    of the references), returned in that precision. mask: bool broadcastable to [b, h, lq, lk]."""
+    heads, dtype = q.shape[1], torch.promote_types(q.dtype, torch.float32)
+    s = (q.to(dtype) @ repeat_kv(k, heads).to(dtype).transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
     p = torch.where(mask.any(-1, keepdim=True), p, 0.0)  # a query that may see no key (padding) gives 0
-    return p @ repeat_kv(v, heads).float()
+    return p @ repeat_kv(v, heads).to(dtype)
+
+
+__getattr__ = moved_names(__name__, {"masked_attention_fp32": (__name__, "masked_attention_reference")})

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..masks import and_masks, sliding_window
 from .blocksparse import pattern_attention
 from .common import check_qkv
-from .sliding import sliding_window_attention
+from .sliding.blocked import sliding_window_attention_torch
 
 
 def _valid_keys(n: int, dilation: int):
@@ -38,7 +38,7 @@ def _one_dilation(q, k, v, window: int, dilation: int, causal: bool, scale, bloc
     b, h, n, d = q.shape
     if dilation == 1 or n <= 1:
         if causal:
-            return sliding_window_attention(q, k, v, window, scale=scale)
+            return sliding_window_attention_torch(q, k, v, window, scale=scale)
         return pattern_attention(q, k, v, sliding_window(window, causal=False), scale, block)
     m = -(-n // dilation)
     pad = m * dilation - n
@@ -49,7 +49,7 @@ def _one_dilation(q, k, v, window: int, dilation: int, causal: bool, scale, bloc
 
     qc, kc, vc = classes(q), classes(k), classes(v)
     if causal:  # padding sits at the end: later than every real query, never read by one
-        oc = sliding_window_attention(qc, kc, vc, window, scale=scale)
+        oc = sliding_window_attention_torch(qc, kc, vc, window, scale=scale)
     else:
         pred = and_masks(sliding_window(window, causal=False), _valid_keys(n, dilation))
         oc = pattern_attention(qc, kc, vc, pred, scale, block)

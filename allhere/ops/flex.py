@@ -5,8 +5,8 @@ The predicates of ``allhere.masks`` are FlexAttention ``mask_mod``s as they are.
 ``torch.compile(flex_attention, dynamic=False)``, exact against the dense reference. The compiled kernel is
 as fast as the block-sparse op or faster at 8192 tokens. But every new shape compiles again (about 10 to
 20 s here), and ``create_block_mask`` evaluates the predicate on the full n x n grid (vmap). So on the CPU
-it is an option (``PatternAttention.backend = "flex"``), not the default. On CUDA the same code runs
-FlexAttention's Triton kernel, and ``PatternAttention`` takes it by default there (``backend = "auto"``).
+it is an option (``allhere.use_backend("flex")``), not the default. On CUDA the same code runs
+FlexAttention's Triton kernel, and ``PatternAttention`` takes it by default there (backend "auto").
 """
 
 from __future__ import annotations

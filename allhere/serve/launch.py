@@ -124,7 +124,16 @@ def format_stats(stats: dict) -> str:
     """One line of the routing statistics the model wrote (``allhere.serve.vllm_model.routing_stats``)."""
     layers = sorted((int(i), g, n) for i, (g, n) in stats["layers"].items())
     layers = ", ".join(f"{i}: {100 * g / n:.1f}%" for i, g, n in layers if n)
-    return f"mu_f {100 * stats['mu_f']:.1f}% over {stats['tokens']} tokens (per layer {layers})"
+    kv = stats.get("kv")
+    return (f"mu_f {100 * stats['mu_f']:.1f}% over {stats['tokens']} tokens (per layer {layers})"
+            + (f"; KV cache {kv['per_token']} bytes per token" if kv else ""))
+
+
+def format_kv(kv: dict) -> str:
+    """The caches' bytes (``allhere.serve.vllm_model.kv_bytes``) in one line."""
+    window = f" + {kv['per_request']} bytes per request (sliding windows)" if kv["per_request"] else ""
+    return (f"KV cache {kv['per_token']} bytes per token of context{window}; the unconverted model: "
+            f"{kv['plain_per_token']} bytes per token")
 
 
 
@@ -178,6 +187,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
               f"/v1/chat/completions); started in {time.monotonic() - start:.0f} s; Ctrl-C stops it", flush=True)
         if not verbose:
             print(f"allhere serve: vLLM's log: {log}", flush=True)
+        stats = _read_stats(stats_file)
+        if stats and stats.get("kv"):  # written by the model as it was built (a converted folder)
+            print(f"allhere serve: {format_kv(stats['kv'])}", flush=True)
         shown, shown_at = None, 0.0
         while proc.poll() is None:  # until a signal (raised here by the CLI's handlers) or vLLM's own end
             time.sleep(1.0)

@@ -1,38 +1,70 @@
-"""Attention computed by allhere over a paged KV cache, for the served mechanisms that no single vLLM
-attention computes: a mask predicate (attention sinks, dilated windows, Longformer, BigBird) and DAR (near
-keys full-dimensional, distant ones rebuilt from a bottleneck, under one softmax). Plain torch, no vLLM
-import: ``allhere.serve.vllm_paged`` hands it vLLM's cache tensors, slot mapping and block table.
+"""Attention over a paged KV cache, computed by allhere for every served mechanism that reads a subset of its
+keys (AHA, attention sinks, dilated windows, Longformer, BigBird, DAR): the whole batch in one call, each
+(request, query head) reading only the keys its mechanism's rule allows, straight from the blocks through the
+block table. Plain torch, no vLLM import: ``allhere.serve.vllm_paged`` hands it vLLM's cache tensors, slot
+mapping, block table and the per-request query ranges.
 
-Layout. vLLM allocates the cache tensor of a layer, hands out its blocks to requests (block table), and
-keeps them across steps and requests (prefix caching); what a block holds is up to the attention that
-writes and reads it. allhere writes and reads its own layout, the same on every device:
-``[blocks, block_size, 2 (key, value), kv_heads, head_dim]`` over the tensor's storage; token slot ``s``
-(vLLM's slot mapping) is row ``s % block_size`` of block ``s // block_size``.
+Layout. vLLM allocates a layer's cache tensor, hands its blocks to requests (block table) and keeps them across
+steps and requests (prefix caching); what a block holds is up to the attention that writes and reads it.
+allhere reads the tensor's storage as ``[blocks, kv_heads, 2 (key, value), block_size x head_dim]``: token slot
+``s`` (vLLM's slot mapping) is position ``s % block_size`` of block ``s // block_size``; one (block, kv head)
+holds its keys transposed, one contiguous ``[head_dim, block_size]`` tile, then its values, ``[block_size,
+head_dim]``. That is the layout vLLM's own CPU attention kernel reads (its "vec" and "vec16" variants, for x86
+without AMX), so that kernel can read the same blocks where it computes a part of the rule (AHA's windowed
+rows: ``allhere.serve.vllm_paged``).
 
-Reference, not kernel: each request's keys are gathered from its blocks and its queries attend to all of
-them densely in float32, one request after another -- exact, and as slow as that sounds for long contexts.
+The rule. A mechanism gives, per *row class*, what a row of that class reads: pairs (mask predicate over
+positions, key set), the predicate the same function allhere trains and generates with (``allhere.masks``;
+its ``tiles`` block test says which rectangles may hold an allowed entry; an optional ``dense`` test, which
+ones are allowed entirely). A row is one (query token, query head); ``row_class`` [tokens, heads] says which
+class each is in (AHA: 0 local, 1 global, from the router; one class otherwise). Causality is always added.
+
+The work (``paged_attention``), batched tensor operations throughout (the only Python loops run over the
+rule's parts and over pieces of bounded memory, never over requests or heads):
+
+1. rows of requests with several queries this step (prefill, chunked prefill) are grouped by (class, request,
+   kv head) and cut into query tiles of up to ``q_tile`` rows, in order of position, the query heads of one
+   kv head together (a tile shares its keys; the rest of a group goes into a smaller tile);
+2. per tile and part, the key blocks its rows may read: at or before the tile's last position and not
+   excluded by ``tiles``. A block no row of the tile may read is never gathered (``paged_chunks``);
+3. blocks every row of the tile reads entirely (``dense``, or the predicate evaluated) are packed several to a
+   call and attended unmasked; the others under the predicate's mask, each (tile, block) in torch's fused
+   flash attention for the CPU, which also returns each row's log-sum-exp;
+4. decode rows (one query in their request) take one tile per (token, kv head, class) that gathers all its
+   blocks at once and scores them by matmul from the transposed keys (``paged_decode``);
+5. all pieces a row read are merged by their log-sum-exp (one softmax over everything it reads), learned sink
+   logits (gpt-oss) joining as one more term; the rows are written to ``out``.
+
+Soft-capped scores (Gemma-2) have no fused kernel: there the scores are computed with matmuls too.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Callable
+from typing import NamedTuple, Sequence
 
 import torch
 
-# which of the gathered key sets each (head, query, key) reads: 0, 1, ... or -1 (not at all). Arguments:
-# query positions [q, 1], key positions [1, k] (int64), the number of query heads.
-Choose = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+from .. import masks
+from .paged_chunks import Workspace, attend_part, merge, tile_rows
+from .paged_decode import decode_rows
+
+
+class Read(NamedTuple):
+    """One part of what a row class reads."""
+
+    pred: masks.MaskFn  # (b, h, q_idx, kv_idx) -> allowed, with its ``tiles`` (and optional ``dense``) test
+    key_set: int = 0  # which of the views it reads
+    q_tile: int | None = None  # rows per query tile for this part (None: paged_attention's q_tile)
 
 
 def paged_view(cache: torch.Tensor, block_size: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """``cache`` (a layer's whole cache tensor, any shape, contiguous) as [blocks, block_size, 2, kv_heads,
-    head_dim]."""
+    """``cache`` (a layer's whole cache tensor, any shape, contiguous) as [blocks, kv_heads, 2, block_size,
+    head_dim] (``[..., 0, :, :]`` holds the keys transposed: see the module docstring)."""
     per_block = block_size * 2 * kv_heads * head_dim
     if not cache.is_contiguous() or cache.numel() % per_block:
         raise ValueError(f"a paged cache of {tuple(cache.shape)} does not hold whole blocks of {block_size} tokens x "
                          f"2 x {kv_heads} heads x {head_dim}")
-    return cache.view(-1).view(cache.numel() // per_block, block_size, 2, kv_heads, head_dim)
+    return cache.view(-1).view(cache.numel() // per_block, kv_heads, 2, block_size, head_dim)
 
 
 def write(view: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -40,80 +72,98 @@ def write(view: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Ten
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
-    bs = view.shape[1]
-    blocks, rows = slots // bs, slots % bs
-    view[blocks, rows, 0] = k.to(view.dtype)
-    view[blocks, rows, 1] = v.to(view.dtype)
+    nb, kv_heads, _, bs, d = view.shape
+    blocks, rows = slots.long() // bs, slots.long() % bs
+    view[:, :, 0].view(nb, kv_heads, d, bs)[blocks, :, :, rows] = k.to(view.dtype)  # keys transposed
+    view[blocks, :, 1, rows] = v.to(view.dtype)
 
 
-def gather(view: torch.Tensor, block_row: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``length`` keys and values [length, kv_heads, head_dim] of a request whose blocks are
-    ``block_row`` (its row of the block table)."""
-    bs = view.shape[1]
-    blocks = view[block_row[: math.ceil(length / bs)].long()]  # [n_blocks, bs, 2, kv_heads, d]
-    kv = blocks.reshape(-1, *blocks.shape[2:])[:length]
-    return kv[:, 0], kv[:, 1]
+def window_read(window: int, key_set: int = 0, q_tile: int | None = None) -> Read:
+    """The ``window`` most recent keys, the query's own included (``masks.sliding_window``), with its dense test."""
+    inner = masks.sliding_window(window)
+
+    def pred(b, h, q_idx, kv_idx):
+        return inner(b, h, q_idx, kv_idx)
+
+    pred.tiles = inner.tiles
+    pred.dense = lambda b, h, ql, qh, kl, kh: (kh <= ql) & (qh - kl < window)  # noqa: E731
+    return Read(pred, key_set, q_tile)
 
 
-def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], source: torch.Tensor,
-           scale: float) -> torch.Tensor:
-    """q [queries, heads, d]; keys / values: one [length, kv_heads, d] per key set, over the same positions;
-    ``source`` [heads or 1, queries, length] (int): which set a query reads at a key, -1 none. One softmax
-    over everything read, float32; a query that reads nothing gives 0. Returns [queries, heads, d]."""
+def causal_read(key_set: int = 0, q_tile: int | None = None) -> Read:
+    """Every key at or before the query (``masks.causal``), with its dense test."""
+    def pred(b, h, q_idx, kv_idx):
+        return masks.causal(b, h, q_idx, kv_idx)
+
+    pred.tiles = masks.causal.tiles
+    pred.dense = lambda b, h, ql, qh, kl, kh: kh <= ql  # noqa: E731
+    return Read(pred, key_set, q_tile)
+
+
+def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start: torch.Tensor,
+                    seq_lens: torch.Tensor, block_table: torch.Tensor, reads: Sequence[Sequence[Read]], scale: float,
+                    out: torch.Tensor, row_class: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                    softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
+                    workspace: Workspace | None = None) -> None:
+    """Every request's queries against its cached keys (the step's own already written).
+
+    q [tokens, heads, d]: request r's queries are rows ``query_start[r]:query_start[r + 1]``, at the last
+    positions of its ``seq_lens[r]`` tokens (rows past ``query_start[-1]`` are not read). ``views``: one
+    ``paged_view`` per key set, all read through ``block_table`` [requests, blocks]. ``reads[c]``: what a row of
+    class c reads, ``Read`` tuples (see the module docstring); rows of a class that reads nothing are left as
+    they are in ``out`` (another kernel computes them); ``row_class`` [tokens, heads] (int or bool; None: all
+    class 0). ``sinks`` [heads]: learned sink logits (one more term in each row's softmax denominator);
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (0: none). Writes ``out`` [>= tokens, heads,
+    d] (rows past the last request's are left as they are); a row that reads no key gets 0.
+
+    ``q_tile``: rows per query tile, unless a ``Read`` names its own. ``pack``: at most this many blocks read
+    entirely by a tile go into one call (a power of two). ``workspace``: memory reused across calls for the
+    gathered keys and values (one is made for this call if None)."""
     heads = q.shape[1]
-    qf = q.float().transpose(0, 1)  # [heads, queries, d]
-    scores, vals = None, []
-    for i, (k, v) in enumerate(zip(keys, values)):
-        rep = heads // k.shape[1]
-        kf = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)  # [heads, length, d]
-        s = (qf @ kf.transpose(1, 2)) * scale
-        scores = s if scores is None else torch.where(source == i, s, scores)
-        vals.append(v.float().repeat_interleave(rep, dim=1).transpose(0, 1))
-    read = (source >= 0).expand_as(scores)
-    scores = scores.masked_fill(~read, float("-inf"))
-    any_read = read.any(-1, keepdim=True)
-    p = torch.where(any_read, torch.softmax(scores.masked_fill(~any_read, 0.0), dim=-1), 0.0)
-    out = sum((p * (source == i)) @ v for i, v in enumerate(vals))
-    return out.transpose(0, 1).to(q.dtype)
-
-
-def paged_attention(q: torch.Tensor, views: list[torch.Tensor], query_start: torch.Tensor, seq_lens: torch.Tensor,
-                    block_table: torch.Tensor, choose: Choose, scale: float, out: torch.Tensor) -> None:
-    """Every request's queries against its cached keys (the step's own already written): request r's queries
-    are rows ``query_start[r]:query_start[r + 1]`` of q [tokens, heads, d], at the last positions of its
-    ``seq_lens[r]`` tokens. ``views``: one ``paged_view`` per key set, read through the same block table.
-    Writes ``out`` [tokens, heads, d] (rows past the last request's are left as they are)."""
-    starts, lens = query_start.tolist(), seq_lens.tolist()
-    for r in range(len(lens)):
-        a, b, length = starts[r], starts[r + 1], lens[r]
-        if b == a:
-            continue
-        kv = [gather(view, block_table[r], length) for view in views]
-        q_pos = torch.arange(length - (b - a), length, device=q.device)[:, None]
-        k_pos = torch.arange(length, device=q.device)[None, :]
-        source = choose(q_pos, k_pos, q.shape[1])
-        source = source if source.dim() == 3 else source[None]
-        out[a:b] = attend(q[a:b], [k for k, _ in kv], [v for _, v in kv], source, scale)
-
-
-def masked_choice(pred) -> Choose:
-    """One key set, read where the mask predicate ``pred(b, h, q_idx, kv_idx)`` (``allhere.masks``) holds
-    and the key is not in the future."""
-
-    def choose(q_pos, k_pos, heads):
-        h = torch.arange(heads, device=q_pos.device).view(-1, 1, 1)
-        allowed = pred(torch.zeros((), dtype=torch.long), h, q_pos[None], k_pos[None]) & (k_pos <= q_pos)[None]
-        return torch.where(allowed, 0, -1)
-
-    return choose
-
-
-def dar_choice(window: int) -> Choose:
-    """DAR: set 0 (full-dimensional K/V) for the ``window`` most recent keys, the query's own included; set
-    1 (K/V rebuilt from the bottleneck) for older ones."""
-
-    def choose(q_pos, k_pos, heads):
-        d = q_pos - k_pos
-        return torch.where(d < 0, -1, torch.where(d < window, 0, 1))
-
-    return choose
+    n = int(query_start[-1])
+    if n == 0:
+        return
+    dev = q.device
+    workspace = workspace or Workspace()
+    reads = [[Read(*r) for r in parts] for parts in reads]
+    starts, lens = query_start.long(), seq_lens.long()
+    q_len = starts[1:] - starts[:-1]
+    req = torch.repeat_interleave(torch.arange(q_len.numel(), device=dev), q_len, output_size=n)  # [n]
+    pos = torch.arange(n, device=dev) - starts[req] + (lens - q_len)[req]
+    tok = torch.arange(n, device=dev).repeat_interleave(heads)  # rows, token-major
+    head = torch.arange(heads, device=dev).repeat(n)
+    cls = cls_all = (torch.zeros(n * heads, dtype=torch.long, device=dev) if row_class is None
+                     else row_class[:n].reshape(-1).long())
+    qflat = q[:n].reshape(n * heads, q.shape[2])  # by row id (one copy where q is a strided view)
+    found = []  # (row ids tok * heads + head [n, size], -1: padding; output [n, size, d]; log-sum-exp [n, size])
+    one = q_len == 1
+    if bool(one.any()):  # decode rows: one tile per (token, kv head, class)
+        t = starts[:-1][one]
+        found += decode_rows(qflat, t, req[t], pos[t], None if row_class is None else row_class[t], reads, views,
+                             block_table, scale, softcap, heads, workspace)
+    if not bool(one.all()):  # longer queries: tiles of rows in order of position, read chunk by chunk
+        longer = ~one[req][tok]
+        tok, head, cls = tok[longer], head[longer], cls[longer]
+        for c, reads_c in enumerate(reads):
+            in_c = cls == c
+            if not bool(in_c.any()):
+                continue
+            tiled = {}
+            for read in reads_c:
+                size = read.q_tile or q_tile
+                if size not in tiled:
+                    tiled[size] = tile_rows(tok[in_c], head[in_c], req, pos, qflat, heads, views[0].shape[1], size)
+                for tiles in tiled[size]:
+                    for t, o, lse in attend_part(tiles, read.pred, views[read.key_set], block_table, scale, softcap,
+                                                 pack, workspace):
+                        found.append((tiles.row[t], o, lse))
+    if sinks is not None:  # exp(sink logit) joins every row's denominator, with no value
+        rows = torch.arange(n * heads, device=dev)[:, None]
+        found.append((rows, q.new_zeros(n * heads, 1, q.shape[2]), sinks.float().repeat(n)[:, None]))
+    merged = merge(found, n * heads, q.shape[2], dev).view(n, heads, -1).to(out.dtype)
+    empty = [c for c, parts in enumerate(reads) if not parts]
+    if not empty:
+        out[:n] = merged
+    else:  # rows of a class that reads nothing here keep what ``out`` holds
+        mine = ~torch.isin(cls_all, torch.tensor(empty, device=dev)).view(n, heads, 1)
+        out[:n] = torch.where(mine, merged, out[:n])

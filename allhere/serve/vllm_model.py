@@ -8,22 +8,23 @@ unchanged: the classes below only add to ``__init__``.
 
 Mechanisms served (per converted layer, ``config.allhere_layers``):
 
-- ``aha`` (All-or-Here attention, "Learning When Not to Attend Globally"): two vLLM ``Attention`` layers
-  over ONE paged KV cache. The layer's own ``attn`` (full causal) owns the cache and writes each token's
-  K/V; a second ``Attention`` (``allhere.local``) with ``per_layer_sliding_window = window`` and
-  ``kv_sharing_target_layer_name`` = the first one reads the same cache, writes nothing and allocates
-  nothing. The router ``S = sigmoid(X W_router + b)`` on the attention block's input X (the same weights as
-  allhere saved: ``...self_attn.allhere.router.{weight,bias}``) gives the hard gate ``g = S > tau`` per
-  (token, query head); the output of head h at token t is the full attention's where g, the windowed one
-  elsewhere. Both attentions are computed for every token (no compute is saved yet; the cache is shared).
+- ``aha`` (All-or-Here attention, "Learning When Not to Attend Globally"), ``sinks``, ``dilated``,
+  ``longformer``, ``bigbird`` (causal) and ``dar``: allhere's own attention over the layer's paged cache, one
+  batched call per layer reading per (request, query head) only the keys the mechanism's rule allows
+  (``allhere.serve.vllm_layers``, ``allhere.serve.vllm_paged``), on vLLM's CPU backend. AHA's router ``S =
+  sigmoid(X W_router + b)`` on the attention block's input X (the same weights as allhere saved:
+  ``...self_attn.allhere.router.{weight,bias}``) gives the hard gate ``g = S > tau`` per (token, query
+  head): the full causal prefix where g, the ``window`` most recent keys elsewhere.
 - ``sliding``: the layer's ``Attention`` rebuilt with ``per_layer_sliding_window = window`` (vLLM then
   keeps a sliding-window KV cache for it).
-- ``sinks``, ``dilated``, ``longformer``, ``bigbird`` (causal) and ``dar``: allhere's own attention over the
-  layer's paged cache (``allhere.serve.vllm_paged``), on vLLM's CPU backend.
 
 Window convention: allhere's window w = the w most recent keys, the query's own included
 (``q_idx - kv_idx < w``); vLLM's ``sliding_window`` follows Hugging Face's, the same (flash-attn's
-``(w - 1, 0)``); so w is handed over as it is (``VLLM_WINDOW_OFFSET`` is that one place).
+``(w - 1, 0)``); so w is handed over as it is to vLLM's sliding layers (``VLLM_WINDOW_OFFSET`` is that one
+place); allhere's own attention uses ``allhere.masks.sliding_window`` itself.
+
+KV bytes (``kv_bytes``): what the model's caches keep per token of context, beside the unconverted model's;
+written with the routing statistics and printed by ``allhere serve`` once it is ready.
 
 Routing statistics: every AHA layer counts its (token, head) pairs and the global ones over every forward
 pass (prefill and decode tokens alike, vLLM's warm-up passes included until ``reset_routing_stats``);
@@ -62,75 +63,11 @@ from vllm.model_executor.models.transformers import TransformersForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .. import registry
-from .vllm_paged import SUBMODULE, block_argument, install_dar, install_masked
+from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from .vllm_layers import AHAServe, install_aha, install_dar, install_masked
+from .vllm_paged import VLLM_WINDOW_OFFSET
 from .vllm_plugin import PAGED, RESET_SUFFIX, SERVED, STATS_ENV
 
-CONFIG_KEY = "allhere_mechanism"  # as allhere.hf.convert writes them (not imported: no transformers import here)
-LAYERS_KEY = "allhere_layers"
-VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
-
-
-class AHAServe(nn.Module):
-    """AHA's router and windowed attention for one layer; ``gate`` is set by the block's pre-hook."""
-
-    def __init__(self, settings: dict, full: Attention, d_model: int, n_heads: int, prefix: str) -> None:
-        super().__init__()
-        self.window, self.tau = int(settings["window"]), float(settings["tau"])
-        if settings.get("router", "linear") != "linear":
-            raise NotImplementedError("allhere vLLM serving: AHA router='qproj' is not supported (use 'linear')")
-        self.router = nn.Linear(d_model, n_heads, bias=bool(settings.get("router_bias", True)))
-        # the host's softmax terms too: soft-capped scores (Gemma-2) and learned sinks (gpt-oss; the same
-        # tensor, loaded once into the full attention)
-        extra = {"logits_soft_cap": getattr(full.impl, "logits_soft_cap", 0) or None}
-        if getattr(full.impl, "sinks", None) is not None:
-            extra["sinks"] = full.impl.sinks
-        self.local = Attention(full.num_heads, full.head_size, full.impl.scale, num_kv_heads=full.num_kv_heads,
-                               cache_config=get_current_vllm_config().cache_config,
-                               per_layer_sliding_window=self.window + VLLM_WINDOW_OFFSET,
-                               prefix=f"{prefix}.{SUBMODULE}.local",
-                               kv_sharing_target_layer_name=full.layer_name, **extra)
-        self.gate: torch.Tensor | None = None
-        self.forced_gate: bool | None = None  # True / False: every gate global / local; None: route
-        self.register_buffer("n_global", torch.zeros((), dtype=torch.long), persistent=False)
-        self.register_buffer("n_pairs", torch.zeros((), dtype=torch.long), persistent=False)
-
-    def route(self, x: torch.Tensor) -> None:
-        """x [tokens, d_model] (vLLM's own blocks) or [1, tokens, d_model] (Hugging Face modules under vLLM's
-        Transformers backend): the attention block's input. Sets the hard gate [tokens, heads]."""
-        s = torch.sigmoid(self.router(x.reshape(-1, x.shape[-1])).float())  # as allhere's AHAAttention.scores
-        gate = s > self.tau
-        if self.forced_gate is not None:
-            gate = torch.full_like(gate, bool(self.forced_gate))
-        self.gate = gate
-        self.n_global += gate.sum()
-        self.n_pairs += gate.numel()
-
-
-class AHAJoin(nn.Module):
-    """Stands where the block's ``attn`` stood: full and windowed attention, joined per (token, head)."""
-
-    def __init__(self, full: Attention, mech: AHAServe) -> None:
-        super().__init__()
-        self.full = full
-        self._mech = [mech]  # a plain reference: the mechanism is registered once, under the block
-
-    def forward(self, q, k, v, *args, **kwargs):
-        mech = self._mech[0]
-        full = self.full(q, k, v, *args, **kwargs)  # writes this step's K/V into the shared cache first
-        gate = mech.gate
-        if gate is None:
-            raise RuntimeError("allhere AHA layer called without its router input")
-        mech.gate = None
-        # both for every token: no data-dependent branch (vLLM compiles the whole forward into one graph)
-        local = mech.local(q, k, v, *args, **kwargs)  # reads the cache written above
-        n, heads = gate.shape
-        out = torch.where(gate[:, :, None], full.view(n, heads, -1), local.view(n, heads, -1))
-        return out.view_as(full)
-
-
-def _route_hook(module, args, kwargs):
-    where, key = block_argument(module, args, kwargs, "hidden_states")
-    getattr(module, SUBMODULE).route(where[key])
 
 
 def _attention_blocks(model: nn.Module) -> dict[int, tuple[nn.Module, Attention]]:
@@ -179,33 +116,48 @@ def install(model: nn.Module, config) -> list[int]:
         if kind == "sliding":
             _rebuild_sliding(block, attn, int(settings["window"]))
             continue
-        if kind in PAGED:
-            cfg = registry.from_dict(settings)
-            if kind == "dar":
-                install_dar(block, attn, cfg, config.hidden_size)
-            else:
-                install_masked(block, attn, cfg)
-            continue
-        prefix = attn.layer_name.rpartition(".")[0]
-        mech = AHAServe(settings, attn, config.hidden_size, config.num_attention_heads, prefix)
-        block.add_module(SUBMODULE, mech)
-        block.attn = AHAJoin(attn, mech)
-        block.register_forward_pre_hook(_route_hook, with_kwargs=True)
+        if kind == "aha":
+            install_aha(block, attn, settings, config.hidden_size, config.num_attention_heads).layer = i
+        elif kind == "dar":
+            install_dar(block, attn, registry.from_dict(settings), config.hidden_size)
+        else:
+            install_masked(block, attn, registry.from_dict(settings))
     return layers
 
 
 def aha_layers(model: nn.Module) -> dict[int, AHAServe]:
-    return {extract_layer_index(m.local.layer_name): m for m in model.modules() if isinstance(m, AHAServe)}
+    return {m.layer: m for m in model.modules() if isinstance(m, AHAServe)}
+
+
+def kv_bytes(model: nn.Module, dtype: torch.dtype, max_len: int) -> dict:
+    """What the model's KV caches keep, from its vLLM ``Attention`` layers: ``per_token``, bytes per token of
+    context (layers that keep every key); ``per_request``, bytes of the sliding-window layers' windows (a
+    constant per request, past the window); ``plain_per_token``, bytes per token of the unconverted model
+    (every layer keeping every key, none of allhere's extra caches)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    out = {"per_token": 0, "per_request": 0, "plain_per_token": 0}
+    for m in model.modules():
+        if not isinstance(m, Attention) or getattr(m, "kv_sharing_target_layer_name", None):
+            continue
+        b = 2 * m.num_kv_heads * m.head_size * size
+        window = getattr(m, "sliding_window", None)
+        if window is not None and window < max_len:
+            out["per_request"] += b * window
+        else:
+            out["per_token"] += b
+        if f".{SUBMODULE}." not in m.layer_name:  # DAR's far cache is allhere's own
+            out["plain_per_token"] += b
+    return out
 
 
 def routing_stats(model: nn.Module) -> dict:
     """Global and total (token, head) pairs per AHA layer since the last reset, and mu_f over all of them
-    (``LLM.apply_model(routing_stats)``)."""
+    (``LLM.apply_model(routing_stats)``); ``kv``: the caches' bytes (``kv_bytes``)."""
     found = sorted(aha_layers(model).items())
     layers = {i: (int(m.n_global), int(m.n_pairs)) for i, m in found}
     g, n = sum(a for a, _ in layers.values()), sum(b for _, b in layers.values())
     tokens = layers[found[0][0]][1] // found[0][1].router.out_features if found else 0
-    return {"layers": layers, "mu_f": g / n if n else None, "tokens": tokens}
+    return {"layers": layers, "mu_f": g / n if n else None, "tokens": tokens, "kv": getattr(model, "allhere_kv", None)}
 
 
 def reset_routing_stats(model: nn.Module) -> None:
@@ -255,9 +207,13 @@ class _Converted:
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.allhere_layers = install(self, vllm_config.model_config.hf_config)
+        model_config = vllm_config.model_config
+        self.allhere_kv = kv_bytes(self, model_config.dtype, model_config.max_model_len)
         path = os.environ.get(STATS_ENV)
         cuda = vllm_config.device_config.device_type == "cuda"
-        self.allhere_stats = StatsFile(path, cuda) if path and aha_layers(self) else None
+        self.allhere_stats = StatsFile(path, cuda) if path and self.allhere_layers else None
+        if self.allhere_stats is not None:
+            self.allhere_stats.write(self)  # the caches' bytes, for allhere serve's first line
 
     def forward(self, *args, **kwargs):
         if self.allhere_stats is not None:

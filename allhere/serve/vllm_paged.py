@@ -1,78 +1,135 @@
-"""vLLM layers for the mechanisms that no single vLLM attention computes: masked patterns (attention sinks,
-dilated windows, Longformer, BigBird) and DAR. Imported by ``allhere.serve.vllm_model``, never by
-``import allhere``.
+"""allhere's attention inside vLLM: one custom op per converted layer over the layer's paged KV cache
+(``allhere.serve.paged``), for every mechanism that reads a subset of its keys (AHA, attention sinks, dilated
+windows, Longformer, BigBird, DAR). Imported by ``allhere.serve.vllm_layers``, never by ``import allhere``.
 
-The converted layer's own vLLM ``Attention`` stays, only as the owner of a paged cache tensor: vLLM sizes
-it, hands its blocks to requests, keeps them for prefix caching and frees them; its kernel is never called.
-``PagedAttention`` (standing where the block's ``attn`` stood) writes the step's keys and values into that
-tensor and attends over it with ``allhere.serve.paged`` (its own layout, a dense float32 reference per
-request). It runs as one custom op (``allhere::paged_attention``), so vLLM's torch.compile sees one opaque
-call.
+The converted layer's own vLLM ``Attention`` stays, only as the owner of a paged cache tensor: vLLM sizes it
+(its spec is the unconverted layer's: full attention, every key kept), hands its blocks to requests, keeps them
+for prefix caching and frees them; its kernel is never called. ``PagedAttention`` (standing where the block's
+``attn`` stood) writes the step's keys and values into that tensor at vLLM's slot mapping and attends over it
+with ``paged_attention``, for the whole batch in one call, reading per (request, query head) only what the
+mechanism's rule allows through vLLM's block table. It runs as one custom op (``allhere::paged_attention``),
+so vLLM's torch.compile sees one opaque call; a per-(token, head) row class (AHA's gate) is its argument.
 
-DAR needs two key sets per token: the full-dimensional K/V (read within the window) and those rebuilt from
-the bottleneck, h' = (h W_down) W_up, through the same K/V path (read beyond it). A forward pre-hook on the
-attention block appends h' to the block's input (the same positions again), so the host's own projections,
-norms and rotary embedding make both in one pass; the first half of the tokens is the real one, the second
-gives the distant K/V, stored in a second cache (``...self_attn.allhere.far``) with the same block table.
-A forward hook drops the second half of the block's output. This caches both sets, twice the plain
-model's KV bytes: exact, without DAR's saving (which needs a cache of d_down latents per token and the
-distant K/V rebuilt every step).
+allhere's block layout is the one vLLM's CPU kernel reads in its "vec" / "vec16" variants (x86 without AMX:
+keys transposed, then values; checked once per process by writing a few tokens both ways). Where the layer's
+kernel is one of those, the rows that read a plain window (AHA's local rows) are computed by vLLM's own windowed
+kernel over the same blocks, in place, and allhere's attention computes the rest (AHA's global rows).
 """
 
 from __future__ import annotations
 
-import inspect
+from typing import Sequence
 
 import torch
 from torch import nn
-from vllm.config import get_current_vllm_config
+from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
-from .paged import Choose, dar_choice, masked_choice, paged_attention, paged_view, write
+from .paged import Read, paged_attention, paged_view, write
+from .paged_chunks import Workspace
 
-SUBMODULE = "allhere"  # the mechanism's name inside the attention block, as in allhere.hf
 PAGED_ATTR = "_allhere_paged"  # on the owner Attention: [its PagedAttention] (a list: no module cycle)
+VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
+LAYOUT_ISAS = ("vec", "vec16")  # vLLM CPU kernels that read allhere's block layout (if the check below agrees)
+_WORKSPACE = Workspace()  # the gathered keys' memory, reused by every layer of this process (they run in turn)
+_LAYOUT_CHECKED: dict[tuple, bool] = {}
+
+
+def same_layout(isa: str, dtype: torch.dtype) -> bool:
+    """Whether vLLM's CPU cache writer for ``isa`` stores tokens as ``allhere.serve.paged.write`` does (once per
+    process and (isa, dtype))."""
+    key = (isa, dtype)
+    if key not in _LAYOUT_CHECKED:
+        ok = isa in LAYOUT_ISAS
+        if ok:
+            nb, kvh, bs, d = 3, 2, 32, 32
+            g = torch.Generator().manual_seed(0)
+            k, v = (torch.randn(40, kvh, d, generator=g).to(dtype) for _ in range(2))
+            slots = torch.randperm(nb * bs, generator=g)[:40]
+            theirs, ours = torch.zeros(nb, kvh, bs, 2 * d, dtype=dtype), torch.zeros(nb, kvh, bs, 2 * d, dtype=dtype)
+            kc, vc = theirs.view(nb, kvh, 2 * bs, d).chunk(2, dim=2)
+            try:
+                ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+                write(paged_view(ours, bs, kvh, d), slots, k, v)
+                ok = torch.equal(theirs, ours)
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _LAYOUT_CHECKED[key] = ok
+    return _LAYOUT_CHECKED[key]
+
+
+def vllm_window(q, cache, meta, window: int, scale: float, softcap: float, sinks, isa: str, out) -> None:
+    """vLLM's own CPU attention over ``cache`` (in allhere's layout, which is the kernel's), every query
+    reading its ``window`` most recent keys: ``out`` [tokens, heads, d] for the first meta.num_actual_tokens."""
+    nb, kv_heads, bs, _ = cache.shape
+    n, heads, d = meta.num_actual_tokens, q.shape[1], q.shape[2]
+    kc, vc = cache.view(nb, kv_heads, 2 * bs, d).chunk(2, dim=2)
+    reqs = meta.query_start_loc.numel() - 1
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=reqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, seq_lens=meta.seq_lens[:reqs],
+        dtype=q.dtype, query_start_loc=meta.query_start_loc, causal=True,
+        sliding_window_size=window + VLLM_WINDOW_OFFSET, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+    ops.cpu_attention_with_kv_cache(
+        query=q[:n], key_cache=kc, value_cache=vc, output=out[:n], query_start_loc=meta.query_start_loc,
+        seq_lens=meta.seq_lens[:reqs], scale=scale, causal=True, alibi_slopes=None,
+        sliding_window=window + VLLM_WINDOW_OFFSET, block_table=meta.block_table, softcap=softcap,
+        scheduler_metadata=sched, s_aux=sinks)
 
 
 @torch.library.custom_op("allhere::paged_attention", mutates_args=("out",))
-def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: str) -> None:
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_class: torch.Tensor | None,
+                        out: torch.Tensor, layer: str) -> None:
     # the layer of the engine running now (vLLM's forward context), not a process-wide registry
     _, owner, _, _ = get_attention_context(layer)
-    getattr(owner, PAGED_ATTR)[0].compute(q, k, v, out)
+    getattr(owner, PAGED_ATTR)[0].compute(q, k, v, row_class, out)
 
 
 @_paged_attention_op.register_fake
-def _(q, k, v, out, layer) -> None:
+def _(q, k, v, row_class, out, layer) -> None:
     return None
 
 
 class PagedAttention(nn.Module):
     """Stands where the block's ``attn`` stood. ``owners``: one vLLM ``Attention`` per key set (the layer's
-    own first), used for their caches only; ``choose``: which set each (head, query, key) reads
-    (``allhere.serve.paged``). With two sets the block runs on twice the tokens (DAR: see the module
-    docstring): the first half are queries, keys and values, the second only keys and values."""
+    own first), used for their caches only; ``reads``: per row class, what a row reads (``allhere.serve.paged``).
+    With two key sets the block runs on twice the tokens (DAR, ``allhere.serve.vllm_layers``): the first half
+    are queries, keys and values, the second only keys and values. ``softmax_terms``: compute the host's
+    learned sink logits and soft-capped scores (AHA does, as allhere's own attention does for it); the other
+    mechanisms refuse a layer that has them. ``router``: a module whose ``gate`` [tokens, heads] (set by the
+    block's pre-hook) is the row class of this step. ``window_class``: (class, window) whose rows read exactly
+    their window most recent keys, for vLLM's windowed kernel where it reads allhere's layout."""
 
-    def __init__(self, owners: list[Attention], choose: Choose) -> None:
+    def __init__(self, owners: list[Attention], reads: Sequence[Sequence[Read]], softmax_terms: bool = False,
+                 router: nn.Module | None = None, window_class: tuple[int, int] | None = None) -> None:
         super().__init__()
         first = owners[0]
-        for o in owners:
-            if getattr(o.impl, "logits_soft_cap", 0) or getattr(o.impl, "sinks", None) is not None:
-                raise NotImplementedError(f"allhere vLLM serving: {first.layer_name} has soft-capped scores or learned "
-                                          "sinks, which this mechanism does not compute")
+        self.softcap = float(getattr(first.impl, "logits_soft_cap", 0) or 0.0)
+        self.sinks = getattr(first.impl, "sinks", None)
+        if not softmax_terms and (self.softcap or self.sinks is not None):
+            raise NotImplementedError(f"allhere vLLM serving: {first.layer_name} has soft-capped scores or learned "
+                                      "sinks, which this mechanism does not compute")
         self.owners = nn.ModuleList(owners)
-        self.choose = choose
+        self.reads = reads
+        self.window_class = window_class
+        self._router = [router] if router is not None else []  # a plain reference: registered under the block
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_size
         self.scale = float(first.impl.scale)
         self.layer_name = first.layer_name
         object.__setattr__(first, PAGED_ATTR, [self])
 
     def forward(self, q, k, v, *args, **kwargs):
+        row_class = None
+        if self._router:
+            row_class, self._router[0].gate = self._router[0].gate, None
+            if row_class is None:
+                raise RuntimeError(f"allhere: {self.layer_name} called without its router's gate")
         out = torch.empty(q.shape[0], self.heads * self.head_dim, dtype=q.dtype, device=q.device)
-        torch.ops.allhere.paged_attention(q, k, v, out, self.layer_name)
+        torch.ops.allhere.paged_attention(q, k, v, row_class, out, self.layer_name)
         return out
 
-    def compute(self, q, k, v, out) -> None:
+    def compute(self, q, k, v, row_class, out) -> None:
         meta, _, cache, _ = get_attention_context(self.layer_name)
         out = out.view(-1, self.heads, self.head_dim)
         if meta is None or cache.numel() == 0:  # vLLM's warm-up and memory profiling: no cache yet
@@ -87,65 +144,16 @@ class PagedAttention(nn.Module):
         slots = meta.slot_mapping[:n]
         for i, view in enumerate(views):
             write(view, slots, k[i * half: i * half + n], v[i * half: i * half + n])
-        paged_attention(q[:n], views, meta.query_start_loc, meta.seq_lens, meta.block_table, self.choose,
-                        self.scale, out)
+        sinks = self.sinks.float() if self.sinks is not None else None
+        reads = self.reads
+        isa = getattr(self.owners[0], "isa", None)
+        if self.window_class is not None and len(self.owners) == 1 and same_layout(isa, cache.dtype):
+            c, window = self.window_class
+            vllm_window(q, cache, meta, window, self.scale, self.softcap, self.sinks, isa, out)
+            reads = [[] if i == c else parts for i, parts in enumerate(reads)]  # those rows are done
+            if row_class is not None and not bool((row_class[:n] != c).any()):
+                out[n:].zero_()
+                return
+        paged_attention(q[:n], views, meta.query_start_loc, meta.seq_lens, meta.block_table, reads, self.scale,
+                        out, row_class=row_class, sinks=sinks, softcap=self.softcap, workspace=_WORKSPACE)
         out[n:].zero_()
-
-
-class DARServe(nn.Module):
-    """DAR's bottleneck (the weights allhere saved: ``...self_attn.allhere.{down,up}.weight``) and the owner
-    of the distant keys' cache."""
-
-    def __init__(self, d_model: int, d_down: int, full: Attention, prefix: str) -> None:
-        super().__init__()
-        self.down = nn.Linear(d_model, d_down, bias=False)
-        self.up = nn.Linear(d_down, d_model, bias=False)
-        self.far = Attention(full.num_heads, full.head_size, full.impl.scale, num_kv_heads=full.num_kv_heads,
-                             cache_config=get_current_vllm_config().cache_config, prefix=f"{prefix}.{SUBMODULE}.far")
-
-
-def block_argument(block, args, kwargs, name: str):
-    """(where, key) of the attention block's argument ``name`` in this call: ``kwargs`` and the name, or
-    ``args`` and its index (families differ: Llama's blocks take (positions, hidden_states), gpt-oss's
-    (hidden_states, positions), either by position or by keyword)."""
-    if name in kwargs:
-        return kwargs, name
-    params = [p for p in inspect.signature(type(block).forward).parameters if p != "self"]
-    return args, params.index(name)
-
-
-def _dar_append(block, args, kwargs):
-    """Forward pre-hook: the block's input [h; h'] at positions [p; p]."""
-    mech = getattr(block, SUBMODULE)
-    args, kwargs = list(args), dict(kwargs)
-    for name in ("positions", "hidden_states"):
-        where, key = block_argument(block, args, kwargs, name)
-        where[key] = _doubled(where[key], mech, name)
-    return tuple(args), kwargs
-
-
-def _doubled(x, mech: DARServe, name: str):
-    return torch.cat([x, x if name == "positions" else mech.up(mech.down(x))], dim=-1 if name == "positions" else 0)
-
-
-def _dar_first_half(block, args, output):
-    """Forward hook: the output of the real tokens (the first half)."""
-    return output[: output.shape[0] // 2]
-
-
-def install_dar(block: nn.Module, attn: Attention, cfg, d_model: int) -> None:
-    params = inspect.signature(type(block).forward).parameters
-    if not {"positions", "hidden_states"} <= set(params):
-        raise NotImplementedError(f"allhere vLLM serving: DAR needs vLLM's own attention block (taking positions and "
-                                  f"hidden_states); {type(block).__name__} runs through vLLM's Transformers backend")
-    mech = DARServe(d_model, cfg.d_down, attn, attn.layer_name.rpartition(".")[0])
-    block.add_module(SUBMODULE, mech)
-    block.attn = PagedAttention([attn, mech.far], dar_choice(cfg.window))
-    block.register_forward_pre_hook(_dar_append, with_kwargs=True)
-    block.register_forward_hook(_dar_first_half)
-
-
-def install_masked(block: nn.Module, attn: Attention, cfg) -> None:
-    if not getattr(cfg, "causal", True):
-        raise NotImplementedError(f"allhere vLLM serving: {cfg.kind} with causal=False is an encoder's pattern")
-    block.attn = PagedAttention([attn], masked_choice(cfg.mask_fn(None)))

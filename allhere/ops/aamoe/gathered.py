@@ -9,7 +9,7 @@ pairs through a [query, rank] grid. Every move is one gather along dimension 0 b
 call (``_Layout``), with no Python loop over chunks, ranks or experts. Forward and backward are written
 out (``_AAMoE``, flash-attention style: the backward works from the saved probabilities). Work and
 memory grow with sum_i (B_i + own chunk) x m plus the padding of the tiles, not with L x (L + E m).
-Equal to ``naive`` in outputs and gradients (tests)."""
+Equal to ``reference`` in outputs and gradients (tests). The "torch" path of op family ``"aamoe"``."""
 
 from __future__ import annotations
 
@@ -192,10 +192,10 @@ class _AAMoE(torch.autograd.Function):
         return dq[:b], dq[b:], dk, dv, dmk, dmv, dbias, None, None, None
 
 
-def aamoe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,
-                    choice: torch.Tensor, logp: torch.Tensor, chunk: int, own_chunk: bool,
-                    scale: float | None = None, q_mem: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as ``aamoe_attention_naive``."""
+def aamoe_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem_k: torch.Tensor,
+                          mem_v: torch.Tensor, choice: torch.Tensor, logp: torch.Tensor, chunk: int, own_chunk: bool,
+                          scale: float | None = None, q_mem: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ``aamoe_attention_reference``."""
     lq, lk, d, experts, n_chunks = check_aamoe(q, k, v, mem_k, mem_v, choice, logp, chunk)
     b, h = q.shape[:2]
     if not own_chunk and not choice.shape[-1]:

@@ -1,8 +1,11 @@
-"""``aha_attention``: the one entry point of All-or-Here attention, routed by backend (``allhere.backend``).
+"""``aha_attention``: the one entry point of All-or-Here attention (op family ``"aha"``), routed by backend
+(``allhere.backend``):
 
-  - "reference": ``aha_attention_naive``, dense in fp32 (``row_start`` becomes a bool mask);
+  - "reference": ``aha_attention_reference``, dense in fp32 (``row_start`` becomes a bool mask); the only
+    path that takes a host's own softmax (``attend``);
   - "torch": the PyTorch path (``fast.aha_attention_torch``);
-  - "triton": the Triton kernels (``triton_path``); a ValueError saying why where they cannot take the call;
+  - "triton": the Triton kernels (``triton_path``); a ValueError saying why where they cannot take the call
+    (``triton_path.triton_refusal``);
   - "auto": the kernels on CUDA where they take the call, the PyTorch path everywhere else.
 """
 
@@ -10,16 +13,38 @@ from __future__ import annotations
 
 import torch
 
-from ...backend import get_backend
+from ...backend import dispatch, get_backend, register_path, select
 from ..common import check_aha, default_scale
 from .fast import aha_attention_torch
-from .naive import aha_attention_naive
+from .reference import aha_attention_reference
 from .triton_path import aha_attention_triton, triton_refusal
+
+
+def _host_softmax(attend) -> str | None:
+    return None if attend is None else ("the host's own softmax (attend: sink logits, soft-capped scores) runs on "
+                                        "the reference path only")
+
+
+def _torch_takes(*args, attend=None, **kwargs) -> str | None:
+    return _host_softmax(attend)
+
+
+def _triton_takes(q, k, v, gate, *args, attend=None, **kwargs) -> str | None:
+    return _host_softmax(attend) or triton_refusal(q, k, v, gate)
+
+
+def _on_cuda(q, *args, **kwargs) -> bool:
+    return q.is_cuda
+
+
+register_path("aha", "reference", aha_attention_reference)
+register_path("aha", "torch", aha_attention_torch, takes=_torch_takes)
+register_path("aha", "triton", aha_attention_triton, takes=_triton_takes, auto=_on_cuda)
 
 
 def aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
                   scale: float | None = None, row_start: torch.Tensor | None = None,
-                  backend: str | None = None) -> torch.Tensor:
+                  backend: str | None = None, attend=None) -> torch.Tensor:
     """All-or-Here attention (AHA paper Eq. 4): per (batch, head, query) full causal attention where the
     gate is 1, the ``window`` most recent keys (the query's own included) where it is 0.
 
@@ -35,9 +60,14 @@ def aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch
     sees no key (zero output): a query at position p sees keys j with row_start <= j <= p (and the rule of
     its gate).
     backend: "auto" | "torch" | "triton" | "reference"; None = ``allhere.backend.get_backend()`` (the
-    innermost ``use_backend`` block, else "auto"). Returns [batch, heads, q_len, dim] in q's dtype.
+    innermost ``use_backend`` block, else "auto"). attend: the host's own attention under a bool mask
+    (``AttentionCall.attend``), for a host whose softmax has terms of its own; only the reference takes it.
+    Returns [batch, heads, q_len, dim] in q's dtype.
     """
-    return _dispatch(q, k, v, gate, window, scale, row_start, get_backend(backend), {})
+    *_, d = check_aha(q, k, v, gate, window, row_start, gate_values=not gate.is_cuda)
+    args = (q, k, v, gate, window, default_scale(d, scale))
+    host = {} if attend is None else {"attend": attend}  # a path that takes no host softmax never sees it
+    return dispatch("aha", *args, backend=backend, row_start=row_start, **host)
 
 
 def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
@@ -46,21 +76,10 @@ def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: 
     """``aha_attention`` never on the reference: the backend of the enclosing ``use_backend`` block when it
     is "torch" or "triton", else "auto". chunk, dense_above: the PyTorch path's tuning
     (``fast.aha_attention_torch``)."""
-    name = get_backend()
-    return _dispatch(q, k, v, gate, window, scale, row_start, "auto" if name == "reference" else name,
-                     dict(chunk=chunk, dense_above=dense_above))
-
-
-def _dispatch(q, k, v, gate, window, scale, row_start, backend, torch_options):
-    if backend == "reference":
-        return aha_attention_naive(q, k, v, gate, window, scale, row_start=row_start)
     *_, d = check_aha(q, k, v, gate, window, row_start, gate_values=not gate.is_cuda)
-    scale = default_scale(d, scale)
-    if backend == "triton":
-        why = triton_refusal(q, k, v, gate)
-        if why is not None:
-            raise ValueError(f"backend 'triton' cannot take this call: {why}")
-        return aha_attention_triton(q, k, v, gate, window, scale, row_start)
-    if backend == "auto" and q.is_cuda and triton_refusal(q, k, v, gate) is None:
-        return aha_attention_triton(q, k, v, gate, window, scale, row_start)
-    return aha_attention_torch(q, k, v, gate, window, scale, row_start, **torch_options)
+    args = (q, k, v, gate, window, default_scale(d, scale))
+    name = get_backend()
+    path = select("aha", *args, backend=name if name in ("torch", "triton") else "auto", row_start=row_start)
+    if path.backend == "torch":
+        return path.fn(*args, row_start=row_start, chunk=chunk, dense_above=dense_above)
+    return path.fn(*args, row_start=row_start)

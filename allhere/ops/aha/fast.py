@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..common import hard_gate
 from ..full import causal_attention
-from ..sliding.blocked import sliding_window_attention
+from ..sliding.blocked import sliding_window_attention_torch
 from ..ste import add_gate_gradient, trains_gate
 
 SPARSE_BACKWARD_FROM = 1024  # queries: the sparse backward (off CUDA) from this length on, dense below
@@ -62,7 +62,7 @@ def aha_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate:
     lq = q.shape[2]
     if sparse_backward is None:
         sparse_backward = not q.is_cuda and lq >= SPARSE_BACKWARD_FROM
-    a_local = sliding_window_attention(q, k, v, window, scale=scale)
+    a_local = sliding_window_attention_torch(q, k, v, window, scale=scale)
     if training and not sparse_backward:
         a_full = causal_attention(q, k, v, scale=scale)
         return add_gate_gradient(torch.where(hard[..., None], a_full, a_local), gate, a_full, a_local)

@@ -1,4 +1,4 @@
-"""DAR attention in query blocks: the fast path (CPU and GPU, any dtype, differentiable).
+"""DAR attention in query blocks: the "torch" path (CPU and GPU, any dtype, differentiable).
 
 The reference builds two full [q, k] score matrices (near and far) and masks half of each away. Here
 queries are cut into blocks; a block at positions [p0, p1) needs near keys only from (p0 - w, p1) and far
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from ..common import check_qkv, default_scale
 
 
-def dar_attention(q: torch.Tensor, k_near: torch.Tensor, v_near: torch.Tensor, k_far: torch.Tensor,
-                  v_far: torch.Tensor, window: int, scale: float | None = None, mask: torch.Tensor | None = None,
-                  block: int = 256) -> torch.Tensor:
-    """Same contract as ``dar_attention_naive``; output in q's dtype.
+def dar_attention_torch(q: torch.Tensor, k_near: torch.Tensor, v_near: torch.Tensor, k_far: torch.Tensor,
+                        v_far: torch.Tensor, window: int, scale: float | None = None, mask: torch.Tensor | None = None,
+                        block: int = 256) -> torch.Tensor:
+    """Same contract as ``dar_attention_reference``; output in q's dtype.
 
     mask: optional bool [b or 1, 1, q_len, kv_len] (True = may attend, e.g. padding), combined with the
     causal near/far split; a query that may see no key gets 0. block: query rows per block.

@@ -1,4 +1,4 @@
-"""Sliding-window attention in query blocks: the fast path (CPU and GPU, any dtype, differentiable).
+"""Sliding-window attention in query blocks: the "torch" path (CPU and GPU, any dtype, differentiable).
 
 Queries are cut into blocks of ``block`` rows. A block only needs the ``block + window - 1`` keys that
 end at its last query, so every block runs one small dense SDPA over its own key slab (built with
@@ -19,21 +19,27 @@ import torch
 import torch.nn.functional as F
 
 from ...masks import dense_mask, sliding_window
-from ..common import check_qkv, check_window, default_scale
+from ..common import check_qkv, check_row_start, check_window, default_scale, segment_mask
+from ..full import masked_attention
 
 DENSE_UP_TO = 512  # keys: up to this many, one dense SDPA call under the band mask
 
 
-def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                             scale: float | None = None, block: int | None = None) -> torch.Tensor:
-    """Same contract as ``sliding_window_attention_naive``; output in q's dtype.
+def sliding_window_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                                   scale: float | None = None, row_start: torch.Tensor | None = None,
+                                   key_offset: int = 0, block: int | None = None) -> torch.Tensor:
+    """Same contract as ``sliding_window_attention_reference``; output in q's dtype. With ``row_start`` one
+    SDPA call under the window within the segments.
 
     block: query rows per block (default ``min(window, 64)``, at least 1, at most q_len); given, the blocks
     are used whatever the length (default: one dense call up to ``DENSE_UP_TO`` keys).
     """
     b, h, lq, d, hkv, lk = check_qkv(q, k, v)
     check_window(window)
+    check_row_start(row_start, q)
     scale = default_scale(d, scale)
+    if row_start is not None:
+        return masked_attention(q, k, v, segment_mask(row_start, lq, lk, sliding_window(window), key_offset), scale)
     g = h // hkv
     if block is None and lq == 1:  # a decode step: the last w keys, read in place
         return F.scaled_dot_product_attention(q, k[:, :, max(0, lk - window):], v[:, :, max(0, lk - window):],

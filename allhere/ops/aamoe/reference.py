@@ -9,9 +9,10 @@ from ..common import default_scale, repeat_kv
 from .common import check_aamoe
 
 
-def aamoe_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem_k: torch.Tensor,
-                          mem_v: torch.Tensor, choice: torch.Tensor, logp: torch.Tensor, chunk: int,
-                          own_chunk: bool, scale: float | None = None, q_mem: torch.Tensor | None = None) -> torch.Tensor:
+def aamoe_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem_k: torch.Tensor,
+                              mem_v: torch.Tensor, choice: torch.Tensor, logp: torch.Tensor, chunk: int,
+                              own_chunk: bool, scale: float | None = None,
+                              q_mem: torch.Tensor | None = None) -> torch.Tensor:
     """q [b, h, lq, d]; k, v [b, kv_heads, lk, d] (queries = the last lq positions); mem_k, mem_v
     [h, E, chunk, d]; choice, logp [b, lq, K] (``allhere.ops.aamoe.common``); q_mem: the queries that
     read the expert slots (default q). A query with no key at all returns 0 (the residual passes

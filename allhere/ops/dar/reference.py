@@ -1,4 +1,5 @@
-"""Dense reference of DAR attention (Eqs. 1-4 of the DAR paper, arXiv:2606.18587): one softmax over near and far keys."""
+"""Dense reference of DAR attention (Eqs. 1-4 of the DAR paper, arXiv:2606.18587): one softmax over near and far
+keys, in fp32."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from ...masks import causal, dense_mask, sliding_window
 from ..common import check_qkv, default_scale, repeat_kv
 
 
-def dar_attention_naive(q: torch.Tensor, k_near: torch.Tensor, v_near: torch.Tensor, k_far: torch.Tensor,
-                        v_far: torch.Tensor, window: int, scale: float | None = None,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
+def dar_attention_reference(q: torch.Tensor, k_near: torch.Tensor, v_near: torch.Tensor, k_far: torch.Tensor,
+                            v_far: torch.Tensor, window: int, scale: float | None = None,
+                            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Query i reads key/value j from (k_near, v_near) when i - j < window, from (k_far, v_far) otherwise
     (j <= i always). q [b, h, lq, d]; the four key/value tensors [b, kv_heads, lk, d] over the same
     positions; queries are the last lq positions. window = 0: every key is far. mask: optional bool,

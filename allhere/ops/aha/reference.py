@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from ...masks import causal, dense_mask, sliding_window
-from ..common import check_aha, default_scale, hard_gate, masked_attention_fp32, segment_mask
+from ..common import check_aha, default_scale, hard_gate, masked_attention_reference, segment_mask
 from ..ste import add_gate_gradient, trains_gate
 
 
-def aha_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
-                        scale: float | None = None, mask: torch.Tensor | None = None,
-                        row_start: torch.Tensor | None = None, attend=None) -> torch.Tensor:
+def aha_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
+                            scale: float | None = None, mask: torch.Tensor | None = None,
+                            row_start: torch.Tensor | None = None, attend=None) -> torch.Tensor:
     """All-or-Here attention, computed densely in fp32 (``aha_attention(..., backend="reference")``).
 
     q: [batch, heads, q_len, dim]; k, v: [batch, kv_heads, kv_len, dim] (heads % kv_heads == 0);
@@ -33,7 +33,8 @@ def aha_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate:
         if m is not None:
             full, local = full & m, local & m
     if attend is None:
-        a_full, a_local = masked_attention_fp32(q, k, v, full, scale), masked_attention_fp32(q, k, v, local, scale)
+        a_full = masked_attention_reference(q, k, v, full, scale)
+        a_local = masked_attention_reference(q, k, v, local, scale)
     else:
         a_full, a_local = attend(q, k, v, full), attend(q, k, v, local)
     out = torch.where(hard_gate(gate)[..., None], a_full, a_local)

@@ -1,0 +1,92 @@
+"""The decode rows of ``allhere.serve.paged.paged_attention`` (requests with one query this step): each (token,
+kv head, class) is one tile of the query heads sharing that kv head, which gathers every block its rule may
+read, all of them in one row, and attends them at once under the rule's mask (scores by matmul straight from
+the keys as the cache holds them, transposed). A decode step has a few
+rows per request and a long key range each: one gather and one call per piece of tiles costs far fewer
+operations than the chunked prefill path (``allhere.serve.paged_chunks``), whose per-chunk bookkeeping pays off
+only where a tile has many rows."""
+
+from __future__ import annotations
+
+import torch
+
+from .paged_chunks import MAX_GATHER_BYTES, Workspace, gather
+
+_NEG = float("-inf")
+
+
+def decode_rows(qflat, tok, req, pos, row_class, reads, views, block_table, scale: float, softcap: float,
+                heads: int, workspace: Workspace) -> list:
+    """``tok`` [m]: the decode tokens (one per request), ``req`` / ``pos`` their request and position,
+    ``row_class`` [m, heads] (or None). Returns the pieces for ``paged_chunks.merge``: (row ids [tiles, group],
+    output [tiles, group, d], log-sum-exp [tiles, group])."""
+    kv_heads = views[0].shape[1]
+    group = heads // kv_heads
+    rows = (tok[:, None] * heads + torch.arange(heads, device=tok.device)).view(-1, kv_heads, group)
+    found = []
+    for c, parts in enumerate(reads):
+        member = torch.ones_like(rows, dtype=torch.bool) if row_class is None else (row_class == c).view(rows.shape)
+        t, g = member.any(-1).nonzero(as_tuple=True)  # tiles: (token, kv head) with a row of this class
+        if t.numel() == 0:
+            continue
+        tile_rows = torch.where(member[t, g], rows[t, g], -1)  # [tiles, group]
+        heads_t = g[:, None] * group + torch.arange(group, device=tok.device)
+        for read in parts:
+            found += _attend_read(qflat, tile_rows, heads_t, g, req[t], pos[t], read, views[read.key_set],
+                                  block_table, scale, softcap, workspace)
+    return found
+
+
+def _attend_read(qflat, tile_rows, heads_t, kv_head, req, pos, read, view, block_table, scale, softcap, workspace):
+    dev = pos.device
+    bs, d = view.shape[3], view.shape[4]
+    n_blocks = int(pos.max()) // bs + 1
+    kl = torch.arange(n_blocks, device=dev) * bs
+    ok = kl[None] <= pos[:, None]  # [tiles, blocks]
+    test = getattr(read.pred, "tiles", None)
+    if test is not None:
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+        p = pos[:, None, None]
+        ok &= test(zero, heads_t[:, None, :], p, p, kl[None, :, None], kl[None, :, None] + bs - 1).expand(
+            *ok.shape, heads_t.shape[1]).any(-1)
+    count = ok.sum(1)
+    order = torch.argsort(count, stable=True)  # pieces of tiles with similar block counts: little padding
+    # each tile's readable blocks first, in order (a stable sort of "not readable")
+    cols = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices
+    per_tile = 2 * bs * d * view.element_size()
+    found = []
+    take = max(1, MAX_GATHER_BYTES // (per_tile * max(1, int(count.max()))))  # tiles per piece
+    for start in range(0, order.numel(), take):
+        idx = order[start:start + take]
+        width = int(count[idx[-1]])  # blocks of the piece's widest tile
+        if width == 0:
+            continue
+        j = cols[idx, :width]  # [n, width] block positions in the request
+        valid = torch.arange(width, device=dev) < count[idx, None]
+        block = torch.where(valid, block_table[req[idx, None], j].long(), 0)
+        kt, v = gather(view, block * view.shape[1] + kv_head[idx, None], workspace, transposed=True)
+        kpos = (j[:, :, None] * bs + torch.arange(bs, device=dev)).view(idx.numel(), 1, -1)
+        qpos = pos[idx, None, None]
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+        allowed = read.pred(zero, heads_t[idx, :, None], qpos, kpos) & (kpos <= qpos)
+        allowed &= valid.repeat_interleave(bs, dim=1)[:, None, :]
+        rows = tile_rows[idx]
+        o, lse = _attend_t(qflat[rows.clamp_min(0)], kt, v.view(idx.numel(), width * bs, d), allowed, scale, softcap)
+        found.append((rows, o, lse))
+    return found
+
+
+def _attend_t(q, kt, v, allowed, scale: float, softcap: float):
+    """q [n, group, d] against keys as the cache holds them, kt [n, blocks, d, block_size], and values [n, keys,
+    d]: (output [n, group, d], log-sum-exp [n, group] float32, -inf where a row reads nothing). The scores are
+    a few per key (a decode row has one query), so they are made by matmul straight from the transposed keys:
+    no copy of the keys."""
+    n, g, _ = q.shape
+    s = torch.matmul(q[:, None].float(), kt.float())  # [n, blocks, group, bs] (float32: no copy in float32)
+    s = s.transpose(1, 2).reshape(n, g, -1) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s.masked_fill_(~allowed, _NEG)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
+    return torch.bmm(p, v.float()).to(q.dtype), lse

@@ -1,0 +1,155 @@
+"""One layer's attention over a paged KV cache, as served: allhere's batched paged attention
+(``allhere.serve.paged``) per mechanism against vLLM's own CPU attention kernel (``cpu_attention_with_kv_cache``)
+over the same blocks, and AHA computed with vLLM's kernel on the subsets (the windowed kernel for every token, the
+full kernel again for the tokens with a global head, joined per head), and AHA as served (vLLM's windowed kernel for
+the local rows, allhere's attention for the global ones).
+
+    .venv-serve/bin/python benchmarks/serve_paged_op.py             # decode 16 x 8k, decode 1 x 8k, a prefill chunk
+    .venv-serve/bin/python benchmarks/serve_paged_op.py --threads 1
+
+Shapes: 4 heads of 64 (4 kv heads), fp32, blocks of 128 (vLLM's CPU default), blocks scattered at random.
+Scenarios: "decode16": 16 requests of 8192 tokens, one query each; "decode1": one such request; "prefill": the
+last 2048-token chunk of an 8192-token prompt (vLLM's CPU server schedules 2048 tokens a step); "prefill2k": a
+2048-token prompt. AHA's gates: head 0 global for 27% of the queries, the others for 2% (mu_f about 8%), drawn
+at random. Times are the median of --reps calls after one warm-up; the load average is printed with each row
+(the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+H, KVH, D, BS = 4, 4, 64, 128
+SCENARIOS = {"decode16": (16, 8192, 1), "decode1": (1, 8192, 1), "prefill": (1, 8192, 2048),
+             "prefill2k": (1, 2048, 2048)}
+
+
+def setup(requests: int, length: int, q_len: int):
+    from allhere.serve.paged import paged_view
+
+    torch.manual_seed(0)
+    nb = requests * (length // BS) + 4
+    cache = torch.randn(nb, KVH, BS, 2 * D) * 0.5
+    table = torch.randperm(nb)[: requests * (length // BS)].view(requests, length // BS).int()
+    return dict(nb=nb, cache=cache, view=paged_view(cache, BS, KVH, D), table=table,
+                seq=torch.full((requests,), length, dtype=torch.int32),
+                qs=torch.arange(requests + 1, dtype=torch.int32) * q_len, q=torch.randn(requests * q_len, H, D),
+                out=torch.zeros(requests * q_len, H, D),
+                gate=torch.rand(requests * q_len, H) < torch.tensor([0.27, 0.02, 0.02, 0.02]))
+
+
+def vllm_attention(s, q, qs, seq, table, window, out):
+    """vLLM's CPU kernel over the same blocks (allhere's layout is the kernel's "vec" layout), causal,
+    ``window`` keys (-1: all)."""
+    from vllm import _custom_ops as ops
+
+    kv = s["cache"].view(s["nb"], KVH, BS * 2, D)
+    kc, vc = kv.chunk(2, dim=2)
+    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs=len(seq), num_heads=H, num_kv_heads=KVH, head_dim=D,
+                                               seq_lens=seq, dtype=q.dtype, query_start_loc=qs, causal=True,
+                                               sliding_window_size=window, isa="vec", enable_kv_split=False)
+    ops.cpu_attention_with_kv_cache(query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qs,
+                                    seq_lens=seq, scale=D ** -0.5, causal=True, alibi_slopes=None,
+                                    sliding_window=window, block_table=table, softcap=0.0,
+                                    scheduler_metadata=meta, s_aux=None)
+
+
+def vllm_aha(s):
+    """AHA from vLLM's kernel: the windowed attention for every token, the full one again for every token with
+    a global head (all its heads: the kernel has no per-head subset), joined per (token, head)."""
+    q, qs, seq, table, gate = s["q"], s["qs"], s["seq"], s["table"], s["gate"]
+    local = torch.empty_like(s["out"])
+    vllm_attention(s, q, qs, seq, table, 256, local)
+    idx = gate.any(1).nonzero().squeeze(1)
+    if idx.numel():
+        q_len = qs[1:] - qs[:-1]
+        req = torch.repeat_interleave(torch.arange(len(seq)), q_len)[idx]
+        pos = idx - qs[req] + (seq - q_len)[req]
+        full = torch.empty(idx.numel(), H, D)
+        vllm_attention(s, q[idx].contiguous(), torch.arange(idx.numel() + 1, dtype=torch.int32), (pos + 1).int(),
+                       table[req].contiguous(), -1, full)
+        local[idx] = torch.where(gate[idx][..., None], full, local[idx])
+    s["out"].copy_(local)
+
+
+def aha_served(s, workspace):
+    """AHA as ``allhere serve`` computes it on this CPU: vLLM's windowed kernel for every row in place, then
+    allhere's attention for the global rows."""
+    from types import SimpleNamespace
+
+    from allhere.serve.paged import causal_read, paged_attention
+    from allhere.serve.vllm_layers import WIDE_TILE
+    from allhere.serve.vllm_paged import vllm_window
+
+    meta = SimpleNamespace(num_actual_tokens=s["q"].shape[0], query_start_loc=s["qs"], seq_lens=s["seq"],
+                           block_table=s["table"])
+    vllm_window(s["q"], s["cache"], meta, 256, D ** -0.5, 0.0, None, "vec", s["out"])
+    paged_attention(s["q"], [s["view"]], s["qs"], s["seq"], s["table"], [[], [causal_read(q_tile=WIDE_TILE)]],
+                    D ** -0.5, s["out"], row_class=s["gate"], workspace=workspace)
+
+
+def allhere_reads():
+    import allhere as ah
+    from allhere import registry
+    from allhere.mechanisms.dar import far_keys
+    from allhere.serve.paged import Read, causal_read, window_read
+    from allhere.serve.vllm_layers import WIDE_TILE, WINDOW_TILE
+
+    def pattern(cfg):
+        return [[Read(registry.from_dict(registry.to_dict(cfg)).mask_fn(None), 0, WINDOW_TILE)]]
+
+    return {"full": ([[causal_read(q_tile=WIDE_TILE)]], 1, False),
+            "aha": ([[window_read(256, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]], 1, True),
+            "sinks": (pattern(ah.SinksConfig(window=252, n_sinks=4)), 1, False),
+            "dilated": (pattern(ah.DilatedConfig(window=128, dilation=(1, 2, 3, 4))), 1, False),
+            "longformer": (pattern(ah.LongformerConfig(window=256, global_first=4)), 1, False),
+            "bigbird": (pattern(ah.BigBirdConfig(block=64, window_blocks=3, global_blocks=1, random_blocks=1)), 1,
+                        False),
+            "dar": ([[window_read(256, 0, q_tile=WINDOW_TILE), Read(far_keys(256), 1, WIDE_TILE)]], 2, False)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from allhere.serve.paged import paged_attention
+    from allhere.serve.paged_chunks import Workspace
+
+    workspace = Workspace()
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
+    print("| scenario | attention | ms | vs vLLM full | load |")
+    print("|---|---|---|---|---|")
+    for scenario in a.scenarios:
+        s = setup(*SCENARIOS[scenario])
+        runs = {"vLLM full": lambda: vllm_attention(s, s["q"], s["qs"], s["seq"], s["table"], -1, s["out"]),
+                "vLLM window 256": lambda: vllm_attention(s, s["q"], s["qs"], s["seq"], s["table"], 256, s["out"]),
+                "AHA from vLLM's kernel": lambda: vllm_aha(s)}
+        for name, (reads, sets, routed) in allhere_reads().items():
+            runs[f"allhere {name}"] = (lambda reads=reads, sets=sets, routed=routed: paged_attention(
+                s["q"], [s["view"]] * sets, s["qs"], s["seq"], s["table"], reads, D ** -0.5, s["out"],
+                row_class=s["gate"] if routed else None, workspace=workspace))
+        runs["allhere aha, as served (local rows: vLLM's windowed kernel)"] = lambda: aha_served(s, workspace)
+        base = None
+        for name, run in runs.items():
+            run()
+            times = []
+            for _ in range(a.reps):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            ms = 1e3 * statistics.median(times)
+            base = base or ms
+            print(f"| {scenario} | {name} | {ms:.1f} | {base / ms:.2f}x | {os.getloadavg()[0]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The package's import structure, read from its source (``ast``; every import statement, those inside
+functions too): no import cycle but the registry's deliberate one, no module importing a layer above its
+own, no private name imported from another module."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "allhere"
+
+# The layers, bottom first (the data flow of the design guide: config -> registry -> mechanism -> op, and
+# model -> train -> experiments -> cli, with the hosts hf/ and serve/ above the mechanisms). A module may
+# import modules of its own layer and of the layers below it. A module belongs to the entry with the longest
+# matching prefix; ``allhere`` alone is the package's public face (it gathers names up to the model).
+LAYERS = [
+    ("foundation", ["allhere.validation", "allhere._optional", "allhere._deprecated", "allhere.backend",
+                    "allhere.hosts", "allhere.progress", "allhere.interrupt", "allhere.runlock", "allhere.masks",
+                    "allhere.distributed.env", "allhere.distributed.layouts"]),
+    ("op", ["allhere.ops", "allhere.kernels", "allhere.distributed.ring", "allhere.distributed.ring_blocks",
+            "allhere.distributed.ring_plan", "allhere.distributed.ring_far", "allhere.distributed.cost",
+            "allhere.distributed.model_cost"]),
+    ("mechanism", ["allhere.registry", "allhere.mechanisms"]),
+    ("config", ["allhere.config", "allhere.distributed.parallel"]),
+    ("model", ["allhere", "allhere.model", "allhere.routing", "allhere.losses", "allhere.checkpoint",
+               "allhere.data", "allhere.analysis"]),
+    ("train", ["allhere.train", "allhere.distributed"]),
+    ("host", ["allhere.hf", "allhere.serve"]),
+    ("application", ["allhere.eval", "allhere.generation"]),
+    ("experiments", ["allhere.experiments"]),
+    ("cli", ["allhere.cli"]),
+]
+
+# The one cycle on purpose: the registry imports the built-in mechanisms (``registry._builtins``) so that
+# ``registry.kinds()`` knows them, and each mechanism module imports the registry to register itself.
+DELIBERATE = {("allhere.registry", "allhere.mechanisms")}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imports(name: str) -> list[tuple[str, str]]:
+    """(module imported, name taken from it or "") of every import of ``allhere`` modules in ``name``."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, "") for a in node.names if a.name.split(".")[0] == "allhere"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] != "allhere":
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.append((sub, "") if sub in MODULES else (base, alias.name))
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    return {m: {t for t, _ in imports(m) if t in MODULES and t != m} for m in MODULES}
+
+
+def layer(name: str) -> int:
+    best, found = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (name == p or (p != "allhere" and name.startswith(p + "."))) and len(p) > best:
+                best, found = len(p), i
+    assert found is not None, f"{name} is in no layer of LAYERS: add it"
+    return found
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_has_a_layer():
+    for name in MODULES:
+        layer(name)
+
+
+def test_the_deliberate_cycle_is_there():
+    edges = graph()
+    assert all(b in edges[a] for a, b in DELIBERATE), "the registry no longer imports the mechanisms: update DELIBERATE"
+    assert cycles(edges), "no cycle left at all: remove DELIBERATE"
+
+
+def test_no_import_cycle_but_the_registry():
+    edges = graph()
+    for a, b in DELIBERATE:
+        edges[a].discard(b)
+    assert cycles(edges) == []
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    up = [f"{m} ({LAYERS[layer(m)][0]}) imports {t} ({LAYERS[layer(t)][0]})"
+          for m, targets in graph().items() for t in sorted(targets)
+          if layer(t) > layer(m) and (m, t) not in DELIBERATE]
+    assert up == []
+
+
+def test_no_private_name_imported_from_another_module():
+    private = [f"{m}: from {base} import {name}" for m in MODULES for base, name in imports(m)
+               if name.startswith("_") and not name.startswith("__")]
+    assert private == []
+
+
+@pytest.mark.parametrize("name", ["allhere.ops.aha.dispatch", "allhere.hf", "allhere.experiments.bench"])
+def test_the_parser_sees_relative_and_lazy_imports(name):
+    """The checks above rest on ``imports``: it resolves relative imports and sees those inside functions."""
+    found = {t for t, _ in imports(name)}
+    assert found and all(t.split(".")[0] == "allhere" for t in found)
+    if name == "allhere.experiments.bench":
+        assert "allhere.experiments.bench_profile" in found  # imported inside run_bench
