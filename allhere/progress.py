@@ -17,7 +17,7 @@ def progress(total: int, desc: str, initial: int = 0, enabled: bool = True, ever
     return LineProgress(total, desc, initial, every_percent, sys.stderr if enabled else None)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     s = int(round(seconds))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
@@ -46,9 +46,9 @@ class LineProgress:
     def line(self) -> str:
         done = self.n - self.start_n
         elapsed = time.monotonic() - self.t0
-        text = f"{self.desc}: {100 * self.n / self.total:.0f}% ({self.n}/{self.total}), {_duration(elapsed)} elapsed"
+        text = f"{self.desc}: {100 * self.n / self.total:.0f}% ({self.n}/{self.total}), {duration(elapsed)} elapsed"
         if 0 < done and self.n < self.total:
-            text += f", about {_duration(elapsed / done * (self.total - self.n))} left"
+            text += f", about {duration(elapsed / done * (self.total - self.n))} left"
         return text + (f"; {self.postfix}" if self.postfix else "")
 
     def _line(self) -> None:

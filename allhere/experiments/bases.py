@@ -32,6 +32,7 @@ from ..data.recall import RecallTask
 from ..model import Decoder
 from ..validation import ConfigError
 from .plans import TaskPlan
+from .rundir import SETTINGS, read_settings
 
 BASES = Path(__file__).parent / "bases"
 PRESET = "cpu"  # the only preset with shipped bases
@@ -195,14 +196,23 @@ def base_in_folder(ckpt: Path, record: dict, base: Base | None, task: str, plan:
     return copy.deepcopy(base.model), evals
 
 
+FOLLOW = "follow"  # start_task's default base: the one the folder's run started from (a new one: pretrain)
+NEW = object()  # folder_base of a folder that holds no run
+
+
+def folder_base(run: Path):
+    """The base the run in ``run`` started from: a shipped base's record, None (pretrained there), or NEW."""
+    if not (Path(run) / SETTINGS).exists():
+        return NEW
+    return read_settings(run).get("base")
+
+
 def choose_base(run: Path, task: str, preset: str, data_path: str | None, plan: TaskPlan, default_plan: TaskPlan,
                 pretrain: bool) -> tuple["Base | str | None", str]:
     """What ``allhere demo`` starts ``task`` in the folder ``run`` from (``start_task``'s ``base``), and the
     line that says so. A folder that holds a run goes on from its own base (refused with ``pretrain``
     when that is a shipped one); a new one starts from the shipped base where there is one, unless
     ``pretrain``."""
-    from .tasks import FOLLOW, NEW, folder_base
-
     saved = folder_base(run)
     steps = plan.pretrain.steps
     if saved is not NEW:

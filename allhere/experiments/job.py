@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..progress import _duration, progress as progress_bar
+from ..progress import duration
+from ..progress import progress as progress_bar
 
 
 def step_cost(model: ModelConfig, batch: int, seq_len: int) -> float:
@@ -87,7 +88,7 @@ class JobBar:
     def set_postfix(self, **values) -> None:
         self.values = {k: v for k, v in values.items() if k != "job_left"}
         left = self.job.time_left(self.desc, (self.last - self.t0) / self.steps if self.steps else None)
-        self.inner.set_postfix(**self.values, **({"job_left": _duration(left)} if left is not None else {}))
+        self.inner.set_postfix(**self.values, **({"job_left": duration(left)} if left is not None else {}))
 
     def close(self) -> None:
         self.job.left[self.desc] = 0

@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -23,11 +23,9 @@ from ..data.recall import RecallTask
 from ..eval import evaluate_lm, evaluate_recall
 from ..model import Decoder, swap_mechanism
 from ..train import train
+from .bases import FOLLOW, NEW, Base, base_in_folder, folder_base
 from .plans import TaskPlan, plan_from_dict, run_settings
-from .rundir import SETTINGS, check_out, claim, read_settings
-
-if TYPE_CHECKING:
-    from .bases import Base
+from .rundir import check_out, claim
 
 
 @dataclass
@@ -92,9 +90,6 @@ class Task:
     base: dict | None = None  # the shipped base it is (``bases.Base.record``); None: pretrained in the folder
 
 
-FOLLOW = "follow"  # start_task's default base: the one the folder's run started from (a new one: pretrain)
-
-
 def start_task(out: str | Path, name: str, plan: TaskPlan, data_path: str | None, progress: bool,
                base: "Base | str | None" = FOLLOW) -> Task:
     """Build the task's data, claim ``out/name`` for ``plan``, ``data_path`` and the base (refused when it
@@ -113,20 +108,8 @@ def start_task(out: str | Path, name: str, plan: TaskPlan, data_path: str | None
     if record is None:
         full, curve = pretrain(ckpt, plan.model, plan, data, progress)
     else:
-        from .bases import base_in_folder
-
         full, curve = base_in_folder(ckpt, record, shipped, name, plan)
     return Task(name, plan, run, data, full, curve, record)
-
-
-NEW = object()  # folder_base of a folder that holds no run
-
-
-def folder_base(run: Path):
-    """The base the run in ``run`` started from: a shipped base's record, None (pretrained there), or NEW."""
-    if not (Path(run) / SETTINGS).exists():
-        return NEW
-    return read_settings(run).get("base")
 
 
 def pretrain(ckpt: Path, model: ModelConfig, plan: TaskPlan, data: TaskData, progress: bool) -> tuple[Decoder, list]:
