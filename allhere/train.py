@@ -110,7 +110,7 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     checkpoint there is an error (nothing good is overwritten). ``train_only``: train only the parameters
     whose name contains it (e.g. ".mechanism." for a new bottleneck); the others stay frozen.
     ``progress``: a bar (True), none (False), or a factory with ``allhere.progress.progress``'s signature
-    that makes the bar (``allhere.experiments.job``: one that also tells the whole job's time left).
+    that makes the bar (``allhere_recipes.job``: one that also tells the whole job's time left).
 
     Under torchrun with several processes (``allhere.distributed.training``) the model is sharded with
     FSDP2, each rank takes its share of every step's micro-batches (same global batch, same gradient),

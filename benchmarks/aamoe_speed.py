@@ -6,7 +6,7 @@
     python benchmarks/aamoe_speed.py --quick            # smoke run: the `tiny` preset, two rounds
     python benchmarks/aamoe_speed.py --profile aamoe    # where one step goes (torch.profiler, per-op table)
 
-The models are the experiment's own (``allhere.experiments.aamoe.models``: "dense" = attention + SwiGLU FFN,
+The models are the experiment's own (``allhere_recipes.aamoe.models``: "dense" = attention + SwiGLU FFN,
 "AA-MoE B=2" = budget 2 per token, budgets from the sequence as in training), built as its ``train_model``
 builds them, and one step is what ``allhere.train`` does per step: forward, ``training_loss`` (the
 predictor's loss included), backward, gradient clipping, AdamW (``make_optimizer``, the experiment's
@@ -27,14 +27,15 @@ import torch
 
 from allhere.config import ModelConfig, TrainConfig
 from allhere.data.corpus import VOCAB_SIZE, sample_batch, stdlib_corpus
-from allhere.experiments.aamoe import plan_for, models as experiment_models
 from allhere.losses import training_loss
 from allhere.model import Decoder
 from allhere.train import make_optimizer, model_lam
+from allhere_recipes.aamoe import models as experiment_models
+from allhere_recipes.aamoe import plan_for
 
 
 def build(plan, mech) -> Decoder:
-    """As ``allhere.experiments.aamoe.train_model`` builds a model (before training)."""
+    """As ``allhere_recipes.aamoe.train_model`` builds a model (before training)."""
     torch.manual_seed(plan.seed)
     return Decoder(ModelConfig(vocab_size=VOCAB_SIZE, d_model=plan.d_model, n_layers=plan.n_layers,
                                n_heads=plan.n_heads, mechanism=mech))

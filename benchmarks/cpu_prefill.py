@@ -18,12 +18,12 @@ import platform
 import torch
 import torch.nn.functional as F
 
-from allhere.experiments.gates import PATTERNS, flop_limit
-from allhere.experiments.timing import median_time
 from allhere.masks import segment_starts
 from allhere.ops.aha import aha_attention, aha_attention_reference
 from allhere.ops.aha.fast import aha_attention_torch
 from allhere.ops.ste import straight_through
+from allhere_recipes.gates import PATTERNS, flop_limit
+from allhere_recipes.timing import median_time
 
 
 def fast(q, k, v, gate, window, **kw):

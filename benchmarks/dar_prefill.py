@@ -15,8 +15,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from allhere.experiments.timing import median_time
 from allhere.ops.dar import dar_attention, dar_attention_reference
+from allhere_recipes.timing import median_time
 
 
 def main(argv=None) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from gloo_ranks import launch  # benchmarks/gloo_ranks.py
 
 MIB = 2 ** 20

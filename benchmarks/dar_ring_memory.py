@@ -22,7 +22,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from gloo_ranks import launch  # benchmarks/gloo_ranks.py
 
 MIB = 2 ** 20

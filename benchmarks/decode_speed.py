@@ -39,10 +39,10 @@ import time
 import torch
 
 from allhere import AHAConfig, Decoder, FullConfig, ModelConfig, swap_mechanism
-from allhere.experiments.gates import byte_limit
 from allhere.mechanisms import mechanism_layers
 from allhere.mechanisms.caches import KVCache
 from allhere.model import DecoderCache
+from allhere_recipes.gates import byte_limit
 
 BUSY = [1, 2, 3, 2]  # busy heads per AHA layer in (b)
 

@@ -33,11 +33,19 @@ import argparse
 import os
 
 import torch
+from patterns_speed import best, fastest_dense
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from allhere.masks import bigbird, causal, dilated_window, longformer, or_masks, sliding_window, sliding_with_sinks
+from allhere.masks import (
+    bigbird,
+    causal,
+    dilated_window,
+    longformer,
+    or_masks,
+    sliding_window,
+    sliding_with_sinks,
+)
 from allhere.ops.flex import flex_block_mask, flex_pattern_attention
-from patterns_speed import best, fastest_dense
 
 
 def table_global(flags: torch.Tensor):

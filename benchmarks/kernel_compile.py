@@ -34,12 +34,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from allhere.experiments.gates import long_tailed  # noqa: E402
 from allhere.kernels import autotune, tiles  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
 from allhere.masks import segment_starts  # noqa: E402
+from allhere_recipes.gates import long_tailed  # noqa: E402
 
 # Shared memory one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), per compute capability.
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}

@@ -28,13 +28,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from allhere.experiments.gates import long_tailed  # noqa: E402
-from allhere.experiments.timing import median_time  # noqa: E402
+from allhere.kernels import autotune, tiles  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
 from allhere.ops.aha import aha_attention_reference  # noqa: E402
-from allhere.kernels import autotune, tiles  # noqa: E402
+from allhere_recipes.gates import long_tailed  # noqa: E402
+from allhere_recipes.timing import median_time  # noqa: E402
 
 
 def qkv(b, h, n, d, device, dtype, grad=False, seed=0):

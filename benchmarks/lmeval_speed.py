@@ -45,7 +45,14 @@ def corpus(limit_bytes: int) -> list[str]:
 
 def build_folders(root: Path, tiny: bool, window: int, texts: list[str]) -> tuple[Path, Path]:
     """(plain Llama folder, the same converted to AHA) with a BPE tokenizer trained on ``texts``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from allhere import AHAConfig

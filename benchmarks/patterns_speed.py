@@ -26,7 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from allhere.masks import bigbird, dilated_window, longformer, sliding_window, sliding_with_sinks
+from allhere.masks import (
+    bigbird,
+    dilated_window,
+    longformer,
+    sliding_window,
+    sliding_with_sinks,
+)
 from allhere.ops.blocksparse import blocksparse_attention, plan_blocks
 from allhere.ops.common import repeat_kv
 from allhere.ops.dilated import dilated_window_attention

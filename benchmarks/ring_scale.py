@@ -1,5 +1,5 @@
 """Ring attention at scale, per rank: rounds, bytes, FLOPs and memory of one attention layer, from the
-cost model (``allhere.distributed.cost``), which walks the same plan the ring executes.
+cost model (``allhere_recipes.cost``), which walks the same plan the ring executes.
 
     python benchmarks/ring_scale.py                 # markdown table on stdout
     python benchmarks/ring_scale.py --out table.md  # and into a file
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from allhere.distributed.cost import Shape, mechanism_plan, saved_bytes, summary
+from allhere_recipes.cost import Shape, mechanism_plan, saved_bytes, summary
 
 GIB, MIB = 2 ** 30, 2 ** 20
 

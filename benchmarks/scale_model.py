@@ -1,6 +1,6 @@
 """A whole decoder trained on a 2-D mesh (FSDP2 over all dp x cp GPUs, a context-parallel ring over cp),
 per GPU: memory, ring and FSDP traffic, attention FLOPs of one step, from the cost model
-(``allhere.distributed.model_cost``). A model, not a measurement: nothing is run or allocated.
+(``allhere_recipes.model_cost``). A model, not a measurement: nothing is run or allocated.
 
     python benchmarks/scale_model.py                                   # Mistral-7B-v0.1, 128k, the default meshes
     python benchmarks/scale_model.py --model path/to/config.json --seq 65536 --meshes 1x8 2x8
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from allhere.distributed.model_cost import MECHANISMS, PRESETS, load_model_shape, step_cost
+from allhere_recipes.model_cost import MECHANISMS, PRESETS, load_model_shape, step_cost
 
 GIB, MIB = 2 ** 30, 2 ** 20
 DEFAULT_MESHES = ("2x4", "1x8", "2x8", "1x16", "4x8")
@@ -63,7 +63,7 @@ def main(argv=None) -> None:
             p.error(f"--seq {a.seq} must be a multiple of 2 x cp = {2 * cp} (zigzag layout)")
     print(f"A model, not a measurement: {a.model}, {model.params / 1e9:.2f}B parameters, n = {a.seq}, "
           f"micro-batch 1, zigzag, w = {a.window}, mu_f = {a.mu_f}.\n"
-          "Computed by allhere.distributed.model_cost (attention terms from allhere.distributed.cost on the "
+          "Computed by allhere_recipes.model_cost (attention terms from allhere_recipes.cost on the "
           "ring's plan, busiest rank); nothing was run.\n")
     print(HEAD)
     for line in rows(model, a.seq, a.meshes, a.window, a.mu_f):

@@ -73,8 +73,8 @@ def build(root: Path, calibrate: int, mechanisms: list[str], max_len: int) -> tu
     """The plain folder and one per mechanism; returns them and the AHA model's mu_f on a prompt."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from allhere.experiments.model_bench import head_shares, set_routers
     from allhere.hf import collect_routing, convert, save_pretrained
+    from allhere_recipes.model_bench import head_shares, set_routers
 
     tok = tokenizer()
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=LAYERS,

@@ -48,7 +48,7 @@ def build(shape: str, device: str, seed: int = 0):
     """The model of ``shape`` (fp32 weights, as the training loop keeps them) made on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from allhere.experiments.llama_bench import LLAMA_3_2_1B
+    from allhere_recipes.llama_bench import LLAMA_3_2_1B
 
     fields = SHAPES[shape][0] or LLAMA_3_2_1B
     cfg = LlamaConfig(**fields, attn_implementation="sdpa")

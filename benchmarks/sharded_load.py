@@ -18,7 +18,6 @@ import platform
 import time
 
 import torch
-
 from gloo_ranks import launch  # benchmarks/gloo_ranks.py
 
 MIB = 2 ** 20

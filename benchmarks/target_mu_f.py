@@ -15,8 +15,8 @@ import dataclasses
 import time
 
 from allhere.checkpoint import read_checkpoint
-from allhere.experiments.plans import TASKS, plans
-from allhere.experiments.tasks import finetune, start_task
+from allhere_recipes.plans import TASKS, plans
+from allhere_recipes.tasks import finetune, start_task
 
 
 def main(argv=None) -> None:

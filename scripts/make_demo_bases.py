@@ -1,9 +1,9 @@
-"""Make the pretrained bases that ``allhere demo`` starts from (``allhere/experiments/bases/``).
+"""Make the pretrained bases that ``allhere demo`` starts from (``allhere_recipes/bases/``).
 
     python3 scripts/make_demo_bases.py                  # both tasks of the cpu preset, bf16, run folder runs/bases
     python3 scripts/make_demo_bases.py --task recall --dtype fp32 --run runs/bases-fp32
 
-For each task it runs the demo's own pretraining (``allhere.experiments.tasks.start_task`` with the ``cpu``
+For each task it runs the demo's own pretraining (``allhere_recipes.tasks.start_task`` with the ``cpu``
 preset's plan and seed; ``allhere demo --pretrain`` runs the same), in ``--run`` (a finished pretraining
 there is reused, an interrupted one resumed), then writes the pretrained model in ``--dtype`` as
 ``cpu-<task>.safetensors`` and its provenance ``cpu-<task>.json``: this command, the git commit, the data
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import platform
 import subprocess
 import sys
@@ -26,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from allhere.experiments import bases
-from allhere.experiments.bases import base_files, heldout, load_base, restore, save_base
-from allhere.experiments.plans import TASKS, plans
-from allhere.experiments.rundir import write_json
-from allhere.experiments.tasks import start_task
 from allhere.model import Decoder
+from allhere_recipes import bases
+from allhere_recipes.bases import base_files, heldout, load_base, restore, save_base
+from allhere_recipes.plans import TASKS, plans
+from allhere_recipes.rundir import write_json
+from allhere_recipes.tasks import start_task
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", default="runs/bases", help="run folder of the pretraining (default runs/bases)")
     p.add_argument("--task", dest="tasks", action="append", choices=TASKS, help="only this task (default: both)")
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="weights of the saved base (default bf16)")
-    p.add_argument("--folder", default=None, help="where the bases go (default allhere/experiments/bases)")
+    p.add_argument("--folder", default=None, help="where the bases go (default allhere_recipes/bases)")
     args = p.parse_args(argv)
     command = " ".join(["python3", "scripts/make_demo_bases.py", *(sys.argv[1:] if argv is None else argv)])
     code = source()

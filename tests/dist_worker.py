@@ -67,7 +67,12 @@ def saved_bytes_hooks(into: dict):
 def ring_cases(rank, world, tmp, cases):
     """Each case (name, layout, n, kind, arg): run the ring on this rank's shard, backward with the shard
     of a fixed dout; return outputs, gradients and counters."""
-    from allhere.distributed import RingStats, layouts, ring_aha_attention, ring_attention
+    from allhere.distributed import (
+        RingStats,
+        layouts,
+        ring_aha_attention,
+        ring_attention,
+    )
     from allhere.distributed.ring_blocks import pattern_from, sliding
     from allhere.ops.ste import straight_through
 

@@ -6,15 +6,13 @@ index. Random weights, built offline."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
 from real_configs import STORED_DTYPE, tiny
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 WORDS = [f"w{i}" for i in range(90)]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from allhere.experiments.aamoe import flops_per_token, mixed_task, plan_for, run_aamoe
 from allhere.validation import ConfigError
+from allhere_recipes.aamoe import flops_per_token, mixed_task, plan_for, run_aamoe
 
 
 def test_tiny_experiment_writes_its_report(tmp_path):

@@ -6,10 +6,10 @@ import signal
 import pytest
 
 from allhere.cli import main
-from allhere.experiments import aamoe
-from allhere.experiments.aamoe_grid import check_seeds, compare, select_models, stat
 from allhere.interrupt import Interrupted
 from allhere.validation import ConfigError
+from allhere_recipes import aamoe
+from allhere_recipes.aamoe_grid import check_seeds, compare, select_models, stat
 
 NAMES = ["dense", "all-attention", "context-only B=2", "experts-only B=2", "AA-MoE B=1", "AA-MoE B=2"]
 

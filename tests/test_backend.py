@@ -5,12 +5,25 @@ registered mechanism kind on the references."""
 import pytest
 import torch
 import torch.nn.functional as F
-
-from allhere import (AAMoEConfig, AHAConfig, AllAttentionConfig, BigBirdConfig, DARConfig, Decoder, DilatedConfig,
-                     FullConfig, LongformerConfig, ModelConfig, SinksConfig, SlidingConfig, backend, registry,
-                     use_backend)
-
 from helpers import rel_err, spy_paths
+
+from allhere import (
+    AAMoEConfig,
+    AHAConfig,
+    AllAttentionConfig,
+    BigBirdConfig,
+    DARConfig,
+    Decoder,
+    DilatedConfig,
+    FullConfig,
+    LongformerConfig,
+    ModelConfig,
+    SinksConfig,
+    SlidingConfig,
+    backend,
+    registry,
+    use_backend,
+)
 
 # One small config per built-in kind; a kind registered without one here fails the test below.
 EXAMPLES = {

@@ -84,8 +84,13 @@ def test_a_decode_row_out_of_memory_leaves_the_others(monkeypatch):
     pytest.importorskip("transformers")
     from transformers.cache_utils import DynamicCache
 
-    from allhere.experiments import generate_bench
-    from allhere.experiments.llama_bench import build_models, decode_rows, llama_tables, render_llama
+    from allhere_recipes import generate_bench
+    from allhere_recipes.llama_bench import (
+        build_models,
+        decode_rows,
+        llama_tables,
+        render_llama,
+    )
 
     real = generate_bench.decode_steps
 
@@ -107,7 +112,7 @@ def test_a_decode_row_out_of_memory_leaves_the_others(monkeypatch):
 
 
 def test_launch_settings_section_names_each_choice_and_the_tuning_cost():
-    from allhere.experiments.bench import render_launch_settings
+    from allhere_recipes.bench import render_launch_settings
 
     choices = [{"id": "H100 sm90|triton 3.6.0|global|d128-bfloat16-g1-n32768", "setting": dict(BLOCK_M=128, BLOCK_N=128,
                 num_warps=8, num_stages=3), "ms": 1.9, "tried": 8, "tuning_s": 4.5, "source": "tuned"},

@@ -8,14 +8,26 @@ import math
 
 import pytest
 import torch
+from helpers import rel_err
 
-from allhere import AHAConfig, DARConfig, Decoder, FullConfig, ModelConfig, SlidingConfig
-from allhere.mechanisms import (AAMoEConfig, AllAttentionConfig, BigBirdConfig, DilatedConfig, LongformerConfig,
-                                SinksConfig)
+from allhere import (
+    AHAConfig,
+    DARConfig,
+    Decoder,
+    FullConfig,
+    ModelConfig,
+    SlidingConfig,
+)
+from allhere.mechanisms import (
+    AAMoEConfig,
+    AllAttentionConfig,
+    BigBirdConfig,
+    DilatedConfig,
+    LongformerConfig,
+    SinksConfig,
+)
 from allhere.mechanisms.caches import GRAIN, KVCache, PatternKVCache, RollingKVCache
 from allhere.mechanisms.dar import DARCache
-
-from helpers import rel_err
 
 MECHS = {
     "full": FullConfig(),

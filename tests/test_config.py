@@ -1,6 +1,13 @@
 import pytest
 
-from allhere import AHAConfig, ConfigError, FullConfig, ModelConfig, SlidingConfig, TrainConfig
+from allhere import (
+    AHAConfig,
+    ConfigError,
+    FullConfig,
+    ModelConfig,
+    SlidingConfig,
+    TrainConfig,
+)
 from allhere.registry import from_dict as mechanism_from_dict
 from allhere.registry import to_dict as mechanism_to_dict
 

@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from allhere.data.corpus import DataError, eval_windows, sample_batch, stdlib_corpus, text_corpus
+from allhere.data.corpus import (
+    DataError,
+    eval_windows,
+    sample_batch,
+    stdlib_corpus,
+    text_corpus,
+)
 from allhere.data.recall import RecallTask
 
 

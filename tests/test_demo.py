@@ -252,7 +252,7 @@ def test_compare_seeds_mean_std_and_reuse(tmp_path):
     differ between the seeds; a later call with a third seed trains only that one."""
     import statistics
 
-    from allhere.experiments.compare import render, run_compare
+    from allhere_recipes.compare import render, run_compare
 
     out = tmp_path / "demo"
     go = lambda seeds: run_compare(out, "tiny", ("recall",), 2, device="cpu", progress=False, seeds=seeds)  # noqa: E731

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from allhere.checkpoint import load_model
 from allhere.cli import main
 from allhere.data.corpus import eval_windows, stdlib_corpus
-from allhere.experiments import bases
-from allhere.experiments.plans import TASKS, plans
-from allhere.experiments.tasks import task_data
+from allhere_recipes import bases
+from allhere_recipes.plans import TASKS, plans
+from allhere_recipes.tasks import task_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def test_shipped_bases_are_small_and_in_the_package_data():
     assert [p.name for p in files] == sorted(f"cpu-{t}.{ext}" for t in TASKS for ext in ("json", "safetensors"))
     assert sum(p.stat().st_size for p in files) <= 10 * 2**20
     text = (ROOT / "pyproject.toml").read_text()
-    globs = re.search(r'"allhere\.experiments" = \[([^\]]*)\]', text).group(1)
+    globs = re.search(r'"allhere_recipes" = \[([^\]]*)\]', text).group(1)
     patterns = [g.strip().strip('"') for g in globs.split(",") if g.strip()]
     root = bases.BASES.parent
     assert all(any(p.relative_to(root).match(g) for g in patterns) for p in files)

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import dist_context_worker as W  # noqa: E402
 import dist_worker  # noqa: E402
 
-from allhere.checkpoint import load_model  # noqa: E402
 from allhere import ConfigError  # noqa: E402
+from allhere.checkpoint import load_model  # noqa: E402
 from allhere.config import ModelConfig  # noqa: E402
 from allhere.distributed import layouts  # noqa: E402
 from allhere.distributed.context import IGNORE, context_parallel, shard_batch  # noqa: E402

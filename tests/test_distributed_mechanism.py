@@ -22,7 +22,12 @@ from allhere.distributed import layouts  # noqa: E402
 from allhere.distributed.context import context_parallel  # noqa: E402
 from allhere.losses import training_loss  # noqa: E402
 from allhere.masks import and_masks, causal  # noqa: E402
-from allhere.mechanisms import AAMoEConfig, AttentionMechanism, ContextParallelPlan, FullConfig  # noqa: E402
+from allhere.mechanisms import (  # noqa: E402
+    AAMoEConfig,
+    AttentionMechanism,
+    ContextParallelPlan,
+    FullConfig,
+)
 from allhere.ops.common import default_scale, repeat_kv  # noqa: E402
 
 N, BATCH, VOCAB, TOL = 32, 2, 64, 1e-5

@@ -13,16 +13,16 @@ if not dist.is_available():
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker  # noqa: E402
 
+from allhere import masks  # noqa: E402
 from allhere.distributed import layouts  # noqa: E402
-from allhere.distributed.cost import Shape, add, aha_training_extra, ring_cost, saved_bytes  # noqa: E402
 from allhere.distributed.ring_blocks import causal, pattern_from, sliding  # noqa: E402
 from allhere.distributed.ring_plan import RingSpec, make_plan  # noqa: E402
-from allhere import masks  # noqa: E402
 from allhere.masks import dense_mask  # noqa: E402
 from allhere.ops.aha import aha_attention  # noqa: E402
 from allhere.ops.full import causal_attention, masked_attention  # noqa: E402
 from allhere.ops.sliding import sliding_window_attention  # noqa: E402
 from allhere.ops.ste import straight_through  # noqa: E402
+from allhere_recipes.cost import Shape, add, aha_training_extra, ring_cost, saved_bytes  # noqa: E402
 
 N = {2: 32, 4: 32}
 WINDOW = 3

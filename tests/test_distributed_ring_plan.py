@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from allhere.distributed import layouts
-from allhere.distributed.cost import Shape, plan_for, ring_cost
 from allhere.distributed.env import detect
+from allhere_recipes.cost import Shape, plan_for, ring_cost
 
 
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)

@@ -15,7 +15,14 @@ import allhere.hf  # noqa: E402
 from allhere.checkpoint import load_model, save_checkpoint  # noqa: E402
 from allhere.cli import main  # noqa: E402
 from allhere.data.chat import FALLBACK_CHAT_TEMPLATE  # noqa: E402
-from allhere.generation import ByteTokenizer, TextStream, chat, generate, load, template_ids  # noqa: E402
+from allhere.generation import (  # noqa: E402
+    ByteTokenizer,
+    TextStream,
+    chat,
+    generate,
+    load,
+    template_ids,
+)
 
 WORDS = [f"w{i}" for i in range(40)]
 TEXTS = ["café € 日本語 naïve wörld", "héllo wörld, ça va? 日本 über € 12.5", "second line: ünïcode ok."]
@@ -27,7 +34,8 @@ def generate_command(monkeypatch):
     """The command through ``allhere.cli.main``, registered here until it is in the command table."""
     cli = sys.modules["allhere.cli.main"]
     if "generate" not in {c.name for c in cli.COMMANDS}:
-        from allhere.cli.generate import generate as run, generate_arguments
+        from allhere.cli.generate import generate as run
+        from allhere.cli.generate import generate_arguments
 
         command = cli.Command("generate", "generate text with a model, streamed", generate_arguments, run)
         monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + (command,))

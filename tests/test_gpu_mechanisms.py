@@ -18,24 +18,46 @@ import os
 
 import pytest
 import torch
+from helpers import rel_err
+from test_aamoe_ops import random_case
 
 import allhere.registry as registry
 from allhere import Decoder, ModelConfig, use_backend
 from allhere.distributed import layouts
 from allhere.losses import training_loss
-from allhere.masks import and_masks, dense_mask, longformer, sliding_with_sinks, starts_from, within_segments
-from allhere.mechanisms import (AAMoEConfig, AHAConfig, AllAttentionConfig, AttentionCall, AttentionDims, BigBirdConfig,
-                                DARConfig, DilatedConfig, FullConfig, LongformerConfig, SinksConfig, SlidingConfig,
-                                mechanism_layers)
+from allhere.masks import (
+    and_masks,
+    dense_mask,
+    longformer,
+    sliding_with_sinks,
+    starts_from,
+    within_segments,
+)
+from allhere.mechanisms import (
+    AAMoEConfig,
+    AHAConfig,
+    AllAttentionConfig,
+    AttentionCall,
+    AttentionDims,
+    BigBirdConfig,
+    DARConfig,
+    DilatedConfig,
+    FullConfig,
+    LongformerConfig,
+    SinksConfig,
+    SlidingConfig,
+    mechanism_layers,
+)
 from allhere.mechanisms.masked_base import PatternAttention
 from allhere.ops.aamoe import aamoe_attention, aamoe_attention_reference
 from allhere.ops.aha import aha_attention
-from allhere.ops.full import causal_attention, masked_attention, pattern_attention_reference
+from allhere.ops.full import (
+    causal_attention,
+    masked_attention,
+    pattern_attention_reference,
+)
 from allhere.ops.sliding import sliding_window_attention
 from allhere.ops.ste import straight_through
-
-from helpers import rel_err
-from test_aamoe_ops import random_case
 
 DEVICE = os.environ.get("ALLHERE_GPU_TEST_DEVICE", "cuda")
 ON_CUDA = DEVICE.startswith("cuda")
@@ -153,7 +175,10 @@ def test_the_training_group_reduces_cpu_and_device_tensors(one_rank_group):
 
 def full_optimizer_state(model, optimizer) -> dict:
     """{parameter name: the optimizer's state of it, gathered whole}."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
 
     sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
     return sd["state"]

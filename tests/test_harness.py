@@ -63,8 +63,9 @@ def test_rolling_loglikelihood_matches_a_direct_forward(setup):
     """Every byte is scored, the first one after the prefix token (a newline, as documents start in the
     training corpus); with a short max_length in lm-eval's windows: each predicts the next max_length
     bytes from the byte before them, the last one reads max_length bytes back."""
-    from allhere.eval.harness import AllhereLM
     from lm_eval.api.instance import Instance
+
+    from allhere.eval.harness import AllhereLM
 
     _, ckpt, model = setup
     text = "def f(x):\n    return x + 1\n" * 3
@@ -105,8 +106,9 @@ def test_cli_eval(setup, capsys, monkeypatch):
 
 
 def test_generate_until_is_greedy_and_stops_at_the_stop_string(setup):
-    from allhere.eval.harness import AllhereLM
     from lm_eval.api.instance import Instance
+
+    from allhere.eval.harness import AllhereLM
 
     _, ckpt, model = setup
     lm = AllhereLM(str(ckpt), max_gen_toks=12)

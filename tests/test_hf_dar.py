@@ -7,12 +7,18 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from allhere import ConfigError, DARConfig  # noqa: E402
-from allhere.hf import cache_nbytes, convert, load_pretrained, new_cache, save_pretrained  # noqa: E402
-from allhere.hf.cache import DARCacheLayer  # noqa: E402
-
 from helpers import rel_err  # noqa: E402
 from test_hf import FAMILIES, build  # noqa: E402
+
+from allhere import ConfigError, DARConfig  # noqa: E402
+from allhere.hf import (  # noqa: E402
+    cache_nbytes,
+    convert,
+    load_pretrained,
+    new_cache,
+    save_pretrained,
+)
+from allhere.hf.cache import DARCacheLayer  # noqa: E402
 
 
 @pytest.mark.parametrize("name", FAMILIES)

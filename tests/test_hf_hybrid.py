@@ -10,13 +10,19 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from allhere import AHAConfig, set_forced_gate  # noqa: E402
-from allhere.cli import main  # noqa: E402
-from allhere.hf import collect_routing, convert, global_share, load_pretrained, save_pretrained  # noqa: E402
-from allhere.hf.convert import attention_modules  # noqa: E402
-
 from helpers import rel_err  # noqa: E402
 from hf_fixtures import write_model, write_texts  # noqa: E402
+
+from allhere import AHAConfig, set_forced_gate  # noqa: E402
+from allhere.cli import main  # noqa: E402
+from allhere.hf import (  # noqa: E402
+    collect_routing,
+    convert,
+    global_share,
+    load_pretrained,
+    save_pretrained,
+)
+from allhere.hf.convert import attention_modules  # noqa: E402
 
 
 @pytest.fixture(scope="module")

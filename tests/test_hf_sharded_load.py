@@ -12,6 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from dist_worker import launch  # noqa: E402
+from hf_fixtures import write_model  # noqa: E402
+
 from allhere import AHAConfig, ConfigError, DARConfig, registry  # noqa: E402
 from allhere.checkpoint import CheckpointError  # noqa: E402
 from allhere.hf import convert, save_pretrained  # noqa: E402
@@ -19,9 +22,6 @@ from allhere.hf.convert import init_mechanism  # noqa: E402
 from allhere.hf.io import load_local  # noqa: E402
 from allhere.hf.sharded_load import PeakRSS, load_sharded  # noqa: E402
 from allhere.mechanisms.base import AttentionDims  # noqa: E402
-
-from dist_worker import launch  # noqa: E402
-from hf_fixtures import write_model  # noqa: E402
 
 SEED = 7
 AHA = AHAConfig(window=4, router_init="neutral")  # random router weights: a seed that missed them would show
@@ -39,7 +39,10 @@ def _ids(vocab: int) -> torch.Tensor:
 
 def _correctness(rank, world, tmp, folders, broken):
     """Every case loaded sharded; rank 0 also loads the single-process model and compares."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     out = {}
     for case, key, mech in CASES:

@@ -1,16 +1,18 @@
-"""The package's import structure, read from its source (``ast``; every import statement, those inside
-functions too): no import cycle but the registry's deliberate one, no module importing a layer above its
-own, no private name imported from another module."""
+"""The import structure of the two packages, read from their source (``ast``; every import statement, those
+inside functions too): no import cycle but the registry's deliberate one, no module importing a layer above
+its own, no private name imported from another module. ``allhere`` is the library; ``allhere_recipes``
+(demo, sweep, studies, bench, cost models) sits on top of it, and only the command line imports it."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "allhere"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("allhere", "allhere_recipes")
 
 # The layers, bottom first (the data flow of the design guide: config -> registry -> mechanism -> op, and
-# model -> train -> experiments -> cli, with the hosts hf/ and serve/ above the mechanisms). A module may
+# model -> train -> recipes -> cli, with the hosts hf/ and serve/ above the mechanisms). A module may
 # import modules of its own layer and of the layers below it. A module belongs to the entry with the longest
 # matching prefix; ``allhere`` alone is the package's public face (it gathers names up to the model).
 LAYERS = [
@@ -18,8 +20,8 @@ LAYERS = [
                     "allhere.hosts", "allhere.progress", "allhere.interrupt", "allhere.runlock", "allhere.masks",
                     "allhere.distributed.env", "allhere.distributed.layouts"]),
     ("op", ["allhere.ops", "allhere.kernels", "allhere.distributed.ring", "allhere.distributed.ring_blocks",
-            "allhere.distributed.ring_plan", "allhere.distributed.ring_far", "allhere.distributed.cost",
-            "allhere.distributed.model_cost"]),
+            "allhere.distributed.ring_plan", "allhere.distributed.ring_far", "allhere_recipes.cost",
+            "allhere_recipes.model_cost"]),
     ("mechanism", ["allhere.registry", "allhere.mechanisms"]),
     ("config", ["allhere.config", "allhere.distributed.parallel"]),
     ("model", ["allhere", "allhere.model", "allhere.routing", "allhere.losses", "allhere.checkpoint",
@@ -27,7 +29,7 @@ LAYERS = [
     ("train", ["allhere.train", "allhere.distributed"]),
     ("host", ["allhere.hf", "allhere.serve"]),
     ("application", ["allhere.eval", "allhere.generation"]),
-    ("experiments", ["allhere.experiments"]),
+    ("recipes", ["allhere_recipes"]),
     ("cli", ["allhere.cli"]),
 ]
 
@@ -38,8 +40,8 @@ DELIBERATE = {("allhere.registry", "allhere.mechanisms")}
 
 def modules() -> dict[str, Path]:
     found = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in (p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
@@ -48,19 +50,19 @@ MODULES = modules()
 
 
 def imports(name: str) -> list[tuple[str, str]]:
-    """(module imported, name taken from it or "") of every import of ``allhere`` modules in ``name``."""
+    """(module imported, name taken from it or "") of every import of the two packages' modules in ``name``."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out += [(a.name, "") for a in node.names if a.name.split(".")[0] == "allhere"]
+            out += [(a.name, "") for a in node.names if a.name.split(".")[0] in PACKAGES]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            if base.split(".")[0] != "allhere":
+            if base.split(".")[0] not in PACKAGES:
                 continue
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
@@ -144,10 +146,10 @@ def test_no_private_name_imported_from_another_module():
     assert private == []
 
 
-@pytest.mark.parametrize("name", ["allhere.ops.aha.dispatch", "allhere.hf", "allhere.experiments.bench"])
+@pytest.mark.parametrize("name", ["allhere.ops.aha.dispatch", "allhere.hf", "allhere_recipes.bench"])
 def test_the_parser_sees_relative_and_lazy_imports(name):
     """The checks above rest on ``imports``: it resolves relative imports and sees those inside functions."""
     found = {t for t, _ in imports(name)}
-    assert found and all(t.split(".")[0] == "allhere" for t in found)
-    if name == "allhere.experiments.bench":
-        assert "allhere.experiments.bench_profile" in found  # imported inside run_bench
+    assert found and all(t.split(".")[0] in PACKAGES for t in found)
+    if name == "allhere_recipes.bench":
+        assert "allhere_recipes.bench_profile" in found  # imported inside run_bench

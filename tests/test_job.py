@@ -1,10 +1,10 @@
-"""The whole job's time left (``allhere.experiments.job``): planned runs, paces, the bar's ``job_left``."""
+"""The whole job's time left (``allhere_recipes.job``): planned runs, paces, the bar's ``job_left``."""
 
 import io
 
 from allhere.config import ModelConfig
-from allhere.experiments.job import Job, step_cost
 from allhere.progress import LineProgress
+from allhere_recipes.job import Job, step_cost
 
 
 def test_step_cost_grows_with_tokens_model_and_context():
@@ -17,7 +17,7 @@ def test_step_cost_grows_with_tokens_model_and_context():
 
 def test_time_left_counts_the_runs_to_come_at_the_measured_pace(tmp_path, monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr("allhere.experiments.job.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("allhere_recipes.job.time.monotonic", lambda: clock[0])
     job = Job()
     (tmp_path / "t" / "b").mkdir(parents=True)
     (tmp_path / "t" / "b" / "checkpoint.json").write_text('{"step": 4}')  # run b is 4 steps in already

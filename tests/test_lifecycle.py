@@ -240,8 +240,8 @@ def test_second_signal_stops_at_once_and_keeps_the_last_checkpoint(tmp_path):
 
 
 def test_ctrl_c_outside_training_is_one_line(monkeypatch, capsys):
-    import allhere.experiments.analyze as analyze
-    import allhere.experiments.demo as demo
+    import allhere_recipes.analyze as analyze
+    import allhere_recipes.demo as demo
 
     def ctrl_c(*args, **kwargs):
         raise KeyboardInterrupt

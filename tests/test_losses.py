@@ -3,7 +3,7 @@ import math
 import torch
 
 from allhere import AHAConfig, Decoder, ModelConfig
-from allhere.losses import training_loss, lm_loss
+from allhere.losses import lm_loss, training_loss
 
 
 def test_lm_loss_ignores_padding_and_masked_targets():

@@ -2,13 +2,19 @@
 
 import pytest
 import torch
-
-from allhere.masks import and_masks, causal, dense_mask, or_masks, segment_starts, sliding_window
-from allhere.ops.aha import aha_attention_reference
-from allhere.ops.common import segment_mask
-
 from helpers import brute_force_aha, rel_err
 from helpers import segment_mask as mask_of_layout
+
+from allhere.masks import (
+    and_masks,
+    causal,
+    dense_mask,
+    or_masks,
+    segment_starts,
+    sliding_window,
+)
+from allhere.ops.aha import aha_attention_reference
+from allhere.ops.common import segment_mask
 
 
 def test_window_counts_current_token():

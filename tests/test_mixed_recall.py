@@ -7,8 +7,19 @@ import pytest
 import torch
 
 from allhere.data.corpus import VOCAB_SIZE
-from allhere.data.mixed_recall import (ANSWER_LEN, ASK_MARK, CONTEXT, KEY_BASE, N_KEYS, STATE_MARK, TABLE, TABLE_MARK,
-                                       MixedTask, accuracy, score)
+from allhere.data.mixed_recall import (
+    ANSWER_LEN,
+    ASK_MARK,
+    CONTEXT,
+    KEY_BASE,
+    N_KEYS,
+    STATE_MARK,
+    TABLE,
+    TABLE_MARK,
+    MixedTask,
+    accuracy,
+    score,
+)
 from allhere.validation import ConfigError
 
 STREAM = torch.tensor(list(b"def f(x):\n    return x + 1  # a comment?\n" * 40), dtype=torch.uint8)

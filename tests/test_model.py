@@ -1,12 +1,21 @@
 import pytest
 import torch
+from helpers import rel_err
 
-from allhere import (AHAConfig, DARConfig, Decoder, FullConfig, ModelConfig, SlidingConfig, TrainConfig,
-                     set_forced_gate, swap_mechanism, use_backend)
+from allhere import (
+    AHAConfig,
+    DARConfig,
+    Decoder,
+    FullConfig,
+    ModelConfig,
+    SlidingConfig,
+    TrainConfig,
+    set_forced_gate,
+    swap_mechanism,
+    use_backend,
+)
 from allhere.masks import starts_from
 from allhere.train import make_optimizer
-
-from helpers import rel_err
 
 MECHS = {
     "full": FullConfig(),

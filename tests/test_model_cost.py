@@ -1,4 +1,4 @@
-"""The whole-model cost model (``allhere.distributed.model_cost``) and its table script."""
+"""The whole-model cost model (``allhere_recipes.model_cost``) and its table script."""
 
 from __future__ import annotations
 
@@ -8,11 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from allhere.distributed.cost import Shape, plan_for, ring_cost, saved_bytes, summary
-from allhere.distributed.model_cost import MECHANISMS, PRESETS, ModelShape, load_model_shape, step_cost
-
 from real_configs import PUBLISHED
+
+from allhere_recipes.cost import Shape, plan_for, ring_cost, saved_bytes, summary
+from allhere_recipes.model_cost import (
+    MECHANISMS,
+    PRESETS,
+    ModelShape,
+    load_model_shape,
+    step_cost,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 4096  # small enough that every plan below is walked in milliseconds
@@ -81,7 +86,7 @@ def test_ring_terms_are_the_layer_summary_times_the_layers(mech):
     trained = "trained" in mech
     extra = None
     if trained:
-        from allhere.distributed.cost import aha_training_extra
+        from allhere_recipes.cost import aha_training_extra
 
         def extra(r):
             return aha_training_extra(N, cp, "zigzag", window, shape, r)

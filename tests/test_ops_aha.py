@@ -3,14 +3,16 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import brute_force_aha, rel_err, segment_mask
 
 from allhere.masks import segment_starts
 from allhere.ops.aha import aha_attention_fast, aha_attention_reference
 from allhere.ops.aha.fast import aha_attention_torch
+from allhere.ops.sliding import (
+    sliding_window_attention_reference,
+    sliding_window_attention_torch,
+)
 from allhere.ops.ste import straight_through
-from allhere.ops.sliding import sliding_window_attention_reference, sliding_window_attention_torch
-
-from helpers import brute_force_aha, rel_err, segment_mask
 
 # (batch, heads, kv_heads, q_len, kv_len, dim, window)
 SHAPES = [

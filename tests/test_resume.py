@@ -51,10 +51,10 @@ def test_runs_of_an_earlier_version_resume(tmp_path):
     """Settings and checkpoints written before a TrainConfig field existed (here: without target_mu_f and
     lam_rate) are the same settings when that field is at its default; another value is refused."""
     from allhere.config import TrainConfig
-    from allhere.experiments.plans import plan_from_dict, plans, run_settings
-    from allhere.experiments.rundir import claim
     from allhere.train import check_settings
     from allhere.validation import ConfigError
+    from allhere_recipes.plans import plan_from_dict, plans, run_settings
+    from allhere_recipes.rundir import claim
 
     plan = plans("tiny")["recall"]
     old = run_settings(plan, None)

@@ -15,7 +15,13 @@ from allhere.mechanisms.dar import far_keys
 from allhere.ops.aha import aha_attention_reference
 from allhere.ops.dar import dar_attention_reference
 from allhere.ops.full import pattern_attention_reference
-from allhere.serve.paged import causal_read, paged_attention, paged_view, window_read, write
+from allhere.serve.paged import (
+    causal_read,
+    paged_attention,
+    paged_view,
+    window_read,
+    write,
+)
 
 HEADS, KV_HEADS, D, BS = 4, 2, 8, 4  # 2 query heads per kv head; blocks of 4 tokens
 LENGTHS = [29, 5, 17]  # tokens per request; request 3 (PREFIXED) reuses the first SHARED of request 0

@@ -7,12 +7,19 @@ import math
 import pytest
 import torch
 
-from allhere.experiments import sparse_graph as graph
-from allhere.experiments.sparse_family import Pattern, PatternSettings, build, layer_masks
-from allhere.experiments.sparse_plot import COLOURS, edge_image, mask_figure
-from allhere.experiments.sparse_patterns import _check_whole, render, run_patterns
-from allhere.masks import causal, dense_mask, dilated_window, global_tokens, longformer, sliding_window
+from allhere.masks import (
+    causal,
+    dense_mask,
+    dilated_window,
+    global_tokens,
+    longformer,
+    sliding_window,
+)
 from allhere.validation import ConfigError
+from allhere_recipes import sparse_graph as graph
+from allhere_recipes.sparse_family import Pattern, PatternSettings, build, layer_masks
+from allhere_recipes.sparse_patterns import _check_whole, render, run_patterns
+from allhere_recipes.sparse_plot import COLOURS, edge_image, mask_figure
 
 
 def _mask(pred, n):

@@ -7,9 +7,26 @@ import random
 import pytest
 import torch
 
-from allhere.masks import (and_masks, bigbird, bigbird_global, bigbird_random, bigbird_window, causal, dense_mask,
-                           dilated_window, global_at, global_first, global_from_ids, global_tokens, longformer, or_masks,
-                           sinks, sliding_window, sliding_with_sinks, within_segments)
+from allhere.masks import (
+    and_masks,
+    bigbird,
+    bigbird_global,
+    bigbird_random,
+    bigbird_window,
+    causal,
+    dense_mask,
+    dilated_window,
+    global_at,
+    global_first,
+    global_from_ids,
+    global_tokens,
+    longformer,
+    or_masks,
+    sinks,
+    sliding_window,
+    sliding_with_sinks,
+    within_segments,
+)
 
 B, H = 2, 3
 

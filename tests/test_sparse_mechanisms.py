@@ -4,16 +4,25 @@ caches, segments, checkpoints and the Hugging Face conversion."""
 
 import pytest
 import torch
+from helpers import rel_err
 
 from allhere import ConfigError, Decoder, ModelConfig, use_backend
 from allhere.checkpoint import load_model, save_checkpoint
 from allhere.masks import dense_mask, starts_from
-from allhere.mechanisms import (AttentionCall, AttentionDims, BigBirdConfig, DilatedConfig, LongformerConfig,
-                                SinksConfig, SlidingConfig, bigbird_schedule, dilation_schedule, mechanism_layers)
+from allhere.mechanisms import (
+    AttentionCall,
+    AttentionDims,
+    BigBirdConfig,
+    DilatedConfig,
+    LongformerConfig,
+    SinksConfig,
+    SlidingConfig,
+    bigbird_schedule,
+    dilation_schedule,
+    mechanism_layers,
+)
 from allhere.ops.full import masked_attention, pattern_attention_reference
 from allhere.registry import build, from_dict, to_dict
-
-from helpers import rel_err
 
 DIMS = AttentionDims(32, 4, 2, 8)
 

@@ -6,9 +6,24 @@ import math
 import pytest
 import torch
 
-from allhere.masks import (and_masks, bigbird, causal, dense_mask, dilated_window, global_tokens, longformer, sinks,
-                           sliding_window, sliding_with_sinks, within_segments)
-from allhere.ops.blocksparse import blocksparse_attention, pattern_attention, plan_blocks
+from allhere.masks import (
+    and_masks,
+    bigbird,
+    causal,
+    dense_mask,
+    dilated_window,
+    global_tokens,
+    longformer,
+    sinks,
+    sliding_window,
+    sliding_with_sinks,
+    within_segments,
+)
+from allhere.ops.blocksparse import (
+    blocksparse_attention,
+    pattern_attention,
+    plan_blocks,
+)
 from allhere.ops.dilated import dilated_window_attention
 from allhere.ops.full import pattern_attention_reference
 

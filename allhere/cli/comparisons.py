@@ -1,7 +1,7 @@
 """The two comparison commands: ``allhere patterns``, the sparse attention family side by side (masks,
-scores, receptive field, hops, KV cache, time against dense SDPA; ``allhere.experiments.sparse_patterns``),
+scores, receptive field, hops, KV cache, time against dense SDPA; ``allhere_recipes.sparse_patterns``),
 and ``allhere compare``, the sparse patterns and AHA fine-tuned at about one attention budget
-(``allhere.experiments.compare``)."""
+(``allhere_recipes.compare``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from . import args as a
 
 
 def patterns_arguments(p: argparse.ArgumentParser) -> None:
-    from ..experiments.sparse_family import KV_DTYPES, NAMES
+    from allhere_recipes.sparse_family import KV_DTYPES, NAMES
 
     p.add_argument("--out", type=a.out_folder, default="runs/patterns",
                    help="folder for patterns.md / .json / _masks.png / _reach.png (default runs/patterns)")
@@ -52,7 +52,7 @@ def patterns_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def patterns(args) -> None:
-    from ..experiments.sparse_patterns import render, run_patterns
+    from allhere_recipes.sparse_patterns import render, run_patterns
 
     settings = {k: getattr(args, k) for k in ("n", "window", "n_global", "sinks", "random_blocks", "block",
                                                "layers", "heads", "head_dim", "kv_length", "kv_dtype", "time_n",
@@ -63,7 +63,7 @@ def patterns(args) -> None:
 
 
 def compare_arguments(p: argparse.ArgumentParser) -> None:
-    from ..experiments.plans import PRESETS, TASKS
+    from allhere_recipes.plans import PRESETS, TASKS
 
     p.add_argument("--out", type=a.out_folder, default="runs/demo",
                    help="the demo's run folder: its pretrained models are reused, or trained here and reused by "
@@ -81,8 +81,8 @@ def compare_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def compare(args) -> None:
-    from ..experiments.compare import render, run_compare
-    from ..experiments.plans import TASKS
+    from allhere_recipes.compare import render, run_compare
+    from allhere_recipes.plans import TASKS
 
     report = run_compare(args.out, args.preset, tuple(args.tasks or TASKS), args.steps, args.data, args.device,
                          not args.no_progress, seeds=args.seeds)

@@ -10,7 +10,6 @@ from pathlib import Path
 from ..validation import ConfigError
 from . import args as a
 
-
 MU_F_HELP = ("For a model that routes (AHA), stderr also shows mu_f: the share of (layer, head) gates on full "
              "attention over the decode steps, i.e. each generated token as it is fed back (all but the last; "
              "the prompt is not counted).")

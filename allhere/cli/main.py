@@ -23,14 +23,30 @@ from ..distributed.env import detect
 from ..interrupt import Interrupted, terminate_as_interrupt
 from ..validation import ConfigError
 from .bench import bench, bench_arguments
-from .generate import generate, generate_arguments
-from .models import (convert, convert_arguments, eval_arguments, evaluate, perplexity, perplexity_arguments, sft,
-                     sft_arguments)
 from .comparisons import compare, compare_arguments, patterns, patterns_arguments
+from .generate import generate, generate_arguments
+from .models import (
+    convert,
+    convert_arguments,
+    eval_arguments,
+    evaluate,
+    perplexity,
+    perplexity_arguments,
+    sft,
+    sft_arguments,
+)
 from .quiet import quiet_third_party
+from .runs import (
+    aamoe,
+    aamoe_arguments,
+    analyze,
+    analyze_arguments,
+    demo,
+    demo_arguments,
+    sweep,
+    sweep_arguments,
+)
 from .serve import serve, serve_arguments
-from .runs import (aamoe, aamoe_arguments, analyze, analyze_arguments, demo, demo_arguments, sweep,
-                   sweep_arguments)
 
 KNOWN_ERRORS = (ConfigError, DataError, CheckpointError, ImportError)
 

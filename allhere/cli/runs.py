@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..experiments.plans import PRESETS, TASKS
+from allhere_recipes.plans import PRESETS, TASKS
+
 from ..validation import ConfigError
 from . import args as a
-
 
 # demo -------------------------------------------------------------------------------------------------
 
@@ -63,7 +63,7 @@ def _check_demo_flags(args) -> None:
 def demo(args) -> None:
     _check_demo_flags(args)
     if args.mechanism == "dar":
-        from ..experiments.dar_demo import render, run_dar_demo
+        from allhere_recipes.dar_demo import render, run_dar_demo
 
         report = run_dar_demo(out=args.out, preset=args.preset, data_path=args.data, device=args.device,
                               progress=not args.no_progress, from_scratch=args.from_scratch,
@@ -71,7 +71,7 @@ def demo(args) -> None:
         print(render(report))
         print(f"Report written to {args.out}/dar_report.md and dar_report.json")
         return
-    from ..experiments.demo import render, run_demo
+    from allhere_recipes.demo import render, run_demo
 
     report = run_demo(out=args.out, preset=args.preset, tasks=tuple(args.tasks or TASKS), data_path=args.data,
                       device=args.device, progress=not args.no_progress, pretrain=args.pretrain,
@@ -93,7 +93,7 @@ def analyze_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def analyze(args) -> None:
-    from ..experiments.analyze import analyze_run, render
+    from allhere_recipes.analyze import analyze_run, render
 
     results = analyze_run(args.run, tuple(args.tasks or TASKS), args.target_mu)
     print(render(results))
@@ -120,7 +120,7 @@ def sweep_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def sweep(args) -> None:
-    from ..experiments.sweep import render, run_sweep
+    from allhere_recipes.sweep import render, run_sweep
 
     res = run_sweep(args.out, args.preset, tuple(args.windows), tuple(args.lams), args.lam_window,
                     tuple(args.tasks or TASKS), args.data, args.device, not args.no_progress)
@@ -131,7 +131,8 @@ def sweep(args) -> None:
 # aamoe ------------------------------------------------------------------------------------------------
 
 def aamoe_arguments(p: argparse.ArgumentParser) -> None:
-    from ..experiments.aamoe import PRESETS as AAMOE_PRESETS, TASKS as AAMOE_TASKS
+    from allhere_recipes.aamoe import PRESETS as AAMOE_PRESETS
+    from allhere_recipes.aamoe import TASKS as AAMOE_TASKS
 
     p.add_argument("--out", type=a.out_folder, default="runs/aamoe",
                    help="run folder (models in <out>/aamoe/<model>/seed<k>), resumed with the same settings; one "
@@ -161,7 +162,7 @@ def aamoe_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def aamoe(args) -> None:
-    from ..experiments.aamoe import render, run_aamoe
+    from allhere_recipes.aamoe import render, run_aamoe
 
     report = run_aamoe(args.out, args.preset, args.device, not args.no_progress, args.steps, args.budgets,
                        wanted=args.models, seeds=args.seeds, task=args.task, train_runs=not args.report_only)

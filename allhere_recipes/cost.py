@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .layouts import chunks_per_rank
-from .ring_plan import RingPlan, RingSpec, make_plan
-from .ring_blocks import causal, sliding
+from allhere.distributed.layouts import chunks_per_rank
+from allhere.distributed.ring_blocks import causal, sliding
+from allhere.distributed.ring_plan import RingPlan, RingSpec, make_plan
 
 PHASES = ("forward", "backward")
 
@@ -99,8 +99,8 @@ def plan_for(mechanism: str, n: int, world: int, layout: str, window: int = 4096
     if mechanism == "sliding":
         return make_plan(RingSpec(sliding(window)), n, world, layout), False
     if mechanism == "longformer":
-        from .. import masks
-        from .ring_blocks import pattern_from
+        from allhere import masks
+        from allhere.distributed.ring_blocks import pattern_from
 
         return make_plan(RingSpec(pattern_from(masks.longformer(window, is_global))), n, world, layout), False
     if mechanism == "aha":

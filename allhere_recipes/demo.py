@@ -3,7 +3,7 @@
 
 For each task (the stdlib corpus, or the user's text; and the synthetic recall task):
   1. take the pretrained full-attention decoder: the base shipped with allhere for the ``cpu`` preset
-     (``allhere.experiments.bases``), or one pretrained in the run directory (``--pretrain``, the other
+     (``allhere_recipes.bases``), or one pretrained in the run directory (``--pretrain``, the other
      presets, the user's text, other pretraining steps);
   2. copy it into an AHA model whose routers start fully global (the copy computes what the pretrained
      model computed);
@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from ..data.recall import RecallTask
-from ..eval import evaluate_lm
-from ..mechanisms import FullConfig, SlidingConfig
-from ..model import swap_mechanism
-from ..routing import routed_layers
-from ..runlock import run_lock
+from allhere.data.recall import RecallTask
+from allhere.eval import evaluate_lm
+from allhere.mechanisms import FullConfig, SlidingConfig
+from allhere.model import swap_mechanism
+from allhere.routing import routed_layers
+from allhere.runlock import run_lock
+
 from .bases import Base, choose_base, describe
 from .job import Job, step_cost
 from .plans import TASKS, plan_to_dict, plans, preset_plans
@@ -194,7 +195,7 @@ def write_demo_report(report: dict, out: str | Path) -> dict[str, Path]:
                 title = f"{name}: {row_name}"
                 panels[title], layers[title] = r["usage"], res["aha_layers"]
     if panels:
-        from ..analysis.plots import usage_heatmaps
+        from allhere.analysis.plots import usage_heatmaps
 
         paths["png"] = usage_heatmaps(panels, Path(out) / "mu_f_heatmap.png", layers)
     return paths

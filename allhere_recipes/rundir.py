@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..checkpoint import atomic_write
-from ..runlock import LOCK_NAME
-from ..validation import ConfigError
+from allhere.checkpoint import atomic_write
+from allhere.runlock import LOCK_NAME
+from allhere.validation import ConfigError
 
 SETTINGS = "settings.json"
 

@@ -38,11 +38,18 @@ from pathlib import Path
 
 import torch
 
-from ..masks import causal, dense_mask, sliding_window
-from ..mechanisms import (FullConfig, LongformerConfig, SinksConfig, SlidingConfig,
-                          bigbird_schedule, dilation_schedule)
-from ..runlock import run_lock
-from ..validation import check_int
+from allhere.masks import causal, dense_mask, sliding_window
+from allhere.mechanisms import (
+    FullConfig,
+    LongformerConfig,
+    SinksConfig,
+    SlidingConfig,
+    bigbird_schedule,
+    dilation_schedule,
+)
+from allhere.runlock import run_lock
+from allhere.validation import check_int
+
 from .aamoe_grid import check_seeds, stat
 from .aamoe_render import ms, pct
 from .plans import TASKS, plans

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from ..mechanisms.base import mechanism_layers
+from allhere.mechanisms.base import mechanism_layers
+
 from .gates import tail_share
 
 SHAPE = dict(vocab=256, d_model=256, layers=4, heads=4, window=256)
@@ -71,7 +72,7 @@ def set_routers(model, run, ids, shares: torch.Tensor) -> None:
 def build(n_calibrate: int = 2048):
     """{name: (model, run, mechanisms-or-None)} for the dense and AHA versions of both models."""
     import allhere as ah
-    from ..hf import convert
+    from allhere.hf import convert
 
     s = SHAPE
     cfg = ah.ModelConfig(vocab_size=s["vocab"], d_model=s["d_model"], n_layers=s["layers"], n_heads=s["heads"])
@@ -103,7 +104,7 @@ def _mu_f(model, run, ids) -> float:
     """mu_f of ``model`` (a routed Decoder or converted HF model) on ``ids``."""
     if hasattr(model, "blocks"):  # allhere's Decoder returns its routing
         return float(model(ids).routing.mu_f())
-    from ..hf import collect_routing
+    from allhere.hf import collect_routing
 
     run(model)(ids)
     return float(collect_routing(model).mu_f())
@@ -111,7 +112,7 @@ def _mu_f(model, run, ids) -> float:
 
 def run_model_bench(lengths, repeats: int = 3, progress=print) -> list[dict]:
     """One row per (model, n): dense, AHA and all-local AHA prefill times (medians), tokens/s and mu_f."""
-    from ..routing import set_forced_gate
+    from allhere.routing import set_forced_gate
 
     rows = []
     for name, (dense, routed, run) in build().items():

@@ -4,7 +4,7 @@ pretrained full model (``start_task``), pretraining and fine-tuning, each resume
 Two tasks: "stdlib" (language modelling on the embedded stdlib corpus or the user's text) and "recall"
 (the synthetic key-value recall task). A task's folder is ``<out>/<task>``: settings.json, the
 pretrained model in pretrain/checkpoint.safetensors (pretrained there, or a copy of the shipped base the
-run started from, ``allhere.experiments.bases``), every fine-tune in a folder of its own.
+run started from, ``allhere_recipes.bases``), every fine-tune in a folder of its own.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from typing import Callable
 
 import torch
 
-from ..config import ModelConfig, TrainConfig
-from ..data.corpus import eval_windows, sample_batch, stdlib_corpus, text_corpus
-from ..data.recall import RecallTask
-from ..eval import evaluate_lm, evaluate_recall
-from ..model import Decoder, swap_mechanism
-from ..train import train
+from allhere.config import ModelConfig, TrainConfig
+from allhere.data.corpus import eval_windows, sample_batch, stdlib_corpus, text_corpus
+from allhere.data.recall import RecallTask
+from allhere.eval import evaluate_lm, evaluate_recall
+from allhere.model import Decoder, swap_mechanism
+from allhere.train import train
+
 from .bases import FOLLOW, NEW, Base, base_in_folder, folder_base
 from .plans import TaskPlan, plan_from_dict, run_settings
 from .rundir import check_out, claim

@@ -19,7 +19,7 @@ def seed_kv(model, tokens: int, device: str) -> list[tuple[torch.Tensor, torch.T
     """Per layer, the keys and values [1, kv_heads, tokens, head_dim] of a random prompt of ``tokens``."""
     from transformers.cache_utils import DynamicCache
 
-    from ..hf.cache import cache_kwargs
+    from allhere.hf.cache import cache_kwargs
 
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(4))
     cache = DynamicCache(config=model.config)
@@ -72,13 +72,13 @@ def decode_steps(model, ids: torch.Tensor, cache, new_tokens: int, warmup_tokens
     ``new_tokens - 1`` intervals."""
     from transformers import LogitsProcessorList
 
-    from ..hf.cache import cache_kwargs
+    from allhere.hf.cache import cache_kwargs
 
     settings = dict(do_sample=False, pad_token_id=0, num_beams=1, **cache_kwargs(cache))
     mus = []
     hook = None
     if routed:
-        from ..hf import collect_routing
+        from allhere.hf import collect_routing
 
         kv = model.config.num_key_value_heads
         hook = model.register_forward_hook(lambda *_: mus.append(global_shares(collect_routing(model), kv)))

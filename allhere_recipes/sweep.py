@@ -13,7 +13,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..runlock import run_lock
+from allhere.runlock import run_lock
+
 from .plans import TASKS, plans
 from .report import percent, write_report
 from .rundir import write_json
@@ -112,7 +113,7 @@ def render(results: dict) -> str:
 
 def plot(results: dict, path: Path) -> None:
     """mu_f against the window, one line per task (log2 x axis)."""
-    from ..analysis.plots import require_matplotlib
+    from allhere.analysis.plots import require_matplotlib
 
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(5.5, 3.4))

@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..backend import use_backend
-from ..validation import ConfigError
-from ..kernels import autotune, triton_available
-from ..ops.aha import aha_attention_fast, aha_attention_reference
-from ..ops.ste import straight_through
+from allhere.backend import use_backend
+from allhere.kernels import autotune, triton_available
+from allhere.ops.aha import aha_attention_fast, aha_attention_reference
+from allhere.ops.ste import straight_through
+from allhere.validation import ConfigError
+
 from .gates import PATTERNS, byte_limit, flop_limit
 from .report import write_report
 from .timing import median_time
@@ -114,7 +115,7 @@ def flex_sliding(q, k, v, window: int):
         return None
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from ..masks import sliding_window
+    from allhere.masks import sliding_window
 
     n = q.shape[2]
     block = create_block_mask(sliding_window(window), None, None, n, n, device=q.device)

@@ -80,8 +80,9 @@ def build_models(t: LlamaTables):
     routers are set long-tailed at ``t.mu`` (on ``t.calibrate_tokens`` random tokens)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .. import AHAConfig
-    from ..hf import convert
+    from allhere import AHAConfig
+    from allhere.hf import convert
+
     from .model_bench import head_shares, set_routers
 
     shape = {**LLAMA_3_2_1B, **(SMOKE_SHAPE if t.smoke else {})}
@@ -110,8 +111,8 @@ def _reset_peak(device: str) -> None:
 
 def prefill_rows(t: LlamaTables, plain, aha, progress=print) -> list[dict]:
     """Per prefill length: the forward's time of plain, AHA and AHA with every gate local, and mu_f."""
-    from ..hf import collect_routing
-    from ..routing import set_forced_gate
+    from allhere.hf import collect_routing
+    from allhere.routing import set_forced_gate
 
     rows = []
     for n in t.prefill_lengths:
@@ -140,9 +141,10 @@ def decode_rows(t: LlamaTables, plain, aha, progress=print) -> list[dict]:
     """Per context: one row per (model, cache), decode steps through ``generate`` (``generate_bench``)."""
     from transformers.cache_utils import Cache, DynamicCache
 
-    from ..hf import new_cache
-    from ..hf.cache import InPlaceLayer
-    from ..routing import set_forced_gate
+    from allhere.hf import new_cache
+    from allhere.hf.cache import InPlaceLayer
+    from allhere.routing import set_forced_gate
+
     from .generate_bench import decode_steps, fill, seed_kv
 
     rows = []
@@ -225,7 +227,7 @@ def decode_byte_limit(model, t: LlamaTables, context: int, kv_global: float) -> 
 
 
 def _cache_gb(cache, used: bool = False) -> float:
-    from ..hf import cache_nbytes
+    from allhere.hf import cache_nbytes
 
     return cache_nbytes(cache, used=used) / 1e9
 

@@ -27,14 +27,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import masks
-from ..ops.blocksparse import blocksparse_attention, plan_blocks
-from ..runlock import run_lock
-from ..validation import ConfigError, check, check_int
+from allhere import masks
+from allhere.ops.blocksparse import blocksparse_attention, plan_blocks
+from allhere.runlock import run_lock
+from allhere.validation import ConfigError, check, check_int
+
 from . import sparse_graph as graph
-from .sparse_family import KV_DTYPES, NAMES, PatternSettings, build, figure_settings, layer_masks
-from .sparse_plot import mask_figure, receptive_figure
 from .report import write_report
+from .sparse_family import (
+    KV_DTYPES,
+    NAMES,
+    PatternSettings,
+    build,
+    figure_settings,
+    layer_masks,
+)
+from .sparse_plot import mask_figure, receptive_figure
 from .timing import median_time, ms_text
 
 MODES = {"decoder": True, "encoder": False}  # mode -> causal

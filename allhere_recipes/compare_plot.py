@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..analysis.plots import require_matplotlib
+from allhere.analysis.plots import require_matplotlib
 
 
 def plot_compare(report: dict, path: Path) -> Path:

@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from .. import masks
-from ..validation import ConfigError, check, check_int
+from allhere import masks
+from allhere.validation import ConfigError, check, check_int
 
 NAMES = ("full", "sliding", "sinks", "dilated", "longformer", "longformer-spread", "bigbird")
 KINDS = ("dense", "window", "global", "sink", "random")  # edge colours of the figure, in drawing order

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ..analysis.plots import require_matplotlib
+from allhere.analysis.plots import require_matplotlib
+
 from .sparse_family import KINDS
 
 COLOURS = {"dense": (0.55, 0.55, 0.55), "window": (0.27, 0.45, 0.69), "global": (0.87, 0.52, 0.32),

@@ -36,20 +36,37 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_model
-from ..config import ModelConfig, TrainConfig
-from ..data.corpus import VOCAB_SIZE, eval_windows, sample_batch, stdlib_corpus
-from ..data.mixed_recall import KINDS, PAIR_ITEM, TABLE_ITEM, MixedTask, score
-from ..losses import lm_loss
-from ..mechanisms.aamoe import AAMoEConfig, aamoe_layers, set_budget_scale, set_budget_source, set_record
-from ..mechanisms.allattention import AllAttentionConfig
-from ..mechanisms.full import FullConfig
-from ..model import Decoder
-from ..runlock import run_lock
-from ..train import train
-from ..validation import ConfigError
-from .aamoe_grid import (CKPT, EVAL, aggregate, cell_dir, cell_state, check_seeds, decide, seeds_on_disk,
-                         select_models, verdict)
+from allhere.checkpoint import load_model
+from allhere.config import ModelConfig, TrainConfig
+from allhere.data.corpus import VOCAB_SIZE, eval_windows, sample_batch, stdlib_corpus
+from allhere.data.mixed_recall import KINDS, PAIR_ITEM, TABLE_ITEM, MixedTask, score
+from allhere.losses import lm_loss
+from allhere.mechanisms.aamoe import (
+    AAMoEConfig,
+    aamoe_layers,
+    set_budget_scale,
+    set_budget_source,
+    set_record,
+)
+from allhere.mechanisms.allattention import AllAttentionConfig
+from allhere.mechanisms.full import FullConfig
+from allhere.model import Decoder
+from allhere.runlock import run_lock
+from allhere.train import train
+from allhere.validation import ConfigError
+
+from .aamoe_grid import (
+    CKPT,
+    EVAL,
+    aggregate,
+    cell_dir,
+    cell_state,
+    check_seeds,
+    decide,
+    seeds_on_disk,
+    select_models,
+    verdict,
+)
 from .aamoe_render import render
 from .report import write_report
 from .rundir import check_out, claim, write_json

@@ -1,4 +1,4 @@
-"""Plots of the AA-MoE experiment (``allhere.experiments.aamoe``): bits per byte against FLOPs per token,
+"""Plots of the AA-MoE experiment (``allhere_recipes.aamoe``): bits per byte against FLOPs per token,
 learning curves, accuracy per kind of query (mixed task), the histogram of B_i and the context / expert
 split per layer.
 Error bars: the standard deviation over seeds (none with one seed)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..analysis.plots import require_matplotlib
+from allhere.analysis.plots import require_matplotlib
 
 
 def _err(s: dict, scale: float = 1.0) -> float:

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
-from ..progress import duration
-from ..progress import progress as progress_bar
+from allhere.config import ModelConfig
+from allhere.progress import duration
+from allhere.progress import progress as progress_bar
 
 
 def step_cost(model: ModelConfig, batch: int, seq_len: int) -> float:
     """Relative cost of one training step of ``model`` on ``batch`` sequences of ``seq_len`` tokens."""
-    from ..model import Decoder
+    from allhere.model import Decoder
 
     with torch.device("meta"):
         params = sum(p.numel() for p in Decoder(model).parameters())

@@ -15,10 +15,11 @@ import dataclasses
 import time
 from pathlib import Path
 
-from ..config import TrainConfig
-from ..eval.perplexity import rolling_perplexity
-from ..mechanisms import DARConfig, FullConfig
-from ..runlock import run_lock
+from allhere.config import TrainConfig
+from allhere.eval.perplexity import rolling_perplexity
+from allhere.mechanisms import DARConfig, FullConfig
+from allhere.runlock import run_lock
+
 from .plans import plans
 from .report import goal_lines, write_report
 from .tasks import finetune, pretrain, start_task

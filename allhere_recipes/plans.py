@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .. import registry
-from ..config import ModelConfig, TrainConfig
-from ..validation import ConfigError
-from ..data.corpus import VOCAB_SIZE
-from ..data.recall import RecallTask
-from ..mechanisms import AHAConfig
+from allhere import registry
+from allhere.config import ModelConfig, TrainConfig
+from allhere.data.corpus import VOCAB_SIZE
+from allhere.data.recall import RecallTask
+from allhere.mechanisms import AHAConfig
+from allhere.validation import ConfigError
 
 PRESETS = ("cpu", "tiny", "gpu")
 TASKS = ("stdlib", "recall")

@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import read_checkpoint, save_checkpoint
-from ..data.recall import RecallTask
-from ..model import Decoder
-from ..validation import ConfigError
+from allhere.checkpoint import read_checkpoint, save_checkpoint
+from allhere.data.recall import RecallTask
+from allhere.model import Decoder
+from allhere.validation import ConfigError
+
 from .plans import TaskPlan
 from .rundir import SETTINGS, read_settings
 
@@ -177,7 +178,7 @@ def base_in_folder(ckpt: Path, record: dict, base: Base | None, task: str, plan:
     """The full model of a run started from the shipped base ``record``, and its pretraining curve: the
     run folder's copy at ``ckpt`` (fp32, no optimizer state), written from ``base`` (else from the shipped
     file, when it is the one ``record`` names) the first time."""
-    from ..checkpoint import load_model
+    from allhere.checkpoint import load_model
 
     if ckpt.exists():
         model, meta = load_model(ckpt)

@@ -1,4 +1,4 @@
-"""The markdown report of the AA-MoE experiment (``allhere.experiments.aamoe``): every number as the mean
+"""The markdown report of the AA-MoE experiment (``allhere_recipes.aamoe``): every number as the mean
 and standard deviation over the seeds that have finished, and the runs still missing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The grid of the AA-MoE experiment (``allhere.experiments.aamoe``): one resumable run folder per
+"""The grid of the AA-MoE experiment (``allhere_recipes.aamoe``): one resumable run folder per
 (model, seed), which of them have finished, the mean and standard deviation over seeds of what they
 measured, and the decision rule of docs/aamoe.md ("Deciding the claim")."""
 
@@ -9,7 +9,7 @@ import math
 import re
 from pathlib import Path
 
-from ..validation import ConfigError
+from allhere.validation import ConfigError
 
 CKPT = "checkpoint.safetensors"
 EVAL = "eval.json"  # a finished run's measurements, so that a later report does not evaluate it again

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 
-from ..analysis.budget import calibrate_tau, set_tau
-from ..analysis.html import byte_tokens, token_page
-from ..analysis.static import set_static_heads, static_budget_k, top_k_heads
-from ..analysis.stats import StatsAccumulator
-from ..checkpoint import CheckpointError, load_model
-from ..data.recall import RecallTask
-from ..routing import routed_layers
-from ..runlock import run_lock
+from allhere.analysis.budget import calibrate_tau, set_tau
+from allhere.analysis.html import byte_tokens, token_page
+from allhere.analysis.static import set_static_heads, static_budget_k, top_k_heads
+from allhere.analysis.stats import StatsAccumulator
+from allhere.checkpoint import CheckpointError, load_model
+from allhere.data.recall import RecallTask
+from allhere.routing import routed_layers
+from allhere.runlock import run_lock
+
 from .plans import TASKS, plan_from_dict
 from .report import goal_lines, percent, write_report
 from .rundir import read_settings
@@ -134,7 +135,7 @@ def analyze_run(run: str | Path, tasks: tuple[str, ...] = TASKS, target_mu: floa
         results = {t: analyze_task(run, t, target_mu) for t in present}
         out = run / "analysis"
         write_report(out, "analysis", results, render(results))
-        from ..analysis.plots import sorted_usage_curve
+        from allhere.analysis.plots import sorted_usage_curve
 
         sorted_usage_curve({t: [u for _, _, u in r["stats"]["sorted_usage"]] for t, r in results.items()},
                            out / "sorted_usage.png")
