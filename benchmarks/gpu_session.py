@@ -73,14 +73,14 @@ def _patterns(backend: str, *lengths: str) -> tuple:
 
 PARTS = {
     "tests": Part(150, "tests.log", (
-        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/test_gpu.py", "tests/test_kernels.py"),), 93),
+        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/ops/test_gpu.py", "tests/ops/test_kernels.py"),), 93),
     "tiles": Part(180, "tiles.md", ((PY, "benchmarks/kernel_tiles.py", "--repeats", "5"),), 120),
     "bench": Part(120, "bench.log", (
         (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),), 42),
     "model": Part(180, "model.log", (
         (PY, "-m", "allhere.cli", "bench", "--tables", "model", "--out", "{tmp}/model"),), 80),
     "mechanisms": Part(150, "mechanisms.log", (
-        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=15", "tests/test_gpu_mechanisms.py"),), 94),
+        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=15", "tests/mechanisms/test_gpu_mechanisms.py"),), 94),
     "patterns": Part(150, "patterns.md", _patterns("flex", "8192", "32768"), 75),
     "flexcost": Part(150, "patterns.md", ((PY, "benchmarks/flex_mask_cost.py", "--device", "cuda"),), 80),
     "train": Part(180, "train.log", tuple(

@@ -5,7 +5,7 @@ For each kernel (the prefill's sliding and global kernels, the training's dQ and
 its candidates pruned for this GPU (``allhere.kernels.tiles.prune``) run pinned one at a time
 (``autotune.pinned``); each one's results (prefill and decode outputs; training output and dQ, dK, dV)
 are first checked against the dense fp32 reference (``aha_attention_reference`` on fp32 copies of the same
-inputs) by relative error: a setting over the tolerance (bf16: 2e-2, as tests/test_gpu.py; fp32 in the
+inputs) by relative error: a setting over the tolerance (bf16: 2e-2, as tests/ops/test_gpu.py; fp32 in the
 interpreter: 1e-4) is marked WRONG, one the GPU cannot run (shared memory, registers) failed. Since the
 autotuner may choose any candidate, every row must say ok. Last, with an empty settings file, the
 unpinned calls: the first one's time (tuning included) against the next ones', and the choices.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM and allhere's vLLM plugin in a virtual environment of their own (vLLM pins its own torch and
 # transformers): bash scripts/install_serve.sh [VENV]   (default VENV: .venv-serve in the repository)
-# Then: VENV/bin/allhere serve --model DIR. The serving tests (tests/test_serve*.py) find .venv-serve
+# Then: VENV/bin/allhere serve --model DIR. The serving tests (tests/serve/) find .venv-serve
 # by themselves, or the Python named by ALLHERE_SERVE_PYTHON. See docs/serving.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Triton's interpreter runs the kernels on the CPU (tests/test_kernels.py). It must be chosen before
+    # Triton's interpreter runs the kernels on the CPU (tests/ops/test_kernels.py). It must be chosen before
     # anything imports triton; the ops themselves take the kernels on CUDA only.
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -34,7 +34,7 @@ atomically), and zeroes them before a forward while the reset file next to it ex
 creates it once the server is ready, so vLLM's warm-up passes are not counted).
 
 Checked: eager (``enforce_eager=True``), float32, one CPU process: greedy tokens equal allhere's generate
-(tests/test_serve_vllm.py). vLLM's default torch.compile gave the same tokens in one run; there
+(tests/serve/test_serve_vllm.py). vLLM's default torch.compile gave the same tokens in one run; there
 ``set_forced_gate`` after start-up is not seen (vLLM drops Dynamo's guards) and the counters are unchecked.
 Tensor / pipeline parallelism are refused (the router would need its heads split per rank).
 """

@@ -23,7 +23,7 @@ gradients only through the output that was used. The backward is chosen here, no
     where the full attention is a small part of the step and one call beats gathering: a training step
     of the demo's shape, T = 256, is 1.29x the plain decoder's dense against 1.58x sparse, measured by
     ``benchmarks/train_step.py``): both outputs with autograd, combined.
-Both give the same gradients (``tests/test_ops_aha.py``).
+Both give the same gradients (``tests/ops/test_ops_aha.py``).
 
 Segments (``row_start``): each run of queries of one segment runs alone over its segment's keys.
 """

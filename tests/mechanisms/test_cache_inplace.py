@@ -238,7 +238,7 @@ def test_decode_speed_benchmark_smoke():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     args = ["--contexts", "64", "128", "--batches", "1", "2", "--layers", "2", "--d-model", "32", "--heads", "2",
             "--vocab", "64", "--b-context", "320", "--b-batch", "2", "--b-d-model", "64", "--b-heads", "4",
             "--window", "16", "--rounds", "1", "--cat"]

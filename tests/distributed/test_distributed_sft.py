@@ -14,7 +14,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import dist_worker  # noqa: E402
 from hf_fixtures import write_chat, write_model  # noqa: E402

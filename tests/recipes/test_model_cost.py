@@ -19,7 +19,7 @@ from allhere_recipes.model_cost import (
     step_cost,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N = 4096  # small enough that every plan below is walked in milliseconds
 
 

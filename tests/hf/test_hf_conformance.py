@@ -40,7 +40,7 @@ LAYERS = {"Mistral-7B-v0.1": "all"}
 
 def layers_of(name):
     return LAYERS.get(name, "full")
-TASKS = Path(__file__).parent / "lm_eval_tasks"
+TASKS = Path(__file__).resolve().parents[1] / "lm_eval_tasks"
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("allhere", "allhere_recipes")
 
 # The layers, bottom first (the data flow of the design guide: config -> registry -> mechanism -> op, and

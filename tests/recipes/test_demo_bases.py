@@ -22,7 +22,7 @@ from allhere_recipes import bases
 from allhere_recipes.plans import TASKS, plans
 from allhere_recipes.tasks import task_data
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def script():

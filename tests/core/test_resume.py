@@ -11,7 +11,7 @@ import torch
 
 from allhere.checkpoint import CheckpointError, load_model
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import train_worker  # noqa: E402
 

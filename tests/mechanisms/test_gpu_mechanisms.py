@@ -3,14 +3,14 @@ kind inside a Decoder (logits, gradients, cached greedy decoding), the sparse pa
 (fp32 and bf16, segments, KV cache), the AA-MoE op, and ring attention and FSDP2 (bf16, sharded checkpoint)
 in a one-rank NCCL group.
 
-``ALLHERE_GPU_TEST_DEVICE=cpu python3 -m pytest -q tests/test_gpu_mechanisms.py`` runs these tests on the
+``ALLHERE_GPU_TEST_DEVICE=cpu python3 -m pytest -q tests/mechanisms/test_gpu_mechanisms.py`` runs these tests on the
 CPU to check the tests themselves (FlexAttention has no backward on the CPU: its gradients are then not
 checked; the patterns' default backend there is the block-sparse op, not FlexAttention).
 
 Ring attention runs with one rank only: NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and
 gloo moves CUDA tensors in broadcast and all-reduce only, not point to point. With one rank the ring
 still plans, masks, merges and runs its backward on the device; the transfers are tested on CPU
-(tests/test_distributed_ring.py).
+(tests/distributed/test_distributed_ring.py).
 """
 
 import copy

@@ -14,7 +14,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import dist_hf_worker as W  # noqa: E402
 import dist_worker  # noqa: E402

@@ -11,7 +11,7 @@ from allhere.analysis.budget import calibrate_tau, set_tau
 from allhere.config import TrainConfig
 from allhere.train import LAM_RANGE, adapt_lam, train
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_worker  # noqa: E402
 
 

@@ -16,7 +16,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import dist_train_worker  # noqa: E402
 
@@ -45,5 +45,5 @@ def test_sigterm_stops_every_rank_at_the_same_step(tmp_path):
     assert not path.exists()  # no export of an unfinished run
 
     subprocess.run(cmd + ["0"], env=env, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, meta = load_model(path)  # resumed from there to the end (exactly so: tests/test_distributed_train.py)
+    _, meta = load_model(path)  # resumed from there to the end (exactly so: tests/distributed/test_distributed_train.py)
     assert [h["step"] for h in meta["history"]] == list(range(1, dist_train_worker.CFG.steps + 1))

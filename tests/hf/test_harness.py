@@ -13,7 +13,7 @@ from allhere import AHAConfig, Decoder, ModelConfig  # noqa: E402
 from allhere.checkpoint import save_checkpoint  # noqa: E402
 from allhere.cli import main  # noqa: E402
 
-TASKS = Path(__file__).parent / "lm_eval_tasks"
+TASKS = Path(__file__).resolve().parents[1] / "lm_eval_tasks"
 
 
 @pytest.fixture

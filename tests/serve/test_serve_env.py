@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-FILES = ["tests/test_serve_vllm.py", "tests/test_serve_e2e.py"]
+ROOT = Path(__file__).resolve().parents[2]
+FILES = ["tests/serve/test_serve_vllm.py", "tests/serve/test_serve_e2e.py"]
 
 
 @pytest.mark.slow

@@ -115,7 +115,7 @@ def test_cli_flags(tmp_path, capsys):
 
 
 def test_every_aamoe_option_is_typed_and_says_its_default():
-    """What tests/test_cli_input.py asks of every option, for this command's new flags."""
+    """What tests/cli/test_cli_input.py asks of every option, for this command's new flags."""
     import argparse
 
     from allhere.cli import build_parser
