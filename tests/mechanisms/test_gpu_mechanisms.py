@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 from helpers import rel_err
-from test_aamoe_ops import random_case
+from aamoe_cases import random_case
 
 import allhere.registry as registry
 from allhere import Decoder, ModelConfig, use_backend
