@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from ..config import TrainConfig
+from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversation
 from ..distributed.checkpoint import full_state_dict
 from ..distributed.env import detect
 from ..distributed.parallel import ParallelConfig
-from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversation
 from ..mechanisms import AHAConfig, DARConfig
 from ..runlock import run_lock
 from ..train import train

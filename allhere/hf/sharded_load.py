@@ -39,8 +39,8 @@ import torch
 from .. import registry
 from ..checkpoint import CheckpointError
 from ..distributed.fsdp import shard_model
-from ..validation import ConfigError
 from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from ..validation import ConfigError
 from .convert import convert, dims_of, init_mechanism
 from .files import weight_files
 from .io import check_causal_lm, load_tokenizer, meta_model, saved_dtype, saved_mechanism

@@ -1,7 +1,7 @@
 """The built-in attention mechanisms; importing this package registers them (``allhere.registry``)."""
 
 from .aamoe import AAMoEAttention, AAMoEConfig
-from .aha import AHAConfig, AHAAttention
+from .aha import AHAAttention, AHAConfig
 from .allattention import AllAttention, AllAttentionConfig
 from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan, mechanism_layers
 from .bigbird import BigBirdAttention, BigBirdConfig, bigbird_schedule

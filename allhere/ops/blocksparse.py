@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..masks import MaskFn
 from .common import check_qkv, default_scale
 
+
 def _bucket_sizes(counts: torch.Tensor, max_buckets: int = 24) -> torch.Tensor:
     """Per row, the number of key tiles its bucket gathers: its own count, except that beyond
     ``max_buckets`` distinct counts the rarest merge into the next larger one (padding a few rows rather

@@ -18,9 +18,9 @@ if not dist.is_available():
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
-import dist_train_worker  # noqa: E402
-
 from allhere.checkpoint import load_model  # noqa: E402
+
+import dist_train_worker  # noqa: E402
 
 
 def test_sigterm_stops_every_rank_at_the_same_step(tmp_path):

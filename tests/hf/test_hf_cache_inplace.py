@@ -7,8 +7,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import rel_err  # noqa: E402
-from hf_fixtures import write_model  # noqa: E402
 from test_hf import build  # noqa: E402
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
 
@@ -16,6 +14,9 @@ from allhere import AHAConfig, SinksConfig, SlidingConfig  # noqa: E402
 from allhere.hf import convert, new_cache  # noqa: E402
 from allhere.hf.cache import InPlaceLayer  # noqa: E402
 from allhere.mechanisms.base import mechanism_layers  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
+from hf_fixtures import write_model  # noqa: E402
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 

@@ -7,7 +7,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import rel_err  # noqa: E402
 from test_hf import FAMILIES, build  # noqa: E402
 
 from allhere import ConfigError, DARConfig  # noqa: E402
@@ -19,6 +18,8 @@ from allhere.hf import (  # noqa: E402
     save_pretrained,
 )
 from allhere.hf.cache import DARCacheLayer  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -8,8 +8,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from helpers import rel_err  # noqa: E402
-
 from allhere.checkpoint import read_checkpoint  # noqa: E402
 from allhere.data.chat import (  # noqa: E402
     FALLBACK_CHAT_TEMPLATE,
@@ -20,6 +18,8 @@ from allhere.data.chat import (  # noqa: E402
 from allhere.data.corpus import DataError  # noqa: E402
 from allhere.hf import HFCausalLM, load_pretrained, sft  # noqa: E402
 from allhere.losses import training_loss  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(60)]
 

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from helpers import rel_err
 from test_aamoe_ops import brute_force
 
 from allhere import ConfigError, Decoder, ModelConfig, use_backend
@@ -15,6 +14,8 @@ from allhere.mechanisms.aamoe import AAMoEAttention, AAMoEConfig, set_budget_sou
 from allhere.mechanisms.base import AttentionCall, AttentionDims
 from allhere.model import apply_rope, rope_cos_sin
 from allhere.ops.full import masked_attention
+
+from helpers import rel_err
 
 D, H, HKV, HD = 16, 2, 1, 8
 

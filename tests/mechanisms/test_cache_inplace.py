@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from helpers import rel_err
 
 from allhere import (
     AHAConfig,
@@ -28,6 +27,8 @@ from allhere.mechanisms import (
 )
 from allhere.mechanisms.caches import GRAIN, KVCache, PatternKVCache, RollingKVCache
 from allhere.mechanisms.dar import DARCache
+
+from helpers import rel_err
 
 MECHS = {
     "full": FullConfig(),

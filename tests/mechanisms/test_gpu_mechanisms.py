@@ -18,7 +18,6 @@ import os
 
 import pytest
 import torch
-from helpers import rel_err
 from test_aamoe_ops import random_case
 
 import allhere.registry as registry
@@ -58,6 +57,8 @@ from allhere.ops.full import (
 )
 from allhere.ops.sliding import sliding_window_attention
 from allhere.ops.ste import straight_through
+
+from helpers import rel_err
 
 DEVICE = os.environ.get("ALLHERE_GPU_TEST_DEVICE", "cuda")
 ON_CUDA = DEVICE.startswith("cuda")

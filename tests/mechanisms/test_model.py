@@ -1,6 +1,5 @@
 import pytest
 import torch
-from helpers import rel_err
 
 from allhere import (
     AHAConfig,
@@ -16,6 +15,8 @@ from allhere import (
 )
 from allhere.masks import starts_from
 from allhere.train import make_optimizer
+
+from helpers import rel_err
 
 MECHS = {
     "full": FullConfig(),

@@ -4,7 +4,6 @@ caches, segments, checkpoints and the Hugging Face conversion."""
 
 import pytest
 import torch
-from helpers import rel_err
 
 from allhere import ConfigError, Decoder, ModelConfig, use_backend
 from allhere.checkpoint import load_model, save_checkpoint
@@ -23,6 +22,8 @@ from allhere.mechanisms import (
 )
 from allhere.ops.full import masked_attention, pattern_attention_reference
 from allhere.registry import build, from_dict, to_dict
+
+from helpers import rel_err
 
 DIMS = AttentionDims(32, 4, 2, 8)
 

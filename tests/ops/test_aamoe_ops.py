@@ -5,9 +5,10 @@ import math
 
 import pytest
 import torch
-from helpers import rel_err
 
 from allhere.ops.aamoe import aamoe_attention, aamoe_attention_reference
+
+from helpers import rel_err
 
 
 def random_case(b=2, h=4, hkv=2, lq=11, lk=13, d=8, m=3, e=2, k_max=3, seed=0, grad=True):

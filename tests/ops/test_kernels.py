@@ -7,8 +7,6 @@ import torch
 
 pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
 
-from helpers import rel_err, segment_mask, spy_paths  # noqa: E402
-
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import (  # noqa: E402
     aha_prefill_triton,
@@ -21,6 +19,8 @@ from allhere.masks import segment_starts  # noqa: E402
 from allhere.ops.aha import aha_attention, aha_attention_reference, fast, triton_path  # noqa: E402
 from allhere.ops.sliding import sliding_window_attention_reference  # noqa: E402
 from allhere.ops.ste import straight_through  # noqa: E402
+
+from helpers import rel_err, segment_mask, spy_paths  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import brute_force_aha, rel_err, segment_mask
 
 from allhere.masks import segment_starts
 from allhere.ops.aha import aha_attention_fast, aha_attention_reference
@@ -13,6 +12,8 @@ from allhere.ops.sliding import (
     sliding_window_attention_torch,
 )
 from allhere.ops.ste import straight_through
+
+from helpers import brute_force_aha, rel_err, segment_mask
 
 # (batch, heads, kv_heads, q_len, kv_len, dim, window)
 SHAPES = [

@@ -18,14 +18,15 @@ import pytest
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
-from hf_fixtures import write_model  # noqa: E402
-from real_configs import PUBLISHED  # noqa: E402
 
 import allhere as ah  # noqa: E402
 from allhere import set_forced_gate  # noqa: E402
 from allhere.generation import generate, load  # noqa: E402
 from allhere.hf import convert, save_pretrained  # noqa: E402
 from allhere.hf.io import load_local  # noqa: E402
+
+from hf_fixtures import write_model  # noqa: E402
+from real_configs import PUBLISHED  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
