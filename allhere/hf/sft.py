@@ -74,7 +74,8 @@ def _load_report(model) -> dict:
     report = model.allhere_load_report
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, report.peak_rss_delta_bytes)
-    return {"peak_rss_delta_bytes": peaks, "full_model_bytes": report.full_model_bytes, "measured_by": report.peak_source}
+    return {"peak_rss_delta_bytes": peaks, "full_model_bytes": report.full_model_bytes,
+            "measured_by": report.peak_source}
 
 
 def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: int, seq_len: int = 2048,

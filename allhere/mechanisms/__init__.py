@@ -12,7 +12,8 @@ from .longformer import LongformerAttention, LongformerConfig
 from .sinks import SinksAttention, SinksConfig
 from .sliding import SlidingAttention, SlidingConfig
 
-__all__ = ["AAMoEAttention", "AAMoEConfig", "AHAAttention", "AHAConfig", "AllAttention", "AllAttentionConfig", "AttentionCall", "AttentionDims", "AttentionMechanism", "BigBirdAttention",
+__all__ = ["AAMoEAttention", "AAMoEConfig", "AHAAttention", "AHAConfig", "AllAttention", "AllAttentionConfig",
+           "AttentionCall", "AttentionDims", "AttentionMechanism", "BigBirdAttention",
            "BigBirdConfig", "ContextParallelPlan", "DARAttention", "DARConfig", "DilatedAttention", "DilatedConfig",
            "FullAttention", "FullConfig", "LongformerAttention", "LongformerConfig", "SinksAttention", "SinksConfig",
            "SlidingAttention", "SlidingConfig", "bigbird_schedule", "dilation_schedule", "mechanism_layers"]

@@ -45,5 +45,6 @@ def test_sigterm_stops_every_rank_at_the_same_step(tmp_path):
     assert not path.exists()  # no export of an unfinished run
 
     subprocess.run(cmd + ["0"], env=env, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, meta = load_model(path)  # resumed from there to the end (exactly so: tests/distributed/test_distributed_train.py)
+    # resumed from there to the end (exactly so: tests/distributed/test_distributed_train.py)
+    _, meta = load_model(path)
     assert [h["step"] for h in meta["history"]] == list(range(1, dist_train_worker.CFG.steps + 1))

@@ -109,7 +109,8 @@ def test_allhere_generate_sizes_the_in_place_cache_once(monkeypatch):
     from allhere.generation import generate
 
     made, real = [], hf_cache.new_cache
-    monkeypatch.setattr(hf_cache, "new_cache", lambda model, reserve=None: made.append(real(model, reserve)) or made[-1])
+    monkeypatch.setattr(hf_cache, "new_cache",
+                        lambda model, reserve=None: made.append(real(model, reserve)) or made[-1])
     model = aha_model()
     reply = generate(model, NumberTokenizer(), list(range(3, 97)) + [3] * 6, max_new_tokens=30)
     assert len(reply.ids) == 30 and len(made) == 1

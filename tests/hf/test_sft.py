@@ -83,7 +83,8 @@ def test_assistant_mask_covers_replies_only():
 def test_non_assistant_targets_contribute_nothing(local_model):
     tok = make_tokenizer()
     tok.chat_template = FALLBACK_CHAT_TEMPLATE
-    ids, mask, _ = pack([tokenize_conversation(tok, conversation(torch.Generator().manual_seed(s))) for s in range(8)], 32)
+    ids, mask, _ = pack([tokenize_conversation(tok, conversation(torch.Generator().manual_seed(s)))
+                         for s in range(8)], 32)
     from allhere import AHAConfig
     from allhere.hf import convert
 

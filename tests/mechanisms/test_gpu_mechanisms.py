@@ -389,7 +389,8 @@ def test_bigbird_predicate_still_covers_longer_sequences_after_a_flex_mask():
     cfg = LONG["bigbird"]
     pred = cfg.mask_fn()
     flex_block_mask(pred, 128, 128, heads=4, device=DEVICE)
-    assert torch.equal(dense_mask(pred, 256, 256, DEVICE, heads=4), dense_mask(cfg.mask_fn(), 256, 256, DEVICE, heads=4))
+    assert torch.equal(dense_mask(pred, 256, 256, DEVICE, heads=4),
+                       dense_mask(cfg.mask_fn(), 256, 256, DEVICE, heads=4))
 
 
 # -- the AA-MoE op -------------------------------------------------------------------------------------------

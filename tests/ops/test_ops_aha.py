@@ -31,7 +31,8 @@ IDS = [f"b{b}-h{h}-kv{hk}-q{lq}-k{lk}-d{d}-w{w}" for b, h, hk, lq, lk, d, w in S
 
 def make(shape, dtype=torch.float32, p_global=0.3):
     b, h, hk, lq, lk, d, w = shape
-    q, k, v = torch.randn(b, h, lq, d, dtype=dtype), torch.randn(b, hk, lk, d, dtype=dtype), torch.randn(b, hk, lk, d, dtype=dtype)
+    q, k, v = (torch.randn(b, h, lq, d, dtype=dtype), torch.randn(b, hk, lk, d, dtype=dtype),
+               torch.randn(b, hk, lk, d, dtype=dtype))
     return q, k, v, torch.rand(b, h, lq) < p_global, w
 
 
