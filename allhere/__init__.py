@@ -6,9 +6,20 @@ Importing the package needs only torch; plotting, Hugging Face and Triton pieces
 from ._deprecated import moved_names
 from .backend import use_backend
 from .config import ModelConfig, TrainConfig
-from .mechanisms import (AAMoEConfig, AHAConfig, AllAttentionConfig, BigBirdConfig, DARConfig, DilatedConfig,
-                         FullConfig, LongformerConfig, SinksConfig, SlidingConfig, bigbird_schedule,
-                         dilation_schedule)
+from .mechanisms import (
+    AAMoEConfig,
+    AHAConfig,
+    AllAttentionConfig,
+    BigBirdConfig,
+    DARConfig,
+    DilatedConfig,
+    FullConfig,
+    LongformerConfig,
+    SinksConfig,
+    SlidingConfig,
+    bigbird_schedule,
+    dilation_schedule,
+)
 from .model import Decoder, DecoderOutput, swap_mechanism
 from .ops.aha import aha_attention, aha_attention_reference
 from .ops.sliding import sliding_window_attention, sliding_window_attention_reference

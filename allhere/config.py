@@ -46,15 +46,18 @@ class ModelConfig:
             check_int(c, "mlp_hidden", self.mlp_hidden, 1)
         check((self.d_model // self.n_heads) % 2 == 0, c, "d_model", self.d_model,
                "d_model / n_heads even (RoPE rotates pairs of channels)")
-        check(is_number(self.rope_theta) and self.rope_theta > 0, c, "rope_theta", self.rope_theta, "a finite number > 0")
+        check(is_number(self.rope_theta) and self.rope_theta > 0, c, "rope_theta", self.rope_theta,
+              "a finite number > 0")
         check(is_number(self.norm_eps) and self.norm_eps > 0, c, "norm_eps", self.norm_eps, "a finite number > 0")
         if self.layer_mechanisms is not None:
             mechs = tuple(self.layer_mechanisms)
-            check(len(mechs) == self.n_layers, c, "layer_mechanisms", len(mechs), f"exactly n_layers={self.n_layers} entries")
+            check(len(mechs) == self.n_layers, c, "layer_mechanisms", len(mechs),
+                  f"exactly n_layers={self.n_layers} entries")
             object.__setattr__(self, "layer_mechanisms", mechs)
         name = "mechanism" if self.layer_mechanisms is None else "layer_mechanisms"
         for m in self.layer_mechanisms or (self.mechanism,):
-            check(registry.is_config(m), c, name, m, f"a mechanism config of a registered kind ({', '.join(registry.kinds())})")
+            check(registry.is_config(m), c, name, m,
+                  f"a mechanism config of a registered kind ({', '.join(registry.kinds())})")
             if hasattr(m, "check_dims"):
                 m.check_dims(self.d_model)
 
@@ -123,7 +126,8 @@ class TrainConfig:
     eval_every: int = 0  # evaluate every this many steps (0 = only at the end)
     ckpt_every: int = 100  # checkpoint every this many steps (and always at the end)
     log_every: int = 10  # record loss/mu_f in the history every this many steps
-    seed: int = 0  # seeds every batch (batch k of step s is a pure function of both); pretraining also seeds the init with it
+    # seeds every batch (batch k of step s is a pure function of both); pretraining also seeds the init with it
+    seed: int = 0
     device: str = "cpu"  # "cpu" or "cuda"; bf16 autocast is used on CUDA
     # torch.compile the training forward (inductor). On the CPU a step of the demo's stdlib shape takes
     # ~0.87x the eager time after 10-20 s of compilation (docs/performance.md): it pays over runs of

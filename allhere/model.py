@@ -46,12 +46,14 @@ class Attention(nn.Module):
         if extra is None:
             q, q_extra = self.q_proj(x), None
         else:  # the mechanism's rows ride along in one matmul
-            q, q_extra = F.linear(x, torch.cat([self.q_proj.weight, extra])).split([self.h * self.hd, extra.shape[0]], -1)
+            q, q_extra = F.linear(x, torch.cat([self.q_proj.weight, extra])).split(
+                [self.h * self.hd, extra.shape[0]], -1)
         q = apply_rope(q.view(b, n, self.h, self.hd).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_proj(x).view(b, n, self.hkv, self.hd).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, n, self.hkv, self.hd).transpose(1, 2)
         call = AttentionCall(x=x, segment_starts=segment_starts, q_extra=q_extra, positions=positions,
-                             project_kv=lambda h, positions=None, weights=None: self.project_kv(h, positions, cos, sin, weights),
+                             project_kv=lambda h, positions=None, weights=None:
+                                 self.project_kv(h, positions, cos, sin, weights),
                              kv_weights=(self.k_proj.weight, self.v_proj.weight))
         out, routing = self.mechanism(q, k, v, call, cache=cache)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.h * self.hd)), routing
@@ -159,7 +161,8 @@ class Decoder(nn.Module):
               or segment_starts is not None):
             raise ValueError(f"positions must be int64 [tokens] = [{n}], without a cache (it numbers its tokens "
                              "itself) and without segment_starts (which count from the row's first token); got "
-                             f"{positions.dtype} {tuple(positions.shape)}" + (" and a cache" if cache is not None else "")
+                             f"{positions.dtype} {tuple(positions.shape)}"
+                             + (" and a cache" if cache is not None else "")
                              + (" and segment_starts" if segment_starts is not None else ""))
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed(input_ids)

@@ -18,7 +18,8 @@ import torch
 
 from .checkpoint import CheckpointError, read_checkpoint, restore_model, restore_optimizer, save_checkpoint
 from .config import TrainConfig
-from .distributed.context import check_supported as check_context_parallel, shard_loss
+from .distributed.context import check_supported as check_context_parallel
+from .distributed.context import shard_loss
 from .distributed.parallel import ParallelConfig
 from .distributed.training import distributed_run
 from .interrupt import Interrupted, stop_signals

@@ -190,7 +190,8 @@ def base_in_folder(ckpt: Path, record: dict, base: Base | None, task: str, plan:
         base = load_base(task, plan)
         if base.record != record:
             raise ConfigError(f"{ckpt.parent.parent} started from the {describe(record)}, which this allhere does "
-                              f"not ship ({base.path.name} is another file); choose another --out (nothing was changed)")
+                              f"not ship ({base.path.name} is another file); "
+                              "choose another --out (nothing was changed)")
     evals = base.provenance.get("pretrain_evals", [])
     save_checkpoint(ckpt, base.model, None, {"step": record["steps"], "history": [], "evals": evals,
                                              "train_config": base.provenance.get("train_config"), "base": record})

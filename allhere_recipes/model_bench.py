@@ -153,6 +153,7 @@ def render_model(rows: list[dict]) -> list[str]:
            "| model | n | mu_f | dense | AHA | AHA / dense | AHA tokens/s | every gate local (ceiling) |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['model']} | {r['n']} | {100 * r['mu_f']:.1f}% | {r['dense_ms']:.0f} ms | {r['aha_ms']:.0f} ms "
-                   f"| {r['speedup']:.2f}x | {r['aha_tokens_per_s']:,.0f} | {r['ceiling']:.2f}x |")
+        out.append(f"| {r['model']} | {r['n']} | {100 * r['mu_f']:.1f}% | {r['dense_ms']:.0f} ms "
+                   f"| {r['aha_ms']:.0f} ms | {r['speedup']:.2f}x "
+                   f"| {r['aha_tokens_per_s']:,.0f} | {r['ceiling']:.2f}x |")
     return out

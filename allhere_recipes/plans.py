@@ -73,8 +73,10 @@ def plans(preset: str = "cpu", device: str = "cpu", window: int | None = None, l
     out = {}
     for name, p in preset_plans(preset, device).items():
         aha = dataclasses.replace(p.aha, **{k: v for k, v in (("window", window), ("lam", lam)) if v is not None})
-        pre = dataclasses.replace(p.pretrain, compile=compile, steps=p.pretrain.steps if pretrain_steps is None else pretrain_steps)
-        ft = dataclasses.replace(p.finetune, compile=compile, steps=p.finetune.steps if finetune_steps is None else finetune_steps)
+        pre = dataclasses.replace(p.pretrain, compile=compile,
+                                  steps=p.pretrain.steps if pretrain_steps is None else pretrain_steps)
+        ft = dataclasses.replace(p.finetune, compile=compile,
+                                 steps=p.finetune.steps if finetune_steps is None else finetune_steps)
         if aha.window >= p.seq_len:
             raise ConfigError(f"window = {aha.window} must be smaller than the sequence length {p.seq_len}, "
                               "or AHA has nothing to decide")

@@ -58,7 +58,8 @@ class PatternSettings:
 
     def __post_init__(self):
         d = self.dilations
-        object.__setattr__(self, "dilations", (d,) if isinstance(d, int) else tuple(d) if isinstance(d, (list, tuple)) else d)
+        object.__setattr__(self, "dilations",
+                           (d,) if isinstance(d, int) else tuple(d) if isinstance(d, (list, tuple)) else d)
         validate(self)
 
     @property
@@ -77,7 +78,8 @@ def validate(s: PatternSettings) -> None:
         check_int("patterns", name, getattr(s, name), minimum)
     check(s.n <= MAX_N, "patterns", "n", s.n, f"at most {MAX_N} (the graph analysis keeps n x n matrices)")
     check(s.window <= s.n, "patterns", "window", s.window, f"at most n = {s.n}")
-    check(isinstance(s.dilations, tuple) and bool(s.dilations) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in s.dilations),
+    check(isinstance(s.dilations, tuple) and bool(s.dilations)
+          and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in s.dilations),
           "patterns", "dilations", s.dilations, "a non-empty list of integers >= 1")
     check(s.n_global <= s.n, "patterns", "n_global", s.n_global, f"at most n = {s.n}")
     check(s.sinks <= s.n, "patterns", "sinks", s.sinks, f"at most n = {s.n}")
@@ -146,12 +148,14 @@ def build(s: PatternSettings, causal: bool, length: int, names=NAMES) -> list[Pa
         "sliding": Pattern("sliding", f"sliding w={w}", lambda l: [("window", masks.sliding_window(w, causal))],
                            kv_keys=lambda t, l: min(t, w), kv_note="the window"),
         "sinks": Pattern("sinks", f"sliding w={w} + {s.sinks} sinks",
-                         lambda l: [("window", masks.sliding_window(w, causal)), ("sink", masks.sinks(s.sinks, causal))],
+                         lambda l: [("window", masks.sliding_window(w, causal)),
+                                    ("sink", masks.sinks(s.sinks, causal))],
                          kv_keys=lambda t, l: min(t, w + s.sinks), kv_note="sinks + window",
                          whole=lambda l: masks.sliding_with_sinks(w, s.sinks, causal)),
         "dilated": Pattern("dilated", f"dilated w={w}, d={','.join(map(str, dil))} by layer",
                            lambda l: [("window", masks.dilated_window(w, dil[l % len(dil)], causal))], period=len(dil),
-                           kv_keys=lambda t, l: min(t, (w - 1) * dil[l % len(dil)] + 1), kv_note="(w-1) d + 1 per layer"),
+                           kv_keys=lambda t, l: min(t, (w - 1) * dil[l % len(dil)] + 1),
+                           kv_note="(w-1) d + 1 per layer"),
         "longformer": Pattern("longformer", f"Longformer w={w}, {g} global first",
                               lambda l: [("window", masks.sliding_window(w, causal)),
                                          ("global", masks.global_tokens(start, causal))],

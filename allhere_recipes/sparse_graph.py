@@ -117,4 +117,5 @@ def union_heads(mask: torch.Tensor) -> torch.Tensor:
 
 def scores(masks_per_layer: Sequence[torch.Tensor]) -> float:
     """Allowed (query, key) pairs of one layer, averaged over heads and over the given layers."""
-    return sum(float(m.reshape(-1, *m.shape[-2:]).sum((1, 2)).float().mean()) for m in masks_per_layer) / len(masks_per_layer)
+    return sum(float(m.reshape(-1, *m.shape[-2:]).sum((1, 2)).float().mean())
+               for m in masks_per_layer) / len(masks_per_layer)

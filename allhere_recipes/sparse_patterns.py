@@ -135,7 +135,8 @@ def analyse_mode(s: PatternSettings, causal: bool, names, head_dim: int, kv_leng
         row["hops"] = g.hops()
         row["layers_propagated"] = g.steps
         if p.per_head:  # one head's graph, as in BigBird's graph argument
-            row["hops_one_head"] = graph.propagate(lambda l, cycle=cycle: cycle[l][0], p.period, s.n, s.layers, causal).hops()
+            row["hops_one_head"] = graph.propagate(lambda l, cycle=cycle: cycle[l][0], p.period, s.n, s.layers,
+                                                   causal).hops()
         if causal:
             row["kv"] = kv_cache(p, s, kv_length, kv_dtype, head_dim)
             row["kv"]["measured_keys_at_n"], row["kv"]["formula_keys_at_n"] = kv_measured(p, s)
@@ -186,8 +187,9 @@ def time_patterns(s: PatternSettings, causal: bool, names, head_dim: int, n: int
     """Median time of one attention layer (B = 1, ``heads`` x ``head_dim``) per pattern through the
     block-sparse op, against dense SDPA (causal or not) timed alternately with it (``paired_times``): the
     speed-up is the median over adjacent (dense, pattern) pairs of their ratio (for the dilation schedule:
-    over its layers, dense time / mean layer time). The limits are dense scores / pattern scores and dense tiles / pattern tiles. The plan is built once per
-    pattern (its time is reported apart: a model builds it once for all layers and steps)."""
+    over its layers, dense time / mean layer time). The limits are dense scores / pattern scores and dense
+    tiles / pattern tiles. The plan is built once per pattern (its time is reported apart: a model builds it
+    once for all layers and steps)."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(1, s.heads, n, head_dim, generator=g, device=device, dtype=dtype) for _ in range(3))
@@ -220,7 +222,8 @@ def time_patterns(s: PatternSettings, causal: bool, names, head_dim: int, n: int
         speedup = len(per_layer) / sum(1 / x["speedup"] for x in per_layer)  # dense time over the mean layer time
         rows[p.name] = {"ms": ms, "dense_ms": dense_ms, "speedup": speedup,
                         "limit": dense_scores / _mean(per_layer, "scores"),
-                        "tile_limit": base.kept_tiles / _mean(per_layer, "tiles"), "plan_ms": _mean(per_layer, "plan_ms"),
+                        "tile_limit": base.kept_tiles / _mean(per_layer, "tiles"),
+                        "plan_ms": _mean(per_layer, "plan_ms"),
                         "how": "allhere.ops.blocksparse", "per_layer": per_layer}
         progress(f"{label}: {p.name} at n = {n}: {ms_text(ms)} against dense SDPA {ms_text(dense_ms)}: {speedup:.2f}x "
                  f"(limit {rows[p.name]['limit']:.1f}x scores, {rows[p.name]['tile_limit']:.1f}x tiles)")
@@ -273,7 +276,8 @@ def draw_masks(s: PatternSettings, names, modes, path: Path) -> Path:
             parts = {k: m[0] for k, m in layer_masks(p, f.n, layer, 1, by_kind=True).items()}
             union = torch.stack(list(parts.values())).any(0)
             dense = f.n * (f.n + 1) // 2 if MODES[mode] else f.n * f.n
-            title = p.title if p.name != "dilated" else f"dilated w={f.window}, d={f.dilations[layer]} (layer {layer + 1})"
+            title = (p.title if p.name != "dilated"
+                     else f"dilated w={f.window}, d={f.dilations[layer]} (layer {layer + 1})")
             panels.append({"title": title, "density": float(union.sum()) / dense, "components": parts})
         rows["decoder (causal)" if MODES[mode] else "encoder"] = panels
     return mask_figure(rows, path, f"n = {f.n}, w = {f.window}, {f.n_global} global tokens, {f.sinks} sinks, "
@@ -360,8 +364,8 @@ def cost_table(m: dict, s: dict, causal: bool) -> list[str]:
     sep = "|---|"
     if causal:
         kv = m["rows"][0]["kv"]
-        lines.append(f"KV cache at generation length T = {kv['length']:,}: keys each layer keeps, and the bytes of K and "
-                     f"V over {s['layers']} layers ({s['heads']} heads x {s['head_dim']} dims, {s['kv_dtype']}). "
+        lines.append(f"KV cache at generation length T = {kv['length']:,}: keys each layer keeps, and the bytes of "
+                     f"K and V over {s['layers']} layers ({s['heads']} heads x {s['head_dim']} dims, {s['kv_dtype']}). "
                      f"Checked on the masks at T = n = {s['n']}: keys among the first n that a query of the next n "
                      f"positions reads.")
         lines.append("")
@@ -372,8 +376,8 @@ def cost_table(m: dict, s: dict, causal: bool) -> list[str]:
                      f"{t['device']}, median of {t['repeats']}): the block-sparse op (``allhere.ops.blocksparse``, "
                      f"tiles of {s['block']}) against dense SDPA ({'causal' if causal else 'bidirectional'}) timed "
                      f"alternately with each pattern in the same run ({ms_text(t['dense_ms'])}: the median of all its "
-                     f"calls); the speed-up is the median ratio of adjacent dense and pattern calls. Limit: dense scores / pattern scores; tile limit: "
-                     f"dense tiles / tiles the op computes.")
+                     f"calls); the speed-up is the median ratio of adjacent dense and pattern calls. "
+                     f"Limit: dense scores / pattern scores; tile limit: dense tiles / tiles the op computes.")
         head += " time | vs dense SDPA | limit (scores) | limit (tiles) |"
         sep += "---|---|---|---|"
     if not lines:
@@ -405,7 +409,8 @@ def reading(report: dict) -> list[str]:
         got = rows["sliding"]["receptive"][-1]
         out.append(f"- **Receptive field: L (w - 1), not L x w.** The window holds the current token, so each layer "
                    f"reaches w - 1 = {w - 1} positions further back: after {L} layers the sliding window reaches "
-                   f"{L} x {w - 1} = {L * (w - 1)} back ({got['farthest']} measured, {got['max_positions']} positions), "
+                   f"{L} x {w - 1} = {L * (w - 1)} back "
+                   f"({got['farthest']} measured, {got['max_positions']} positions), "
                    f"not {L * w}. Tokens d apart are ceil(d / (w - 1)) hops apart.")
     if "dilated" in rows:
         sched = [dil[l % len(dil)] for l in range(L)]
@@ -429,7 +434,8 @@ def reading(report: dict) -> list[str]:
     if "longformer" in enc or "longformer-spread" in rows:
         parts = []
         if "longformer" in enc:
-            parts.append(f"in the encoder with the globals first (max {enc['longformer']['hops']['max']} hops measured)")
+            parts.append(f"in the encoder with the globals first "
+                         f"(max {enc['longformer']['hops']['max']} hops measured)")
         if "longformer-spread" in rows:
             parts.append(f"in a decoder only with globals spread along the sequence (max "
                          f"{rows['longformer-spread']['hops']['max']} hops measured, window >= their spacing) -- at "

@@ -68,7 +68,8 @@ def mask_figure(rows: dict[str, list[dict]], path: str | Path, subtitle: str = "
 
 def receptive_figure(curves: dict[str, dict[str, list[int]]], rules: dict[str, list[int]], path: str | Path) -> Path:
     """Input positions a token depends on after 1..L layers (the most over tokens): one panel per mode
-    (curves: mode -> pattern -> values per layer), the rule of thumb of the mode (L x w; 2 L x w for an encoder) dashed."""
+    (curves: mode -> pattern -> values per layer), the rule of thumb of the mode (L x w; 2 L x w for an
+    encoder) dashed."""
     plt = require_matplotlib()
     fig, axes = plt.subplots(1, len(curves), figsize=(5.2 * len(curves), 3.6), squeeze=False)
     for ax, (mode, lines) in zip(axes[0], curves.items()):

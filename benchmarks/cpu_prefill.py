@@ -3,7 +3,8 @@
     python benchmarks/cpu_prefill.py            # 16 heads x 64 dims, w = 256, mu_f ~ 7%, n in {2k, 8k}
 
 Prints, per sequence length and gate pattern: dense SDPA time, AHA time (``aha_attention`` on backend
-"torch", the PyTorch path), the speed-up and the FLOP limit 1 / (mu + 2 (1 - mu) w / n). Each time is the median of --repeats runs after one warm-up.
+"torch", the PyTorch path), the speed-up and the FLOP limit 1 / (mu + 2 (1 - mu) w / n). Each time is the
+median of --repeats runs after one warm-up.
 Before timing, the fast path is checked against the dense reference at the smallest length.
 
     python benchmarks/cpu_prefill.py --training --lengths 2048 4096   # forward + backward instead

@@ -72,8 +72,8 @@ def main(argv=None) -> None:
             got = {m: max(r[m]["bytes_received"] for r in res) for m in ("dar", "full")}
             moves = {m: max(r[m]["transfers"] for r in res) for m in ("dar", "full")}
             print(f"| {world} | {n} | {layout} | {sent['dar'] / MIB:.2f} | {sent['full'] / MIB:.2f} | "
-                  f"{sent['dar'] / sent['full']:.4f} | {base + extra * (args.window - 1):.4f} | {got['dar'] / MIB:.2f} | "
-                  f"{got['full'] / MIB:.2f} | {moves['dar']} / {moves['full']} |")
+                  f"{sent['dar'] / sent['full']:.4f} | {base + extra * (args.window - 1):.4f} | "
+                  f"{got['dar'] / MIB:.2f} | {got['full'] / MIB:.2f} | {moves['dar']} / {moves['full']} |")
     print(f"\nat n = 131072 the closed forms give {base + 2 * (args.window - 1) / 131072:.4f} (contiguous) and "
           f"{base + 8 * (args.window - 1) / (3 * 131072):.4f} (zigzag)")
 

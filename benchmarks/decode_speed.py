@@ -183,7 +183,8 @@ def part_a(a) -> None:
             tot, upd, mech = (med([x[i] for x in r]) for i in range(3))
             base = base or tot
             print(f"| {b} | {n} | {tot:.2f} | {tot / base:.2f}x | {n / a.contexts[0]:.0f}x | {upd:.2f} | "
-                  f"{mech - upd:.2f} | {tot - mech:.2f} | {med([x[0] for x in c]):.2f} | {med([x[1] for x in c]):.2f} |",
+                  f"{mech - upd:.2f} | {tot - mech:.2f} | {med([x[0] for x in c]):.2f} | "
+                  f"{med([x[1] for x in c]):.2f} |",
                   flush=True)
     del caches
 

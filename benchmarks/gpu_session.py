@@ -73,7 +73,8 @@ def _patterns(backend: str, *lengths: str) -> tuple:
 
 PARTS = {
     "tests": Part(150, "tests.log", (
-        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/ops/test_gpu.py", "tests/ops/test_kernels.py"),), 93),
+        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/ops/test_gpu.py",
+         "tests/ops/test_kernels.py"),), 93),
     "tiles": Part(180, "tiles.md", ((PY, "benchmarks/kernel_tiles.py", "--repeats", "5"),), 120),
     "bench": Part(120, "bench.log", (
         (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),), 42),
@@ -174,15 +175,16 @@ def write_summary(out: Path, header: str, parts: dict, rows: list, waiting: list
     parts not started, and those stopped at their cap (with a larger cap)."""
     lines = [f"# GPU session, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "", header, "",
              "| part | cap s | took s | result | file |", "|---|---|---|---|---|"]
-    lines += [f"| {name} | {parts[name].cap} | {took:.0f} | {result} | {parts[name].log} |" for name, result, took in rows]
+    lines += [f"| {name} | {parts[name].cap} | {took:.0f} | {result} | {parts[name].log} |"
+              for name, result, took in rows]
     capped = [name for name, result, _ in rows if CAPPED in result]
     if waiting:
         lines += ["", f"Not started{note}: {' '.join(waiting)}."]
     if capped:
         lines += ["", f"Stopped at the cap: {' '.join(capped)}."]
     if waiting or capped:
-        call = ["python3 benchmarks/gpu_session.py", *capped, *waiting, *(f"--cap {n}={2 * parts[n].cap}" for n in capped),
-                "--deadline SECONDS"]
+        call = ["python3 benchmarks/gpu_session.py", *capped, *waiting,
+                *(f"--cap {n}={2 * parts[n].cap}" for n in capped), "--deadline SECONDS"]
         lines += ["", f"Next call: `{' '.join(call)}`, or on the same warm machine `python3 benchmarks/gpu_session.py "
                   "--continue --deadline SECONDS` (the device call's timeout at least SECONDS + 20)"]
     text = "\n".join(lines) + "\n"
@@ -237,7 +239,8 @@ def left_by(state: dict) -> tuple[list[str], dict[str, int]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("parts", nargs="*", metavar="PART", help=f"parts to run, in this order (default: {' '.join(PARTS)})")
+    ap.add_argument("parts", nargs="*", metavar="PART",
+                    help=f"parts to run, in this order (default: {' '.join(PARTS)})")
     ap.add_argument("--deadline", type=float, default=560, help="seconds from the start after which no part "
                     "starts, and at which a running one is stopped (default 560: one 10-minute device call)")
     ap.add_argument("--cap", action="append", default=[], metavar="PART=SECONDS", help="another cap for a part")
@@ -245,9 +248,10 @@ def main(argv=None) -> int:
                     help="run what the earlier calls on this machine left (read from --state): the parts not started, "
                          "and those stopped at their cap with twice the cap; needs no look at their output first")
     ap.add_argument("--state", type=Path, default=ROOT / "runs" / "gpu_session_state.json",
-                    help="where each call records its parts' results for --continue (default runs/gpu_session_state.json, "
-                         "which stays on a warm machine between calls)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "runs/gpu"), help="default $OUT or runs/gpu")
+                    help="where each call records its parts' results for --continue "
+                         "(default runs/gpu_session_state.json, which stays on a warm machine between calls)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "runs/gpu"),
+                    help="default $OUT or runs/gpu")
     ap.add_argument("--plan", action="store_true", help="print the parts, their caps and commands; run nothing")
     args = ap.parse_args(argv)
     unknown = [p for p in args.parts if p not in PARTS]

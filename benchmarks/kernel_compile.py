@@ -5,7 +5,8 @@ kernel's candidates in ``allhere/kernels/tiles.py`` pruned for that GPU (``tiles
 autotuner would time there).
 
     python benchmarks/kernel_compile.py                 # sm_90 (H100): every candidate the autotuner may time there
-    python benchmarks/kernel_compile.py --default-only  # per kernel the setting autotune.pinned() gives there (a test runs this)
+    python benchmarks/kernel_compile.py --default-only  # per kernel the setting autotune.pinned() gives there
+                                                        # (a test runs this)
     python benchmarks/kernel_compile.py --arch 80       # A100
     python benchmarks/kernel_compile.py --default-only --arch 89 --head-dim 64 --dtype float16
 
@@ -171,8 +172,8 @@ def main() -> None:
           f"{args.dtype})\n\nSettings: (BLOCK_M, BLOCK_N, warps, stages); decode: (SPLIT, BLOCK_N, warps, stages).\n")
     print("| kernel | tiles | registers | spilled B | shared KiB | wgmma | launches |\n|---|---|---|---|---|---|---|")
     for label, setting, r in rows:
-        print(f"| {label} | {tuple(setting.values())} | {r['regs']} | {r['local'] + r['stack']} | {r['shared'] / 1024:.0f} "
-              f"| {'yes' if r['wgmma'] else 'no'} | {fits(r, args.arch)} |")
+        print(f"| {label} | {tuple(setting.values())} | {r['regs']} | {r['local'] + r['stack']} "
+              f"| {r['shared'] / 1024:.0f} | {'yes' if r['wgmma'] else 'no'} | {fits(r, args.arch)} |")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def best(fn, repeats: int, cuda: bool = False) -> float:
 
 def scores(plan) -> int:
     """Allowed (query head, key) pairs of a plan, per batch row."""
-    lead = plan.batch * plan.kv_heads if not (plan.per_batch or plan.per_head) else (1 if plan.per_batch else plan.batch)
+    lead = (plan.batch * plan.kv_heads if not (plan.per_batch or plan.per_head)
+            else (1 if plan.per_batch else plan.batch))
     total = sum(int((b.mask[0] & b.seen).sum()) for b in plan.buckets) * lead
     return total // plan.batch
 
@@ -142,7 +143,8 @@ def main(argv=None) -> None:
         f"dilated w={w // 2} d=2": (dilated_window(w // 2, 2),
                                     (lambda: dilated_window_attention(q, k, v, w // 2, 2)) if blocked else None),
         f"dilated w={w // 4} d=(1,2,4,8)x": (dilated_window(w // 4, dils),
-                                             (lambda: dilated_window_attention(q, k, v, w // 4, dils)) if blocked else None),
+                                             (lambda: dilated_window_attention(q, k, v, w // 4, dils))
+                                             if blocked else None),
         f"longformer w={w} g=16": (longformer(w, torch.arange(n) < 16), None),
         "bigbird b=64 w=3 g=1 r=3": (bigbird(64, 3, 1, 3, seed=0, heads_per_draw=h // hkv), None),
     }
@@ -155,7 +157,8 @@ def main(argv=None) -> None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != h)
         print(f"n={n} heads={h} kv_heads={hkv} dim={d} threads={torch.get_num_threads()} device=cpu"
               + ("" if blocked else f" backend={args.backend}"))
-    print(f"{'pattern':<28} {'density':>8} {'plan ms':>9} {'fast ms':>9} {'dense ms':>9} {'ratio':>6} {'limit':>6}  >= limit/2")
+    print(f"{'pattern':<28} {'density':>8} {'plan ms':>9} {'fast ms':>9} {'dense ms':>9} "
+          f"{'ratio':>6} {'limit':>6}  >= limit/2")
     failed = 0
     with torch.no_grad():
         dense = best(dense_call, args.repeats, cuda)
@@ -176,12 +179,13 @@ def main(argv=None) -> None:
                 t = best(fast, args.repeats, cuda)
             except Exception as e:  # noqa: BLE001  (one pattern's failure, e.g. out of memory, ends its row only)
                 failed += 1
-                print(f"{name:<28} {s / n ** 2:8.3%}  failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}")
+                print(f"{name:<28} {s / n ** 2:8.3%}  failed: "
+                      f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}")
                 continue
             td = min(dense, best(dense_call, 1, cuda))
             ratio, limit = td / t, dense_scores / s
-            print(f"{name:<28} {s / n ** 2:8.3%} {1e3 * t_plan:9.1f} {1e3 * t:9.3f} {1e3 * td:9.3f} {ratio:6.2f} {limit:6.2f}  "
-                  f"{'yes' if ratio >= limit / 2 else 'no'}")
+            print(f"{name:<28} {s / n ** 2:8.3%} {1e3 * t_plan:9.1f} {1e3 * t:9.3f} {1e3 * td:9.3f} "
+                  f"{ratio:6.2f} {limit:6.2f}  {'yes' if ratio >= limit / 2 else 'no'}")
     if failed:
         raise SystemExit(f"{failed} pattern(s) failed")
 

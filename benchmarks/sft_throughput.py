@@ -119,7 +119,8 @@ def main(argv=None):
         del aha
         mu = [h["mu_f"] for h in state["history"]]
         mu_text = f"{sum(mu) / len(mu):.3f}" if mu else "n/a"
-        rows.append(f"| AHA (SFT path), routers start {init} | {mu_text} | {aha_tps:,.0f} | {aha_tps / sdpa_tps:.2f}x |")
+        rows.append(f"| AHA (SFT path), routers start {init} | {mu_text} | {aha_tps:,.0f} | "
+                    f"{aha_tps / sdpa_tps:.2f}x |")
     print("| model | mean mu_f (every 10th step) | tokens/s | ratio to SDPA |")
     print("|---|---|---|---|")
     print("\n".join(rows))

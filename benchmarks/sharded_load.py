@@ -58,7 +58,8 @@ def main(argv=None) -> None:
     (whole,) = launch(_whole, 1, args.model, args.window)  # a fresh process of its own
     ranks = launch(_sharded, args.nproc, args.model, args.window)
     print(f"model {args.model}: {whole['full'] / MIB:.1f} MiB of float32 parameters (AHA routers included)\n")
-    print("| load | peak resident memory rise MiB | parameters held MiB | seconds | measured by |\n|---|---|---|---|---|")
+    print("| load | peak resident memory rise MiB | parameters held MiB | seconds | measured by |\n"
+          "|---|---|---|---|---|")
     print(f"| one process, whole model (load_local) | {whole['peak'] / MIB:.1f} | {whole['full'] / MIB:.1f} | "
           f"{whole['seconds']:.1f} | {whole['source']} |")
     for r, res in enumerate(ranks):

@@ -1,7 +1,8 @@
 """One training step (AdamW) of ``allhere.Decoder`` against a plain PyTorch decoder of the same shape and
 parameter count, ratios measured round-robin in one run.
 
-    python benchmarks/train_step.py                 # the demo's stdlib shape: d = 192, 4 layers, 6 heads, B = 16, T = 256
+    python benchmarks/train_step.py                 # the demo's stdlib shape: d = 192, 4 layers, 6 heads,
+                                                    # B = 16, T = 256
     python benchmarks/train_step.py --profile aha   # where one step of a model goes (torch.profiler, per-op table)
 
 The plain decoder (``PlainDecoder`` below, ~50 lines: RMSNorm, RoPE, SwiGLU, tied embeddings,

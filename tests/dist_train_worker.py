@@ -5,9 +5,9 @@ import os
 import sys
 from pathlib import Path
 
-import train_worker  # the same model and batches as the one-process resume test
-
 from allhere.config import TrainConfig
+
+import train_worker  # the same model and batches as the one-process resume test
 
 CFG = TrainConfig(steps=20, batch_size=2, grad_accum=4, lr=3e-3, ckpt_every=2, log_every=1)
 AAMOE_CFG = TrainConfig(steps=6, batch_size=2, grad_accum=2, lr=3e-3, ckpt_every=6, log_every=1)

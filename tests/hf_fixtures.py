@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from real_configs import STORED_DTYPE, tiny
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from real_configs import STORED_DTYPE, tiny
 
 WORDS = [f"w{i}" for i in range(90)]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]

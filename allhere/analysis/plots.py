@@ -16,7 +16,8 @@ def require_matplotlib():
     return plt
 
 
-def usage_heatmaps(panels: dict[str, list[list[float]]], path: str | Path, layers: dict[str, list[int]] | None = None) -> Path:
+def usage_heatmaps(panels: dict[str, list[list[float]]], path: str | Path,
+                   layers: dict[str, list[int]] | None = None) -> Path:
     """One panel per entry: rows = AHA layers, columns = heads, colour = mu_f in [0, 1]."""
     plt = require_matplotlib()
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)

@@ -13,7 +13,8 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                 "(token, head) pairs on full attention) as requests come.")
     p.add_argument("--model", type=a.model_folder, required=True,
                    help="a transformers model folder: plain, or written by allhere convert / sft (required)")
-    p.add_argument("--host", type=a.host, default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--host", type=a.host, default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=a.port, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--max-model-len", type=a.positive, default=None,
                    help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from ..masks import starts_from
-
 from .corpus import DataError
 
 # Used when the tokenizer has no chat template of its own: one header line per turn, EOS after each turn.

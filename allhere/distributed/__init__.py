@@ -7,9 +7,9 @@ how-to."""
 from .context import ContextParallel, ShardBatch, context_parallel, context_parallel_loss, shard_batch, shard_loss
 from .layouts import LAYOUTS, positions, shard, unshard
 from .parallel import ParallelConfig
+from .ring import RingStats, ring_aha_attention, ring_attention, ring_gated_attention
 from .ring_blocks import Pattern, causal, pattern_from, sliding
 from .ring_plan import RingSpec, make_plan
-from .ring import RingStats, ring_aha_attention, ring_attention, ring_gated_attention
 
 __all__ = ["LAYOUTS", "ContextParallel", "ParallelConfig", "Pattern", "RingSpec", "RingStats", "ShardBatch", "causal",
            "context_parallel", "context_parallel_loss", "make_plan", "pattern_from", "positions", "ring_aha_attention",

@@ -60,7 +60,8 @@ def save(ckpt_path: Path, model, optimizer, state: dict, env: DistEnv) -> None:
     dist.barrier()
     if env.main:
         meta = dict(state, folder=name, world=env.world)
-        atomic_write(root / "latest.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n"))
+        atomic_write(root / "latest.json",
+                     lambda tmp: tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n"))
         for old in root.glob("step-*"):
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)

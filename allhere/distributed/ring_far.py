@@ -59,7 +59,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.common import default_scale, repeat_kv

@@ -29,8 +29,7 @@ from lm_eval.api.registry import register_model  # noqa: E402
 
 from ..progress import progress  # noqa: E402
 from ..validation import ConfigError  # noqa: E402
-from .requests import (chunks, cut_at_stops, encode_pair, gen_group_key, generation_settings,  # noqa: E402
-                       max_length_of, share_inputs)
+from .requests import chunks, cut_at_stops, encode_pair, gen_group_key, generation_settings, max_length_of, share_inputs  # noqa: E402
 
 
 @register_model("allhere")

@@ -11,9 +11,9 @@ require("transformers", "hf")
 
 from .._deprecated import moved_names  # noqa: E402
 from .cache import cache_nbytes, new_cache  # noqa: E402
+from .causal_lm import HFCausalLM  # noqa: E402
 from .convert import attention_layers, collect_routing, convert, converted_mechanism, global_share  # noqa: E402
 from .io import load_pretrained, save_pretrained  # noqa: E402
-from .causal_lm import HFCausalLM  # noqa: E402
 from .sft import sft  # noqa: E402
 
 __all__ = ["HFCausalLM", "attention_layers", "cache_nbytes", "collect_routing", "convert", "converted_mechanism",

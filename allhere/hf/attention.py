@@ -171,7 +171,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         mech.hf_captured = (key, value)
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
     if mech.hf_call is None:
-        raise RuntimeError("allhere attention called without its input: was the model converted with allhere.hf.convert?")
+        raise RuntimeError("allhere attention called without its input: "
+                           "was the model converted with allhere.hf.convert?")
     (args, call_kwargs, rotary), mech.hf_call = mech.hf_call, None
     attend = _host_softmax(module, {**kwargs, "dropout": 0.0, "scaling": scaling})
     if attend is not None and not mech.host_softmax:

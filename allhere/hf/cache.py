@@ -264,8 +264,8 @@ def new_cache(model, reserve: int | None = None) -> Cache:
 
 
 def cache_kwargs(cache: Cache) -> dict:
-    """``{name: cache}`` to hand ``generate`` or a forward a cache: ``cache`` where transformers takes that name (it renamed
-    ``past_key_values``, which then warns), else ``past_key_values``."""
+    """``{name: cache}`` to hand ``generate`` or a forward a cache: ``cache`` where transformers takes that
+    name (it renamed ``past_key_values``, which then warns), else ``past_key_values``."""
     from transformers.generation import utils
 
     return {"cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values": cache}

@@ -23,10 +23,10 @@ from functools import cache, partial
 import torch
 
 from .. import registry
+from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
 from ..mechanisms.base import AttentionDims, mechanism_layers
 from ..routing import Routing, routed_layers
 from ..validation import ConfigError
-from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
 from .attention import ATTN_NAME, HOST_IMPL, register, stash_call
 from .cache import has_own_layer
 

@@ -30,9 +30,9 @@ import torch
 
 from .. import registry
 from ..checkpoint import CheckpointError
+from ..hosts import CONFIG_KEY, SUBMODULE
 from ..mechanisms.aha import AHAConfig
 from ..validation import ConfigError
-from ..hosts import CONFIG_KEY, SUBMODULE
 from .convert import attention_layers, check_rope, convert, converted_mechanism
 from .files import weight_files
 

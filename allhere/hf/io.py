@@ -14,8 +14,8 @@ import torch
 
 from .. import registry
 from ..checkpoint import CheckpointError
-from ..validation import ConfigError
 from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from ..validation import ConfigError
 from .convert import check_convertible, check_rope, convert
 from .files import weight_files
 
@@ -51,7 +51,8 @@ def load_pretrained(path: str | Path, **kwargs):
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} is not a saved model folder (no config.json)")
-    from .faolmo import load as load_faolmo, read_config as faolmo_config
+    from .faolmo import load as load_faolmo
+    from .faolmo import read_config as faolmo_config
 
     if faolmo_config(path) is not None:  # the AHA authors' format: transformers does not know model_type faolmo
         return load_faolmo(path, **kwargs)
@@ -123,7 +124,8 @@ def check_causal_lm(path: str | Path, convertible: bool = False, layers="full", 
     p = Path(path)
     if not (p / "config.json").exists():
         raise ConfigError(f"model path {p} is not a saved transformers model (no config.json)")
-    from .faolmo import olmo2_config, read_config as faolmo_config
+    from .faolmo import olmo2_config
+    from .faolmo import read_config as faolmo_config
 
     raw = faolmo_config(p)
     if raw is not None:  # the AHA authors' format (OLMo-2 with AHA routers), which AutoConfig does not know

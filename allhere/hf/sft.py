@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from ..config import TrainConfig
+from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversation
 from ..distributed.checkpoint import full_state_dict
 from ..distributed.env import detect
 from ..distributed.parallel import ParallelConfig
-from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversation
 from ..mechanisms import AHAConfig, DARConfig
 from ..runlock import run_lock
 from ..train import train
@@ -74,7 +74,8 @@ def _load_report(model) -> dict:
     report = model.allhere_load_report
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, report.peak_rss_delta_bytes)
-    return {"peak_rss_delta_bytes": peaks, "full_model_bytes": report.full_model_bytes, "measured_by": report.peak_source}
+    return {"peak_rss_delta_bytes": peaks, "full_model_bytes": report.full_model_bytes,
+            "measured_by": report.peak_source}
 
 
 def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: int, seq_len: int = 2048,

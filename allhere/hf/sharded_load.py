@@ -39,8 +39,8 @@ import torch
 from .. import registry
 from ..checkpoint import CheckpointError
 from ..distributed.fsdp import shard_model
-from ..validation import ConfigError
 from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from ..validation import ConfigError
 from .convert import convert, dims_of, init_mechanism
 from .files import weight_files
 from .io import check_causal_lm, load_tokenizer, meta_model, saved_dtype, saved_mechanism
@@ -207,7 +207,8 @@ def assemble(model_path: str | Path, state_dict: dict[str, torch.Tensor], mechan
     for name, value in buffers.items():
         module_name, _, leaf = name.rpartition(".")
         model.get_submodule(module_name).register_buffer(leaf, value, persistent=False)
-    if getattr(model.config.get_text_config(), "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+    if (getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+            and model.get_output_embeddings() is not None):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     _tie_check(model)
     _generation_config(model, Path(model_path))

@@ -32,7 +32,6 @@ import triton.language as tl
 from . import autotune
 from .tiles import default as default_tiles
 
-
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 

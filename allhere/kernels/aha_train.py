@@ -28,9 +28,26 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_prefill import (choose, edge_mask, global_forward, inner_blocks, load_keys, longest_first, pack_global,
-                          key_sources, packed_block, packed_keys, pinned_tiles, row_starts, segment_args,
-                          segment_start, sliding_forward, strided, tma_checked, window_block)
+from .aha_prefill import (
+    choose,
+    edge_mask,
+    global_forward,
+    inner_blocks,
+    key_sources,
+    load_keys,
+    longest_first,
+    pack_global,
+    packed_block,
+    packed_keys,
+    pinned_tiles,
+    row_starts,
+    segment_args,
+    segment_start,
+    sliding_forward,
+    strided,
+    tma_checked,
+    window_block,
+)
 
 
 @triton.jit

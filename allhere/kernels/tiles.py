@@ -32,9 +32,12 @@ DQ = [_block(64, 64, 8, 3), _block(64, 64, 4, 3), _block(128, 128, 8, 2), _block
 DKDV = [_block(32, 64, 8, 3), _block(32, 64, 4, 3), _block(32, 128, 8, 3), _block(16, 64, 4, 3), _block(32, 32, 4, 2),
         _block(64, 64, 8, 3)]
 # The decode kernel: SPLIT keys per program (the cache is split across programs), BLOCK_N keys per step.
-DECODE = [dict(SPLIT=512, BLOCK_N=64, num_warps=4, num_stages=2), dict(SPLIT=256, BLOCK_N=64, num_warps=4, num_stages=2),
-          dict(SPLIT=1024, BLOCK_N=64, num_warps=4, num_stages=3), dict(SPLIT=2048, BLOCK_N=128, num_warps=4, num_stages=3),
-          dict(SPLIT=512, BLOCK_N=128, num_warps=8, num_stages=2), dict(SPLIT=1024, BLOCK_N=128, num_warps=8, num_stages=3),
+DECODE = [dict(SPLIT=512, BLOCK_N=64, num_warps=4, num_stages=2),
+          dict(SPLIT=256, BLOCK_N=64, num_warps=4, num_stages=2),
+          dict(SPLIT=1024, BLOCK_N=64, num_warps=4, num_stages=3),
+          dict(SPLIT=2048, BLOCK_N=128, num_warps=4, num_stages=3),
+          dict(SPLIT=512, BLOCK_N=128, num_warps=8, num_stages=2),
+          dict(SPLIT=1024, BLOCK_N=128, num_warps=8, num_stages=3),
           dict(SPLIT=256, BLOCK_N=32, num_warps=2, num_stages=2)]
 
 HOPPER_RULE = ("sliding", "global", "local_dq", "global_dq")
@@ -71,16 +74,17 @@ def prune(kernel: str, head_dim: int, elem: int, capability: tuple[int, int], ma
           length: int | None = None) -> list[dict]:
     """The candidates of ``kernel`` worth timing on a device of compute ``capability`` with ``max_shared``
     bytes of shared memory per block, for head dim ``head_dim`` in ``elem``-byte numbers: those whose
-    tiles fit (``shared_bytes``); tensor descriptors only where ``tma_possible``; on Hopper (capability 9.x), for the kernels whose dots are [BLOCK_M, BLOCK_N]
-    query-by-key tiles, not 8 warps on a tile under 128 x 128 (the rule of Triton's fused-attention
-    tutorial: too few rows for two warp groups); not a query tile longer
-    than the sequence ``length`` (it would be mostly empty), nor a decode split above it. Never empty:
+    tiles fit (``shared_bytes``); tensor descriptors only where ``tma_possible``; on Hopper (capability 9.x),
+    for the kernels whose dots are [BLOCK_M, BLOCK_N] query-by-key tiles, not 8 warps on a tile under
+    128 x 128 (the rule of Triton's fused-attention tutorial: too few rows for two warp groups); not a query
+    tile longer than the sequence ``length`` (it would be mostly empty), nor a decode split above it. Never empty:
     the default stays when nothing else does."""
     keep = []
     for s in SPACES[kernel]:
         if shared_bytes(s, head_dim, elem) > max_shared or (s.get("TMA") and not tma_possible(capability)):
             continue
-        if capability[0] == 9 and kernel in HOPPER_RULE and s["num_warps"] == 8 and s["BLOCK_M"] * s["BLOCK_N"] < 128 * 128:
+        if (capability[0] == 9 and kernel in HOPPER_RULE and s["num_warps"] == 8
+                and s["BLOCK_M"] * s["BLOCK_N"] < 128 * 128):
             continue
         if length is not None and (s.get("BLOCK_M", 0) > max(length, 16) or s.get("SPLIT", 0) > max(length, 256)):
             continue

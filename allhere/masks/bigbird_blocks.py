@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .predicates import MaskFn, check_count, with_tiles, or_masks
+from .predicates import MaskFn, check_count, or_masks, with_tiles
 from .tables import DeviceTables, is_tracing
 from .windows import sliding_window
 
@@ -171,6 +171,7 @@ def bigbird(block: int, window_blocks: int, global_blocks: int, random_blocks: i
             layer: int = 0, causal: bool = True, length: int | None = None, heads_per_draw: int = 1) -> MaskFn:
     """BigBird's block-sparse pattern ("Big Bird: Transformers for Longer Sequences", arXiv:2007.14062), in
     blocks of ``block`` positions: ``bigbird_window`` OR ``bigbird_global`` OR ``bigbird_random``."""
-    rand = bigbird_random(block, window_blocks, global_blocks, random_blocks, seed, layer, causal, length, heads_per_draw)
+    rand = bigbird_random(block, window_blocks, global_blocks, random_blocks, seed, layer, causal, length,
+                          heads_per_draw)
     pred = or_masks(bigbird_window(block, window_blocks, causal), bigbird_global(block, global_blocks, causal), rand)
     return with_tiles(pred, f"bigbird_{block}" + ("" if causal else "_bidir"))

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-from .predicates import MaskFn, with_tiles, or_masks
+from .predicates import MaskFn, or_masks, with_tiles
 from .tables import DeviceTables
 from .windows import dilated_window
 

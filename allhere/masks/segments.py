@@ -42,7 +42,8 @@ def segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor 
     return torch.where(real, first, -1)
 
 
-def starts_from(padding_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+def starts_from(padding_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """Segment starts [batch, n] of a batch, from what the collator knows: ``padding_mask`` [batch, n]
     (True = a real token; padding may sit on either side) and/or ``position_ids`` [batch, n] that restart
     at 0 where a packed document starts. A real token's segment starts at its document's first token (and

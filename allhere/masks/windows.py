@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .predicates import MaskFn, check_count, with_tiles, or_masks
+from .predicates import MaskFn, check_count, or_masks, with_tiles
 from .tables import DeviceTables
 
 

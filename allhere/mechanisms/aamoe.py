@@ -97,8 +97,10 @@ class AAMoEConfig:
         check(self.route_context or self.experts > 0, c, "experts", self.experts,
               ">= 1 when route_context is False (else there is nothing to route)")
         check(self.own_chunk in OWN_CHUNK, c, "own_chunk", self.own_chunk, f"one of {OWN_CHUNK}")
-        check(self.sigmoid_budget in SIGMOID_BUDGET, c, "sigmoid_budget", self.sigmoid_budget, f"one of {SIGMOID_BUDGET}")
-        check(self.router_softmax in ROUTER_SOFTMAX, c, "router_softmax", self.router_softmax, f"one of {ROUTER_SOFTMAX}")
+        check(self.sigmoid_budget in SIGMOID_BUDGET, c, "sigmoid_budget", self.sigmoid_budget,
+              f"one of {SIGMOID_BUDGET}")
+        check(self.router_softmax in ROUTER_SOFTMAX, c, "router_softmax", self.router_softmax,
+              f"one of {ROUTER_SOFTMAX}")
         check(self.predictor in PREDICTORS, c, "predictor", self.predictor, f"one of {PREDICTORS}")
         check_int(c, "predictor_hidden", self.predictor_hidden, 1)
         check(isinstance(self.predictor_trains_trunk, bool), c, "predictor_trains_trunk",
@@ -107,7 +109,8 @@ class AAMoEConfig:
               self.predictor_weight, "a finite number >= 0")
         check(self.memory_positions in MEMORY_POSITIONS, c, "memory_positions", self.memory_positions,
               f"one of {MEMORY_POSITIONS}")
-        check(is_number(self.rope_theta) and self.rope_theta > 0, c, "rope_theta", self.rope_theta, "a finite number > 0")
+        check(is_number(self.rope_theta) and self.rope_theta > 0, c, "rope_theta", self.rope_theta,
+              "a finite number > 0")
 
 
 @register(AAMoEConfig, summary="AA-MoE: a per-token budget shared between context chunks and experts")

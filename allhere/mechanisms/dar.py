@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from .. import masks
-from ..ops.dar import dar_attention
 from ..ops.common import segment_mask
+from ..ops.dar import dar_attention
 from ..registry import register
 from ..validation import ConfigError, check_int
 from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan, FarKV

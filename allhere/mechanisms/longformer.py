@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..masks import MaskFn, longformer
-from ..masks import global_at, global_first
+from ..masks import MaskFn, global_at, global_first, longformer
 from ..registry import register
 from ..validation import check, check_int
 from .caches import PatternKVCache

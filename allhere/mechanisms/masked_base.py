@@ -57,9 +57,9 @@ class PatternAttention(AttentionMechanism):
     path (the default on CUDA) FlexAttention (``allhere.ops.flex``: compiled for at most ``flex_shapes``
     (pattern, call shape) pairs in the process), the block-sparse op past that. On both, small calls
     (``dense_below``: decode steps) and scattered key positions (a cache that dropped keys, a shard's
-    positions) run SDPA over the keys at hand. The "reference" path computes every call densely in fp32. The block mask or tile plan of a call is
-    built once and shared by every layer with the same pattern (``BlockCache``): once in all, or once per
-    forward with segment boundaries.
+    positions) run SDPA over the keys at hand. The "reference" path computes every call densely in fp32. The
+    block mask or tile plan of a call is built once and shared by every layer with the same pattern
+    (``BlockCache``): once in all, or once per forward with segment boundaries.
     """
 
     reads_all_keys = False

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..masks import MaskFn
 from .common import check_qkv, default_scale
 
+
 def _bucket_sizes(counts: torch.Tensor, max_buckets: int = 24) -> torch.Tensor:
     """Per row, the number of key tiles its bucket gathers: its own count, except that beyond
     ``max_buckets`` distinct counts the rarest merge into the next larger one (padding a few rows rather
@@ -201,8 +202,8 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
         r, c = bucket.kidx.shape
         mask = bucket.additive.get(q.dtype)
         if mask is None:  # SDPA on CPU runs an additive float mask of shape [1, R, ...] fastest
-            mask = bucket.additive[q.dtype] = torch.zeros(bucket.mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-                ~bucket.mask, float("-inf"))
+            mask = bucket.additive[q.dtype] = torch.zeros(
+                bucket.mask.shape, dtype=q.dtype, device=q.device).masked_fill(~bucket.mask, float("-inf"))
         qidx, kidx = qidx.view(lead, r), kidx.view(lead, r, c)
         # Chunks of rows whose gathered keys stay moderate: a large fresh buffer costs more in page faults
         # than the copy itself (up to 10x slower gathers on CPU, measured), many tiny calls cost more in

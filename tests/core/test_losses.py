@@ -20,7 +20,8 @@ def test_lm_loss_ignores_padding_and_masked_targets():
 
 
 def test_aha_loss_adds_lambda_times_l_reg():
-    cfg = ModelConfig(vocab_size=30, d_model=16, n_layers=2, n_heads=2, mechanism=AHAConfig(window=2, router_init="neutral"))
+    cfg = ModelConfig(vocab_size=30, d_model=16, n_layers=2, n_heads=2,
+                      mechanism=AHAConfig(window=2, router_init="neutral"))
     model = Decoder(cfg)
     ids = torch.randint(0, 30, (2, 9))
     pad = torch.ones(2, 9, dtype=torch.bool)

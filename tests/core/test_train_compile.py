@@ -5,12 +5,13 @@ import dataclasses
 
 import pytest
 import torch
-import train_worker  # noqa: E402
 from torch._dynamo.utils import counters
 
 from allhere.checkpoint import load_model
 from allhere.config import TrainConfig
 from allhere.validation import ConfigError
+
+import train_worker  # noqa: E402
 
 
 def test_compiled_training_matches_eager(tmp_path):

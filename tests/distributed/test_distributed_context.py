@@ -14,9 +14,6 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import dist_context_worker as W  # noqa: E402
-import dist_worker  # noqa: E402
-
 from allhere import ConfigError  # noqa: E402
 from allhere.checkpoint import load_model  # noqa: E402
 from allhere.config import ModelConfig  # noqa: E402
@@ -24,6 +21,9 @@ from allhere.distributed import layouts  # noqa: E402
 from allhere.distributed.context import IGNORE, context_parallel, shard_batch  # noqa: E402
 from allhere.mechanisms import AAMoEConfig, FullConfig  # noqa: E402
 from allhere.model import Decoder  # noqa: E402
+
+import dist_context_worker as W  # noqa: E402
+import dist_worker  # noqa: E402
 
 TOL = 1e-5
 KINDS = list(W.MECHANISMS)

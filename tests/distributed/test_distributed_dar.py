@@ -17,12 +17,12 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import dist_worker  # noqa: E402
-
 from allhere import Decoder, ModelConfig  # noqa: E402
 from allhere.distributed import layouts  # noqa: E402
 from allhere.losses import training_loss  # noqa: E402
 from allhere.mechanisms import DARConfig, FullConfig  # noqa: E402
+
+import dist_worker  # noqa: E402
 
 N, BATCH, VOCAB, TOL = 32, 2, 64, 1e-5
 D_MODEL, HEADS, KV_HEADS, D_DOWN = 32, 4, 2, 8
@@ -210,9 +210,9 @@ MEM_N, MEM_HEADS, MEM_KV_HEADS, MEM_HEAD_DIM, MEM_D_DOWN, MEM_WINDOW = 512, 4, 2
 def saved_bytes() -> dict:
     """On this rank: the bytes autograd saves for the backward inside the attention of a one-layer model (DAR,
     and full attention through the plain ring), each layout, on this rank's shard of MEM_N tokens."""
-    from dist_context_worker import SavedBytes
-
     from allhere.distributed.context import context_parallel
+
+    from dist_context_worker import SavedBytes
 
     out = {}
     ids = torch.randint(0, VOCAB, (1, MEM_N), generator=torch.Generator().manual_seed(1))

@@ -38,7 +38,8 @@ def test_packed_documents_match_one_process(folder, two_ranks, kind, layout):
     one = W.single(folder, kind)
     for res in two_ranks:
         got = res[f"{kind}-{layout}"]
-        assert abs(got["total"] - one["total"]) <= 1e-5 and abs(got["lm"] - one["lm"]) <= 1e-5, (got["total"], one["total"])
+        assert (abs(got["total"] - one["total"]) <= 1e-5
+                and abs(got["lm"] - one["lm"]) <= 1e-5), (got["total"], one["total"])
         assert got["grads"].keys() == one["grads"].keys()
         for name, g in one["grads"].items():
             assert torch.allclose(got["grads"][name], g, atol=1e-5, rtol=1e-4), name

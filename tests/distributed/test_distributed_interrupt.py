@@ -18,9 +18,9 @@ if not dist.is_available():
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
-import dist_train_worker  # noqa: E402
-
 from allhere.checkpoint import load_model  # noqa: E402
+
+import dist_train_worker  # noqa: E402
 
 
 def test_sigterm_stops_every_rank_at_the_same_step(tmp_path):
@@ -45,5 +45,6 @@ def test_sigterm_stops_every_rank_at_the_same_step(tmp_path):
     assert not path.exists()  # no export of an unfinished run
 
     subprocess.run(cmd + ["0"], env=env, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, meta = load_model(path)  # resumed from there to the end (exactly so: tests/distributed/test_distributed_train.py)
+    # resumed from there to the end (exactly so: tests/distributed/test_distributed_train.py)
+    _, meta = load_model(path)
     assert [h["step"] for h in meta["history"]] == list(range(1, dist_train_worker.CFG.steps + 1))

@@ -15,8 +15,6 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import dist_worker  # noqa: E402
-
 from allhere import Decoder, ModelConfig, register  # noqa: E402
 from allhere.distributed import layouts  # noqa: E402
 from allhere.distributed.context import context_parallel  # noqa: E402
@@ -29,6 +27,8 @@ from allhere.mechanisms import (  # noqa: E402
     FullConfig,
 )
 from allhere.ops.common import default_scale, repeat_kv  # noqa: E402
+
+import dist_worker  # noqa: E402
 
 N, BATCH, VOCAB, TOL = 32, 2, 64, 1e-5
 CAP = 2.0  # soft cap of the logits: small enough that it changes the result
@@ -132,7 +132,7 @@ def test_toy_mechanism_runs_context_parallel(tmp_path, world):
 
 def test_toy_mechanism_logits_matter():
     """The soft cap and the distance penalty change the output (else the test above proves little)."""
-    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8)
+    q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8)
     pos = torch.arange(6)
     plain = (q @ k.transpose(-1, -2)) / 8 ** 0.5
     capped = toy_scores(q, k, pos.view(1, 1, -1, 1), pos.view(1, 1, 1, -1), 8 ** -0.5)

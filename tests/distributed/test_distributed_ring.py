@@ -11,8 +11,6 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import dist_worker  # noqa: E402
-
 from allhere import masks  # noqa: E402
 from allhere.distributed import layouts  # noqa: E402
 from allhere.distributed.ring_blocks import causal, pattern_from, sliding  # noqa: E402
@@ -23,6 +21,8 @@ from allhere.ops.full import causal_attention, masked_attention  # noqa: E402
 from allhere.ops.sliding import sliding_window_attention  # noqa: E402
 from allhere.ops.ste import straight_through  # noqa: E402
 from allhere_recipes.cost import Shape, add, aha_training_extra, ring_cost, saved_bytes  # noqa: E402
+
+import dist_worker  # noqa: E402
 
 N = {2: 32, 4: 32}
 WINDOW = 3

@@ -16,12 +16,12 @@ if not dist.is_available():
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
-import dist_worker  # noqa: E402
-from hf_fixtures import write_chat, write_model  # noqa: E402
-
 from allhere import ConfigError  # noqa: E402
 from allhere.checkpoint import read_checkpoint  # noqa: E402
 from allhere.hf import load_pretrained  # noqa: E402
+
+import dist_worker  # noqa: E402
+from hf_fixtures import write_chat, write_model  # noqa: E402
 
 SETTINGS = dict(window=4, seq_len=32, batch_size=2, global_batch=8, max_steps=3, lr=3e-4, lam=0.01)
 

@@ -18,11 +18,11 @@ if not dist.is_available():
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
+from allhere.checkpoint import load_model  # noqa: E402
+
 import dist_train_worker  # noqa: E402
 import dist_worker  # noqa: E402
 import train_worker  # noqa: E402
-
-from allhere.checkpoint import load_model  # noqa: E402
 
 CFG = dist_train_worker.CFG
 

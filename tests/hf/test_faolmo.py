@@ -11,8 +11,6 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import rel_err  # noqa: E402
-from hf_fixtures import make_tokenizer, write_model, write_texts  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from allhere import AHAConfig, DARConfig  # noqa: E402
@@ -21,6 +19,9 @@ from allhere.cli import main  # noqa: E402
 from allhere.hf import collect_routing, convert, load_pretrained, save_pretrained  # noqa: E402
 from allhere.hf.io import check_causal_lm, load_local  # noqa: E402
 from allhere.validation import ConfigError  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
+from hf_fixtures import make_tokenizer, write_model, write_texts  # noqa: E402
 
 H, D, HIDDEN, LAYERS, INTER, WINDOW, THETA, EPS = 4, 32, 128, 2, 96, 4, 10000.0, 1e-6
 N = 24  # tokens per sequence: longer than the window

@@ -98,7 +98,8 @@ def test_loglikelihood_matches_lm_eval(pair):
                                disable_tqdm=True)  # one token each: as a continuation, most are greedy
     long = corpus(20, 2)  # longer than max_length (64 tokens): cut from the left
     args = [("def __in", "it__(self):"), ("x = ", "[]"), ("x =  ", " [1, 2]"),
-            ("for i in range(len(x)):\n    ", "total"), ("", "hello world"), (f"{bos}x = 1", " + 2"), (long, " return"), (long, corpus(2, 6)), *zip(starts, greedy),
+            ("for i in range(len(x)):\n    ", "total"), ("", "hello world"), (f"{bos}x = 1", " + 2"),
+            (long, " return"), (long, corpus(2, 6)), *zip(starts, greedy),
             ("key", " value"), ("key", " values")]
     reqs = [req("loglikelihood", *a) for a in args]
     want = hf.loglikelihood(reqs, disable_tqdm=True)

@@ -7,10 +7,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import rel_err  # noqa: E402
-
 from allhere import AHAConfig, ConfigError, DARConfig, set_forced_gate, use_backend  # noqa: E402  (the one set_forced_gate, for HF models too)
 from allhere.hf import collect_routing, convert, load_pretrained, save_pretrained  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=128, eos_token_id=1, bos_token_id=0, pad_token_id=2)

@@ -7,15 +7,16 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import rel_err  # noqa: E402
-from hf_fixtures import write_model  # noqa: E402
-from test_hf import build  # noqa: E402
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
 
 from allhere import AHAConfig, SinksConfig, SlidingConfig  # noqa: E402
 from allhere.hf import convert, new_cache  # noqa: E402
 from allhere.hf.cache import InPlaceLayer  # noqa: E402
 from allhere.mechanisms.base import mechanism_layers  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
+from hf_fixtures import write_model  # noqa: E402
+from test_hf import build  # noqa: E402
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
@@ -108,7 +109,8 @@ def test_allhere_generate_sizes_the_in_place_cache_once(monkeypatch):
     from allhere.generation import generate
 
     made, real = [], hf_cache.new_cache
-    monkeypatch.setattr(hf_cache, "new_cache", lambda model, reserve=None: made.append(real(model, reserve)) or made[-1])
+    monkeypatch.setattr(hf_cache, "new_cache",
+                        lambda model, reserve=None: made.append(real(model, reserve)) or made[-1])
     model = aha_model()
     reply = generate(model, NumberTokenizer(), list(range(3, 97)) + [3] * 6, max_new_tokens=30)
     assert len(reply.ids) == 30 and len(made) == 1

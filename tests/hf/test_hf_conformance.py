@@ -14,11 +14,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
-from helpers import rel_err  # noqa: E402
-from hf_fixtures import write_chat, write_model, write_texts  # noqa: E402
-from real_configs import ALL_NAMES as NAMES  # noqa: E402
-from real_configs import PUBLISHED, stored_dtype, tied
-
 from allhere import AHAConfig, DARConfig, SinksConfig, SlidingConfig, set_forced_gate  # noqa: E402
 from allhere.checkpoint import read_checkpoint  # noqa: E402
 from allhere.cli import main  # noqa: E402
@@ -31,6 +26,11 @@ from allhere.hf.convert import (  # noqa: E402
 )
 from allhere.hf.io import saved_dtype  # noqa: E402
 from allhere.validation import ConfigError  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
+from hf_fixtures import write_chat, write_model, write_texts  # noqa: E402
+from real_configs import ALL_NAMES as NAMES  # noqa: E402
+from real_configs import PUBLISHED, stored_dtype, tied  # noqa: E402
 
 SHARDED = "Qwen3-0.6B"  # saved as model-0000x-of-0000y.safetensors + index, as the big ones are
 # Every layer of Mistral-7B-v0.1 has a sliding window (4096): there is no full-attention layer for the default

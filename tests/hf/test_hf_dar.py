@@ -7,9 +7,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import rel_err  # noqa: E402
-from test_hf import FAMILIES, build  # noqa: E402
-
 from allhere import ConfigError, DARConfig  # noqa: E402
 from allhere.hf import (  # noqa: E402
     cache_nbytes,
@@ -19,6 +16,9 @@ from allhere.hf import (  # noqa: E402
     save_pretrained,
 )
 from allhere.hf.cache import DARCacheLayer  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
+from test_hf import FAMILIES, build  # noqa: E402
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -93,7 +93,8 @@ def test_chunked_prefill_and_decode_equal_full_forward(name, window):
         parts.append(model(ids[:, 7:12], past_key_values=cache).logits)
         parts += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(12, 20)]
         own = new_cache(model)  # built up front
-        again = torch.cat([model(ids[:, :9], past_key_values=own).logits, model(ids[:, 9:], past_key_values=own).logits], 1)
+        again = torch.cat([model(ids[:, :9], past_key_values=own).logits,
+                           model(ids[:, 9:], past_key_values=own).logits], 1)
     assert rel_err(torch.cat(parts, 1), full) < 1e-5 and rel_err(again, full) < 1e-5
     assert cache.get_seq_length() == own.get_seq_length() == 20
 

@@ -10,9 +10,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import rel_err  # noqa: E402
-from hf_fixtures import write_model, write_texts  # noqa: E402
-
 from allhere import AHAConfig, set_forced_gate  # noqa: E402
 from allhere.cli import main  # noqa: E402
 from allhere.hf import (  # noqa: E402
@@ -23,6 +20,9 @@ from allhere.hf import (  # noqa: E402
     save_pretrained,
 )
 from allhere.hf.convert import attention_modules  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
+from hf_fixtures import write_model, write_texts  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dist_worker import launch  # noqa: E402
-from hf_fixtures import write_model  # noqa: E402
-
 from allhere import AHAConfig, ConfigError, DARConfig, registry  # noqa: E402
 from allhere.checkpoint import CheckpointError  # noqa: E402
 from allhere.hf import convert, save_pretrained  # noqa: E402
@@ -22,6 +19,9 @@ from allhere.hf.convert import init_mechanism  # noqa: E402
 from allhere.hf.io import load_local  # noqa: E402
 from allhere.hf.sharded_load import PeakRSS, load_sharded  # noqa: E402
 from allhere.mechanisms.base import AttentionDims  # noqa: E402
+
+from dist_worker import launch  # noqa: E402
+from hf_fixtures import write_model  # noqa: E402
 
 SEED = 7
 AHA = AHAConfig(window=4, router_init="neutral")  # random router weights: a seed that missed them would show

@@ -8,8 +8,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from helpers import rel_err  # noqa: E402
-
 from allhere.checkpoint import read_checkpoint  # noqa: E402
 from allhere.data.chat import (  # noqa: E402
     FALLBACK_CHAT_TEMPLATE,
@@ -20,6 +18,8 @@ from allhere.data.chat import (  # noqa: E402
 from allhere.data.corpus import DataError  # noqa: E402
 from allhere.hf import HFCausalLM, load_pretrained, sft  # noqa: E402
 from allhere.losses import training_loss  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(60)]
 
@@ -83,7 +83,8 @@ def test_assistant_mask_covers_replies_only():
 def test_non_assistant_targets_contribute_nothing(local_model):
     tok = make_tokenizer()
     tok.chat_template = FALLBACK_CHAT_TEMPLATE
-    ids, mask, _ = pack([tokenize_conversation(tok, conversation(torch.Generator().manual_seed(s))) for s in range(8)], 32)
+    ids, mask, _ = pack([tokenize_conversation(tok, conversation(torch.Generator().manual_seed(s)))
+                         for s in range(8)], 32)
     from allhere import AHAConfig
     from allhere.hf import convert
 

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from helpers import rel_err
 
 from allhere import ConfigError, Decoder, ModelConfig
 from allhere.checkpoint import load_model, save_checkpoint
@@ -13,6 +12,8 @@ from allhere.masks import starts_from
 from allhere.mechanisms.allattention import AllAttention, AllAttentionConfig
 from allhere.mechanisms.base import AttentionCall, AttentionDims
 from allhere.model import apply_rope, rope_cos_sin
+
+from helpers import rel_err
 
 
 @pytest.mark.parametrize("memory_positions", ["relative", "absolute"])

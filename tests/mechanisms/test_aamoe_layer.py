@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from aamoe_cases import brute_force
 
 from allhere import ConfigError, Decoder, ModelConfig, use_backend
 from allhere.losses import training_loss
@@ -15,6 +14,7 @@ from allhere.mechanisms.base import AttentionCall, AttentionDims
 from allhere.model import apply_rope, rope_cos_sin
 from allhere.ops.full import masked_attention
 
+from aamoe_cases import brute_force
 from helpers import rel_err
 
 D, H, HKV, HD = 16, 2, 1, 8
@@ -31,7 +31,8 @@ def layer(seed=0, w_b=1.0, **kw):
 def inputs(n=10, seed=1, b=2):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, n, D, generator=g)
-    q, k, v = torch.randn(b, H, n, HD, generator=g), torch.randn(b, HKV, n, HD, generator=g), torch.randn(b, HKV, n, HD, generator=g)
+    q, k, v = (torch.randn(b, H, n, HD, generator=g), torch.randn(b, HKV, n, HD, generator=g),
+               torch.randn(b, HKV, n, HD, generator=g))
     return q, k, v, x
 
 
@@ -181,7 +182,8 @@ def test_memory_reads_the_query_rotated_back_from_the_given_positions():
     shift = lambda t, p: apply_rope(t, *rope_cos_sin(p, HD, m.cfg.rope_theta))  # noqa: E731
     with torch.no_grad():
         base, _ = m(q, k, v, AttentionCall(x=x))
-        moved, _ = m(shift(q, pos - torch.arange(6)), shift(k, pos - torch.arange(6)), v, AttentionCall(x=x, positions=pos))
+        moved, _ = m(shift(q, pos - torch.arange(6)), shift(k, pos - torch.arange(6)), v,
+                     AttentionCall(x=x, positions=pos))
         wrong, _ = m(shift(q, pos - torch.arange(6)), shift(k, pos - torch.arange(6)), v, AttentionCall(x=x))
     assert rel_err(moved, base) < 1e-5
     assert rel_err(wrong, base) > 1e-2

@@ -5,7 +5,6 @@ registered mechanism kind on the references."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rel_err, spy_paths
 
 from allhere import (
     AAMoEConfig,
@@ -24,6 +23,8 @@ from allhere import (
     registry,
     use_backend,
 )
+
+from helpers import rel_err, spy_paths
 
 # One small config per built-in kind; a kind registered without one here fails the test below.
 EXAMPLES = {

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from helpers import rel_err
 
 from allhere import (
     AHAConfig,
@@ -28,6 +27,8 @@ from allhere.mechanisms import (
 )
 from allhere.mechanisms.caches import GRAIN, KVCache, PatternKVCache, RollingKVCache
 from allhere.mechanisms.dar import DARCache
+
+from helpers import rel_err
 
 MECHS = {
     "full": FullConfig(),
@@ -51,7 +52,8 @@ def tiny(mech):
     return Decoder(ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mechanism=mech)).eval()
 
 
-CASES = [(name, "no_grad") for name in MECHS] + [(name, "inference_mode") for name in ("full", "sliding", "dar", "sinks")]
+CASES = ([(name, "no_grad") for name in MECHS]
+         + [(name, "inference_mode") for name in ("full", "sliding", "dar", "sinks")])
 
 
 @pytest.mark.parametrize("name,mode", CASES)
@@ -128,7 +130,8 @@ def test_rolling_cache_keeps_its_buffer_and_returns_positions_in_order():
             k_all, _ = cache.update(k[:, :, t:t + 1], k[:, :, t:t + 1])
             assert torch.equal(k_all, k[:, :, first:t + 1]) and k_all.shape[2] == min(w, t) + 1
             assert cache._k.data_ptr() == ptr and len(cache) == min(w, t + 1)
-        assert (n - 10) // (cache.slack + 1) <= cache.moves <= (n - 10) // (cache.slack - 1) + 1  # once per slack tokens
+        # once per slack tokens
+        assert (n - 10) // (cache.slack + 1) <= cache.moves <= (n - 10) // (cache.slack - 1) + 1
         big = torch.randn(1, 2, 200, 4)  # more than the buffer holds: a fresh tensor, the buffer kept
         k_all, _ = cache.update(big, big)
     assert torch.equal(k_all, torch.cat([k[:, :, n - w:], big], 2)) and cache._k.data_ptr() == ptr

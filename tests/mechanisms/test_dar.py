@@ -5,10 +5,11 @@ import math
 
 import pytest
 import torch
-from helpers import rel_err
 
 from allhere import ConfigError, DARConfig, Decoder, ModelConfig, swap_mechanism
 from allhere.ops.dar import dar_attention_reference, dar_attention_torch
+
+from helpers import rel_err
 
 
 def loop_dar(q, kn, vn, kf, vf, w):

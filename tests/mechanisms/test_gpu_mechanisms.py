@@ -18,8 +18,6 @@ import os
 
 import pytest
 import torch
-from helpers import rel_err
-from aamoe_cases import random_case
 
 import allhere.registry as registry
 from allhere import Decoder, ModelConfig, use_backend
@@ -58,6 +56,9 @@ from allhere.ops.full import (
 )
 from allhere.ops.sliding import sliding_window_attention
 from allhere.ops.ste import straight_through
+
+from aamoe_cases import random_case
+from helpers import rel_err
 
 DEVICE = os.environ.get("ALLHERE_GPU_TEST_DEVICE", "cuda")
 ON_CUDA = DEVICE.startswith("cuda")
@@ -388,7 +389,8 @@ def test_bigbird_predicate_still_covers_longer_sequences_after_a_flex_mask():
     cfg = LONG["bigbird"]
     pred = cfg.mask_fn()
     flex_block_mask(pred, 128, 128, heads=4, device=DEVICE)
-    assert torch.equal(dense_mask(pred, 256, 256, DEVICE, heads=4), dense_mask(cfg.mask_fn(), 256, 256, DEVICE, heads=4))
+    assert torch.equal(dense_mask(pred, 256, 256, DEVICE, heads=4),
+                       dense_mask(cfg.mask_fn(), 256, 256, DEVICE, heads=4))
 
 
 # -- the AA-MoE op -------------------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 import pytest
 import torch
-from helpers import rel_err
 
 from allhere import (
     AHAConfig,
@@ -16,6 +15,8 @@ from allhere import (
 )
 from allhere.masks import starts_from
 from allhere.train import make_optimizer
+
+from helpers import rel_err
 
 MECHS = {
     "full": FullConfig(),
@@ -227,6 +228,7 @@ def test_positions_set_the_rotary_angles():
     spread = model(ids, positions=torch.arange(12) * 3).logits
     assert (spread - base).abs().max() > 1e-4  # 10x the float noise of the shifted run, at this random init
     for bad in (dict(positions=torch.arange(11)), dict(positions=torch.arange(12), cache=model.new_cache()),
-                dict(positions=torch.arange(12.0)), dict(positions=torch.arange(12), segment_starts=torch.zeros_like(ids))):
+                dict(positions=torch.arange(12.0)),
+                dict(positions=torch.arange(12), segment_starts=torch.zeros_like(ids))):
         with pytest.raises(ValueError, match="positions must be"):
             model(ids, **bad)

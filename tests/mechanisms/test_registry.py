@@ -5,7 +5,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from helpers import rel_err
 
 from allhere import ConfigError, Decoder, ModelConfig, register
 from allhere.checkpoint import load_model, save_checkpoint
@@ -14,6 +13,8 @@ from allhere.mechanisms import AttentionCall, AttentionDims, AttentionMechanism
 from allhere.ops.common import segment_mask
 from allhere.ops.full import full_attention
 from allhere.registry import from_dict, get, kinds
+
+from helpers import rel_err
 
 
 def every_other(b, h, q_idx, kv_idx):

@@ -4,7 +4,6 @@ caches, segments, checkpoints and the Hugging Face conversion."""
 
 import pytest
 import torch
-from helpers import rel_err
 
 from allhere import ConfigError, Decoder, ModelConfig, use_backend
 from allhere.checkpoint import load_model, save_checkpoint
@@ -23,6 +22,8 @@ from allhere.mechanisms import (
 )
 from allhere.ops.full import masked_attention, pattern_attention_reference
 from allhere.registry import build, from_dict, to_dict
+
+from helpers import rel_err
 
 DIMS = AttentionDims(32, 4, 2, 8)
 
@@ -95,7 +96,8 @@ def test_config_fields_validation_and_json():
     assert from_dict({"kind": "dilated", "window": 3, "dilation": [1, 2]}).dilation == (1, 2)
     assert LongformerConfig(global_positions=[9, 3, 9]).global_positions == (3, 9)
     for bad, field in [(lambda: SinksConfig(window=0), "window"), (lambda: SinksConfig(n_sinks=-1), "n_sinks"),
-                       (lambda: DilatedConfig(dilation=0), "dilation"), (lambda: DilatedConfig(dilation=(1, 0)), "dilation"),
+                       (lambda: DilatedConfig(dilation=0), "dilation"),
+                       (lambda: DilatedConfig(dilation=(1, 0)), "dilation"),
                        (lambda: LongformerConfig(global_positions=(-1,)), "global_positions"),
                        (lambda: LongformerConfig(causal=1), "causal"), (lambda: BigBirdConfig(block=0), "block"),
                        (lambda: BigBirdConfig(random_blocks=-2), "random_blocks")]:

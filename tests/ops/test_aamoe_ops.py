@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
-from aamoe_cases import brute_force, random_case
 
 from allhere.ops.aamoe import aamoe_attention, aamoe_attention_reference
 
+from aamoe_cases import brute_force, random_case
 from helpers import rel_err
 
 

@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from helpers import brute_force_aha, rel_err, segment_mask, spy_paths
 
 from allhere.backend import use_backend
 from allhere.masks import segment_starts
 from allhere.ops.aha import aha_attention, aha_attention_fast, aha_attention_reference
 from allhere.ops.ste import straight_through
+
+from helpers import brute_force_aha, rel_err, segment_mask, spy_paths
 
 
 def qkv(b=2, h=4, hkv=2, lq=24, lk=24, d=16):

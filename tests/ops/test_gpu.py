@@ -3,11 +3,12 @@ against the fp32 reference."""
 
 import pytest
 import torch
-from helpers import rel_err, spy_paths
 
 from allhere import AHAConfig, Decoder, ModelConfig
 from allhere.ops.aha import aha_attention, aha_attention_fast, aha_attention_reference
 from allhere.ops.ste import straight_through
+
+from helpers import rel_err, spy_paths
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,8 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a G
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
     """A GPU whose candidates are three decode settings, timed by a table (the second is fastest)."""
-    candidates = [dict(SPLIT=512, BLOCK_N=64, num_warps=4, num_stages=2), dict(SPLIT=256, BLOCK_N=64, num_warps=4, num_stages=2),
+    candidates = [dict(SPLIT=512, BLOCK_N=64, num_warps=4, num_stages=2),
+                  dict(SPLIT=256, BLOCK_N=64, num_warps=4, num_stages=2),
                   dict(SPLIT=1024, BLOCK_N=128, num_warps=8, num_stages=3)]
     ms = {512: 0.30, 256: 0.10, 1024: 0.20}
     timed = []

@@ -11,11 +11,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
 
-from helpers import rel_err  # noqa: E402
-
 from allhere import AHAConfig, Decoder, ModelConfig, use_backend  # noqa: E402
 from allhere.kernels import aha_decode, aha_prefill, aha_train, interpreted  # noqa: E402
 from allhere.mechanisms.base import mechanism_layers  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE, TOL = (torch.bfloat16, 2e-2) if DEVICE == "cuda" else (torch.float32, 1e-5)

@@ -7,8 +7,6 @@ import torch
 
 pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
 
-from helpers import rel_err, segment_mask, spy_paths  # noqa: E402
-
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import (  # noqa: E402
     aha_prefill_triton,
@@ -21,6 +19,8 @@ from allhere.masks import segment_starts  # noqa: E402
 from allhere.ops.aha import aha_attention, aha_attention_reference, fast, triton_path  # noqa: E402
 from allhere.ops.sliding import sliding_window_attention_reference  # noqa: E402
 from allhere.ops.ste import straight_through  # noqa: E402
+
+from helpers import rel_err, segment_mask, spy_paths  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -50,7 +50,8 @@ def run(fn, q, k, v, *args, **kw):
 def test_prefill_equals_reference(b, h, hkv, n, d, w, pattern):
     q, k, v = inputs(b, h, hkv, n, n, d)
     gate = {"mixed": torch.rand(b, h, n, generator=torch.Generator().manual_seed(1)) < 0.3,
-            "all-local": torch.zeros(b, h, n, dtype=torch.bool), "all-global": torch.ones(b, h, n, dtype=torch.bool)}[pattern]
+            "all-local": torch.zeros(b, h, n, dtype=torch.bool),
+            "all-global": torch.ones(b, h, n, dtype=torch.bool)}[pattern]
     if pattern == "mixed":
         gate[:, 0] = True  # a busy head next to rare ones: packed per head, each with its own count
     out = run(aha_prefill_triton, q, k, v, gate.to(DEVICE), w, d ** -0.5, tiles=T16)
@@ -158,7 +159,8 @@ def test_op_takes_the_kernels_and_the_router_gets_its_gradient(monkeypatch, layo
     starts = None if mask is None else segment_starts(mask, n, n)
     results = []
     for backend, dtype, dev in (("triton", DTYPE, DEVICE), ("reference", torch.float32, "cpu")):
-        leaves = [t.clone().to(dev, dtype).requires_grad_() for t in (q, k, v)] + [scores.clone().to(dev).requires_grad_()]
+        leaves = ([t.clone().to(dev, dtype).requires_grad_() for t in (q, k, v)]
+                  + [scores.clone().to(dev).requires_grad_()])
         rs = None if starts is None else starts.to(dev)
         out = aha_attention(*leaves[:3], straight_through(leaves[3], 0.5), 6, row_start=rs, backend=backend)
         results.append([out.detach()] + list(torch.autograd.grad((out.float() * up.to(dev)).sum(), leaves)))

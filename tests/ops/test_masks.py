@@ -2,8 +2,6 @@
 
 import pytest
 import torch
-from helpers import brute_force_aha, rel_err
-from helpers import segment_mask as mask_of_layout
 
 from allhere.masks import (
     and_masks,
@@ -15,6 +13,9 @@ from allhere.masks import (
 )
 from allhere.ops.aha import aha_attention_reference
 from allhere.ops.common import segment_mask
+
+from helpers import brute_force_aha, rel_err
+from helpers import segment_mask as mask_of_layout
 
 
 def test_window_counts_current_token():

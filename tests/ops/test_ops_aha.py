@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import brute_force_aha, rel_err, segment_mask
 
 from allhere.masks import segment_starts
 from allhere.ops.aha import aha_attention_fast, aha_attention_reference
@@ -13,6 +12,8 @@ from allhere.ops.sliding import (
     sliding_window_attention_torch,
 )
 from allhere.ops.ste import straight_through
+
+from helpers import brute_force_aha, rel_err, segment_mask
 
 # (batch, heads, kv_heads, q_len, kv_len, dim, window)
 SHAPES = [
@@ -30,7 +31,8 @@ IDS = [f"b{b}-h{h}-kv{hk}-q{lq}-k{lk}-d{d}-w{w}" for b, h, hk, lq, lk, d, w in S
 
 def make(shape, dtype=torch.float32, p_global=0.3):
     b, h, hk, lq, lk, d, w = shape
-    q, k, v = torch.randn(b, h, lq, d, dtype=dtype), torch.randn(b, hk, lk, d, dtype=dtype), torch.randn(b, hk, lk, d, dtype=dtype)
+    q, k, v = (torch.randn(b, h, lq, d, dtype=dtype), torch.randn(b, hk, lk, d, dtype=dtype),
+               torch.randn(b, hk, lk, d, dtype=dtype))
     return q, k, v, torch.rand(b, h, lq) < p_global, w
 
 

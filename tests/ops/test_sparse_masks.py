@@ -96,8 +96,10 @@ CASES = [  # (name, predicate, rule(b, h, q, k))
     ("dilated_bidir", dilated_window(3, (3, 1, 2), causal=False),
      lambda b, h, q, k: dilated_rule(3, (3, 1, 2), False)(h, q, k)),
     ("global", global_tokens(FLAGS), lambda b, h, q, k: global_rule(FLAGS, True)(b, q, k)),
-    ("global_1d_bidir", global_tokens(FLAGS[0], causal=False), lambda b, h, q, k: global_rule(FLAGS[0], False)(b, q, k)),
-    ("global_first", global_tokens(global_first(30, 5)), lambda b, h, q, k: global_rule(global_first(30, 5), True)(b, q, k)),
+    ("global_1d_bidir", global_tokens(FLAGS[0], causal=False),
+     lambda b, h, q, k: global_rule(FLAGS[0], False)(b, q, k)),
+    ("global_first", global_tokens(global_first(30, 5)),
+     lambda b, h, q, k: global_rule(global_first(30, 5), True)(b, q, k)),
     ("global_many_runs", global_tokens(MANY), lambda b, h, q, k: global_rule(MANY, True)(b, q, k)),
     ("longformer", longformer(3, FLAGS, dilation=2),
      lambda b, h, q, k: dilated_rule(3, 2, True)(h, q, k) or global_rule(FLAGS, True)(b, q, k)),
@@ -160,8 +162,9 @@ def test_bigbird_encoder_length_and_errors():
     a = dense_mask(bigbird(4, 2, 1, 1, seed=0, causal=False), 64, 64, heads=2)  # length read off the grid
     b = dense_mask(bigbird(4, 2, 1, 1, seed=0, causal=False, length=64), 64, 64, heads=2)
     assert torch.equal(a, b) and a[0, 0, :4].all() and a[0, 0, :, :4].all()  # the global block, both ways
-    for bad in (lambda: sliding_window(0), lambda: sinks(-1), lambda: dilated_window(2, 0), lambda: dilated_window(2, ()),
-                lambda: bigbird(0, 1, 1, 1), lambda: global_tokens(torch.zeros(1, 2, 3, dtype=torch.bool))):
+    for bad in (lambda: sliding_window(0), lambda: sinks(-1), lambda: dilated_window(2, 0),
+                lambda: dilated_window(2, ()), lambda: bigbird(0, 1, 1, 1),
+                lambda: global_tokens(torch.zeros(1, 2, 3, dtype=torch.bool))):
         with pytest.raises(ValueError):
             bad()
 

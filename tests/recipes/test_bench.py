@@ -119,7 +119,8 @@ def test_launch_settings_section_names_each_choice_and_the_tuning_cost():
                {"id": "H100 sm90|triton 3.6.0|decode|d128-bfloat16-g1-n131072-bh128", "setting": dict(SPLIT=1024,
                 BLOCK_N=64, num_warps=4, num_stages=3), "ms": 0.3, "tried": 7, "tuning_s": 0.0, "source": "file"}]
     md = "\n".join(render_launch_settings(choices))
-    assert "4.5 s in all" in md and "| global | d128-bfloat16-g1-n32768 | (128, 128, 8, 3) | 1.9 | 8 | 4.5 | tuned |" in md
+    assert ("4.5 s in all" in md
+            and "| global | d128-bfloat16-g1-n32768 | (128, 128, 8, 3) | 1.9 | 8 | 4.5 | tuned |" in md)
     assert "| decode |" in md and "| file |" in md
     assert "Pinned" in "\n".join(render_launch_settings("pinned")) and render_launch_settings([]) == []
 

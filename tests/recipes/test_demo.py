@@ -54,7 +54,8 @@ def test_tiny_demo_writes_report_and_reuses_its_run(tmp_path, capsys, corpus):
     assert set(stdlib) == {"full (pretrained)", "AHA w=8 (fine-tuned)", "sliding w=8 (pretrained, no fine-tuning)",
                            "full (pretrained + the same fine-tuning steps, control)"}
     assert stdlib["full (pretrained)"]["retain_percent"] == pytest.approx(100.0)
-    assert stdlib["full (pretrained)"]["mu_f"] == 1.0 and stdlib["sliding w=8 (pretrained, no fine-tuning)"]["mu_f"] == 0.0
+    assert (stdlib["full (pretrained)"]["mu_f"] == 1.0
+            and stdlib["sliding w=8 (pretrained, no fine-tuning)"]["mu_f"] == 0.0)
     aha = stdlib["AHA w=8 (fine-tuned)"]
     loss, gates = heldout_loss_and_gates(out / "stdlib" / "aha" / "checkpoint.safetensors",
                                          out / "stdlib" / "settings.json", corpus)

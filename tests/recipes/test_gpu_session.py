@@ -121,7 +121,8 @@ def test_the_plan_is_one_10_minute_call_then_continue(session, capsys):
     first call (--deadline 560) starts the parts up to the pattern probe, --continue the rest; no demo."""
     assert list(session.PARTS) == ORDER
     for name, part in session.PARTS.items():
-        assert part.expect == MEASURED.get(name, part.expect) and part.cap >= (1.5 if name in MEASURED else 1.25) * part.expect
+        assert (part.expect == MEASURED.get(name, part.expect)
+                and part.cap >= (1.5 if name in MEASURED else 1.25) * part.expect)
     argv = [" ".join(cmd) for part in session.PARTS.values() for cmd in part.commands]
     assert not any(" demo " in a for a in argv)
     assert sum("--backend flex" in a for a in argv) == 2 and sum("--backend blocksparse" in a for a in argv) == 2

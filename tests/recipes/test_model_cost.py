@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from real_configs import PUBLISHED
 
 from allhere_recipes.cost import Shape, plan_for, ring_cost, saved_bytes, summary
 from allhere_recipes.model_cost import (
@@ -18,6 +17,8 @@ from allhere_recipes.model_cost import (
     load_model_shape,
     step_cost,
 )
+
+from real_configs import PUBLISHED
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 4096  # small enough that every plan below is walked in milliseconds

@@ -147,7 +147,8 @@ def test_tiny_run_table(tmp_path):
     assert rows["sliding"]["scores"] == sliding
     assert rows["sliding"]["density"] == pytest.approx(sliding / (n * (n + 1) / 2))
     assert rows["full"]["density"] == 1.0
-    assert rows["sinks"]["scores"] == sliding + sum(min(s, max(0, i - w + 1)) for i in range(n))  # sinks out of the window
+    # sinks out of the window
+    assert rows["sinks"]["scores"] == sliding + sum(min(s, max(0, i - w + 1)) for i in range(n))
     dil = (sliding + sum(min(i // 2 + 1, w) for i in range(n))) / 2
     assert rows["dilated"]["scores"] == dil
     assert rows["sliding"]["receptive"][-1]["farthest"] == 2 * (w - 1)
@@ -169,7 +170,8 @@ def test_tiny_run_table(tmp_path):
     enc = {r["name"]: r for r in report["modes"]["encoder"]["rows"]}
     assert enc["longformer"]["hops"]["max"] <= 2 and "kv" not in enc["full"]
     md = render(report)
-    assert f"| sliding w=4 | {sliding} | {100 * sliding / (n * (n + 1) / 2):.2f}% |" in md and "## Encoder (bidirectional)" in md
+    assert (f"| sliding w=4 | {sliding} | {100 * sliding / (n * (n + 1) / 2):.2f}% |" in md
+            and "## Encoder (bidirectional)" in md)
 
 
 BAD = [({"window": 0}, "window"), ({"n": 16, "window": 32}, "window"), ({"dilations": (1, 0)}, "dilations"),

@@ -37,7 +37,8 @@ def free_port() -> int:
 @pytest.mark.parametrize("config, says", [
     ("{not json", "cannot be read as JSON"),
     ({**LLAMA, "allhere_mechanism": {"kind": "aamoe", "chunk": 4}}, "mechanism 'aamoe' is not served"),
-    ({**LLAMA, "architectures": ["PhiForCausalLM"], "allhere_mechanism": AHA}, "does not serve converted PhiForCausalLM"),
+    ({**LLAMA, "architectures": ["PhiForCausalLM"], "allhere_mechanism": AHA},
+     "does not serve converted PhiForCausalLM"),
     ({**LLAMA, "architectures": ["Olmo2ForCausalLM"], "allhere_mechanism": {"kind": "dar", "window": 4, "d_down": 8}},
      "DAR is not served on Olmo2ForCausalLM"),
 ])

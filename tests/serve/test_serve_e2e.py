@@ -21,12 +21,12 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
 
-from hf_fixtures import write_model  # noqa: E402
-from test_serve_vllm import SIZES, WINDOW, _convert  # noqa: E402
-
 import allhere as ah  # noqa: E402
 from allhere.data.chat import ensure_chat_template  # noqa: E402
 from allhere.generation import generate, load  # noqa: E402
+
+from hf_fixtures import write_model  # noqa: E402
+from test_serve_vllm import SIZES, WINDOW, _convert  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NEW = 16

