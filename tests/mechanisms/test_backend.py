@@ -6,46 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from allhere import (
-    AAMoEConfig,
-    AHAConfig,
-    AllAttentionConfig,
-    BigBirdConfig,
-    DARConfig,
-    Decoder,
-    DilatedConfig,
-    FullConfig,
-    LongformerConfig,
-    ModelConfig,
-    SinksConfig,
-    SlidingConfig,
-    backend,
-    registry,
-    use_backend,
-)
+from allhere import AAMoEConfig, Decoder, ModelConfig, SinksConfig, backend, registry, use_backend
 
 from helpers import rel_err, spy_paths
+from mechanism_examples import builtin_kinds, example
 
-# One small config per built-in kind; a kind registered without one here fails the test below.
-EXAMPLES = {
-    "full": FullConfig(),
-    "sliding": SlidingConfig(window=16),
-    "aha": AHAConfig(window=16, router_init="neutral"),
-    "dar": DARConfig(window=16, d_down=8),
-    "sinks": SinksConfig(window=16, n_sinks=2),
-    "dilated": DilatedConfig(window=8, dilation=2),
-    "longformer": LongformerConfig(window=16, global_first=2),
-    "bigbird": BigBirdConfig(block=16, window_blocks=2, global_blocks=1, random_blocks=1),
-    "all_attention": AllAttentionConfig(n_mem=8),
-    "aamoe": AAMoEConfig(chunk=8, experts=2),
-}
 N = 260  # tokens: past the pattern layers' dense_below (q_len x kv_len > 65536), so their sparse ops run
 LAYERS = 2
-
-
-def builtin_kinds():
-    """The kinds the package registers (tests may register more)."""
-    return [k for k in registry.kinds() if registry.get(k).module.__module__.startswith("allhere.")]
 
 
 def run(model, ids, name):
@@ -63,10 +30,6 @@ def run(model, ids, name):
     return out.logits.detach(), grads, step
 
 
-def test_every_builtin_kind_has_an_example():
-    assert sorted(builtin_kinds()) == sorted(EXAMPLES), "give every registered kind an example config in EXAMPLES"
-
-
 def test_every_op_family_has_a_reference_path():
     assert set(backend.ops()) >= {"full", "sliding", "aha", "dar", "patterns", "aamoe", "all_attention"}
     for op in backend.ops():
@@ -81,7 +44,7 @@ def test_reference_backend_runs_every_layer_on_the_references(kind, monkeypatch)
     ran where it has one."""
     torch.manual_seed(0)
     model = Decoder(ModelConfig(vocab_size=61, d_model=32, n_layers=LAYERS, n_heads=4, n_kv_heads=2,
-                                mechanism=EXAMPLES[kind]))
+                                mechanism=example(kind)))
     ids = torch.randint(0, 61, (2, N))
     calls = spy_paths(monkeypatch)
     auto = run(model, ids, "auto")
