@@ -8,10 +8,11 @@ json; those that train resume from their run directory:
   - ``report``: the one report writer (``<name>.md`` + ``<name>.json``) and shared formatting;
   - ``plans``: the presets (``TaskPlan``: model, mechanism, pretraining, fine-tuning);
   - ``tasks``: a task's data and evaluations, pretraining and fine-tuning in a run directory;
-    ``bases``: the pretrained bases shipped in ``bases/`` that the demo starts from; ``job``: the whole
-    job's time left;
+  - ``bases``: the pretrained bases shipped in ``bases/`` that the demo starts from, checked on load;
+  - ``job``: the training runs of a whole job and its time left;
   - ``demo`` (``allhere demo``), ``dar_demo`` (``allhere demo --mechanism dar``), ``sweep``
-    (``allhere sweep``), ``analyze`` (``allhere analyze``), ``compare`` (``allhere compare``);
+    (``allhere sweep``), ``analyze`` (``allhere analyze``), ``compare`` (``allhere compare``) with its
+    figure ``compare_plot``;
   - ``sparse_patterns`` (``allhere patterns``), with its pieces ``sparse_family`` (the patterns compared),
     ``sparse_graph`` (receptive field and hops over the masks) and ``sparse_plot`` (its figures);
   - ``aamoe`` (``allhere aamoe``) with ``aamoe_grid``, ``aamoe_render`` and ``aamoe_plots``;

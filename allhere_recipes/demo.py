@@ -104,14 +104,14 @@ def run_demo(out: str | Path = "runs/demo", preset: str = "cpu", tasks: tuple[st
               "tasks": {}}
     t0 = time.time()
     with run_lock(out):  # one writer at a time
-        bases = {}  # every base checked before any task starts
+        bases, lines = {}, {}  # every base checked before any task starts
         for name in tasks:
-            bases[name], line = choose_base(Path(out) / name, name, preset, data_path, task_plans[name],
-                                            defaults[name], pretrain)
-            log(line)
+            bases[name], lines[name] = choose_base(Path(out) / name, name, preset, data_path, task_plans[name],
+                                                   defaults[name], pretrain)
         job = plan_job(out, {name: task_plans[name] for name in tasks}, bases, progress)
-        for name in tasks:
-            task = start_task(out, name, task_plans[name], data_path, job.bar, bases[name])
+        for name in tasks:  # each task's base said once its data and folder are good (else one error only)
+            task = start_task(out, name, task_plans[name], data_path, job.bar, bases[name],
+                              claimed=lambda line=lines[name]: log(line))
             res = lm_task(task, job.bar) if name == "stdlib" else recall_task(task, job.bar)
             res["plan"] = plan_to_dict(task.plan)
             res["base"] = task.base

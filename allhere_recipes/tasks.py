@@ -92,11 +92,12 @@ class Task:
 
 
 def start_task(out: str | Path, name: str, plan: TaskPlan, data_path: str | None, progress: bool,
-               base: "Base | str | None" = FOLLOW) -> Task:
+               base: "Base | str | None" = FOLLOW, claimed: Callable[[], None] | None = None) -> Task:
     """Build the task's data, claim ``out/name`` for ``plan``, ``data_path`` and the base (refused when it
     holds other settings) and get its full model: ``base`` None, pretrained here (reused when finished,
     resumed when interrupted); a shipped ``Base``, copied into the folder as its pretrained model;
-    ``FOLLOW``, whatever the folder's run started from (a new folder: pretrained here)."""
+    ``FOLLOW``, whatever the folder's run started from (a new folder: pretrained here). ``claimed`` is
+    called once the folder is claimed, before any training (a refusal before it leaves nothing said)."""
     check_out(out)
     run = Path(out) / name
     data = task_data(name, plan, data_path)  # the data first: a bad --data claims nothing
@@ -105,6 +106,8 @@ def start_task(out: str | Path, name: str, plan: TaskPlan, data_path: str | None
     record = (None if saved is NEW else saved) if base == FOLLOW else None if shipped is None else shipped.record
     claim(run, run_settings(plan, data_path, record),
           upgrade=lambda old: run_settings(plan_from_dict(old["plan"]), old["data_path"], old.get("base")))
+    if claimed:
+        claimed()
     ckpt = run / "pretrain" / "checkpoint.safetensors"
     if record is None:
         full, curve = pretrain(ckpt, plan.model, plan, data, progress)

@@ -1,5 +1,5 @@
 """One tiny example config per built-in mechanism kind, and what each kind declares about the contract
-(tests/test_contract.py; tests/test_backend.py runs the same examples on the reference backend).
+(tests/mechanisms/test_contract.py; tests/mechanisms/test_backend.py runs the same examples on the reference backend).
 
 A kind registered by the package without an example here fails those tests. A kind is held to every
 contract item unless it declares the item's refusal in ``REFUSALS``.

@@ -1,5 +1,6 @@
 """Which ring rounds run, which key/value chunks travel, which blocks are computed: one plan, used both
-by the ring (``ring.py``) and by the cost model (``cost.py``), so the model counts what the ring does.
+by the ring (``ring.py``) and by the cost model of the recipes (``allhere_recipes.cost``), so the model
+counts what the ring does.
 
 Round t: rank r computes with the key/value chunks of rank (r - t) mod d (round 0: its own). Each block
 is sent by its owner directly to the rank that reads it in that round -- the same rotation as the

@@ -20,8 +20,7 @@ LAYERS = [
                     "allhere.hosts", "allhere.progress", "allhere.interrupt", "allhere.runlock", "allhere.masks",
                     "allhere.distributed.env", "allhere.distributed.layouts"]),
     ("op", ["allhere.ops", "allhere.kernels", "allhere.distributed.ring", "allhere.distributed.ring_blocks",
-            "allhere.distributed.ring_plan", "allhere.distributed.ring_far", "allhere_recipes.cost",
-            "allhere_recipes.model_cost"]),
+            "allhere.distributed.ring_plan", "allhere.distributed.ring_far"]),
     ("mechanism", ["allhere.registry", "allhere.mechanisms"]),
     ("config", ["allhere.config", "allhere.distributed.parallel"]),
     ("model", ["allhere", "allhere.model", "allhere.routing", "allhere.losses", "allhere.checkpoint",
@@ -138,6 +137,13 @@ def test_no_module_imports_a_layer_above_its_own():
           for m, targets in graph().items() for t in sorted(targets)
           if layer(t) > layer(m) and (m, t) not in DELIBERATE]
     assert up == []
+
+
+def test_only_the_command_line_imports_the_recipes():
+    importers = sorted(m for m, targets in graph().items() for t in targets
+                       if t.split(".")[0] == "allhere_recipes" and m.split(".")[0] == "allhere"
+                       and not m.startswith("allhere.cli"))
+    assert importers == []
 
 
 def test_no_private_name_imported_from_another_module():

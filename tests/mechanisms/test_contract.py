@@ -8,7 +8,7 @@ through its example config (tests/mechanism_examples.py; a kind without one fail
 4. its config survives the registry's dicts, JSON, ``ModelConfig`` and a checkpoint;
 5. ``swap_mechanism`` from a full-attention model keeps the shared weights and changes the output, and a
    config of the kind that computes full attention reproduces the full model;
-6. the reference backend agrees with the default one: tests/test_backend.py (same examples);
+6. the reference backend agrees with the default one: tests/mechanisms/test_backend.py (same examples);
 7. context parallelism: the plan the kind declares computes what its forward computes (evaluated densely
    in one process), or the kind's declared refusal.
 """

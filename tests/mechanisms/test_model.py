@@ -28,7 +28,7 @@ MECHS = {
     "dar": DARConfig(window=4, d_down=8),
 }
 # Every built-in kind's example is held to cached decoding (MHA / GQA / MQA), chunked prefill and packed
-# documents by tests/test_contract.py; here the variants it does not cover: the other routers, mixed layers.
+# documents by tests/mechanisms/test_contract.py; here the variants it does not cover: the other routers, mixed layers.
 VARIANTS = ["aha-qproj", "aha-nobias", "mixed"]
 
 
