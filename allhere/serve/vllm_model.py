@@ -14,7 +14,9 @@ Mechanisms served (per converted layer, ``config.allhere_layers``):
   (``allhere.serve.vllm_layers``, ``allhere.serve.vllm_paged``), on vLLM's CPU backend. AHA's router ``S =
   sigmoid(X W_router + b)`` on the attention block's input X (the same weights as allhere saved:
   ``...self_attn.allhere.router.{weight,bias}``) gives the hard gate ``g = S > tau`` per (token, query
-  head): the full causal prefix where g, the ``window`` most recent keys elsewhere.
+  head): the full causal prefix where g, the ``window`` most recent keys elsewhere. A sinks layer's
+  ``Attention`` is rebuilt to report a KV cache of its own (``allhere.serve.vllm_kv``): the sink blocks and
+  the window's, a constant number of blocks per request.
 - ``sliding``: the layer's ``Attention`` rebuilt with ``per_layer_sliding_window = window`` (vLLM then
   keeps a sliding-window KV cache for it).
 
@@ -64,8 +66,9 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from .. import registry
 from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from .vllm_kv import SinkAttention
 from .vllm_layers import AHAServe, install_aha, install_dar, install_masked
-from .vllm_paged import VLLM_WINDOW_OFFSET
+from .vllm_paged import VLLM_WINDOW_OFFSET, refuse_softmax_terms
 from .vllm_plugin import PAGED, RESET_SUFFIX, SERVED, STATS_ENV
 
 
@@ -79,12 +82,26 @@ def _attention_blocks(model: nn.Module) -> dict[int, tuple[nn.Module, Attention]
     return found
 
 
-def _rebuild_sliding(block: nn.Module, attn: Attention, window: int) -> None:
+def _rebuild(block: nn.Module, attn: Attention, cls=Attention, **kwargs) -> Attention:
+    """The layer's vLLM ``Attention`` built again as ``cls`` with ``kwargs`` (its cache spec changes)."""
     vllm_config = get_current_vllm_config()
     vllm_config.compilation_config.static_forward_context.pop(attn.layer_name)  # the same name, rebuilt
-    block.attn = Attention(attn.num_heads, attn.head_size, attn.impl.scale, num_kv_heads=attn.num_kv_heads,
-                           cache_config=vllm_config.cache_config, per_layer_sliding_window=window + VLLM_WINDOW_OFFSET,
-                           prefix=attn.layer_name)
+    block.attn = cls(attn.num_heads, attn.head_size, attn.impl.scale, num_kv_heads=attn.num_kv_heads,
+                     cache_config=vllm_config.cache_config, prefix=attn.layer_name, **kwargs)
+    return block.attn
+
+
+def _check_sinks(vllm_config, blocks: dict, layers: list[int], window: int) -> None:
+    """Sinks free the blocks between the sinks and the window through a KV cache group of their own
+    (``allhere.serve.vllm_kv``): vLLM's hybrid KV cache manager must be on, and no vLLM sliding layer may have
+    the same window (vLLM would put both in the sliding layers' group, which frees the sink blocks)."""
+    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        raise NotImplementedError("allhere vLLM serving: sinks need vLLM's hybrid KV cache manager (their cache "
+                                  "frees the blocks between the sinks and the window), which is disabled here")
+    same = [i for i, (_, a) in blocks.items() if i not in layers and a.sliding_window == window + VLLM_WINDOW_OFFSET]
+    if same:
+        raise NotImplementedError(f"allhere vLLM serving: sinks with window {window}, the window of the model's own "
+                                  f"sliding layers {same}: convert with another window")
 
 
 def install(model: nn.Module, config) -> list[int]:
@@ -107,13 +124,20 @@ def install(model: nn.Module, config) -> list[int]:
     missing = [i for i in layers if i not in blocks]
     if missing:
         raise ValueError(f"allhere vLLM serving: converted layers {missing} have no vLLM Attention")
+    if kind == "sinks":
+        _check_sinks(vllm_config, blocks, layers, int(settings["window"]))
     for i in layers:
         block, attn = blocks[i]
         # a window as long as the context (Phi-4-mini's 262144) is no window: allhere converted the layer as full
         if attn.sliding_window is not None and attn.sliding_window < config.max_position_embeddings:
             raise NotImplementedError(f"allhere vLLM serving: layer {i} already has a sliding window")
         if kind == "sliding":
-            _rebuild_sliding(block, attn, int(settings["window"]))
+            _rebuild(block, attn, per_layer_sliding_window=int(settings["window"]) + VLLM_WINDOW_OFFSET)
+            continue
+        if kind == "sinks":  # its cache keeps the sink blocks and the window's (allhere.serve.vllm_kv)
+            cfg = registry.from_dict(settings)
+            refuse_softmax_terms(attn)  # the rebuilt layer would not have them
+            install_masked(block, _rebuild(block, attn, SinkAttention, window=cfg.window, n_sinks=cfg.n_sinks), cfg)
             continue
         if kind == "aha":
             install_aha(block, attn, settings, config.hidden_size, config.num_attention_heads).layer = i
@@ -130,9 +154,10 @@ def aha_layers(model: nn.Module) -> dict[int, AHAServe]:
 
 def kv_bytes(model: nn.Module, dtype: torch.dtype, max_len: int) -> dict:
     """What the model's KV caches keep, from its vLLM ``Attention`` layers: ``per_token``, bytes per token of
-    context (layers that keep every key); ``per_request``, bytes of the sliding-window layers' windows (a
-    constant per request, past the window); ``plain_per_token``, bytes per token of the unconverted model
-    (every layer keeping every key, none of allhere's extra caches)."""
+    context (layers that keep every key); ``per_request``, bytes of the sliding-window layers' windows and of the
+    sinks layers' sinks and windows (a constant per request, past the window; vLLM holds whole blocks of them);
+    ``plain_per_token``, bytes per token of the unconverted model (every layer keeping every key, none of
+    allhere's extra caches)."""
     size = torch.tensor([], dtype=dtype).element_size()
     out = {"per_token": 0, "per_request": 0, "plain_per_token": 0}
     for m in model.modules():
@@ -140,7 +165,9 @@ def kv_bytes(model: nn.Module, dtype: torch.dtype, max_len: int) -> dict:
             continue
         b = 2 * m.num_kv_heads * m.head_size * size
         window = getattr(m, "sliding_window", None)
-        if window is not None and window < max_len:
+        if isinstance(m, SinkAttention):
+            out["per_request"] += b * min(m.allhere_window + m.allhere_sinks, max_len)
+        elif window is not None and window < max_len:
             out["per_request"] += b * window
         else:
             out["per_token"] += b

@@ -78,6 +78,19 @@ def vllm_window(q, cache, meta, window: int, scale: float, softcap: float, sinks
         scheduler_metadata=sched, s_aux=sinks)
 
 
+def host_softmax_terms(attn: Attention) -> tuple[float, torch.Tensor | None]:
+    """(soft cap of the scores, 0 if none; learned sink logits [heads] or None) of a vLLM ``Attention``."""
+    return float(getattr(attn.impl, "logits_soft_cap", 0) or 0.0), getattr(attn.impl, "sinks", None)
+
+
+def refuse_softmax_terms(attn: Attention) -> None:
+    """For the mechanisms that do not compute the host's soft-capped scores or learned sink logits."""
+    softcap, sinks = host_softmax_terms(attn)
+    if softcap or sinks is not None:
+        raise NotImplementedError(f"allhere vLLM serving: {attn.layer_name} has soft-capped scores or learned "
+                                  "sinks, which this mechanism does not compute")
+
+
 @torch.library.custom_op("allhere::paged_attention", mutates_args=("out",))
 def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_class: torch.Tensor | None,
                         out: torch.Tensor, layer: str) -> None:
@@ -105,11 +118,9 @@ class PagedAttention(nn.Module):
                  router: nn.Module | None = None, window_class: tuple[int, int] | None = None) -> None:
         super().__init__()
         first = owners[0]
-        self.softcap = float(getattr(first.impl, "logits_soft_cap", 0) or 0.0)
-        self.sinks = getattr(first.impl, "sinks", None)
-        if not softmax_terms and (self.softcap or self.sinks is not None):
-            raise NotImplementedError(f"allhere vLLM serving: {first.layer_name} has soft-capped scores or learned "
-                                      "sinks, which this mechanism does not compute")
+        self.softcap, self.sinks = host_softmax_terms(first)
+        if not softmax_terms:
+            refuse_softmax_terms(first)
         self.owners = nn.ModuleList(owners)
         self.reads = reads
         self.window_class = window_class
