@@ -17,8 +17,23 @@ from functools import partial
 SETTINGS = {"none": None, "true": True, "false": False}
 
 
+def held_blocks(llm, prompt: list[int], params) -> tuple[list[int], list[int]]:
+    """Generate from one prompt step by step: the KV cache blocks the engine holds after each step (from its
+    block pool's free count) and the new tokens."""
+    engine = llm.llm_engine
+    pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool  # the engine runs in this process
+    free = pool.get_num_free_blocks()
+    engine.add_request("held", {"prompt_token_ids": prompt}, params)
+    held, tokens = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+        held.append(free - pool.get_num_free_blocks())
+    return held, tokens
+
+
 def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(None,), max_model_len: int = 512,
-           block_size: int = 32, again: bool = False, compiled: bool = False) -> dict:
+           block_size: int = 32, again: bool = False, compiled: bool = False, held: int = 0) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model below hands the engine functions
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
     from vllm import LLM, SamplingParams
@@ -45,6 +60,9 @@ def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(No
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             results[key]["again"] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                                      "cached": [o.num_cached_tokens for o in outs]}
+        if held:  # the last prompt alone, ``held`` new tokens, the blocks it holds after each step
+            results[key]["held"], results[key]["held_tokens"] = held_blocks(
+                llm, prompts[-1], SamplingParams(temperature=0.0, max_tokens=held, ignore_eos=True))
     return results
 
 
@@ -56,10 +74,12 @@ def main(argv=None) -> None:
     p.add_argument("--forced", default="none", help="comma-separated: none, true, false")
     p.add_argument("--again", action="store_true", help="generate each setting's prompts a second time (prefix cache)")
     p.add_argument("--compiled", action="store_true", help="vLLM's default torch.compile instead of eager")
+    p.add_argument("--held", type=int, default=0, metavar="N",
+                   help="also generate N tokens from the last prompt alone and report the KV blocks held per step")
     args = p.parse_args(argv)
     forced = [SETTINGS[s.strip().lower()] for s in args.forced.split(",")]
     out = greedy(args.model, json.loads(args.prompts), args.max_tokens, forced, again=args.again,
-                 compiled=args.compiled)
+                 compiled=args.compiled, held=args.held)
     print("ALLHERE_VLLM_RESULT " + json.dumps(out), flush=True)
 
 

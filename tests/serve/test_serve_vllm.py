@@ -52,19 +52,20 @@ def _convert(plain, out, mech, seed=0, layers="full"):
     return out
 
 
-def _allhere(folder, prompts, forced=None):
+def _allhere(folder, prompts, forced=None, new_tokens=NEW_TOKENS):
     model, tokenizer = load(str(folder))
     if forced is not None:
         set_forced_gate(model, forced)
-    return [generate(model, tokenizer, p, max_new_tokens=NEW_TOKENS).ids for p in prompts]
+    return [generate(model, tokenizer, p, max_new_tokens=new_tokens).ids for p in prompts]
 
 
-def _vllm(folder, prompts, forced="none", again=False, compiled=False):
+def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest's, for allhere's kernels
     env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     cmd = ([sys.executable, "-m", "allhere.serve.vllm_check", str(folder), "--prompts", json.dumps(prompts),
             "--max-tokens", str(NEW_TOKENS), "--forced", forced]
-           + (["--again"] if again else []) + (["--compiled"] if compiled else []))
+           + (["--again"] if again else []) + (["--compiled"] if compiled else [])
+           + (["--held", str(held)] if held else []))
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("ALLHERE_VLLM_RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
@@ -173,6 +174,24 @@ def test_llama_paged_mechanisms(sharp, kind):
     assert served["tokens"] == ours
     assert served["again"]["tokens"] == ours and served["again"]["cached"][-1] >= 64, served["again"]["cached"]
     assert ours != _allhere(sharp["llama"], prompts) and ours != _allhere(sharp["llama_sliding"], prompts)
+
+
+HELD = 224  # new tokens: with the prompt of about 100, 11 blocks of 32
+
+
+def test_sinks_constant_blocks(sharp):
+    """Under vLLM, sinks hold a constant number of KV blocks per request (``allhere.serve.vllm_kv``): generating
+    224 tokens after a prompt of about 100 (window 8, 4 sinks, blocks of 32), the request holds its sink block and
+    at most two of the window's, as vLLM's block pool counts them, while the plain model's blocks grow with every
+    32 tokens; the tokens stay allhere's over the whole generation (the freed blocks are never read)."""
+    long = sharp["prompts"][-1:]
+    sinks = _vllm(sharp["llama_sinks"], long, held=HELD)["none"]
+    plain = _vllm(sharp["llama"], long, held=HELD)["none"]
+    total = len(long[0]) + HELD
+    assert max(plain["held"]) == -(-total // 32)  # every block of the context
+    assert max(sinks["held"]) == 3  # 1 sink block + at most 2 of the window's, from the prompt's step to the last
+    ours = _allhere(sharp["llama_sinks"], long, new_tokens=HELD)[0]
+    assert sinks["held_tokens"][:len(ours)] == ours and len(ours) > 64
 
 
 @pytest.mark.parametrize("key", ["qwen3_dar", "qwen2_bigbird", "gemma3_dilated", "olmo2_sinks"])
