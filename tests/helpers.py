@@ -58,3 +58,16 @@ def spy_paths(monkeypatch):
 
             monkeypatch.setitem(backend._PATHS[op], name, dataclasses.replace(path, fn=counted))
     return calls
+
+
+def mixed_routers(model, seed=2):
+    """AHA routers with random weights (in place; returns ``model``): some (token, head) pairs global, the rest
+    local."""
+    from allhere.mechanisms.base import mechanism_layers
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for mech in mechanism_layers(model):
+            for p in mech.router_parameters():
+                p.normal_(0, 1.0)
+    return model

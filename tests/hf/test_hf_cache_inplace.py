@@ -12,9 +12,8 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # 
 from allhere import AHAConfig, SinksConfig, SlidingConfig  # noqa: E402
 from allhere.hf import convert, new_cache  # noqa: E402
 from allhere.hf.cache import InPlaceLayer  # noqa: E402
-from allhere.mechanisms.base import mechanism_layers  # noqa: E402
 
-from helpers import rel_err  # noqa: E402
+from helpers import mixed_routers, rel_err  # noqa: E402
 from hf_fixtures import write_model  # noqa: E402
 from test_hf import build  # noqa: E402
 
@@ -23,13 +22,7 @@ GREEDY = dict(do_sample=False, pad_token_id=0)
 
 def aha_model(name="llama"):
     """AHA with a router that sends some (token, head) pairs global and keeps the rest local."""
-    model = convert(build(name), AHAConfig(window=4))
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for mech in mechanism_layers(model):
-            for p in mech.router_parameters():
-                p.normal_(0, 1.0)
-    return model
+    return mixed_routers(convert(build(name), AHAConfig(window=4)))
 
 
 @pytest.mark.parametrize("cfg", [AHAConfig(window=4), SlidingConfig(window=5), SinksConfig(window=4, n_sinks=2)],

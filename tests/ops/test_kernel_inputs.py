@@ -13,9 +13,8 @@ pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's int
 
 from allhere import AHAConfig, Decoder, ModelConfig, use_backend  # noqa: E402
 from allhere.kernels import aha_decode, aha_prefill, aha_train, interpreted  # noqa: E402
-from allhere.mechanisms.base import mechanism_layers  # noqa: E402
 
-from helpers import rel_err  # noqa: E402
+from helpers import mixed_routers, rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE, TOL = (torch.bfloat16, 2e-2) if DEVICE == "cuda" else (torch.float32, 1e-5)
@@ -61,16 +60,6 @@ def spy(monkeypatch, module, name, counter=None):
     s = Spy(getattr(module, name), counter)
     monkeypatch.setattr(module, name, s)
     return s
-
-
-def mixed_routers(model):
-    """Routers with random weights: some (token, head) pairs global, the rest local."""
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for mech in mechanism_layers(model):
-            for p in mech.router_parameters():
-                p.normal_(0, 1.0)
-    return model
 
 
 def decode_steps(model, ids, prefill, cache, call, counter):
