@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from allhere.checkpoint import read_checkpoint, save_checkpoint
+from allhere.checkpoint import atomic_write, read_checkpoint, save_checkpoint
 from allhere.data.recall import RecallTask
 from allhere.model import Decoder
 from allhere.validation import ConfigError
@@ -146,9 +146,7 @@ def save_base(path: Path, model: Decoder, state: dict, dtype: torch.dtype) -> No
     low = copy.deepcopy(model).to(dtype)  # .to keeps tied parameters tied
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(Path(tmp) / path.name, low, None, state)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(Path(tmp) / path.name, path.with_name(path.name + ".tmp"))
-        path.with_name(path.name + ".tmp").replace(path)
+        atomic_write(path, lambda dest: shutil.copyfile(Path(tmp) / path.name, dest))
 
 
 @torch.no_grad()
