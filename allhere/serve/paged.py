@@ -100,11 +100,20 @@ def causal_read(key_set: int = 0, q_tile: int | None = None) -> Read:
     return Read(pred, key_set, q_tile)
 
 
+def token_positions(query_start: torch.Tensor, seq_lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request [n], position [n]) of each of the step's first ``n`` query tokens: request r's queries are the
+    last ``query_start[r + 1] - query_start[r]`` of its ``seq_lens[r]`` tokens."""
+    starts, lens = query_start.long(), seq_lens.long()
+    q_len = starts[1:] - starts[:-1]
+    req = torch.repeat_interleave(torch.arange(q_len.numel(), device=starts.device), q_len, output_size=n)
+    return req, torch.arange(n, device=starts.device) - starts[req] + (lens - q_len)[req]
+
+
 def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, reads: Sequence[Sequence[Read]], scale: float,
                     out: torch.Tensor, row_class: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                     softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
-                    workspace: Workspace | None = None) -> None:
+                    workspace: Workspace | None = None, extra: Sequence = ()) -> None:
     """Every request's queries against its cached keys (the step's own already written).
 
     q [tokens, heads, d]: request r's queries are rows ``query_start[r]:query_start[r + 1]``, at the last
@@ -118,7 +127,9 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
 
     ``q_tile``: rows per query tile, unless a ``Read`` names its own. ``pack``: at most this many blocks read
     entirely by a tile go into one call (a power of two). ``workspace``: memory reused across calls for the
-    gathered keys and values (one is made for this call if None)."""
+    gathered keys and values (one is made for this call if None). ``extra``: more pieces the rows read, (row ids,
+    output, log-sum-exp) as ``allhere.serve.paged_far.far_pieces`` gives them, joined under the same softmax
+    (then every row is written)."""
     heads = q.shape[1]
     n = int(query_start[-1])
     if n == 0:
@@ -126,16 +137,15 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
     dev = q.device
     workspace = workspace or Workspace()
     reads = [[Read(*r) for r in parts] for parts in reads]
-    starts, lens = query_start.long(), seq_lens.long()
+    starts = query_start.long()
     q_len = starts[1:] - starts[:-1]
-    req = torch.repeat_interleave(torch.arange(q_len.numel(), device=dev), q_len, output_size=n)  # [n]
-    pos = torch.arange(n, device=dev) - starts[req] + (lens - q_len)[req]
+    req, pos = token_positions(query_start, seq_lens, n)
     tok = torch.arange(n, device=dev).repeat_interleave(heads)  # rows, token-major
     head = torch.arange(heads, device=dev).repeat(n)
     cls = cls_all = (torch.zeros(n * heads, dtype=torch.long, device=dev) if row_class is None
                      else row_class[:n].reshape(-1).long())
     qflat = q[:n].reshape(n * heads, q.shape[2])  # by row id (one copy where q is a strided view)
-    found = []  # (row ids tok * heads + head [n, size], -1: padding; output [n, size, d]; log-sum-exp [n, size])
+    found = list(extra)  # (row ids tok * heads + head [n, size], -1: padding; output [n, size, d]; log-sum-exp)
     one = q_len == 1
     if bool(one.any()):  # decode rows: one tile per (token, kv head, class)
         t = starts[:-1][one]
@@ -161,7 +171,7 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
         rows = torch.arange(n * heads, device=dev)[:, None]
         found.append((rows, q.new_zeros(n * heads, 1, q.shape[2]), sinks.float().repeat(n)[:, None]))
     merged = merge(found, n * heads, q.shape[2], dev).view(n, heads, -1).to(out.dtype)
-    empty = [c for c, parts in enumerate(reads) if not parts]
+    empty = [] if extra else [c for c, parts in enumerate(reads) if not parts]
     if not empty:
         out[:n] = merged
     else:  # rows of a class that reads nothing here keep what ``out`` holds

@@ -65,9 +65,10 @@ from vllm.model_executor.models.transformers import TransformersForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .. import registry
-from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from ..hosts import CONFIG_KEY, LAYERS_KEY
+from .vllm_dar import DARServe, LatentCache, install_dar
 from .vllm_kv import SinkAttention
-from .vllm_layers import AHAServe, install_aha, install_dar, install_masked
+from .vllm_layers import AHAServe, install_aha, install_masked, rebuild_attention
 from .vllm_paged import VLLM_WINDOW_OFFSET, refuse_softmax_terms
 from .vllm_plugin import PAGED, RESET_SUFFIX, SERVED, STATS_ENV
 
@@ -80,15 +81,6 @@ def _attention_blocks(model: nn.Module) -> dict[int, tuple[nn.Module, Attention]
         if isinstance(attn, Attention):
             found[extract_layer_index(attn.layer_name)] = (module, attn)
     return found
-
-
-def _rebuild(block: nn.Module, attn: Attention, cls=Attention, **kwargs) -> Attention:
-    """The layer's vLLM ``Attention`` built again as ``cls`` with ``kwargs`` (its cache spec changes)."""
-    vllm_config = get_current_vllm_config()
-    vllm_config.compilation_config.static_forward_context.pop(attn.layer_name)  # the same name, rebuilt
-    block.attn = cls(attn.num_heads, attn.head_size, attn.impl.scale, num_kv_heads=attn.num_kv_heads,
-                     cache_config=vllm_config.cache_config, prefix=attn.layer_name, **kwargs)
-    return block.attn
 
 
 def _check_sinks(vllm_config, blocks: dict, layers: list[int], window: int) -> None:
@@ -132,12 +124,13 @@ def install(model: nn.Module, config) -> list[int]:
         if attn.sliding_window is not None and attn.sliding_window < config.max_position_embeddings:
             raise NotImplementedError(f"allhere vLLM serving: layer {i} already has a sliding window")
         if kind == "sliding":
-            _rebuild(block, attn, per_layer_sliding_window=int(settings["window"]) + VLLM_WINDOW_OFFSET)
+            rebuild_attention(block, attn, per_layer_sliding_window=int(settings["window"]) + VLLM_WINDOW_OFFSET)
             continue
         if kind == "sinks":  # its cache keeps the sink blocks and the window's (allhere.serve.vllm_kv)
             cfg = registry.from_dict(settings)
             refuse_softmax_terms(attn)  # the rebuilt layer would not have them
-            install_masked(block, _rebuild(block, attn, SinkAttention, window=cfg.window, n_sinks=cfg.n_sinks), cfg)
+            install_masked(block, rebuild_attention(block, attn, SinkAttention, window=cfg.window,
+                                                    n_sinks=cfg.n_sinks), cfg)
             continue
         if kind == "aha":
             install_aha(block, attn, settings, config.hidden_size, config.num_attention_heads).layer = i
@@ -161,6 +154,9 @@ def kv_bytes(model: nn.Module, dtype: torch.dtype, max_len: int) -> dict:
     size = torch.tensor([], dtype=dtype).element_size()
     out = {"per_token": 0, "per_request": 0, "plain_per_token": 0}
     for m in model.modules():
+        if isinstance(m, LatentCache):  # DAR's latents: d_down numbers per token
+            out["per_token"] += m.head_size * size
+            continue
         if not isinstance(m, Attention) or getattr(m, "kv_sharing_target_layer_name", None):
             continue
         b = 2 * m.num_kv_heads * m.head_size * size
@@ -171,8 +167,7 @@ def kv_bytes(model: nn.Module, dtype: torch.dtype, max_len: int) -> dict:
             out["per_request"] += b * window
         else:
             out["per_token"] += b
-        if f".{SUBMODULE}." not in m.layer_name:  # DAR's far cache is allhere's own
-            out["plain_per_token"] += b
+        out["plain_per_token"] += b
     return out
 
 
@@ -240,6 +235,13 @@ class _Converted:
         self.allhere_stats = StatsFile(path, cuda) if path and self.allhere_layers else None
         if self.allhere_stats is not None:
             self.allhere_stats.write(self)  # the caches' bytes, for allhere serve's first line
+
+    def load_weights(self, weights):
+        loaded = super().load_weights(weights)
+        for m in self.modules():
+            if isinstance(m, DARServe):  # before vLLM's CPU backend repacks the block's weights
+                m.absorb()
+        return loaded
 
     def forward(self, *args, **kwargs):
         if self.allhere_stats is not None:

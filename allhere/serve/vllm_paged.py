@@ -33,7 +33,7 @@ from .paged_chunks import Workspace
 PAGED_ATTR = "_allhere_paged"  # on the owner Attention: [its PagedAttention] (a list: no module cycle)
 VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
 LAYOUT_ISAS = ("vec", "vec16")  # vLLM CPU kernels that read allhere's block layout (if the check below agrees)
-_WORKSPACE = Workspace()  # the gathered keys' memory, reused by every layer of this process (they run in turn)
+WORKSPACE = Workspace()  # the gathered keys' memory, reused by every layer of this process (they run in turn)
 _LAYOUT_CHECKED: dict[tuple, bool] = {}
 
 
@@ -92,79 +92,87 @@ def refuse_softmax_terms(attn: Attention) -> None:
 
 
 @torch.library.custom_op("allhere::paged_attention", mutates_args=("out",))
-def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_class: torch.Tensor | None,
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: torch.Tensor | None,
                         out: torch.Tensor, layer: str) -> None:
+    """``aux``: a per-token input of the mechanism (AHA: the router's gate; DAR: the block's input)."""
     # the layer of the engine running now (vLLM's forward context), not a process-wide registry
     _, owner, _, _ = get_attention_context(layer)
-    getattr(owner, PAGED_ATTR)[0].compute(q, k, v, row_class, out)
+    getattr(owner, PAGED_ATTR)[0].compute(q, k, v, aux, out)
 
 
 @_paged_attention_op.register_fake
-def _(q, k, v, row_class, out, layer) -> None:
+def _(q, k, v, aux, out, layer) -> None:
     return None
 
 
 class PagedAttention(nn.Module):
-    """Stands where the block's ``attn`` stood. ``owners``: one vLLM ``Attention`` per key set (the layer's
-    own first), used for their caches only; ``reads``: per row class, what a row reads (``allhere.serve.paged``).
-    With two key sets the block runs on twice the tokens (DAR, ``allhere.serve.vllm_layers``): the first half
-    are queries, keys and values, the second only keys and values. ``softmax_terms``: compute the host's
+    """Stands where the block's ``attn`` stood. ``owner``: the layer's vLLM ``Attention``, used for its cache only;
+    ``reads``: per row class, what a row reads (``allhere.serve.paged``). ``softmax_terms``: compute the host's
     learned sink logits and soft-capped scores (AHA does, as allhere's own attention does for it); the other
     mechanisms refuse a layer that has them. ``router``: a module whose ``gate`` [tokens, heads] (set by the
     block's pre-hook) is the row class of this step. ``window_class``: (class, window) whose rows read exactly
     their window most recent keys, for vLLM's windowed kernel where it reads allhere's layout."""
 
-    def __init__(self, owners: list[Attention], reads: Sequence[Sequence[Read]], softmax_terms: bool = False,
+    def __init__(self, owner: Attention, reads: Sequence[Sequence[Read]], softmax_terms: bool = False,
                  router: nn.Module | None = None, window_class: tuple[int, int] | None = None) -> None:
         super().__init__()
-        first = owners[0]
-        self.softcap, self.sinks = host_softmax_terms(first)
+        self.softcap, self.sinks = host_softmax_terms(owner)
         if not softmax_terms:
-            refuse_softmax_terms(first)
-        self.owners = nn.ModuleList(owners)
+            refuse_softmax_terms(owner)
+        self.owner = owner
         self.reads = reads
         self.window_class = window_class
         self._router = [router] if router is not None else []  # a plain reference: registered under the block
-        self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_size
-        self.scale = float(first.impl.scale)
-        self.layer_name = first.layer_name
-        object.__setattr__(first, PAGED_ATTR, [self])
+        self.heads, self.kv_heads, self.head_dim = owner.num_heads, owner.num_kv_heads, owner.head_size
+        self.scale = float(owner.impl.scale)
+        self.layer_name = owner.layer_name
+        object.__setattr__(owner, PAGED_ATTR, [self])
 
     def forward(self, q, k, v, *args, **kwargs):
-        row_class = None
-        if self._router:
-            row_class, self._router[0].gate = self._router[0].gate, None
-            if row_class is None:
-                raise RuntimeError(f"allhere: {self.layer_name} called without its router's gate")
         out = torch.empty(q.shape[0], self.heads * self.head_dim, dtype=q.dtype, device=q.device)
-        torch.ops.allhere.paged_attention(q, k, v, row_class, out, self.layer_name)
+        torch.ops.allhere.paged_attention(q, k, v, self.aux(), out, self.layer_name)
         return out
 
-    def compute(self, q, k, v, row_class, out) -> None:
+    def aux(self) -> torch.Tensor | None:
+        """The op's per-token input: the row class (AHA's gate, set by the block's pre-hook), or None."""
+        if not self._router:
+            return None
+        row_class, self._router[0].gate = self._router[0].gate, None
+        if row_class is None:
+            raise RuntimeError(f"allhere: {self.layer_name} called without its router's gate")
+        return row_class
+
+    def write_step(self, q, k, v, out):
+        """Store the step's keys and values in the owner's cache at vLLM's slot mapping. Returns (metadata, the
+        cache's paged view, q [tokens, heads, d], out [tokens, heads, d]), or None in vLLM's warm-up and memory
+        profiling (no cache yet; ``out`` zeroed)."""
         meta, _, cache, _ = get_attention_context(self.layer_name)
         out = out.view(-1, self.heads, self.head_dim)
-        if meta is None or cache.numel() == 0:  # vLLM's warm-up and memory profiling: no cache yet
+        if meta is None or cache.numel() == 0:
             out.zero_()
+            return None
+        n = meta.num_actual_tokens
+        k, v = (t.view(-1, self.kv_heads, self.head_dim)[:n] for t in (k, v))
+        view = paged_view(cache, cache.shape[2], self.kv_heads, self.head_dim)  # vLLM's CPU layout [blocks,
+        write(view, meta.slot_mapping[:n], k, v)  # kv_heads, block_size, 2 x head_dim]
+        return meta, view, q.view(-1, self.heads, self.head_dim), out
+
+    def compute(self, q, k, v, row_class, out) -> None:
+        step = self.write_step(q, k, v, out)
+        if step is None:
             return
-        sets, n = len(self.owners), meta.num_actual_tokens
-        half = q.shape[0] // sets
-        q = q.view(-1, self.heads, self.head_dim)
-        k, v = (t.view(-1, self.kv_heads, self.head_dim) for t in (k, v))
-        block_size = cache.shape[2]  # vLLM's CPU layout: [blocks, kv_heads, block_size, 2 x head_dim]
-        views = [paged_view(o.kv_cache, block_size, self.kv_heads, self.head_dim) for o in self.owners]
-        slots = meta.slot_mapping[:n]
-        for i, view in enumerate(views):
-            write(view, slots, k[i * half: i * half + n], v[i * half: i * half + n])
+        meta, view, q, out = step
+        n = meta.num_actual_tokens
         sinks = self.sinks.float() if self.sinks is not None else None
         reads = self.reads
-        isa = getattr(self.owners[0], "isa", None)
-        if self.window_class is not None and len(self.owners) == 1 and same_layout(isa, cache.dtype):
+        isa = getattr(self.owner, "isa", None)
+        if self.window_class is not None and same_layout(isa, view.dtype):
             c, window = self.window_class
-            vllm_window(q, cache, meta, window, self.scale, self.softcap, self.sinks, isa, out)
+            vllm_window(q, self.owner.kv_cache, meta, window, self.scale, self.softcap, self.sinks, isa, out)
             reads = [[] if i == c else parts for i, parts in enumerate(reads)]  # those rows are done
             if row_class is not None and not bool((row_class[:n] != c).any()):
                 out[n:].zero_()
                 return
-        paged_attention(q[:n], views, meta.query_start_loc, meta.seq_lens, meta.block_table, reads, self.scale,
-                        out, row_class=row_class, sinks=sinks, softcap=self.softcap, workspace=_WORKSPACE)
+        paged_attention(q[:n], [view], meta.query_start_loc, meta.seq_lens, meta.block_table, reads, self.scale,
+                        out, row_class=row_class, sinks=sinks, softcap=self.softcap, workspace=WORKSPACE)
         out[n:].zero_()

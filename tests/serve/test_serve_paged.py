@@ -11,7 +11,6 @@ import torch
 import allhere as ah
 from allhere import registry
 from allhere.masks import causal, sliding_window
-from allhere.mechanisms.dar import far_keys
 from allhere.ops.aha import aha_attention_reference
 from allhere.ops.dar import dar_attention_reference
 from allhere.ops.full import pattern_attention_reference
@@ -22,8 +21,11 @@ from allhere.serve.paged import (
     window_read,
     write,
 )
+from allhere.serve.paged_far import LatentKV, far_pieces, write_latents
 
 HEADS, KV_HEADS, D, BS = 4, 2, 8, 4  # 2 query heads per kv head; blocks of 4 tokens
+D_DOWN, BS_LATENT = 6, 8  # DAR's latents: 6 numbers per token, in blocks of 8 tokens
+SMALL_BUDGET = 4 * 8 * (D_DOWN + KV_HEADS * D + HEADS)  # bytes of a piece of far keys: 8 keys (many pieces)
 LENGTHS = [29, 5, 17]  # tokens per request; request 3 (PREFIXED) reuses the first SHARED of request 0
 SHARED, PREFIXED = 16, 21
 SCALE = D ** -0.5
@@ -34,33 +36,49 @@ SCALE = D ** -0.5
 STEPS = [{0: 12, 1: 3, 2: 7}, {0: 6, 1: 2, 2: 6}, {0: 1, 2: 1, 3: 3}, {0: 1, 2: 1, 3: 1}, {0: None, 2: None, 3: None}]
 
 
-def _serve(reads, gen, sets=1, gate=None, q_tile=4, **options):
+def _table(gen, bs):
+    """A block table of blocks of ``bs`` tokens for LENGTHS + the prefixed request, scattered over a pool with 3
+    spare blocks, request 3's first SHARED tokens in request 0's blocks (SHARED a multiple of ``bs``); -1 past a
+    request's blocks. Returns (table, pool size)."""
+    lengths = LENGTHS + [PREFIXED]
+    n_blocks = sum(-(-n // bs) for n in LENGTHS) + -(-(PREFIXED - SHARED) // bs)
+    order = torch.randperm(n_blocks + 3, generator=gen)[:n_blocks].tolist()  # scattered, in no order
+    table = torch.full((4, -(-max(lengths) // bs)), -1, dtype=torch.int32)
+    for r, n in enumerate(LENGTHS):
+        for b in range(-(-n // bs)):
+            table[r, b] = order.pop()
+    table[3, : SHARED // bs] = table[0, : SHARED // bs]
+    for b in range(SHARED // bs, -(-PREFIXED // bs)):
+        table[3, b] = order.pop()
+    return table, n_blocks + 3
+
+
+def _serve(reads, gen, sets=1, gate=None, q_tile=4, latent=None, **options):
     """Serve LENGTHS (+ the prefixed request) step by step as vLLM schedules them (STEPS), each step's K/V
     written first (with a padding slot), then attended (with a padding row after the real ones). Request 3
-    starts with its first SHARED tokens already cached (request 0's blocks). Returns per request its outputs
-    [length, heads, d] (rows before SHARED of request 3: never computed) and [q, key sets, gate [length,
-    heads] or None]."""
+    starts with its first SHARED tokens already cached (request 0's blocks). ``latent``: (LatentKV, window, budget):
+    also latents of D_DOWN per token in a cache of their own (blocks of BS_LATENT, another table), their far
+    rows (``far_pieces``) joined. Returns per request its outputs [length, heads, d] (rows before SHARED of
+    request 3: never computed) and [q, key sets, gate [length, heads] or None, latents or None]."""
     lengths = LENGTHS + [PREFIXED]
-    n_blocks = sum(-(-n // BS) for n in LENGTHS) + -(-(PREFIXED - SHARED) // BS)
-    views = [paged_view(torch.zeros(n_blocks + 3, KV_HEADS, BS, 2 * D), BS, KV_HEADS, D) for _ in range(sets)]
-    order = torch.randperm(n_blocks + 3, generator=gen)[:n_blocks].tolist()  # scattered, in no order
-    table = torch.full((4, -(-max(lengths) // BS)), -1, dtype=torch.int32)
-    for r, n in enumerate(LENGTHS):
-        for b in range(-(-n // BS)):
-            table[r, b] = order.pop()
-    table[3, : SHARED // BS] = table[0, : SHARED // BS]
-    for b in range(SHARED // BS, -(-PREFIXED // BS)):
-        table[3, b] = order.pop()
+    table, pool = _table(gen, BS)
+    views = [paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * D), BS, KV_HEADS, D) for _ in range(sets)]
+    if latent is not None:
+        latent_table, latent_pool = _table(gen, BS_LATENT)
+        latent_cache = torch.zeros(latent_pool, 1, BS_LATENT, D_DOWN + 3)[:, 0, :, 1:D_DOWN + 1]  # strided
     data = []
     for n in lengths:
         kv = [(torch.randn(n, KV_HEADS, D, generator=gen), torch.randn(n, KV_HEADS, D, generator=gen))
               for _ in range(sets)]
         g = torch.rand(n, HEADS, generator=gen) < 0.3 if gate is None else None
-        data.append([torch.randn(n, HEADS, D, generator=gen), kv, g])
+        c = torch.randn(n, D_DOWN, generator=gen) if latent is not None else None
+        data.append([torch.randn(n, HEADS, D, generator=gen), kv, g, c])
     data[3][0][:SHARED] = data[0][0][:SHARED]  # the shared prefix: the same tokens
     for i in range(sets):
         for t in (0, 1):
             data[3][1][i][t][:SHARED] = data[0][1][i][t][:SHARED]
+    if latent is not None:
+        data[3][3][:SHARED] = data[0][3][:SHARED]
     outs = [torch.full((n, HEADS, D), float("nan")) for n in lengths]
     done = [0, 0, 0, SHARED]
     for step in STEPS:
@@ -79,8 +97,16 @@ def _serve(reads, gen, sets=1, gate=None, q_tile=4, **options):
         row_class = None if gate is not None else torch.cat([data[r][2][a:b] for r, a, b in rows] + [gate_pad()])
         out = torch.full((q.shape[0] + 1, HEADS, D), 7.0)
         used = table[[r for r, _, _ in rows]]
+        extra = ()
+        if latent is not None:
+            c = torch.cat([data[r][3][a:b] for r, a, b in rows])
+            lslots = [int(latent_table[r, p // BS_LATENT]) * BS_LATENT + p % BS_LATENT for r, a, b in rows
+                      for p in range(a, b)]
+            write_latents(latent_cache, torch.tensor(lslots + [-1]), torch.cat([c, c[:1]]))
+            extra = far_pieces(q, latent_cache, torch.tensor(starts), torch.tensor(lens),
+                               latent_table[[r for r, _, _ in rows]], latent[1], latent[0], SCALE, budget=latent[2])
         paged_attention(torch.cat([q, q[:1]]), views, torch.tensor(starts), torch.tensor(lens), used, reads, SCALE,
-                        out, row_class=row_class, q_tile=q_tile, **options)
+                        out, row_class=row_class, q_tile=q_tile, extra=extra, **options)
         assert bool((out[-1] == 7.0).all())  # the padding row is left alone
         for (r, a, b), s0, s1 in zip(rows, starts, starts[1:]):
             outs[r][a:b] = out[s0:s1]
@@ -113,7 +139,7 @@ def test_masked_patterns_equal_dense_reference(cfg):
     gen = torch.Generator().manual_seed(0)
     pred = registry.from_dict(registry.to_dict(cfg)).mask_fn(None)
     outs, data = _serve([[(pred, 0)]], gen, gate=False)
-    _check(outs, data, lambda q, kv, g: pattern_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]), pred,
+    _check(outs, data, lambda q, kv, g, c: pattern_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]), pred,
                                                             scale=SCALE)[0].transpose(0, 1))
 
 
@@ -129,7 +155,7 @@ def test_aha_equals_reference(tiles):
     q_tile, pack = tiles
     reads = AHA_READS if pack else [[(sliding_window(6), 0)], [(causal, 0)]]
     outs, data = _serve(reads, gen, q_tile=q_tile, pack=pack or 4)
-    _check(outs, data, lambda q, kv, g: aha_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]),
+    _check(outs, data, lambda q, kv, g, c: aha_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]),
                                                             g.T[None], 6, SCALE)[0].transpose(0, 1))
 
 
@@ -154,8 +180,8 @@ def test_aha_with_host_softmax_terms(terms):
     gen = torch.Generator().manual_seed(2)
     outs, data = _serve(AHA_READS, gen, **terms)
     attend = _dense_terms(terms.get("sinks"), terms.get("softcap", 0.0))
-    _check(outs, data, lambda q, kv, g: aha_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]), g.T[None],
-                                                            6, SCALE, attend=attend)[0].transpose(0, 1))
+    _check(outs, data, lambda q, kv, g, c: aha_attention_reference(
+        _bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]), g.T[None], 6, SCALE, attend=attend)[0].transpose(0, 1))
 
 
 def test_class_without_reads_keeps_out():
@@ -182,17 +208,45 @@ def test_matmul_path_equals_reference(monkeypatch):
     monkeypatch.setattr(chunks, "FUSED", False)
     gen = torch.Generator().manual_seed(4)
     outs, data = _serve(AHA_READS, gen)
-    _check(outs, data, lambda q, kv, g: aha_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]),
+    _check(outs, data, lambda q, kv, g, c: aha_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]),
                                                             g.T[None], 6, SCALE)[0].transpose(0, 1))
 
 
-@pytest.mark.parametrize("window", [0, 3, 20])
-def test_dar_equals_reference(window):
+def _latent_kv(gen, bias: bool) -> LatentKV:
+    """Far keys: a linear map of the latent, then a rotation by the token's position (as RoPE does after the
+    projection); far values: a linear map (with a bias or not)."""
+    w_k = torch.randn(KV_HEADS * D, D_DOWN, generator=gen)
+    freq = torch.rand(D // 2, generator=gen)
+
+    def keys(c, positions):
+        k = (c @ w_k.T).view(-1, KV_HEADS, D)
+        angle = positions[:, None, None].float() * freq
+        a, b = k[..., : D // 2], k[..., D // 2:]
+        return torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], -1)
+
+    v_bias = torch.randn(KV_HEADS, D, generator=gen) if bias else None
+    return LatentKV(keys, torch.randn(KV_HEADS, D, D_DOWN, generator=gen), v_bias)
+
+
+@pytest.mark.parametrize("window,bias,budget", [(0, False, SMALL_BUDGET), (3, True, SMALL_BUDGET), (3, False, 1 << 20),
+                                                (20, False, SMALL_BUDGET), (8, True, 1 << 20)])
+def test_dar_latents_equal_reference(window, bias, budget):
+    """DAR as served: the near window from the paged K/V, the far keys rebuilt from a paged latent cache of
+    its own (other blocks, another block size, a strided view), one softmax = the dense reference with the
+    far K/V made from the latents. A small budget: keys in pieces of 8, one decode request per piece; a large
+    one: the decode requests of a step in one piece, the narrower ones masked."""
     gen = torch.Generator().manual_seed(3)
-    reads = [([window_read(window, 0)] if window else []) + [(far_keys(window), 1)]]
-    outs, data = _serve(reads, gen, sets=2, gate=False)
-    _check(outs, data, lambda q, kv, g: dar_attention_reference(_bhld(q), *(_bhld(t) for t in (*kv[0], *kv[1])), window,
-                                                            scale=SCALE)[0].transpose(0, 1))
+    kv = _latent_kv(gen, bias)
+    reads = [[window_read(window, 0)] if window else []]
+    outs, data = _serve(reads, gen, gate=False, latent=(kv, window, budget))
+
+    def want(q, near, g, c):
+        k_far = kv.keys(c, torch.arange(c.shape[0]))
+        v_far = torch.einsum("hdc,tc->thd", kv.v_weight, c) + (0 if kv.v_bias is None else kv.v_bias)
+        return dar_attention_reference(_bhld(q), *(_bhld(t) for t in (*near[0], k_far, v_far)), window,
+                                       scale=SCALE)[0].transpose(0, 1)
+
+    _check(outs, data, want)
 
 
 def test_view_refuses_partial_blocks():

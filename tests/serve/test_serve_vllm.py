@@ -151,7 +151,7 @@ def sharp(tmp_path_factory, folders):
         sizes = {k: v for k, v in SIZES.items() if family not in ("gemma3", "gptoss") or k != "num_hidden_layers"}
         out[family] = write_model(name, root / family, init_std=0.1, **sizes)
     mechs = {"llama_sinks": ah.SinksConfig(window=WINDOW, n_sinks=4),
-             "llama_dar": ah.DARConfig(window=WINDOW, d_down=32),
+             "llama_dar": ah.DARConfig(window=WINDOW, d_down=64),
              "llama_sliding": ah.SlidingConfig(window=WINDOW), "qwen3_dar": ah.DARConfig(window=WINDOW, d_down=48),
              "qwen2_bigbird": ah.BigBirdConfig(block=4, window_blocks=2, global_blocks=1, random_blocks=1,
                                                heads_per_draw=1),

@@ -1,0 +1,201 @@
+"""DAR (Distance-Adaptive Representation, "Dual Dimensionality for Local and Global Attention", arXiv:2606.18587)
+served by vLLM with the cache the paper's Section 5 describes: full-dimensional K/V for the last ``window``
+tokens only, and a d_down latent c = h W_down for every token, from which each step rebuilds the distant keys
+(W_up absorbed into W_K) and reads the distant values through the latents (W_up absorbed into W_V). Imported by
+``allhere.serve.vllm_model``, never by ``import allhere``.
+
+Two caches per converted layer, both vLLM's (it sizes them, assigns their blocks, prefix-caches and frees them):
+
+- near: the layer's own ``Attention`` rebuilt as a sliding-window layer of the DAR window (``window`` 0: of one
+  token, never read), so vLLM keeps only the window's blocks per request, as for its own sliding layers;
+- latent: ``LatentCache``, a cache-only layer (vLLM's pattern for cached hidden states) reporting a full-
+  attention KV spec of one head of d_down numbers and no values: its own KV cache group, every token kept.
+  vLLM gives all groups pages of one size, so the latent group's blocks hold more tokens (or its pages are
+  padded where d_down does not divide 2 x kv_heads x head_dim).
+
+KV bytes per token of context fall from 2 x kv_heads x head_dim numbers per layer to d_down (plus the window,
+a constant per request). The price is compute: each step rebuilds the distant keys of every row it reads,
+d_down x kv_heads x head_dim multiply-adds per key (``allhere.serve.paged_far``), where a plain cache only reads
+them.
+
+The host's key path. A far key is RoPE(norm(h' W_K + b)) on h' = c W_up: this block's ``qkv_proj`` key rows
+times W_up, its bias, its per-head ``k_norm`` where it has one (Qwen3, Gemma-3), and its own ``rotary_emb`` at
+the key's position. On the first step the same path is run on the step's hidden states and compared with the
+keys the block itself made; a block whose keys it does not reproduce is refused with that error rather than
+served wrong.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.model_executor.models.extract_hidden_states import (
+    CacheOnlyAttentionBackend,
+    CacheOnlyAttentionLayer,
+    CacheOnlyAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from ..hosts import SUBMODULE
+from .paged import paged_attention, token_positions, window_read
+from .paged_far import LatentKV, far_pieces, write_latents
+from .vllm_layers import WINDOW_TILE, block_argument, rebuild_attention
+from .vllm_paged import VLLM_WINDOW_OFFSET, WORKSPACE, PagedAttention, refuse_softmax_terms
+
+
+@dataclass
+class LatentMetadata:
+    """What allhere reads of a step for the latent cache (its group's block table and slot mapping)."""
+
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class LatentMetadataBuilder(CacheOnlyAttentionMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> LatentMetadata:
+        m = common_attn_metadata
+        return LatentMetadata(m.num_actual_tokens, m.query_start_loc, m.seq_lens, m.block_table_tensor,
+                              m.slot_mapping)
+
+
+class LatentBackend(CacheOnlyAttentionBackend):
+    @staticmethod
+    def get_builder_cls() -> type[LatentMetadataBuilder]:
+        return LatentMetadataBuilder
+
+
+class LatentCache(CacheOnlyAttentionLayer):
+    """A paged cache of d_down numbers per token: vLLM's view [blocks, 1, block_size, d_down]."""
+
+    def __init__(self, d_down: int, prefix: str) -> None:
+        super().__init__(num_heads=1, head_size=d_down, prefix=prefix)
+        self.attn_backend = LatentBackend
+
+    def get_kv_cache_spec(self, vllm_config) -> FullAttentionSpec:
+        return FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=1,
+                                 head_size=self.head_size, head_size_v=0, dtype=self.kv_cache_torch_dtype)
+
+
+class DARServe(nn.Module):
+    """DAR's bottleneck (the weights allhere saved: ``...self_attn.allhere.{down,up}.weight``), the latent cache,
+    and the block's input of this step (``x``, set by the block's pre-hook). ``absorb`` takes the block's K/V
+    weights once they are loaded (vLLM's CPU backend then moves them into its GEMM library's own format)."""
+
+    def __init__(self, d_model: int, d_down: int, window: int, prefix: str, block: nn.Module) -> None:
+        super().__init__()
+        self.window = window
+        self.down = nn.Linear(d_model, d_down, bias=False)
+        self.up = nn.Linear(d_down, d_model, bias=False)
+        self.latent = LatentCache(d_down, f"{prefix}.{SUBMODULE}.latent")
+        self.x: torch.Tensor | None = None
+        self._block = [block]  # a plain reference (the block holds this module)
+        self.weights: dict[str, torch.Tensor | None] = {}
+
+    def absorb(self) -> None:
+        """From the block's ``qkv_proj`` (rows: queries, keys, values): W_K and b_K (kept for the first step's
+        check), W_K W_up, W_V W_up and b_V."""
+        block = self._block[0]
+        w, bias, q, size = block.qkv_proj.weight, getattr(block.qkv_proj, "bias", None), block.q_size, block.kv_size
+        if not w.dtype.is_floating_point or tuple(w.shape) != (q + 2 * size, self.up.weight.shape[0]):
+            raise NotImplementedError(f"allhere vLLM serving: DAR reads the K/V weights of {type(block).__name__}'s "
+                                      f"qkv_proj, which holds no plain [{q + 2 * size}, d_model] matrix (quantized?)")
+        with torch.no_grad():
+            w_k, w_v = w[q:q + size].clone(), w[q + size:]
+            self.weights = {"w_k": w_k, "a_k": w_k @ self.up.weight, "a_v": w_v @ self.up.weight,
+                            **({"b_k": None, "b_v": None} if bias is None else
+                               {"b_k": bias[q:q + size].clone(), "b_v": bias[q + size:].clone()})}
+
+
+class DARAttention(PagedAttention):
+    """Stands where the block's ``attn`` stood: the near window from the owner's (sliding) cache and the far keys
+    from the latents, one softmax."""
+
+    def __init__(self, near: Attention, mech: DARServe, block: nn.Module) -> None:
+        window = mech.window
+        super().__init__(near, [[window_read(window, q_tile=WINDOW_TILE)] if window else []])
+        self._parts = [mech, block]  # plain references: both are registered elsewhere (no module cycle)
+        self._kv: LatentKV | None = None
+
+    def aux(self) -> torch.Tensor:
+        mech = self._parts[0]
+        x, mech.x = mech.x, None
+        if x is None:
+            raise RuntimeError(f"allhere: {self.layer_name} called without the block's input")
+        return x
+
+    def compute(self, q, k, v, x, out) -> None:
+        step = self.write_step(q, k, v, out)
+        if step is None:
+            return
+        meta, view, q, out = step
+        mech, n = self._parts[0], meta.num_actual_tokens
+        x = x.reshape(-1, x.shape[-1])[:n]
+        lmeta, _, lcache, _ = get_attention_context(mech.latent.layer_name)
+        latents = lcache[:, 0]  # [blocks, block_size, d_down]
+        write_latents(latents, lmeta.slot_mapping[:n], F.linear(x, mech.down.weight))
+        if self._kv is None:
+            self._kv = self._latent_kv(x, k.view(-1, self.kv_heads, self.head_dim)[:n],
+                                       token_positions(meta.query_start_loc, meta.seq_lens, n)[1])
+        far = far_pieces(q[:n], latents, lmeta.query_start_loc, lmeta.seq_lens, lmeta.block_table, mech.window,
+                         self._kv, self.scale)
+        paged_attention(q[:n], [view], meta.query_start_loc, meta.seq_lens, meta.block_table, self.reads,
+                        self.scale, out, workspace=WORKSPACE, extra=far)
+        out[n:].zero_()
+
+    def _latent_kv(self, x, k_host, positions) -> LatentKV:
+        """The far keys' and values' maps from the latents; first checked: the same key path on the step's
+        hidden states gives the keys the block made."""
+        mech, block = self._parts
+        kv_heads, d, size = self.kv_heads, self.head_dim, block.kv_size
+        w = mech.weights
+        if not w:
+            raise RuntimeError(f"allhere: {self.layer_name}: DAR's weights were not absorbed after loading")
+        k_norm, rotary = getattr(block, "k_norm", None), getattr(block, "rotary_emb", None)
+
+        def finish(k, pos):  # the host's steps after the key projection
+            if k_norm is not None:
+                k = k_norm(k.view(-1, kv_heads, d)).reshape(-1, size)
+            if rotary is not None:
+                k = rotary(pos, k)[0]
+            return k.view(-1, kv_heads, d)
+
+        mine = finish(F.linear(x, w.pop("w_k"), w["b_k"]), positions)
+        tol = 1e-4 if k_host.dtype == torch.float32 else 2e-2
+        if not torch.allclose(mine.float(), k_host.float(), rtol=tol, atol=tol * float(k_host.abs().max()) + 1e-6):
+            raise NotImplementedError(f"allhere vLLM serving: DAR rebuilds {self.layer_name}'s distant keys as "
+                                      f"qkv_proj -> k_norm -> rotary_emb, which does not give the keys "
+                                      f"{type(block).__name__} makes")
+        a_k, b_k, b_v = w["a_k"], w["b_k"], w["b_v"]
+        return LatentKV(lambda c, pos: finish(F.linear(c, a_k, b_k), pos), w["a_v"].view(kv_heads, d, -1),
+                        None if b_v is None else b_v.view(kv_heads, d))
+
+
+def _keep_input(block, args, kwargs):
+    where, key = block_argument(block, args, kwargs, "hidden_states")
+    getattr(block, SUBMODULE).x = where[key]
+
+
+def install_dar(block: nn.Module, attn: Attention, cfg, d_model: int) -> None:
+    params = inspect.signature(type(block).forward).parameters
+    if not {"positions", "hidden_states"} <= set(params):
+        raise NotImplementedError(f"allhere vLLM serving: DAR needs vLLM's own attention block (taking positions and "
+                                  f"hidden_states); {type(block).__name__} runs through vLLM's Transformers backend")
+    missing = [a for a in ("qkv_proj", "q_size", "kv_size") if not hasattr(block, a)]
+    if missing:
+        raise NotImplementedError(f"allhere vLLM serving: DAR rebuilds distant keys through the block's qkv_proj; "
+                                  f"{type(block).__name__} has no {', '.join(missing)}")
+    refuse_softmax_terms(attn)  # the rebuilt layer would not have them
+    near = rebuild_attention(block, attn, per_layer_sliding_window=max(cfg.window, 1) + VLLM_WINDOW_OFFSET)
+    mech = DARServe(d_model, cfg.d_down, cfg.window, near.layer_name.rpartition(".")[0], block)
+    block.add_module(SUBMODULE, mech)
+    block.attn = DARAttention(near, mech, block)
+    block.register_forward_pre_hook(_keep_input, with_kwargs=True)
