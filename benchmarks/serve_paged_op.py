@@ -2,7 +2,8 @@
 (``allhere.serve.paged``) per mechanism against vLLM's own CPU attention kernel (``cpu_attention_with_kv_cache``)
 over the same blocks, and AHA computed with vLLM's kernel on the subsets (the windowed kernel for every token, the
 full kernel again for the tokens with a global head, joined per head), and AHA as served (vLLM's windowed kernel for
-the local rows, allhere's attention for the global ones).
+the local rows, allhere's attention for the global ones), and DAR as served (the window from the paged K/V, the
+far keys rebuilt from a paged cache of d_down = 64 latents).
 
     .venv-serve/bin/python benchmarks/serve_paged_op.py             # decode 16 x 8k, decode 1 x 8k, a prefill chunk
     .venv-serve/bin/python benchmarks/serve_paged_op.py --threads 1
@@ -25,6 +26,7 @@ import time
 import torch
 
 H, KVH, D, BS = 4, 4, 64, 128
+D_DOWN, WINDOW = 64, 256  # DAR's latents; the window of every mechanism
 SCENARIOS = {"decode16": (16, 8192, 1), "decode1": (1, 8192, 1), "prefill": (1, 8192, 2048),
              "prefill2k": (1, 2048, 2048)}
 
@@ -37,6 +39,7 @@ def setup(requests: int, length: int, q_len: int):
     cache = torch.randn(nb, KVH, BS, 2 * D) * 0.5
     table = torch.randperm(nb)[: requests * (length // BS)].view(requests, length // BS).int()
     return dict(nb=nb, cache=cache, view=paged_view(cache, BS, KVH, D), table=table,
+                latents=torch.randn(nb, BS, D_DOWN) * 0.5,
                 seq=torch.full((requests,), length, dtype=torch.int32),
                 qs=torch.arange(requests + 1, dtype=torch.int32) * q_len, q=torch.randn(requests * q_len, H, D),
                 out=torch.zeros(requests * q_len, H, D),
@@ -93,24 +96,47 @@ def aha_served(s, workspace):
                     D ** -0.5, s["out"], row_class=s["gate"], workspace=workspace)
 
 
+def latent_kv():
+    """DAR's far keys as a Llama block makes them from latents under ``allhere serve``: W_K W_up [256, 64] and
+    the rotary embedding from a cos/sin table (GPT-NeoX pairs, as Llama's), one complex multiply
+    (``rotary_projection``); far values through W_V W_up."""
+    from allhere.serve.paged_far import LatentKV, rotary_projection
+
+    g = torch.Generator().manual_seed(1)
+    a_k = torch.randn(KVH * D, D_DOWN, generator=g) * D_DOWN ** -0.5
+    inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))
+    angles = torch.arange(131072).float()[:, None] * inv
+    keys, order = rotary_projection(a_k, None, KVH, (torch.polar(torch.ones_like(angles), angles), True))
+    return LatentKV(keys, torch.randn(KVH, D, D_DOWN, generator=g) * D_DOWN ** -0.5, None, order)
+
+
+def dar_served(s, kv, workspace):
+    """DAR as ``allhere serve`` computes it: the window from the paged K/V, the far keys rebuilt from the paged
+    latents (the same block table here), one softmax."""
+    from allhere.serve.paged import paged_attention, window_read
+    from allhere.serve.paged_far import far_pieces
+    from allhere.serve.vllm_layers import WINDOW_TILE
+
+    far = far_pieces(s["q"], s["latents"], s["qs"], s["seq"], s["table"], WINDOW, kv, D ** -0.5)
+    paged_attention(s["q"], [s["view"]], s["qs"], s["seq"], s["table"], [[window_read(WINDOW, q_tile=WINDOW_TILE)]],
+                    D ** -0.5, s["out"], workspace=workspace, extra=far)
+
+
 def allhere_reads():
     import allhere as ah
     from allhere import registry
-    from allhere.mechanisms.dar import far_keys
     from allhere.serve.paged import Read, causal_read, window_read
     from allhere.serve.vllm_layers import WIDE_TILE, WINDOW_TILE
 
     def pattern(cfg):
         return [[Read(registry.from_dict(registry.to_dict(cfg)).mask_fn(None), 0, WINDOW_TILE)]]
 
-    return {"full": ([[causal_read(q_tile=WIDE_TILE)]], 1, False),
-            "aha": ([[window_read(256, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]], 1, True),
-            "sinks": (pattern(ah.SinksConfig(window=252, n_sinks=4)), 1, False),
-            "dilated": (pattern(ah.DilatedConfig(window=128, dilation=(1, 2, 3, 4))), 1, False),
-            "longformer": (pattern(ah.LongformerConfig(window=256, global_first=4)), 1, False),
-            "bigbird": (pattern(ah.BigBirdConfig(block=64, window_blocks=3, global_blocks=1, random_blocks=1)), 1,
-                        False),
-            "dar": ([[window_read(256, 0, q_tile=WINDOW_TILE), Read(far_keys(256), 1, WIDE_TILE)]], 2, False)}
+    return {"full": ([[causal_read(q_tile=WIDE_TILE)]], False),
+            "aha": ([[window_read(256, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]], True),
+            "sinks": (pattern(ah.SinksConfig(window=252, n_sinks=4)), False),
+            "dilated": (pattern(ah.DilatedConfig(window=128, dilation=(1, 2, 3, 4))), False),
+            "longformer": (pattern(ah.LongformerConfig(window=256, global_first=4)), False),
+            "bigbird": (pattern(ah.BigBirdConfig(block=64, window_blocks=3, global_blocks=1, random_blocks=1)), False)}
 
 
 def main() -> None:
@@ -125,6 +151,7 @@ def main() -> None:
     from allhere.serve.paged_chunks import Workspace
 
     workspace = Workspace()
+    kv = latent_kv()
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
     print("| scenario | attention | ms | vs vLLM full | load |")
     print("|---|---|---|---|---|")
@@ -133,11 +160,12 @@ def main() -> None:
         runs = {"vLLM full": lambda: vllm_attention(s, s["q"], s["qs"], s["seq"], s["table"], -1, s["out"]),
                 "vLLM window 256": lambda: vllm_attention(s, s["q"], s["qs"], s["seq"], s["table"], 256, s["out"]),
                 "AHA from vLLM's kernel": lambda: vllm_aha(s)}
-        for name, (reads, sets, routed) in allhere_reads().items():
-            runs[f"allhere {name}"] = (lambda reads=reads, sets=sets, routed=routed: paged_attention(
-                s["q"], [s["view"]] * sets, s["qs"], s["seq"], s["table"], reads, D ** -0.5, s["out"],
+        for name, (reads, routed) in allhere_reads().items():
+            runs[f"allhere {name}"] = (lambda reads=reads, routed=routed: paged_attention(
+                s["q"], [s["view"]], s["qs"], s["seq"], s["table"], reads, D ** -0.5, s["out"],
                 row_class=s["gate"] if routed else None, workspace=workspace))
         runs["allhere aha, as served (local rows: vLLM's windowed kernel)"] = lambda: aha_served(s, workspace)
+        runs["allhere dar, as served (far keys rebuilt from latents)"] = lambda: dar_served(s, kv, workspace)
         base = None
         for name, run in runs.items():
             run()

@@ -127,13 +127,35 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
 
     ``q_tile``: rows per query tile, unless a ``Read`` names its own. ``pack``: at most this many blocks read
     entirely by a tile go into one call (a power of two). ``workspace``: memory reused across calls for the
-    gathered keys and values (one is made for this call if None). ``extra``: more pieces the rows read, (row ids,
-    output, log-sum-exp) as ``allhere.serve.paged_far.far_pieces`` gives them, joined under the same softmax
-    (then every row is written)."""
+    gathered keys and values (one is made for this call if None). ``extra``: more pieces the rows read (as
+    ``paged_pieces`` returns them), joined under the same softmax (then every row is written)."""
     heads = q.shape[1]
     n = int(query_start[-1])
     if n == 0:
         return
+    found = list(extra) + paged_pieces(q, views, query_start, seq_lens, block_table, reads, scale, row_class, softcap,
+                                       q_tile, pack, workspace)
+    if sinks is not None:  # exp(sink logit) joins every row's denominator, with no value
+        rows = torch.arange(n * heads, device=q.device)[:, None]
+        found.append((rows, q.new_zeros(n * heads, 1, q.shape[2]), sinks.float().repeat(n)[:, None]))
+    merged = merge(found, n * heads, q.shape[2], q.device).view(n, heads, -1).to(out.dtype)
+    empty = [] if extra else [c for c, parts in enumerate(reads) if not parts]
+    if not empty:
+        out[:n] = merged
+    else:  # rows of a class that reads nothing here keep what ``out`` holds
+        cls = torch.zeros(n, heads, dtype=torch.long, device=q.device) if row_class is None else row_class[:n].long()
+        mine = ~torch.isin(cls, torch.tensor(empty, device=q.device))[..., None]
+        out[:n] = torch.where(mine, merged, out[:n])
+
+
+def paged_pieces(q: torch.Tensor, views: Sequence[torch.Tensor], query_start: torch.Tensor, seq_lens: torch.Tensor,
+                 block_table: torch.Tensor, reads: Sequence[Sequence[Read]], scale: float,
+                 row_class: torch.Tensor | None = None, softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
+                 workspace: Workspace | None = None) -> list:
+    """What ``paged_attention`` reads, before the merge: pieces (row ids ``token x heads + head`` [n, size], -1:
+    padding; output [n, size, d]; log-sum-exp [n, size]), for ``paged_chunks.merge``."""
+    heads = q.shape[1]
+    n = int(query_start[-1])
     dev = q.device
     workspace = workspace or Workspace()
     reads = [[Read(*r) for r in parts] for parts in reads]
@@ -142,10 +164,10 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
     req, pos = token_positions(query_start, seq_lens, n)
     tok = torch.arange(n, device=dev).repeat_interleave(heads)  # rows, token-major
     head = torch.arange(heads, device=dev).repeat(n)
-    cls = cls_all = (torch.zeros(n * heads, dtype=torch.long, device=dev) if row_class is None
-                     else row_class[:n].reshape(-1).long())
+    cls = (torch.zeros(n * heads, dtype=torch.long, device=dev) if row_class is None
+           else row_class[:n].reshape(-1).long())
     qflat = q[:n].reshape(n * heads, q.shape[2])  # by row id (one copy where q is a strided view)
-    found = list(extra)  # (row ids tok * heads + head [n, size], -1: padding; output [n, size, d]; log-sum-exp)
+    found = []
     one = q_len == 1
     if bool(one.any()):  # decode rows: one tile per (token, kv head, class)
         t = starts[:-1][one]
@@ -167,13 +189,4 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
                     for t, o, lse in attend_part(tiles, read.pred, views[read.key_set], block_table, scale, softcap,
                                                  pack, workspace):
                         found.append((tiles.row[t], o, lse))
-    if sinks is not None:  # exp(sink logit) joins every row's denominator, with no value
-        rows = torch.arange(n * heads, device=dev)[:, None]
-        found.append((rows, q.new_zeros(n * heads, 1, q.shape[2]), sinks.float().repeat(n)[:, None]))
-    merged = merge(found, n * heads, q.shape[2], dev).view(n, heads, -1).to(out.dtype)
-    empty = [] if extra else [c for c, parts in enumerate(reads) if not parts]
-    if not empty:
-        out[:n] = merged
-    else:  # rows of a class that reads nothing here keep what ``out`` holds
-        mine = ~torch.isin(cls_all, torch.tensor(empty, device=dev)).view(n, heads, 1)
-        out[:n] = torch.where(mine, merged, out[:n])
+    return found

@@ -24,17 +24,59 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .paged_chunks import MAX_GATHER_BYTES
+from ..mechanisms.dar import far_keys
+from .paged import Read, paged_pieces, paged_view, write
+from .paged_chunks import MAX_GATHER_BYTES, Workspace
 
 _NEG = float("-inf")
+SCRATCH_BLOCK = 128  # tokens per block of a prefill's rebuilt far keys and values
 
 
 class LatentKV(NamedTuple):
-    """How a layer's far keys and values come from latents c [tokens, d_down]."""
+    """How a layer's far keys and values come from latents."""
 
-    keys: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (c, positions [tokens]) -> [tokens, kv_heads, d]
+    keys: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (c [n, keys, d_down], positions [keys]) -> keys
+    # [n, keys, kv_heads, d], their head dimension in the order ``q_order`` (the same positions for every n)
     v_weight: torch.Tensor  # [kv_heads, d, d_down]: a far value is v_weight @ c (+ v_bias)
     v_bias: torch.Tensor | None = None  # [kv_heads, d]
+    q_order: torch.Tensor | None = None  # [d]: the keys' head dimension is the queries' in this order (None: same)
+
+
+def rotary_projection(weight: torch.Tensor, bias: torch.Tensor | None, kv_heads: int,
+                      rotary: tuple[torch.Tensor, bool] | None = None, norm: Callable | None = None):
+    """Keys RoPE(norm(x W^T + b)) for ``LatentKV.keys``, made for reading: returns (keys, order) where ``keys(x
+    [n, tokens, in], positions [tokens])`` gives float32 keys [n, tokens, kv_heads, d] with their head dimension
+    in ``order`` (None: as is). ``weight`` [kv_heads x d, in], ``bias`` [kv_heads x d] or None; ``norm``: per-head
+    norm on [..., d] (before the rotation); ``rotary``: (table [positions, r / 2] complex, cos + i sin of each
+    rotated pair, the first r dimensions rotated; neox) or None. The rotation is one complex multiply in place:
+    the pairs it rotates must be adjacent, which they are in GPT-J's layout; in GPT-NeoX's (pair (i, i + r / 2))
+    the weight's rows are put in ``order`` instead (after the norm where there is one), and the queries must be
+    read in ``order`` too (``LatentKV.q_order``)."""
+    kv, _ = weight.shape
+    d = kv // kv_heads
+    order = None
+    if rotary is not None and rotary[1]:
+        half = torch.arange(rotary[0].shape[1], device=weight.device)
+        order = torch.cat([torch.stack([half, half + half.numel()], -1).flatten(),
+                           torch.arange(2 * half.numel(), d, device=weight.device)])
+    if norm is None and order is not None:
+        rows = (torch.arange(kv_heads, device=weight.device)[:, None] * d + order).flatten()
+        weight, bias = weight[rows], (None if bias is None else bias[rows])
+
+    def keys(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        n, tokens = x.shape[:2]
+        k = torch.nn.functional.linear(x.reshape(n * tokens, -1), weight, bias)  # one GEMM for every kv head
+        if norm is not None:
+            k = norm(k.view(-1, d))
+            if order is not None:
+                k = k.view(-1, d)[:, order]
+        k = k.float().view(n, tokens, kv_heads, d)
+        if rotary is not None:
+            r = 2 * rotary[0].shape[1]
+            torch.view_as_complex(k[..., :r].unflatten(-1, (r // 2, 2))).mul_(rotary[0][positions][:, None])
+        return k
+
+    return keys, order
 
 
 def write_latents(view: torch.Tensor, slots: torch.Tensor, c: torch.Tensor) -> None:
@@ -49,14 +91,17 @@ def write_latents(view: torch.Tensor, slots: torch.Tensor, c: torch.Tensor) -> N
 
 def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                block_table: torch.Tensor, window: int, kv: LatentKV, scale: float,
-               budget: int = MAX_GATHER_BYTES) -> list:
+               budget: int = MAX_GATHER_BYTES, workspace: Workspace | None = None) -> list:
     """What each row of ``q`` [tokens, heads, d] reads through the bottleneck: every key j <= its position -
     ``window``, rebuilt from ``view``'s latents through ``block_table`` (request r's queries are rows
     ``query_start[r]:query_start[r + 1]``, the last of its ``seq_lens[r]`` tokens, whose latents are written).
     Returns pieces (row ids [n, size], output [n, size, d], log-sum-exp [n, size]) for ``paged_chunks.merge``;
-    ``budget``: bytes of rebuilt keys, latents and scores held at once (about)."""
+    ``budget``: bytes of rebuilt keys, latents and scores held at once (about); ``workspace``: memory reused
+    across calls for a prefill's rebuilt keys and values (``paged_chunks.Workspace``)."""
     starts, lens = query_start.long(), seq_lens.long()
     q_len = starts[1:] - starts[:-1]
+    if kv.q_order is not None:
+        q = q[..., kv.q_order]
     far = torch.where(q_len > 0, (lens - window).clamp_min(0), 0)  # keys read far by the request's last row
     heads, kv_heads = q.shape[1], kv.v_weight.shape[0]
     per_token = 4 * (view.shape[2] + kv_heads * q.shape[2] + heads)  # a latent, its key, a score per head
@@ -65,9 +110,11 @@ def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, s
     one = (q_len == 1) & (far > 0)
     if bool(one.any()):
         found += _decode(q, view, starts, far, block_table, one.nonzero().flatten(), kv, scale, chunk)
+    workspace = workspace or Workspace()
+    chunk = max(SCRATCH_BLOCK, chunk // SCRATCH_BLOCK * SCRATCH_BLOCK)
     for r in ((q_len > 1) & (far > 0)).nonzero().flatten().tolist():
         found += _prefill(q, view, int(starts[r]), int(q_len[r]), int(lens[r]), block_table[r], window, kv, scale,
-                          chunk)
+                          chunk, workspace)
     return found
 
 
@@ -77,15 +124,14 @@ def _rebuild(view, blocks, first: int, count: int, kv: LatentKV):
     bs = view.shape[1]
     b0, b1 = first // bs, -(-(first + count) // bs)
     c = view[blocks[:, b0:b1].long()].flatten(1, 2)[:, first - b0 * bs: first - b0 * bs + count]  # [n, count, dd]
-    n = c.shape[0]
-    pos = torch.arange(first, first + count, device=c.device).repeat(n)
-    return c, kv.keys(c.reshape(n * count, -1), pos).view(n, count, kv.v_weight.shape[0], -1)
+    return c, kv.keys(c, torch.arange(first, first + count, device=c.device))
 
 
 def _attend(q, k, c, allowed, kv: LatentKV, scale: float):
-    """q [n, kv_heads, m, d] (m: rows per kv head) against keys k [n, kv_heads, d, keys] and latents c [n, keys,
+    """q [n, kv_heads, m, d] (m: rows per kv head) against keys k [n, keys, kv_heads, d] and latents c [n, keys,
     d_down] under ``allowed`` [n, 1, m or 1, keys]: (output [n, kv_heads, m, d], log-sum-exp [n, kv_heads, m])."""
-    s = torch.matmul(q.float(), k.float()) * scale
+    q = q.float()  # per kv head: its keys read where they lie, a transposed operand (no copy)
+    s = torch.stack([torch.matmul(q[:, h], k[:, :, h].transpose(1, 2)) for h in range(k.shape[2])], 1) * scale
     s.masked_fill_(~allowed, _NEG)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
@@ -114,36 +160,49 @@ def _decode(q, view, starts, far, block_table, reqs, kv: LatentKV, scale: float,
             count = min(chunk, width - first)
             c, k = _rebuild(view, block_table[idx], first, count, kv)
             allowed = (torch.arange(first, first + count, device=q.device) < far[idx, None])[:, None, None]
-            o, lse = _attend(qr, k.permute(0, 2, 3, 1), c, allowed, kv, scale)
+            o, lse = _attend(qr, k, c, allowed, kv, scale)
             found.append((rows, o.reshape(n, heads, d), lse.reshape(n, heads)))
     return found
 
 
 def _prefill(q, view, start: int, q_len: int, length: int, blocks, window: int, kv: LatentKV, scale: float,
-             chunk: int) -> list:
-    """One request's ``q_len`` queries (rows ``start ..``, positions ``length - q_len ..``) against its far keys,
-    in pieces of ``chunk`` keys by about as many (query, head) rows."""
+             chunk: int, workspace: Workspace) -> list:
+    """One request's ``q_len`` queries (rows ``start ..``, positions ``length - q_len ..``) against its far keys:
+    many rows read the same keys, so the keys and values of a chunk of ``chunk`` tokens are rebuilt once into
+    paged blocks of the workspace and read as the near window is, tile by tile in torch's fused attention."""
     heads, d = q.shape[1], q.shape[2]
     kv_heads = kv.v_weight.shape[0]
-    group = heads // kv_heads
     dev = q.device
-    first_pos = length - q_len
-    q_chunk = max(1, chunk // heads)
+    qr = q[start:start + q_len]
+    v_weight = kv.v_weight.reshape(kv_heads * d, -1)
+    v_bias = None if kv.v_bias is None else kv.v_bias.reshape(-1)
     found = []
     for k0 in range(0, length - window, chunk):
         count = min(chunk, length - window - k0)
         c, k = _rebuild(view, blocks[None], k0, count, kv)
-        kt = k[0].permute(1, 2, 0)[None]  # [1, kv_heads, d, count]
-        kpos = torch.arange(k0, k0 + count, device=dev)
-        t0 = max(0, k0 + window - first_pos)  # the first query that reads a key of this chunk
-        for t in range(t0, q_len, q_chunk):
-            m = min(q_chunk, q_len - t)
-            qpos = torch.arange(first_pos + t, first_pos + t + m, device=dev)
-            qt = q[start + t: start + t + m].view(m, kv_heads, group, d).permute(1, 2, 0, 3).reshape(
-                1, kv_heads, group * m, d)
-            allowed = (kpos[None] <= qpos[:, None] - window).repeat(group, 1)[None, None]  # [1, 1, group x m, keys]
-            o, lse = _attend(qt, kt, c, allowed, kv, scale)
-            rows = ((start + t + torch.arange(m, device=dev))[:, None] * heads
-                    + torch.arange(heads, device=dev)).view(m, kv_heads, group).permute(1, 2, 0).reshape(1, -1)
-            found.append((rows, o.reshape(1, -1, d), lse.reshape(1, -1)))
+        v = torch.nn.functional.linear(c[0].float(), v_weight.float(), None if v_bias is None else v_bias.float())
+        n_blocks = -(-count // SCRATCH_BLOCK)
+        scratch = paged_view(workspace.take("far", (n_blocks, kv_heads, SCRATCH_BLOCK, 2 * d), k), SCRATCH_BLOCK,
+                             kv_heads, d)
+        scratch[-1].zero_()  # the last block's unwritten slots are read under the mask: no stale NaN in them
+        write(scratch, torch.arange(count, device=dev), k[0], v.view(count, kv_heads, d))
+        table = torch.zeros(1, (k0 + count - 1) // SCRATCH_BLOCK + 1, dtype=torch.long, device=dev)
+        table[0, k0 // SCRATCH_BLOCK:] = torch.arange(n_blocks, device=dev)
+        read = Read(_far_range(window, k0, k0 + count), 0, SCRATCH_BLOCK * 2)
+        for rows, o, lse in paged_pieces(qr, [scratch], torch.tensor([0, q_len], device=dev),
+                                         torch.tensor([length], device=dev), table, [[read]], scale,
+                                         workspace=workspace):
+            found.append((torch.where(rows >= 0, rows + start * heads, -1), o, lse))
     return found
+
+
+def _far_range(window: int, lo: int, hi: int):
+    """``far_keys(window)`` restricted to keys ``lo <= j < hi``, with its block tests."""
+    far = far_keys(window)
+
+    def pred(b, h, q_idx, kv_idx):
+        return far(b, h, q_idx, kv_idx) & (kv_idx >= lo) & (kv_idx < hi)
+
+    pred.tiles = lambda b, h, ql, qh, kl, kh: far.tiles(b, h, ql, qh, kl, kh) & (kh >= lo) & (kl < hi)  # noqa: E731
+    pred.dense = lambda b, h, ql, qh, kl, kh: far.dense(b, h, ql, qh, kl, kh) & (kl >= lo) & (kh < hi)  # noqa: E731
+    return pred

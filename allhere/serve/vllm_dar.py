@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.models.extract_hidden_states import (
     CacheOnlyAttentionBackend,
     CacheOnlyAttentionLayer,
@@ -44,7 +45,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ..hosts import SUBMODULE
 from .paged import paged_attention, token_positions, window_read
-from .paged_far import LatentKV, far_pieces, write_latents
+from .paged_far import LatentKV, far_pieces, rotary_projection, write_latents
 from .vllm_layers import WINDOW_TILE, block_argument, rebuild_attention
 from .vllm_paged import VLLM_WINDOW_OFFSET, WORKSPACE, PagedAttention, refuse_softmax_terms
 
@@ -155,28 +156,56 @@ class DARAttention(PagedAttention):
         """The far keys' and values' maps from the latents; first checked: the same key path on the step's
         hidden states gives the keys the block made."""
         mech, block = self._parts
-        kv_heads, d, size = self.kv_heads, self.head_dim, block.kv_size
         w = mech.weights
         if not w:
             raise RuntimeError(f"allhere: {self.layer_name}: DAR's weights were not absorbed after loading")
-        k_norm, rotary = getattr(block, "k_norm", None), getattr(block, "rotary_emb", None)
-
-        def finish(k, pos):  # the host's steps after the key projection
-            if k_norm is not None:
-                k = k_norm(k.view(-1, kv_heads, d)).reshape(-1, size)
-            if rotary is not None:
-                k = rotary(pos, k)[0]
-            return k.view(-1, kv_heads, d)
-
-        mine = finish(F.linear(x, w.pop("w_k"), w["b_k"]), positions)
+        check, _ = _key_path(block, w.pop("w_k"), w["b_k"], self.kv_heads)
+        keys, order = _key_path(block, w["a_k"], w["b_k"], self.kv_heads)
+        mine = check(x[None], positions)[0]  # [tokens, kv_heads, d], in ``order``
+        host = k_host.float() if order is None else k_host.float()[..., order]
         tol = 1e-4 if k_host.dtype == torch.float32 else 2e-2
-        if not torch.allclose(mine.float(), k_host.float(), rtol=tol, atol=tol * float(k_host.abs().max()) + 1e-6):
+        if not torch.allclose(mine, host, rtol=tol, atol=tol * float(host.abs().max()) + 1e-6):
             raise NotImplementedError(f"allhere vLLM serving: DAR rebuilds {self.layer_name}'s distant keys as "
                                       f"qkv_proj -> k_norm -> rotary_emb, which does not give the keys "
                                       f"{type(block).__name__} makes")
-        a_k, b_k, b_v = w["a_k"], w["b_k"], w["b_v"]
-        return LatentKV(lambda c, pos: finish(F.linear(c, a_k, b_k), pos), w["a_v"].view(kv_heads, d, -1),
-                        None if b_v is None else b_v.view(kv_heads, d))
+        b_v = w["b_v"]
+        return LatentKV(keys, w["a_v"].view(self.kv_heads, self.head_dim, -1),
+                        None if b_v is None else b_v.view(self.kv_heads, self.head_dim), order)
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}  # one complex table per cos/sin table (vLLM's layers share one)
+
+
+def _rotation_table(cos_sin: torch.Tensor) -> torch.Tensor:
+    """[positions, r / 2] complex: cos + i sin, from vLLM's [positions, r] table (cos, then sin)."""
+    key = (cos_sin.data_ptr(), tuple(cos_sin.shape), cos_sin.dtype)
+    if key not in _TABLES:
+        cos, sin = cos_sin.float().chunk(2, dim=-1)
+        _TABLES[key] = torch.complex(cos, sin)
+    return _TABLES[key]
+
+
+def _key_path(block: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, kv_heads: int):
+    """(keys, order) as ``allhere.serve.paged_far.rotary_projection`` gives them, through ``block``'s own
+    ``k_norm`` and ``rotary_emb``: the rotation read from its cos/sin table where it is vLLM's plain
+    ``RotaryEmbedding`` (its forward unchanged by the subclass: Llama-3's and YaRN's scaled tables included),
+    the module itself otherwise (slower: its own elementwise passes)."""
+    k_norm, rotary = getattr(block, "k_norm", None), getattr(block, "rotary_emb", None)
+    plain = rotary is None or (isinstance(rotary, RotaryEmbedding) and all(
+        getattr(type(rotary), f) is getattr(RotaryEmbedding, f) for f in ("forward_native", "forward_static")))
+    if plain:
+        table = None if rotary is None else (_rotation_table(rotary.cos_sin_cache), bool(rotary.is_neox_style))
+        return rotary_projection(weight, bias, kv_heads, table, k_norm)
+    d = weight.shape[0] // kv_heads
+
+    def keys(x, positions):
+        n, count = x.shape[:2]
+        k = F.linear(x.reshape(n * count, -1), weight, bias)
+        if k_norm is not None:
+            k = k_norm(k.view(-1, kv_heads, d)).reshape(n * count, -1)
+        return rotary(positions.repeat(n), k)[0].view(n, count, kv_heads, d).float()
+
+    return keys, None
 
 
 def _keep_input(block, args, kwargs):

@@ -21,10 +21,10 @@ from allhere.serve.paged import (
     window_read,
     write,
 )
-from allhere.serve.paged_far import LatentKV, far_pieces, write_latents
+from allhere.serve.paged_far import LatentKV, far_pieces, rotary_projection, write_latents
 
 HEADS, KV_HEADS, D, BS = 4, 2, 8, 4  # 2 query heads per kv head; blocks of 4 tokens
-D_DOWN, BS_LATENT = 6, 8  # DAR's latents: 6 numbers per token, in blocks of 8 tokens
+D_DOWN, BS_LATENT, ROTATED = 6, 8, 6  # DAR's latents: 6 numbers per token, in blocks of 8; rotary on 6 of D
 SMALL_BUDGET = 4 * 8 * (D_DOWN + KV_HEADS * D + HEADS)  # bytes of a piece of far keys: 8 keys (many pieces)
 LENGTHS = [29, 5, 17]  # tokens per request; request 3 (PREFIXED) reuses the first SHARED of request 0
 SHARED, PREFIXED = 16, 21
@@ -212,36 +212,50 @@ def test_matmul_path_equals_reference(monkeypatch):
                                                             g.T[None], 6, SCALE)[0].transpose(0, 1))
 
 
-def _latent_kv(gen, bias: bool) -> LatentKV:
-    """Far keys: a linear map of the latent, then a rotation by the token's position (as RoPE does after the
-    projection); far values: a linear map (with a bias or not)."""
+def _latent_kv(gen, bias: bool, neox: bool, norm: bool):
+    """Far keys made as a host block makes them (``rotary_projection``): a linear map of the latent (with a bias
+    or not), a per-head norm or not, a rotation of the first ROTATED dimensions by the token's position, in
+    GPT-NeoX's pairs (i, i + ROTATED / 2) or GPT-J's (2i, 2i + 1); far values a linear map. Returns (LatentKV,
+    the far keys [tokens, kv heads, d] of latents [tokens, D_DOWN] computed directly)."""
     w_k = torch.randn(KV_HEADS * D, D_DOWN, generator=gen)
-    freq = torch.rand(D // 2, generator=gen)
+    b_k = torch.randn(KV_HEADS * D, generator=gen) if bias else None
+    angle = torch.arange(64)[:, None] * torch.rand(ROTATED // 2, generator=gen)
+    scale = torch.rand(D, generator=gen) + 0.5
 
-    def keys(c, positions):
-        k = (c @ w_k.T).view(-1, KV_HEADS, D)
-        angle = positions[:, None, None].float() * freq
-        a, b = k[..., : D // 2], k[..., D // 2:]
-        return torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], -1)
+    def head_norm(x):
+        return x / x.norm(dim=-1, keepdim=True) * scale
 
+    def direct(c, positions):
+        k = (c @ w_k.T + (0 if b_k is None else b_k)).view(-1, KV_HEADS, D)
+        k = head_norm(k) if norm else k
+        rot, rest = k[..., :ROTATED], k[..., ROTATED:]
+        a, b = (rot[..., : ROTATED // 2], rot[..., ROTATED // 2:]) if neox else (rot[..., 0::2], rot[..., 1::2])
+        cos, sin = angle[positions].cos()[:, None], angle[positions].sin()[:, None]
+        a, b = a * cos - b * sin, b * cos + a * sin
+        rot = torch.cat([a, b], -1) if neox else torch.stack([a, b], -1).flatten(-2)
+        return torch.cat([rot, rest], -1)
+
+    keys, order = rotary_projection(w_k, b_k, KV_HEADS, (torch.polar(torch.ones_like(angle), angle), neox),
+                                    head_norm if norm else None)
     v_bias = torch.randn(KV_HEADS, D, generator=gen) if bias else None
-    return LatentKV(keys, torch.randn(KV_HEADS, D, D_DOWN, generator=gen), v_bias)
+    return LatentKV(keys, torch.randn(KV_HEADS, D, D_DOWN, generator=gen), v_bias, order), direct
 
 
-@pytest.mark.parametrize("window,bias,budget", [(0, False, SMALL_BUDGET), (3, True, SMALL_BUDGET), (3, False, 1 << 20),
-                                                (20, False, SMALL_BUDGET), (8, True, 1 << 20)])
-def test_dar_latents_equal_reference(window, bias, budget):
+@pytest.mark.parametrize("window,bias,neox,norm,budget", [
+    (0, False, True, False, SMALL_BUDGET), (3, True, True, False, SMALL_BUDGET), (3, False, False, True, 1 << 20),
+    (20, False, True, True, SMALL_BUDGET), (8, True, False, False, 1 << 20)])
+def test_dar_latents_equal_reference(window, bias, neox, norm, budget):
     """DAR as served: the near window from the paged K/V, the far keys rebuilt from a paged latent cache of
     its own (other blocks, another block size, a strided view), one softmax = the dense reference with the
-    far K/V made from the latents. A small budget: keys in pieces of 8, one decode request per piece; a large
-    one: the decode requests of a step in one piece, the narrower ones masked."""
+    far K/V made from the latents directly. A small budget: keys in pieces of 8, one decode request per piece;
+    a large one: the decode requests of a step in one piece, the narrower ones masked."""
     gen = torch.Generator().manual_seed(3)
-    kv = _latent_kv(gen, bias)
+    kv, direct = _latent_kv(gen, bias, neox, norm)
     reads = [[window_read(window, 0)] if window else []]
     outs, data = _serve(reads, gen, gate=False, latent=(kv, window, budget))
 
     def want(q, near, g, c):
-        k_far = kv.keys(c, torch.arange(c.shape[0]))
+        k_far = direct(c, torch.arange(c.shape[0]))
         v_far = torch.einsum("hdc,tc->thd", kv.v_weight, c) + (0 if kv.v_bias is None else kv.v_bias)
         return dar_attention_reference(_bhld(q), *(_bhld(t) for t in (*near[0], k_far, v_far)), window,
                                        scale=SCALE)[0].transpose(0, 1)
