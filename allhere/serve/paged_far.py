@@ -65,7 +65,7 @@ def rotary_projection(weight: torch.Tensor, bias: torch.Tensor | None, kv_heads:
 
     def keys(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n, tokens = x.shape[:2]
-        k = torch.nn.functional.linear(x.reshape(n * tokens, -1), weight, bias)  # one GEMM for every kv head
+        k = torch.nn.functional.linear(x.reshape(n * tokens, -1).to(weight.dtype), weight, bias)  # every kv head
         if norm is not None:
             k = norm(k.view(-1, d))
             if order is not None:
@@ -136,7 +136,8 @@ def _attend(q, k, c, allowed, kv: LatentKV, scale: float):
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
     n, g, m, keys = p.shape
-    pc = torch.bmm(p.view(n, g * m, keys), c.float()).view(n, g, m, -1)  # the probabilities weight the latents
+    c = c.float().masked_fill(~allowed.any(2)[:, 0, :, None], 0)  # 0 x a stale inf in an unread slot is NaN
+    pc = torch.bmm(p.view(n, g * m, keys), c).view(n, g, m, -1)  # the probabilities weight the latents
     o = torch.matmul(pc, kv.v_weight.float().transpose(1, 2))  # [n, kv_heads, m, d]
     if kv.v_bias is not None:
         o = o + kv.v_bias.float()[:, None, :]  # where a row reads nothing its lse is -inf: merge gives it no weight
@@ -148,11 +149,14 @@ def _decode(q, view, starts, far, block_table, reqs, kv: LatentKV, scale: float,
     heads, d = q.shape[1], q.shape[2]
     kv_heads = kv.v_weight.shape[0]
     reqs = reqs[torch.argsort(far[reqs], stable=True)]
-    widest = int(far[reqs[-1]])
-    take = max(1, chunk // max(1, widest))  # requests per piece
+    widths = far[reqs].tolist()
     found = []
-    for i in range(0, reqs.numel(), take):
-        idx = reqs[i:i + take]
+    i = 0
+    while i < len(widths):  # a piece: the next requests while all of them, as wide as its widest, fit ``chunk``
+        j = i + 1
+        while j < len(widths) and (j + 1 - i) * widths[j] <= chunk:
+            j += 1
+        idx, i = reqs[i:j], j
         n, width = idx.numel(), int(far[idx[-1]])
         rows = starts[idx][:, None] * heads + torch.arange(heads, device=q.device)  # [n, heads]
         qr = q[starts[idx]].view(n, kv_heads, heads // kv_heads, d)
@@ -182,8 +186,8 @@ def _prefill(q, view, start: int, q_len: int, length: int, blocks, window: int, 
         c, k = _rebuild(view, blocks[None], k0, count, kv)
         v = torch.nn.functional.linear(c[0].float(), v_weight.float(), None if v_bias is None else v_bias.float())
         n_blocks = -(-count // SCRATCH_BLOCK)
-        scratch = paged_view(workspace.take("far", (n_blocks, kv_heads, SCRATCH_BLOCK, 2 * d), k), SCRATCH_BLOCK,
-                             kv_heads, d)
+        scratch = paged_view(workspace.take("far", (n_blocks, kv_heads, SCRATCH_BLOCK, 2 * d), qr), SCRATCH_BLOCK,
+                             kv_heads, d)  # in the queries' dtype, as the fused attention reads it
         scratch[-1].zero_()  # the last block's unwritten slots are read under the mask: no stale NaN in them
         write(scratch, torch.arange(count, device=dev), k[0], v.view(count, kv_heads, d))
         table = torch.zeros(1, (k0 + count - 1) // SCRATCH_BLOCK + 1, dtype=torch.long, device=dev)

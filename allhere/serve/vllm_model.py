@@ -16,7 +16,9 @@ Mechanisms served (per converted layer, ``config.allhere_layers``):
   ``...self_attn.allhere.router.{weight,bias}``) gives the hard gate ``g = S > tau`` per (token, query
   head): the full causal prefix where g, the ``window`` most recent keys elsewhere. A sinks layer's
   ``Attention`` is rebuilt to report a KV cache of its own (``allhere.serve.vllm_kv``): the sink blocks and
-  the window's, a constant number of blocks per request.
+  the window's, a constant number of blocks per request. DAR keeps the window's K/V in a sliding-window
+  cache and every token's d_down latent in a cache of its own, the distant keys rebuilt from the latents at
+  every step (``allhere.serve.vllm_dar``).
 - ``sliding``: the layer's ``Attention`` rebuilt with ``per_layer_sliding_window = window`` (vLLM then
   keeps a sliding-window KV cache for it).
 
@@ -83,13 +85,20 @@ def _attention_blocks(model: nn.Module) -> dict[int, tuple[nn.Module, Attention]
     return found
 
 
-def _check_sinks(vllm_config, blocks: dict, layers: list[int], window: int) -> None:
-    """Sinks free the blocks between the sinks and the window through a KV cache group of their own
-    (``allhere.serve.vllm_kv``): vLLM's hybrid KV cache manager must be on, and no vLLM sliding layer may have
-    the same window (vLLM would put both in the sliding layers' group, which frees the sink blocks)."""
+def _check_hybrid(vllm_config, kind: str) -> None:
+    """Sinks and DAR keep KV cache groups of their own (``allhere.serve.vllm_kv``, ``allhere.serve.vllm_dar``):
+    vLLM's hybrid KV cache manager must be on."""
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-        raise NotImplementedError("allhere vLLM serving: sinks need vLLM's hybrid KV cache manager (their cache "
-                                  "frees the blocks between the sinks and the window), which is disabled here")
+        why = {"sinks": "their cache frees the blocks between the sinks and the window",
+               "dar": "it keeps the window's K/V and every token's latent in caches of their own"}[kind]
+        raise NotImplementedError(f"allhere vLLM serving: {kind} needs vLLM's hybrid KV cache manager ({why}), "
+                                  "which is disabled here")
+
+
+def _check_sinks(vllm_config, blocks: dict, layers: list[int], window: int) -> None:
+    """Sinks free the blocks between the sinks and the window through a KV cache group of their own: no vLLM
+    sliding layer may have the same window (vLLM would put both in the sliding layers' group, which frees the
+    sink blocks)."""
     same = [i for i, (_, a) in blocks.items() if i not in layers and a.sliding_window == window + VLLM_WINDOW_OFFSET]
     if same:
         raise NotImplementedError(f"allhere vLLM serving: sinks with window {window}, the window of the model's own "
@@ -116,6 +125,8 @@ def install(model: nn.Module, config) -> list[int]:
     missing = [i for i in layers if i not in blocks]
     if missing:
         raise ValueError(f"allhere vLLM serving: converted layers {missing} have no vLLM Attention")
+    if kind in ("sinks", "dar"):
+        _check_hybrid(vllm_config, kind)
     if kind == "sinks":
         _check_sinks(vllm_config, blocks, layers, int(settings["window"]))
     for i in layers:
@@ -294,4 +305,4 @@ class AllherePhi3ForCausalLM(_Converted, Phi3ForCausalLM):
 class AllhereTransformersForCausalLM(_Converted, TransformersForCausalLM):
     """OLMo-2/3, SmolLM3, GPT-NeoX: families vLLM runs through its Transformers backend (the Hugging Face
     modules, each attention module holding its vLLM ``Attention`` as ``attn``). AHA, sliding and the masked
-    patterns install as on vLLM's own classes; DAR is refused (its hook needs a block taking positions)."""
+    patterns install as on vLLM's own classes; DAR is refused (it rebuilds keys through a block taking positions)."""

@@ -3,7 +3,8 @@
 windows, Longformer, BigBird, DAR). Imported by ``allhere.serve.vllm_layers``, never by ``import allhere``.
 
 The converted layer's own vLLM ``Attention`` stays, only as the owner of a paged cache tensor: vLLM sizes it
-(its spec is the unconverted layer's: full attention, every key kept), hands its blocks to requests, keeps them
+(its spec is the unconverted layer's, full attention, every key kept; a sinks layer's and DAR's window keep
+fewer: ``allhere.serve.vllm_kv``, ``allhere.serve.vllm_dar``), hands its blocks to requests, keeps them
 for prefix caching and frees them; its kernel is never called. ``PagedAttention`` (standing where the block's
 ``attn`` stood) writes the step's keys and values into that tensor at vLLM's slot mapping and attends over it
 with ``paged_attention``, for the whole batch in one call, reading per (request, query head) only what the

@@ -14,6 +14,7 @@ from allhere.masks import causal, sliding_window
 from allhere.ops.aha import aha_attention_reference
 from allhere.ops.dar import dar_attention_reference
 from allhere.ops.full import pattern_attention_reference
+from allhere.serve import paged_far
 from allhere.serve.paged import (
     causal_read,
     paged_attention,
@@ -21,6 +22,7 @@ from allhere.serve.paged import (
     window_read,
     write,
 )
+from allhere.serve.paged_chunks import merge
 from allhere.serve.paged_far import LatentKV, far_pieces, rotary_projection, write_latents
 
 HEADS, KV_HEADS, D, BS = 4, 2, 8, 4  # 2 query heads per kv head; blocks of 4 tokens
@@ -241,14 +243,17 @@ def _latent_kv(gen, bias: bool, neox: bool, norm: bool):
     return LatentKV(keys, torch.randn(KV_HEADS, D, D_DOWN, generator=gen), v_bias, order), direct
 
 
-@pytest.mark.parametrize("window,bias,neox,norm,budget", [
-    (0, False, True, False, SMALL_BUDGET), (3, True, True, False, SMALL_BUDGET), (3, False, False, True, 1 << 20),
-    (20, False, True, True, SMALL_BUDGET), (8, True, False, False, 1 << 20)])
-def test_dar_latents_equal_reference(window, bias, neox, norm, budget):
+@pytest.mark.parametrize("window,bias,neox,norm,budget,scratch", [
+    (0, False, True, False, SMALL_BUDGET, 128), (3, True, True, False, SMALL_BUDGET, 4),
+    (3, False, False, True, 1 << 20, 128), (20, False, True, True, SMALL_BUDGET, 4),
+    (8, True, False, False, 1 << 20, 128)])
+def test_dar_latents_equal_reference(window, bias, neox, norm, budget, scratch, monkeypatch):
     """DAR as served: the near window from the paged K/V, the far keys rebuilt from a paged latent cache of
     its own (other blocks, another block size, a strided view), one softmax = the dense reference with the
     far K/V made from the latents directly. A small budget: keys in pieces of 8, one decode request per piece;
-    a large one: the decode requests of a step in one piece, the narrower ones masked."""
+    a large one: the decode requests of a step in one piece, the narrower ones masked. A prefill's far keys are
+    rebuilt into blocks of ``scratch`` tokens (4: several blocks, and keys in several chunks)."""
+    monkeypatch.setattr(paged_far, "SCRATCH_BLOCK", scratch)
     gen = torch.Generator().manual_seed(3)
     kv, direct = _latent_kv(gen, bias, neox, norm)
     reads = [[window_read(window, 0)] if window else []]
@@ -261,6 +266,24 @@ def test_dar_latents_equal_reference(window, bias, neox, norm, budget):
                                        scale=SCALE)[0].transpose(0, 1)
 
     _check(outs, data, want)
+
+
+def test_dar_prefill_in_half_precision():
+    """A bf16 prefill (queries, latents and weights in bf16): the far keys are rebuilt in float32 and read in
+    the queries' dtype by the fused path; close to the float32 result."""
+    gen = torch.Generator().manual_seed(5)
+    kv, _ = _latent_kv(gen, True, True, False)
+    n, window = 24, 3
+    q, c = torch.randn(n, HEADS, D, generator=gen), torch.randn(n, D_DOWN, generator=gen)
+    outs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        view = torch.zeros(4, BS_LATENT, D_DOWN, dtype=dtype)
+        write_latents(view, torch.arange(n), c.to(dtype))
+        pieces = far_pieces(q.to(dtype), view, torch.tensor([0, n]), torch.tensor([n]), torch.tensor([[2, 0, 3]]),
+                            window, kv, SCALE)
+        outs.append(merge(pieces, n * HEADS, D, q.device))
+    assert outs[1].dtype == torch.float32 and not outs[1].isnan().any()
+    torch.testing.assert_close(outs[1], outs[0], atol=0.1, rtol=0.05)  # bf16 inputs: about 3 digits
 
 
 def test_view_refuses_partial_blocks():

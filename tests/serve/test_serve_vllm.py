@@ -179,19 +179,25 @@ def test_llama_paged_mechanisms(sharp, kind):
 HELD = 224  # new tokens: with the prompt of about 100, 11 blocks of 32
 
 
-def test_sinks_constant_blocks(sharp):
-    """Under vLLM, sinks hold a constant number of KV blocks per request (``allhere.serve.vllm_kv``): generating
-    224 tokens after a prompt of about 100 (window 8, 4 sinks, blocks of 32), the request holds its sink block and
-    at most two of the window's, as vLLM's block pool counts them, while the plain model's blocks grow with every
-    32 tokens; the tokens stay allhere's over the whole generation (the freed blocks are never read)."""
+def test_kv_blocks(sharp):
+    """The KV blocks a request holds under vLLM, generating 224 tokens after a prompt of about 100 (window 8,
+    blocks of 32), as vLLM's block pool counts them, against the plain model's, which grow by one every 32 tokens:
+    sinks (4) hold their sink block and at most two of the window's (``allhere.serve.vllm_kv``); DAR (d_down 64
+    of 2 x 64 K/V numbers per token) the window's and blocks of latents, two pages of which fit one of the
+    plain model's (``allhere.serve.vllm_dar``: 64 tokens a block). The tokens stay allhere's over the whole
+    generation (the freed blocks are never read; the far keys are rebuilt at every step)."""
     long = sharp["prompts"][-1:]
-    sinks = _vllm(sharp["llama_sinks"], long, held=HELD)["none"]
     plain = _vllm(sharp["llama"], long, held=HELD)["none"]
     total = len(long[0]) + HELD
     assert max(plain["held"]) == -(-total // 32)  # every block of the context
+    sinks = _vllm(sharp["llama_sinks"], long, held=HELD)["none"]
     assert max(sinks["held"]) == 3  # 1 sink block + at most 2 of the window's, from the prompt's step to the last
-    ours = _allhere(sharp["llama_sinks"], long, new_tokens=HELD)[0]
-    assert sinks["held_tokens"][:len(ours)] == ours and len(ours) > 64
+    dar = _vllm(sharp["llama_dar"], long, held=HELD)["none"]
+    latent_blocks = -(-total // 64)  # at the end; the window's blocks besides: 1 or 2 (more while the prompt is read)
+    assert latent_blocks <= max(dar["held"]) <= latent_blocks + 3 < max(plain["held"]), dar["held"]
+    for kind, served in (("sinks", sinks), ("dar", dar)):
+        ours = _allhere(sharp[f"llama_{kind}"], long, new_tokens=HELD)[0]
+        assert served["held_tokens"][:len(ours)] == ours and len(ours) > 64, kind
 
 
 @pytest.mark.parametrize("key", ["qwen3_dar", "qwen2_bigbird", "gemma3_dilated", "olmo2_sinks"])
