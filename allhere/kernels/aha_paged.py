@@ -1,0 +1,376 @@
+"""AHA attention over a paged KV cache in Triton, as a server (vLLM) keeps it: many requests in one call,
+each with its own length, its keys scattered over fixed-size blocks that a block table names.
+
+A call carries a batch of requests laid end to end on the token axis: request r's queries are the rows
+``query_start[r]:query_start[r + 1]`` of q, the last positions of its ``seq_lens[r]`` tokens (one row: a
+decode step; several: a chunk of a prefill, after the context already cached). Every (query, head) has a
+hard gate: global reads every key up to its position, local only the ``window`` most recent ones (its own
+included). Three kernels share the call, the requests split between them on the GPU with nothing read
+back (the grids come from the shapes alone, so a call can be captured in a CUDA graph):
+
+- decode (requests with one query), grown from ``aha_decode``: the keys of every (request, head) are split
+  across programs, SPLIT keys each (flash decoding), so that a long global head is read by many thread
+  blocks at once; a local head's window fits in its first split(s) and its other programs return at once.
+  The partial outputs are merged by their log-sum-exp, reading only the splits that had keys.
+- prefill (requests with several queries), grown from ``aha_prefill``, in two passes of one kernel whose
+  program is a tile of BLOCK_M queries of one (request, head) sharing the keys they read through
+  ``tl.dot``. The window pass: consecutive queries, every one over its window (the tile visits only the
+  blocks its windows cover, about BLOCK_M + window keys, never the prefix). The global pass: the head's
+  global queries of the request packed in order (``pack_by_head``, on the device), every one over its whole
+  prefix, written over its window result (the wasted window work is a fraction mu of the local work). A
+  tile mixing both kinds would read the whole prefix for its local rows too, and at a few percent of
+  global (query, head) pairs nearly every tile of 64 has one; packed, only cdiv(global queries, BLOCK_M)
+  tiles per (request, head) read the prefix. In both passes the keys every row of the tile sees run
+  without mask work (``inner_blocks``). Tiles are numbered without a host sync as in vLLM's unified
+  attention: request r owns the tile numbers from (its pass's rows before it) // BLOCK_M + r on (at least
+  as many as it needs), and a program finds its request by a binary search over those starts.
+
+Keys are gathered through the block table one key at a time (block ``block_table[r, p // BLOCK_SIZE]``,
+slot ``p % BLOCK_SIZE``), so a key tile need not match the cache's block size. Only table entries of keys
+before ``seq_lens[r]`` are read: what lies past a request's blocks is never looked at.
+
+Layout (vLLM's FlashAttention layout): q, out [tokens, heads, d]; k_cache, v_cache [num_blocks,
+block_size, kv_heads, d], e.g. ``kv_cache[0]`` and ``kv_cache[1]`` of one [2, num_blocks, block_size,
+kv_heads, d] tensor (any strides, a unit-stride last dimension: read where they lie); block_table [reqs,
+max_blocks], query_start [reqs + 1], seq_lens [reqs] int32; gate [tokens, heads] bool (True = global);
+grouped-query attention: query head h reads kv head h // (heads // kv_heads). Head dim a power of two
+>= 16; any block size. Online softmax in fp32 (base 2), output in out's dtype.
+
+Launch settings: the paged kernels take the candidate lists of the kernels they grew from (``tiles``:
+"decode" for SPLIT / BLOCK_N, "sliding" and "global" for the two prefill passes' BLOCK_M / BLOCK_N;
+without tensor descriptors, which a gather cannot use), tuned on the GPU by ``autotune`` under keys of
+their own ("paged", the block size), the default under Triton's interpreter, and pinned with the others by
+``autotune.pinned()``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import autotune
+from .aha_prefill import LOG2E, edge_mask, inner_blocks
+from .tiles import default as default_tiles
+
+DECODE = "decode"  # the candidate lists (``tiles.SPACES``) the paged decode kernel is tuned over,
+WINDOW = "sliding"  # the prefill's window pass (every query over its window)
+GLOBAL = "global"  # and its global pass (the packed global queries over their prefixes)
+MERGE_CHUNK = 16  # splits the merge reads at a time
+
+
+@triton.jit
+def _paged_keys(K, V, BT, bt_row, kv_off, offs_n, end, skb, sks,
+                MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+    """(k, v) [BLOCK_N, D] of the key positions ``offs_n`` of one request (``bt_row``: its block-table row,
+    ``kv_off``: the kv head's offset in a slot). MASKED: positions at or past ``end`` load as zeros and
+    their table entries are not read; else every position must be a key of the request."""
+    offs_d = tl.arange(0, D)
+    if MASKED:
+        inside = offs_n < end
+        blk = tl.load(BT + bt_row + offs_n // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
+        ptrs = blk[:, None] * skb + (offs_n % BLOCK_SIZE)[:, None] * sks + kv_off + offs_d[None, :]
+        k = tl.load(K + ptrs, mask=inside[:, None], other=0.0)
+        v = tl.load(V + ptrs, mask=inside[:, None], other=0.0)
+    else:
+        blk = tl.load(BT + bt_row + offs_n // BLOCK_SIZE).to(tl.int64)  # 64-bit: block * stride may pass 2**31
+        ptrs = blk[:, None] * skb + (offs_n % BLOCK_SIZE)[:, None] * sks + kv_off + offs_d[None, :]
+        k = tl.load(K + ptrs)
+        v = tl.load(V + ptrs)
+    return k, v
+
+
+@triton.jit
+def _rows_before(QSTART, CUM, r, h, H, GLOBAL: tl.constexpr):
+    """How many of a pass's rows of head h lie before request r: its first query row (the window pass), or
+    the global rows of head h before that row (the global pass; CUM [tokens + 1, heads])."""
+    row = tl.load(QSTART + r)
+    if GLOBAL:
+        row = tl.load(CUM + row.to(tl.int64) * H + h)
+    return row
+
+
+@triton.jit
+def _request_of_tile(QSTART, CUM, R, h, H, BLOCK_M: tl.constexpr, GLOBAL: tl.constexpr):
+    """(request, index of its tile's first row among the pass's rows) of this program: request r owns the
+    tile numbers [before(r) // BLOCK_M + r, before(r + 1) // BLOCK_M + r + 1) (``_rows_before``) -- at least
+    the cdiv(rows, BLOCK_M) it needs, R more than the rows' tiles in all --, found by a binary search over
+    those starts. The index may lie past the request's rows (a tile it does not need)."""
+    pid = tl.program_id(0)
+    lo = 0
+    hi = R
+    while lo < hi:  # the first request whose tiles start after pid
+        mid = (lo + hi) // 2
+        if _rows_before(QSTART, CUM, mid, h, H, GLOBAL) // BLOCK_M + mid <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    r = lo - 1
+    before = _rows_before(QSTART, CUM, r, h, H, GLOBAL)
+    return r, before + (pid - (before // BLOCK_M + r)) * BLOCK_M
+
+
+@triton.jit
+def _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, lo, hi, m_i, l_i, acc, qk_scale,
+                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+    """The key blocks [lo, hi) of an online softmax in base 2 for query positions ``pos`` (each row sees the
+    keys from ``first`` to itself): the updated (m, l, acc). MASKED applies the rows' ranges, the request's
+    end n and the row mask; without it every key of the range must be seen by every row."""
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k, v = _paged_keys(K, V, BT, bt_row, kv_off, offs_n, n, skb, sks, MASKED, BLOCK_SIZE, D)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:  # the window lives in ``first``: an unbounded width (n + 1) leaves edge_mask the rest
+            s = tl.where(edge_mask(pos, offs_n, first, rmask, n, n + 1), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, H, G, W,
+                    sqt, sqh, skb, sks, skh, sbt, sph, sot, soh,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+                    GLOBAL: tl.constexpr):
+    """One tile of BLOCK_M rows of a request with several queries, one head (program ids: tile, head). The
+    window pass (GLOBAL false): consecutive query rows, each over its window. The global pass: the next
+    BLOCK_M of the head's global rows of the request (PACKED [heads, tokens]: each head's global rows in
+    order), each over its whole prefix, written over the window pass's result."""
+    h = tl.program_id(1)
+    r, i0 = _request_of_tile(QSTART, CUM, R, h, H, BLOCK_M, GLOBAL)
+    qs = tl.load(QSTART + r)
+    qe = tl.load(QSTART + r + 1)
+    count = _rows_before(QSTART, CUM, r + 1, h, H, GLOBAL)
+    if (qe - qs <= 1) | (i0 >= count):  # a decode request (the decode kernel's), or a tile it does not need
+        return
+    n = tl.load(SEQLEN + r)
+    idx = i0 + tl.arange(0, BLOCK_M)
+    rmask = idx < count
+    if GLOBAL:
+        rows = tl.load(PACKED + h * sph + idx, mask=rmask, other=qs).to(tl.int64)
+    else:
+        rows = idx.to(tl.int64)  # 64-bit: row * stride may pass 2**31
+    pos = (n - qe + rows).to(tl.int32)  # the queries are the request's last positions
+    if GLOBAL:
+        first = tl.zeros_like(pos)
+    else:
+        first = tl.maximum(pos - W + 1, 0)
+    lo = (tl.min(tl.where(rmask, first, n), 0) // BLOCK_N) * BLOCK_N  # window pass: the windows' blocks only
+    hi = tl.max(tl.where(rmask, pos, 0), 0) + 1
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + rows[:, None] * sqt + h * sqh + offs_d[None, :], mask=rmask[:, None], other=0.0)
+    bt_row = r.to(tl.int64) * sbt
+    kv_off = (h // G) * skh
+    inner_lo, inner_hi = inner_blocks(pos, first, rmask, n, n + 1, lo, hi, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    qk_scale = sm_scale * LOG2E
+    m_i, l_i, acc = _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, lo, inner_lo,
+                                  m_i, l_i, acc, qk_scale, True, BLOCK_N, BLOCK_SIZE, D)
+    m_i, l_i, acc = _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, inner_lo, inner_hi,
+                                  m_i, l_i, acc, qk_scale, False, BLOCK_N, BLOCK_SIZE, D)
+    m_i, l_i, acc = _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, inner_hi, hi,
+                                  m_i, l_i, acc, qk_scale, True, BLOCK_N, BLOCK_SIZE, D)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a real row sees at least itself
+    tl.store(O + rows[:, None] * sot + h * soh + offs_d[None, :], out.to(O.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton.jit
+def _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt):
+    """(query row, whether the request is a decode step, its first key, its end) of (request r, head h):
+    a global head reads from key 0, a local one the last W keys."""
+    qs = tl.load(QSTART + r)
+    one = tl.load(QSTART + r + 1) - qs == 1
+    n = tl.load(SEQLEN + r)
+    glob = tl.load(GATE + qs.to(tl.int64) * sgt + h, mask=one, other=0) != 0
+    return qs.to(tl.int64), one, tl.where(glob, 0, tl.maximum(n - W, 0)), n
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, sm_scale, H, G, W,
+                   sqt, sqh, skb, sks, skh, sbt, sgt,
+                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+    """Split ``split`` (SPLIT keys) of one (request, head) of a decode request (program ids: request *
+    heads + head, split): its partial output and log-sum-exp (base 2), unless the split has no key."""
+    rh = tl.program_id(0)
+    split = tl.program_id(1)
+    nsplit = tl.num_programs(1)
+    r = rh // H
+    h = rh % H
+    row, one, lo, n = _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt)
+    start = lo + split * SPLIT
+    end = tl.minimum(start + SPLIT, n)
+    if (one == 0) | (start >= end):  # not a decode request, or past this head's keys: the merge skips it
+        return
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + row * sqt + h * sqh + offs_d).to(tl.float32)
+    bt_row = r.to(tl.int64) * sbt
+    kv_off = (h // G) * skh
+    qk_scale = sm_scale * LOG2E
+    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)  # fp32 scalars carried by the loop
+    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(start, end, BLOCK_N):
+        offs_n = s0 + tl.arange(0, BLOCK_N)
+        k, v = _paged_keys(K, V, BT, bt_row, kv_off, offs_n, end, skb, sks, True, BLOCK_SIZE, D)
+        s = tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale
+        s = tl.where(offs_n < end, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+        m_i = m_new
+    at = rh.to(tl.int64) * nsplit + split
+    tl.store(OP + at * D + offs_d, acc / l_i)  # l_i >= 1: the split has keys
+    tl.store(LSE + at, m_i + tl.log2(l_i))
+
+
+@triton.jit
+def _merge_kernel(OP, LSE, O, QSTART, SEQLEN, GATE, NSPLIT, H, W, sgt, sot, soh,
+                  SPLIT: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
+    """One (request, head) of a decode request: the partial outputs of the splits that had keys, weighted
+    by 2 ** (lse - max lse)."""
+    rh = tl.program_id(0)
+    r = rh // H
+    h = rh % H
+    row, one, lo, n = _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt)
+    if one == 0:  # not a decode request
+        return
+    live = tl.minimum(tl.cdiv(n - lo, SPLIT), NSPLIT)  # the splits with keys
+    base = rh.to(tl.int64) * NSPLIT
+    offs_s = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, D)
+    m = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
+    for s0 in range(0, live, CHUNK):
+        lse = tl.load(LSE + base + s0 + offs_s, mask=s0 + offs_s < live, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, 0))
+    acc = tl.zeros([D], tl.float32)
+    total = tl.sum(tl.zeros([CHUNK], tl.float32), 0)
+    for s0 in range(0, live, CHUNK):
+        smask = s0 + offs_s < live
+        w = tl.exp2(tl.load(LSE + base + s0 + offs_s, mask=smask, other=float("-inf")) - m)
+        part = tl.load(OP + (base + s0 + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+        total += tl.sum(w, 0)
+    tl.store(O + row * sot + h * soh + offs_d, (acc / total).to(O.dtype.element_ty))  # total >= 1: own key
+
+
+def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                        query_start: torch.Tensor, seq_lens: torch.Tensor, gate: torch.Tensor, window: int,
+                        scale: float, out: torch.Tensor, max_seq_len: int | None = None,
+                        max_query_len: int | None = None, tiles: dict | None = None) -> torch.Tensor:
+    """AHA attention of a batch of requests over a paged KV cache (layout and design in the module
+    docstring); writes ``out`` [tokens, heads, d] for the rows before ``query_start[-1]`` (the rows after it,
+    padding, are left as they are) and returns it. The step's own keys must already be in the cache.
+
+    Host hints (ints a server knows without asking the GPU; nothing here reads a tensor back):
+    max_seq_len: at least every ``seq_lens[r]``, sets how many splits a decode head has room for (None: the
+    block table's width times the block size, which may over-allocate the splits' scratch); max_query_len:
+    at least every request's query count (1: a pure decode step, the prefill kernel is not launched).
+    tiles: None, each kernel's launch setting from ``allhere.kernels.autotune``; or one setting pinned for
+    all three (SPLIT: keys per decode program; BLOCK_M: query rows per prefill tile; BLOCK_N: keys per step;
+    num_warps, num_stages; what is left out comes from each kernel's default)."""
+    tokens, heads, d, kv_heads, block_size = _check(q, k_cache, v_cache, block_table, query_start, seq_lens, gate,
+                                                    window, out)
+    reqs = block_table.shape[0]
+    if tokens == 0 or reqs == 0:
+        return out
+    q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
+    if k_cache.stride() != v_cache.stride():
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    table, starts, lens = (t.to(torch.int32).contiguous() for t in (block_table, query_start, seq_lens))
+    g = gate.to(torch.int8).contiguous()
+    bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
+    group = heads // kv_heads
+    cache = (q, k_cache, v_cache, table, starts, lens)
+    q_k = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0))
+    key = (f"d{d}", str(q.dtype).removeprefix("torch."), f"g{group}", f"n{autotune.length_bucket(bound)}", "paged",
+           f"bs{block_size}")
+
+    def decode(s: dict) -> None:
+        nsplit = triton.cdiv(max(bound, 1), s["SPLIT"])
+        partial = torch.empty(reqs * heads, nsplit, d, device=q.device, dtype=torch.float32)
+        lse = torch.empty(reqs * heads, nsplit, device=q.device, dtype=torch.float32)
+        _decode_kernel[(reqs * heads, nsplit)](*cache, g, partial, lse, scale, heads, group, window, *q_k,
+                                               g.stride(0), BLOCK_SIZE=block_size, D=d, **_only(s, "SPLIT"))
+        _merge_kernel[(reqs * heads,)](partial, lse, out, starts, lens, g, nsplit, heads, window, g.stride(0),
+                                       out.stride(0), out.stride(1), SPLIT=s["SPLIT"], D=d, CHUNK=MERGE_CHUNK)
+
+    decode(_setting(DECODE, tiles, key + (f"bh{autotune.length_bucket(reqs * heads)}",), q, decode, bound))
+    if max_query_len is not None and max_query_len <= 1:  # a pure decode step
+        return out
+
+    def prefill(s: dict, pass_: str, cum: torch.Tensor, rows: torch.Tensor) -> None:
+        _prefill_kernel[(tokens // s["BLOCK_M"] + reqs, heads)](
+            *cache, cum, rows, out, scale, reqs, heads, group, window, *q_k, rows.stride(0), out.stride(0),
+            out.stride(1), BLOCK_SIZE=block_size, D=d, GLOBAL=pass_ == GLOBAL, **_only(s, "BLOCK_M"))
+
+    longest = tokens if max_query_len is None else min(max_query_len, tokens)
+    # In this order: the global pass overwrites its rows' window results. The window pass reads neither
+    # cum nor rows (placeholders).
+    for pass_, packed in ((WINDOW, (starts, starts)), (GLOBAL, pack_by_head(gate))):
+        launch = functools.partial(prefill, pass_=pass_, cum=packed[0], rows=packed[1])
+        launch(_setting(pass_, tiles, key + (f"t{autotune.length_bucket(tokens)}",), q, launch, longest))
+    return out
+
+
+def pack_by_head(gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cum, rows) of a [tokens, heads] bool gate, on its device and without a host sync: cum [tokens + 1,
+    heads] int32, how many rows before each token are global per head; rows [heads, tokens + 1] int32, each
+    head's global rows in increasing order (then unused entries). Request r's global rows of head h are
+    ``rows[h, cum[query_start[r], h]:cum[query_start[r + 1], h]]``."""
+    tokens, heads = gate.shape
+    flat = gate.to(torch.bool)
+    cum = torch.zeros(tokens + 1, heads, device=gate.device, dtype=torch.int32)
+    cum[1:] = flat.cumsum(0, dtype=torch.int32)
+    slot = torch.where(flat, cum[:-1], tokens).long().T  # local rows all go to the unused column
+    order = torch.arange(tokens, device=gate.device, dtype=torch.int32).expand(heads, tokens)
+    rows = torch.zeros(heads, tokens + 1, device=gate.device, dtype=torch.int32).scatter_(1, slot, order)
+    return cum, rows
+
+
+def _setting(kernel: str, tiles: dict | None, key: tuple, q: torch.Tensor, launch, length: int) -> dict:
+    """The launch setting of a paged kernel that borrows ``kernel``'s candidates: pinned by ``tiles``, else
+    ``autotune.setting`` (tuned on the GPU under ``key``, the default in the interpreter)."""
+    if tiles is not None:
+        return {**default_tiles(kernel), **tiles}
+    return autotune.setting(kernel, key, q.device, launch, q.shape[-1], q.element_size(), length=length)
+
+
+def _only(setting: dict, tile: str) -> dict:
+    """The part of a setting a kernel takes: its ``tile`` constant (SPLIT or BLOCK_M), BLOCK_N and Triton's
+    launch options (no tensor descriptors: the keys are gathered through the block table)."""
+    return {name: setting[name] for name in (tile, "BLOCK_N", "num_warps", "num_stages")}
+
+
+def _check(q, k_cache, v_cache, block_table, query_start, seq_lens, gate, window, out) -> tuple[int, ...]:
+    """(tokens, heads, d, kv_heads, block_size) of a call, or a ValueError naming what does not fit."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"expected q [tokens, heads, d] and k/v caches [blocks, block_size, kv_heads, d] of one "
+                         f"shape, got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    tokens, heads, d = q.shape
+    _, block_size, kv_heads, dk = k_cache.shape
+    if dk != d or heads % kv_heads:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of the cache's kv heads ({kv_heads}) and the "
+                         f"head dims must match ({d} vs {dk})")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"the paged kernels take a power-of-two head dim >= 16, got {d}")
+    reqs = block_table.shape[0] if block_table.dim() == 2 else -1
+    if reqs < 0 or tuple(query_start.shape) != (reqs + 1,) or tuple(seq_lens.shape) != (reqs,):
+        raise ValueError(f"expected block_table [reqs, max_blocks], query_start [reqs + 1], seq_lens [reqs], got "
+                         f"{tuple(block_table.shape)}, {tuple(query_start.shape)}, {tuple(seq_lens.shape)}")
+    if tuple(gate.shape) != (tokens, heads) or out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"expected gate [{tokens}, {heads}] and out {tuple(q.shape)} with a unit-stride last "
+                         f"dimension, got {tuple(gate.shape)}, {tuple(out.shape)}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return tokens, heads, d, kv_heads, block_size
