@@ -8,14 +8,17 @@ vLLM's cache tensor, slot mapping and block table.
   (the host's bias, per-head norm and rotary embedding after it), so a far key costs d_down x kv_dim
   multiply-adds to rebuild. RoPE rotates a key by its position after the projection, so it cannot be folded
   into the query: the keys are rebuilt, in pieces of bounded memory.
-- Values need no rebuild: a row's far output is sum_j p_j (W_V' c_j + b) = W_V' (sum_j p_j c_j) + b (the
-  weights p sum to 1), so the probabilities weight the latents and one [d, d_down] map per head follows.
+- Values need no rebuild for a decode row: its far output is sum_j p_j (W_V' c_j + b) = W_V' (sum_j p_j c_j) +
+  b (the weights p sum to 1), so the probabilities weight the latents and one [d, d_down] map per head
+  follows. A prefill's rows share their keys and values, which are rebuilt once per chunk (below).
 
-Rows: a row (query token, query head) at position p reads far keys j <= p - window (``far_keys``); those of a
-request with one query this step (decode) are batched across requests, sorted by length; a request with
-several queries (prefill, chunked prefill) is read in (key chunk, query chunk) pieces. Each piece returns (row
+Rows: a row (query token, query head) at position p reads far keys j <= p - window (``far_keys``). Those of a
+request with one query this step (decode) are batched across requests, sorted by length, each piece's keys
+rebuilt for it and scored by matmul. A request with several queries (prefill, chunked prefill) shares its far
+keys among many rows: a chunk of them is rebuilt once, with its values, into paged blocks of the workspace and
+read as the near window is (``paged.paged_pieces``: tiles, torch's fused attention). Each piece returns (row
 ids, output, log-sum-exp) for ``paged_chunks.merge``, which joins them with the near window's pieces under one
-softmax. The latent cache layout: ``[blocks, block_size, d_down]`` (a strided view is read where it lies).
+softmax. The latent cache's layout: ``[blocks, block_size, d_down]`` (a strided view is read where it lies).
 """
 
 from __future__ import annotations
