@@ -74,7 +74,7 @@ def _patterns(backend: str, *lengths: str) -> tuple:
 PARTS = {
     "tests": Part(150, "tests.log", (
         (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/ops/test_gpu.py",
-         "tests/ops/test_kernels.py"),), 93),
+         "tests/ops/test_kernels.py", "tests/ops/test_aha_paged.py"),), 93),  # measured without the paged tests
     "tiles": Part(180, "tiles.md", ((PY, "benchmarks/kernel_tiles.py", "--repeats", "5"),), 120),
     "bench": Part(120, "bench.log", (
         (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),), 42),
