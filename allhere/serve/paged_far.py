@@ -29,10 +29,12 @@ import torch
 
 from ..mechanisms.dar import far_keys
 from .paged import Read, paged_pieces, paged_view, write
-from .paged_chunks import MAX_GATHER_BYTES, Workspace
+from .paged_chunks import Workspace
 
 _NEG = float("-inf")
 SCRATCH_BLOCK = 128  # tokens per block of a prefill's rebuilt far keys and values
+FAR_BUDGET = 8 << 20  # bytes of a piece of rebuilt keys: a piece read from the CPU's caches right after the GEMM
+# wrote it (decode of 16 x 8k keys, one core: 95 ms at 8 MB, 138 ms at 32 MB; benchmarks/serve_paged_op.py)
 
 
 class LatentKV(NamedTuple):
@@ -94,7 +96,7 @@ def write_latents(view: torch.Tensor, slots: torch.Tensor, c: torch.Tensor) -> N
 
 def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                block_table: torch.Tensor, window: int, kv: LatentKV, scale: float,
-               budget: int = MAX_GATHER_BYTES, workspace: Workspace | None = None) -> list:
+               budget: int = FAR_BUDGET, workspace: Workspace | None = None) -> list:
     """What each row of ``q`` [tokens, heads, d] reads through the bottleneck: every key j <= its position -
     ``window``, rebuilt from ``view``'s latents through ``block_table`` (request r's queries are rows
     ``query_start[r]:query_start[r + 1]``, the last of its ``seq_lens[r]`` tokens, whose latents are written).
