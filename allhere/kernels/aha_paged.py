@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_prefill import LOG2E, edge_mask, inner_blocks
+from .aha_prefill import LOG2E, edge_mask, inner_blocks, online_step
 from .tiles import default as default_tiles
 
 DECODE = "decode"  # the candidate lists (``tiles.SPACES``) the paged decode kernel is tuned over,
@@ -124,13 +124,7 @@ def _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, l
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:  # the window lives in ``first``: an unbounded width (n + 1) leaves edge_mask the rest
             s = tl.where(edge_mask(pos, offs_n, first, rmask, n, n + 1), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_step(m_i, l_i, acc, s, v)
     return m_i, l_i, acc
 
 
