@@ -92,7 +92,7 @@ def aha_served(s, workspace):
     meta = SimpleNamespace(num_actual_tokens=s["q"].shape[0], query_start_loc=s["qs"], seq_lens=s["seq"],
                            block_table=s["table"])
     vllm_window(s["q"], s["cache"], meta, 256, D ** -0.5, 0.0, None, "vec", s["out"])
-    paged_attention(s["q"], [s["view"]], s["qs"], s["seq"], s["table"], [[], [causal_read(q_tile=WIDE_TILE)]],
+    paged_attention(s["q"], s["view"], s["qs"], s["seq"], s["table"], [[], [causal_read(q_tile=WIDE_TILE)]],
                     D ** -0.5, s["out"], row_class=s["gate"], workspace=workspace)
 
 
@@ -118,7 +118,7 @@ def dar_served(s, kv, workspace):
     from allhere.serve.vllm_layers import WINDOW_TILE
 
     far = far_pieces(s["q"], s["latents"], s["qs"], s["seq"], s["table"], WINDOW, kv, D ** -0.5, workspace=workspace)
-    paged_attention(s["q"], [s["view"]], s["qs"], s["seq"], s["table"], [[window_read(WINDOW, q_tile=WINDOW_TILE)]],
+    paged_attention(s["q"], s["view"], s["qs"], s["seq"], s["table"], [[window_read(WINDOW, q_tile=WINDOW_TILE)]],
                     D ** -0.5, s["out"], workspace=workspace, extra=far)
 
 
@@ -129,7 +129,7 @@ def allhere_reads():
     from allhere.serve.vllm_layers import WIDE_TILE, WINDOW_TILE
 
     def pattern(cfg):
-        return [[Read(registry.from_dict(registry.to_dict(cfg)).mask_fn(None), 0, WINDOW_TILE)]]
+        return [[Read(registry.from_dict(registry.to_dict(cfg)).mask_fn(None), WINDOW_TILE)]]
 
     return {"full": ([[causal_read(q_tile=WIDE_TILE)]], False),
             "aha": ([[window_read(256, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]], True),
@@ -162,7 +162,7 @@ def main() -> None:
                 "AHA from vLLM's kernel": lambda: vllm_aha(s)}
         for name, (reads, routed) in allhere_reads().items():
             runs[f"allhere {name}"] = (lambda reads=reads, routed=routed: paged_attention(
-                s["q"], [s["view"]], s["qs"], s["seq"], s["table"], reads, D ** -0.5, s["out"],
+                s["q"], s["view"], s["qs"], s["seq"], s["table"], reads, D ** -0.5, s["out"],
                 row_class=s["gate"] if routed else None, workspace=workspace))
         runs["allhere aha, as served (local rows: vLLM's windowed kernel)"] = lambda: aha_served(s, workspace)
         runs["allhere dar, as served (far keys rebuilt from latents)"] = lambda: dar_served(s, kv, workspace)

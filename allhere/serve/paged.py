@@ -13,11 +13,12 @@ head_dim]``. That is the layout vLLM's own CPU attention kernel reads (its "vec"
 without AMX), so that kernel can read the same blocks where it computes a part of the rule (AHA's windowed
 rows: ``allhere.serve.vllm_paged``).
 
-The rule. A mechanism gives, per *row class*, what a row of that class reads: pairs (mask predicate over
-positions, key set), the predicate the same function allhere trains and generates with (``allhere.masks``;
-its ``tiles`` block test says which rectangles may hold an allowed entry; an optional ``dense`` test, which
-ones are allowed entirely). A row is one (query token, query head); ``row_class`` [tokens, heads] says which
-class each is in (AHA: 0 local, 1 global, from the router; one class otherwise). Causality is always added.
+The rule. A mechanism gives, per *row class*, what a row of that class reads: mask predicates over
+positions (``Read``, with an optional query tile size), each the same function allhere trains and generates
+with (``allhere.masks``; its ``tiles`` block test says which rectangles may hold an allowed entry; an
+optional ``dense`` test, which ones are allowed entirely). A row is one (query token, query head);
+``row_class`` [tokens, heads] says which class each is in (AHA: 0 local, 1 global, from the router; one class
+otherwise). Causality is always added.
 
 The work (``paged_attention``), batched tensor operations throughout (the only Python loops run over the
 rule's parts and over pieces of bounded memory, never over requests or heads):
@@ -53,7 +54,6 @@ class Read(NamedTuple):
     """One part of what a row class reads."""
 
     pred: masks.MaskFn  # (b, h, q_idx, kv_idx) -> allowed, with its ``tiles`` (and optional ``dense``) test
-    key_set: int = 0  # which of the views it reads
     q_tile: int | None = None  # rows per query tile for this part (None: paged_attention's q_tile)
 
 
@@ -78,7 +78,7 @@ def write(view: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Ten
     view[blocks, :, 1, rows] = v.to(view.dtype)
 
 
-def window_read(window: int, key_set: int = 0, q_tile: int | None = None) -> Read:
+def window_read(window: int, q_tile: int | None = None) -> Read:
     """The ``window`` most recent keys, the query's own included (``masks.sliding_window``), with its dense test."""
     inner = masks.sliding_window(window)
 
@@ -87,17 +87,17 @@ def window_read(window: int, key_set: int = 0, q_tile: int | None = None) -> Rea
 
     pred.tiles = inner.tiles
     pred.dense = lambda b, h, ql, qh, kl, kh: (kh <= ql) & (qh - kl < window)  # noqa: E731
-    return Read(pred, key_set, q_tile)
+    return Read(pred, q_tile)
 
 
-def causal_read(key_set: int = 0, q_tile: int | None = None) -> Read:
+def causal_read(q_tile: int | None = None) -> Read:
     """Every key at or before the query (``masks.causal``), with its dense test."""
     def pred(b, h, q_idx, kv_idx):
         return masks.causal(b, h, q_idx, kv_idx)
 
     pred.tiles = masks.causal.tiles
     pred.dense = lambda b, h, ql, qh, kl, kh: kh <= ql  # noqa: E731
-    return Read(pred, key_set, q_tile)
+    return Read(pred, q_tile)
 
 
 def token_positions(query_start: torch.Tensor, seq_lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +109,7 @@ def token_positions(query_start: torch.Tensor, seq_lens: torch.Tensor, n: int) -
     return req, torch.arange(n, device=starts.device) - starts[req] + (lens - q_len)[req]
 
 
-def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start: torch.Tensor,
+def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, reads: Sequence[Sequence[Read]], scale: float,
                     out: torch.Tensor, row_class: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                     softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
@@ -117,8 +117,8 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
     """Every request's queries against its cached keys (the step's own already written).
 
     q [tokens, heads, d]: request r's queries are rows ``query_start[r]:query_start[r + 1]``, at the last
-    positions of its ``seq_lens[r]`` tokens (rows past ``query_start[-1]`` are not read). ``views``: one
-    ``paged_view`` per key set, all read through ``block_table`` [requests, blocks]. ``reads[c]``: what a row of
+    positions of its ``seq_lens[r]`` tokens (rows past ``query_start[-1]`` are not read). ``view``: the
+    cache's ``paged_view``, read through ``block_table`` [requests, blocks]. ``reads[c]``: what a row of
     class c reads, ``Read`` tuples (see the module docstring); rows of a class that reads nothing are left as
     they are in ``out`` (another kernel computes them); ``row_class`` [tokens, heads] (int or bool; None: all
     class 0). ``sinks`` [heads]: learned sink logits (one more term in each row's softmax denominator);
@@ -133,7 +133,7 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
     n = int(query_start[-1])
     if n == 0:
         return
-    found = list(extra) + paged_pieces(q, views, query_start, seq_lens, block_table, reads, scale, row_class, softcap,
+    found = list(extra) + paged_pieces(q, view, query_start, seq_lens, block_table, reads, scale, row_class, softcap,
                                        q_tile, pack, workspace)
     if sinks is not None:  # exp(sink logit) joins every row's denominator, with no value
         rows = torch.arange(n * heads, device=q.device)[:, None]
@@ -148,7 +148,7 @@ def paged_attention(q: torch.Tensor, views: Sequence[torch.Tensor], query_start:
         out[:n] = torch.where(mine, merged, out[:n])
 
 
-def paged_pieces(q: torch.Tensor, views: Sequence[torch.Tensor], query_start: torch.Tensor, seq_lens: torch.Tensor,
+def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                  block_table: torch.Tensor, reads: Sequence[Sequence[Read]], scale: float,
                  row_class: torch.Tensor | None = None, softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
                  workspace: Workspace | None = None) -> list:
@@ -171,7 +171,7 @@ def paged_pieces(q: torch.Tensor, views: Sequence[torch.Tensor], query_start: to
     one = q_len == 1
     if bool(one.any()):  # decode rows: one tile per (token, kv head, class)
         t = starts[:-1][one]
-        found += decode_rows(qflat, t, req[t], pos[t], None if row_class is None else row_class[t], reads, views,
+        found += decode_rows(qflat, t, req[t], pos[t], None if row_class is None else row_class[t], reads, view,
                              block_table, scale, softcap, heads, workspace)
     if not bool(one.all()):  # longer queries: tiles of rows in order of position, read chunk by chunk
         longer = ~one[req][tok]
@@ -184,9 +184,9 @@ def paged_pieces(q: torch.Tensor, views: Sequence[torch.Tensor], query_start: to
             for read in reads_c:
                 size = read.q_tile or q_tile
                 if size not in tiled:
-                    tiled[size] = tile_rows(tok[in_c], head[in_c], req, pos, qflat, heads, views[0].shape[1], size)
+                    tiled[size] = tile_rows(tok[in_c], head[in_c], req, pos, qflat, heads, view.shape[1], size)
                 for tiles in tiled[size]:
-                    for t, o, lse in attend_part(tiles, read.pred, views[read.key_set], block_table, scale, softcap,
+                    for t, o, lse in attend_part(tiles, read.pred, view, block_table, scale, softcap,
                                                  pack, workspace):
                         found.append((tiles.row[t], o, lse))
     return found

@@ -15,12 +15,12 @@ from .paged_chunks import MAX_GATHER_BYTES, Workspace, gather
 _NEG = float("-inf")
 
 
-def decode_rows(qflat, tok, req, pos, row_class, reads, views, block_table, scale: float, softcap: float,
+def decode_rows(qflat, tok, req, pos, row_class, reads, view, block_table, scale: float, softcap: float,
                 heads: int, workspace: Workspace) -> list:
     """``tok`` [m]: the decode tokens (one per request), ``req`` / ``pos`` their request and position,
     ``row_class`` [m, heads] (or None). Returns the pieces for ``paged_chunks.merge``: (row ids [tiles, group],
     output [tiles, group, d], log-sum-exp [tiles, group])."""
-    kv_heads = views[0].shape[1]
+    kv_heads = view.shape[1]
     group = heads // kv_heads
     rows = (tok[:, None] * heads + torch.arange(heads, device=tok.device)).view(-1, kv_heads, group)
     found = []
@@ -32,7 +32,7 @@ def decode_rows(qflat, tok, req, pos, row_class, reads, views, block_table, scal
         tile_rows = torch.where(member[t, g], rows[t, g], -1)  # [tiles, group]
         heads_t = g[:, None] * group + torch.arange(group, device=tok.device)
         for read in parts:
-            found += _attend_read(qflat, tile_rows, heads_t, g, req[t], pos[t], read, views[read.key_set],
+            found += _attend_read(qflat, tile_rows, heads_t, g, req[t], pos[t], read, view,
                                   block_table, scale, softcap, workspace)
     return found
 

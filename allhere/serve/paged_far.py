@@ -197,8 +197,8 @@ def _prefill(q, view, start: int, q_len: int, length: int, blocks, window: int, 
         write(scratch, torch.arange(count, device=dev), k[0], v.view(count, kv_heads, d))
         table = torch.zeros(1, (k0 + count - 1) // SCRATCH_BLOCK + 1, dtype=torch.long, device=dev)
         table[0, k0 // SCRATCH_BLOCK:] = torch.arange(n_blocks, device=dev)
-        read = Read(_far_range(window, k0, k0 + count), 0, SCRATCH_BLOCK * 2)
-        for rows, o, lse in paged_pieces(qr, [scratch], torch.tensor([0, q_len], device=dev),
+        read = Read(_far_range(window, k0, k0 + count), SCRATCH_BLOCK * 2)
+        for rows, o, lse in paged_pieces(qr, scratch, torch.tensor([0, q_len], device=dev),
                                          torch.tensor([length], device=dev), table, [[read]], scale,
                                          workspace=workspace):
             found.append((torch.where(rows >= 0, rows + start * heads, -1), o, lse))

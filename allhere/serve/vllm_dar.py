@@ -146,7 +146,7 @@ class DARAttention(PagedAttention):
                                        token_positions(meta.query_start_loc, meta.seq_lens, n)[1])
         far = far_pieces(q[:n], latents, lmeta.query_start_loc, lmeta.seq_lens, lmeta.block_table, mech.window,
                          self._kv, self.scale, workspace=WORKSPACE)
-        paged_attention(q[:n], [view], meta.query_start_loc, meta.seq_lens, meta.block_table, self.reads,
+        paged_attention(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table, self.reads,
                         self.scale, out, workspace=WORKSPACE, extra=far)
         out[n:].zero_()
 

@@ -94,4 +94,4 @@ def install_aha(block: nn.Module, attn: Attention, settings: dict, d_model: int,
 def install_masked(block: nn.Module, attn: Attention, cfg) -> None:
     if not getattr(cfg, "causal", True):
         raise NotImplementedError(f"allhere vLLM serving: {cfg.kind} with causal=False is an encoder's pattern")
-    block.attn = PagedAttention(attn, [[Read(cfg.mask_fn(None), 0, WINDOW_TILE)]])
+    block.attn = PagedAttention(attn, [[Read(cfg.mask_fn(None), WINDOW_TILE)]])

@@ -174,6 +174,6 @@ class PagedAttention(nn.Module):
             if row_class is not None and not bool((row_class[:n] != c).any()):
                 out[n:].zero_()
                 return
-        paged_attention(q[:n], [view], meta.query_start_loc, meta.seq_lens, meta.block_table, reads, self.scale,
+        paged_attention(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table, reads, self.scale,
                         out, row_class=row_class, sinks=sinks, softcap=self.softcap, workspace=WORKSPACE)
         out[n:].zero_()

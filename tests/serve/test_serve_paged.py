@@ -55,30 +55,28 @@ def _table(gen, bs):
     return table, n_blocks + 3
 
 
-def _serve(reads, gen, sets=1, gate=None, q_tile=4, latent=None, **options):
+def _serve(reads, gen, gate=None, q_tile=4, latent=None, **options):
     """Serve LENGTHS (+ the prefixed request) step by step as vLLM schedules them (STEPS), each step's K/V
     written first (with a padding slot), then attended (with a padding row after the real ones). Request 3
     starts with its first SHARED tokens already cached (request 0's blocks). ``latent``: (LatentKV, window, budget):
     also latents of D_DOWN per token in a cache of their own (blocks of BS_LATENT, another table), their far
     rows (``far_pieces``) joined. Returns per request its outputs [length, heads, d] (rows before SHARED of
-    request 3: never computed) and [q, key sets, gate [length, heads] or None, latents or None]."""
+    request 3: never computed) and [q, (k, v), gate [length, heads] or None, latents or None]."""
     lengths = LENGTHS + [PREFIXED]
     table, pool = _table(gen, BS)
-    views = [paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * D), BS, KV_HEADS, D) for _ in range(sets)]
+    view = paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * D), BS, KV_HEADS, D)
     if latent is not None:
         latent_table, latent_pool = _table(gen, BS_LATENT)
         latent_cache = torch.zeros(latent_pool, 1, BS_LATENT, D_DOWN + 3)[:, 0, :, 1:D_DOWN + 1]  # strided
     data = []
     for n in lengths:
-        kv = [(torch.randn(n, KV_HEADS, D, generator=gen), torch.randn(n, KV_HEADS, D, generator=gen))
-              for _ in range(sets)]
+        kv = (torch.randn(n, KV_HEADS, D, generator=gen), torch.randn(n, KV_HEADS, D, generator=gen))
         g = torch.rand(n, HEADS, generator=gen) < 0.3 if gate is None else None
         c = torch.randn(n, D_DOWN, generator=gen) if latent is not None else None
         data.append([torch.randn(n, HEADS, D, generator=gen), kv, g, c])
     data[3][0][:SHARED] = data[0][0][:SHARED]  # the shared prefix: the same tokens
-    for i in range(sets):
-        for t in (0, 1):
-            data[3][1][i][t][:SHARED] = data[0][1][i][t][:SHARED]
+    for t in (0, 1):
+        data[3][1][t][:SHARED] = data[0][1][t][:SHARED]
     if latent is not None:
         data[3][3][:SHARED] = data[0][3][:SHARED]
     outs = [torch.full((n, HEADS, D), float("nan")) for n in lengths]
@@ -93,9 +91,8 @@ def _serve(reads, gen, sets=1, gate=None, q_tile=4, latent=None, **options):
             done[r] = b
         q = torch.cat([data[r][0][a:b] for r, a, b in rows])
         slots = torch.tensor([int(table[r, p // BS]) * BS + p % BS for r, a, b in rows for p in range(a, b)])
-        for i, view in enumerate(views):
-            k, v = (torch.cat([data[r][1][i][t][a:b] for r, a, b in rows]) for t in (0, 1))
-            write(view, torch.cat([slots, torch.tensor([-1])]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]]))
+        k, v = (torch.cat([data[r][1][t][a:b] for r, a, b in rows]) for t in (0, 1))
+        write(view, torch.cat([slots, torch.tensor([-1])]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]]))
         row_class = None if gate is not None else torch.cat([data[r][2][a:b] for r, a, b in rows] + [gate_pad()])
         out = torch.full((q.shape[0] + 1, HEADS, D), 7.0)
         used = table[[r for r, _, _ in rows]]
@@ -107,7 +104,7 @@ def _serve(reads, gen, sets=1, gate=None, q_tile=4, latent=None, **options):
             write_latents(latent_cache, torch.tensor(lslots + [-1]), torch.cat([c, c[:1]]))
             extra = far_pieces(q, latent_cache, torch.tensor(starts), torch.tensor(lens),
                                latent_table[[r for r, _, _ in rows]], latent[1], latent[0], SCALE, budget=latent[2])
-        paged_attention(torch.cat([q, q[:1]]), views, torch.tensor(starts), torch.tensor(lens), used, reads, SCALE,
+        paged_attention(torch.cat([q, q[:1]]), view, torch.tensor(starts), torch.tensor(lens), used, reads, SCALE,
                         out, row_class=row_class, q_tile=q_tile, extra=extra, **options)
         assert bool((out[-1] == 7.0).all())  # the padding row is left alone
         for (r, a, b), s0, s1 in zip(rows, starts, starts[1:]):
@@ -141,7 +138,7 @@ def test_masked_patterns_equal_dense_reference(cfg):
     gen = torch.Generator().manual_seed(0)
     pred = registry.from_dict(registry.to_dict(cfg)).mask_fn(None)
     outs, data = _serve([[(pred, 0)]], gen, gate=False)
-    _check(outs, data, lambda q, kv, g, c: pattern_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]), pred,
+    _check(outs, data, lambda q, kv, g, c: pattern_attention_reference(_bhld(q), _bhld(kv[0]), _bhld(kv[1]), pred,
                                                             scale=SCALE)[0].transpose(0, 1))
 
 
@@ -157,7 +154,7 @@ def test_aha_equals_reference(tiles):
     q_tile, pack = tiles
     reads = AHA_READS if pack else [[(sliding_window(6), 0)], [(causal, 0)]]
     outs, data = _serve(reads, gen, q_tile=q_tile, pack=pack or 4)
-    _check(outs, data, lambda q, kv, g, c: aha_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]),
+    _check(outs, data, lambda q, kv, g, c: aha_attention_reference(_bhld(q), _bhld(kv[0]), _bhld(kv[1]),
                                                             g.T[None], 6, SCALE)[0].transpose(0, 1))
 
 
@@ -183,7 +180,7 @@ def test_aha_with_host_softmax_terms(terms):
     outs, data = _serve(AHA_READS, gen, **terms)
     attend = _dense_terms(terms.get("sinks"), terms.get("softcap", 0.0))
     _check(outs, data, lambda q, kv, g, c: aha_attention_reference(
-        _bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]), g.T[None], 6, SCALE, attend=attend)[0].transpose(0, 1))
+        _bhld(q), _bhld(kv[0]), _bhld(kv[1]), g.T[None], 6, SCALE, attend=attend)[0].transpose(0, 1))
 
 
 def test_class_without_reads_keeps_out():
@@ -196,7 +193,7 @@ def test_class_without_reads_keeps_out():
     write(view, torch.tensor([8, 9, 10, 11, 0, 1]), k, v)
     gate = torch.rand(6, HEADS, generator=gen) < 0.5
     out = torch.full((6, HEADS, D), 7.0)
-    paged_attention(q, [view], torch.tensor([0, 6]), torch.tensor([6]), torch.tensor([[2, 0]]), [[], [causal_read()]],
+    paged_attention(q, view, torch.tensor([0, 6]), torch.tensor([6]), torch.tensor([[2, 0]]), [[], [causal_read()]],
                     SCALE, out, row_class=gate)
     want = aha_attention_reference(_bhld(q), _bhld(k), _bhld(v), gate.T[None], 1, SCALE)[0].transpose(0, 1)
     torch.testing.assert_close(out[gate], want[gate], atol=1e-5, rtol=1e-5)
@@ -210,7 +207,7 @@ def test_matmul_path_equals_reference(monkeypatch):
     monkeypatch.setattr(chunks, "FUSED", False)
     gen = torch.Generator().manual_seed(4)
     outs, data = _serve(AHA_READS, gen)
-    _check(outs, data, lambda q, kv, g, c: aha_attention_reference(_bhld(q), _bhld(kv[0][0]), _bhld(kv[0][1]),
+    _check(outs, data, lambda q, kv, g, c: aha_attention_reference(_bhld(q), _bhld(kv[0]), _bhld(kv[1]),
                                                             g.T[None], 6, SCALE)[0].transpose(0, 1))
 
 
@@ -256,13 +253,13 @@ def test_dar_latents_equal_reference(window, bias, neox, norm, budget, scratch, 
     monkeypatch.setattr(paged_far, "SCRATCH_BLOCK", scratch)
     gen = torch.Generator().manual_seed(3)
     kv, direct = _latent_kv(gen, bias, neox, norm)
-    reads = [[window_read(window, 0)] if window else []]
+    reads = [[window_read(window)] if window else []]
     outs, data = _serve(reads, gen, gate=False, latent=(kv, window, budget))
 
     def want(q, near, g, c):
         k_far = direct(c, torch.arange(c.shape[0]))
         v_far = torch.einsum("hdc,tc->thd", kv.v_weight, c) + (0 if kv.v_bias is None else kv.v_bias)
-        return dar_attention_reference(_bhld(q), *(_bhld(t) for t in (*near[0], k_far, v_far)), window,
+        return dar_attention_reference(_bhld(q), *(_bhld(t) for t in (*near, k_far, v_far)), window,
                                        scale=SCALE)[0].transpose(0, 1)
 
     _check(outs, data, want)

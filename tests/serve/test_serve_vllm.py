@@ -255,6 +255,6 @@ def test_vllm_window_kernel_reads_allheres_layout():
     for sinks, cap in ((None, 0.0), (torch.tensor([0.5, -1.0, 2.0, 0.0]), 0.0), (None, 3.0)):
         theirs, ours = torch.zeros_like(q), torch.zeros_like(q)
         vllm_window(q, cache, meta, window, d ** -0.5, cap, sinks, "vec", theirs)
-        paged_attention(q, [view], meta.query_start_loc, meta.seq_lens, table, [[window_read(window)]], d ** -0.5,
+        paged_attention(q, view, meta.query_start_loc, meta.seq_lens, table, [[window_read(window)]], d ** -0.5,
                         ours, sinks=sinks, softcap=cap)
         torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
