@@ -200,15 +200,13 @@ def _key_path(block: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
     if plain:
         table = None if rotary is None else (_rotation_table(rotary.cos_sin_cache), bool(rotary.is_neox_style))
         return rotary_projection(weight, bias, kv_heads, table, k_norm)
-    d = weight.shape[0] // kv_heads
+    projected, _ = rotary_projection(weight, bias, kv_heads, None, k_norm)
 
     def keys(x, positions):
-        n, count = x.shape[:2]
-        k = F.linear(x.reshape(n * count, -1), weight, bias)
-        if k_norm is not None:
-            k = k_norm(k.view(-1, kv_heads, d)).reshape(n * count, -1)
-        _, k = rotary(positions.repeat(n), k.new_zeros(n * count, d), k)  # a one-head query it rotates too
-        return k.view(n, count, kv_heads, d).float()
+        k = projected(x, positions)  # [n, count, kv_heads, d], not rotated
+        _, rotated = rotary(positions.repeat(k.shape[0]), k.new_zeros(k.shape[0] * k.shape[1], k.shape[3]),
+                            k.flatten(2).flatten(0, 1))  # a one-head query it rotates too
+        return rotated.view(k.shape)
 
     return keys, None
 
