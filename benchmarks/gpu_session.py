@@ -16,25 +16,31 @@ goes to its file under $OUT (or runs/gpu) as it comes, so a part stopped halfway
 got; session.md says for each part what became of it, and what the next call should run. At most 8 files:
 what the device tool brings back (the pattern parts share one).
 
-Parts, in order (took: seconds on that H200, ~: an estimate):
-  tests        took 93   CUDA tests of the kernels: compiled for real, bf16 against the fp32 reference
-  tiles        ~120      benchmarks/kernel_tiles.py: every launch setting the kernels' autotuner may pick on
-                         this GPU, checked against the fp32 reference and timed; then the autotuner's first
-                         calls (tuning included) and choices. Before bench: its compiles stay in Triton's cache
-  bench        took 42   allhere bench --profile: where each AHA path's time goes (kernel by kernel), then
-                         the op's prefill / decode / training against the fastest dense SDPA backend
-  model        ~80       allhere bench --tables model: a Llama-3.2-1B-shaped model, plain SDPA against AHA
+Parts, in order (seconds each took on the H200 of 2026-11-26's second session from a cold machine; ~: an
+estimate). Tiles moved late: the autotuner now times the same settings in the first calls of bench.
+  tests        ~190      CUDA tests of the kernels (compiled for real, bf16 against the fp32 reference) and
+                         of the paged kernels (56 tests took 136 s, then the cap)
+  bench        took 98   allhere bench --profile: where each AHA path's time goes (kernel by kernel), then
+                         the op's prefill / decode / training against the fastest dense SDPA backend, and the
+                         launch settings the autotuner chose (52 s of tuning on a cold machine)
+  model        took 79   allhere bench --tables model: a Llama-3.2-1B-shaped model, plain SDPA against AHA
                          (mu_f 7%): prefill tokens/s at 8k and 32k, decode tokens/s at B = 8 with 32k and
                          128k contexts through generate on allhere's in-place cache
-  mechanisms   took 94   every mechanism in a Decoder against the CPU, the patterns' FlexAttention path, the
-                         AA-MoE op, ring attention and FSDP2 (bf16, sharded checkpoint) in a one-rank NCCL group
-  patterns     ~75       benchmarks/patterns_speed.py, FlexAttention (the patterns' path on CUDA) at 8k, 32k
+  mechanisms   ~170      every mechanism in a Decoder against the CPU, the patterns' FlexAttention path, the
+                         AA-MoE op, ring attention and FSDP2 (bf16, sharded checkpoint) in a one-rank NCCL
+                         group (39 of its tests took 116 s, then the cap)
+  train        ~100      SFT tokens/s of AHA against plain SDPA at the Llama-3.2-1B shape, 10 timed steps
+                         (benchmarks/sft_throughput.py: one document per row, then packed documents of 512)
+  patterns     ~110      benchmarks/patterns_speed.py, FlexAttention (the patterns' path on CUDA) at 8k: each
+                         pattern compiles its mask builder and kernel on a cold machine
+  patterns32k  ~130      the same at 32k (never finished inside one cap of 150 s with 8k before it)
+  tiles        took 102  benchmarks/kernel_tiles.py: every launch setting the kernels' autotuner may pick on
+                         this GPU, checked against the fp32 reference and timed; then the autotuner's first
+                         calls (tuning included) and choices
   flexcost     ~80       benchmarks/flex_mask_cost.py at 32k: FlexAttention's time per pattern on the same
                          tiles with the pattern's predicate, its earlier table forms and no mask
-  train        ~100      SFT tokens/s of AHA against plain SDPA at the Llama-3.2-1B shape
-                         (benchmarks/sft_throughput.py: one document per row, then packed documents of 512)
   blocksparse  ~60       benchmarks/patterns_speed.py, the block-sparse op at 8k and 32k (measured twice on
-                         that H200 and unchanged since: last)
+                         an H200 and unchanged since: last)
 
 The demo's ``tiny`` preset is not run on CUDA: its 2-minute models say nothing there (7.4 bits/byte, mu_f
 100% on that H200).
@@ -71,22 +77,24 @@ def _patterns(backend: str, *lengths: str) -> tuple:
                  for n in lengths)
 
 
-PARTS = {
-    "tests": Part(150, "tests.log", (
+PARTS = {  # in order of worth; expected: seconds on the H200 of 2026-11-26 (second session), from a cold machine
+    "tests": Part(240, "tests.log", (
         (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/ops/test_gpu.py",
-         "tests/ops/test_kernels.py", "tests/ops/test_aha_paged.py"),), 93),  # measured without the paged tests
-    "tiles": Part(180, "tiles.md", ((PY, "benchmarks/kernel_tiles.py", "--repeats", "5"),), 120),
-    "bench": Part(120, "bench.log", (
-        (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),), 42),
-    "model": Part(180, "model.log", (
-        (PY, "-m", "allhere.cli", "bench", "--tables", "model", "--out", "{tmp}/model"),), 80),
-    "mechanisms": Part(150, "mechanisms.log", (
-        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=15", "tests/mechanisms/test_gpu_mechanisms.py"),), 94),
-    "patterns": Part(150, "patterns.md", _patterns("flex", "8192", "32768"), 75),
-    "flexcost": Part(150, "patterns.md", ((PY, "benchmarks/flex_mask_cost.py", "--device", "cuda"),), 80),
-    "train": Part(180, "train.log", tuple(
+         "tests/ops/test_kernels.py", "tests/ops/test_aha_paged.py"),), 190),  # 56 tests in 136 s, then cut
+    "bench": Part(130, "bench.log", (
+        (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),), 98),  # 52 s of it tuning
+    "model": Part(120, "model.log", (
+        (PY, "-m", "allhere.cli", "bench", "--tables", "model", "--out", "{tmp}/model"),), 79),
+    "mechanisms": Part(220, "mechanisms.log", (
+        (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=15", "tests/mechanisms/test_gpu_mechanisms.py"),),
+        170),  # 39 of 57 tests in 116 s, then cut
+    "train": Part(150, "train.log", tuple(
         (PY, "benchmarks/sft_throughput.py", "--device", "cuda", "--shape", "llama-1b", "--router-init", "global",
-         *extra) for extra in ((), ("--doc-len", "512"))), 100),
+         "--steps", "10", "--warmup", "3", *extra) for extra in ((), ("--doc-len", "512"))), 100),
+    "patterns": Part(150, "patterns.md", _patterns("flex", "8192"), 110),  # compiles a mask builder per pattern
+    "patterns32k": Part(180, "patterns.md", _patterns("flex", "32768"), 130),
+    "tiles": Part(150, "tiles.md", ((PY, "benchmarks/kernel_tiles.py", "--repeats", "5"),), 102),
+    "flexcost": Part(150, "patterns.md", ((PY, "benchmarks/flex_mask_cost.py", "--device", "cuda"),), 80),
     "blocksparse": Part(100, "patterns.md", _patterns("blocksparse", "8192", "32768"), 60),
 }
 SUMMARY = "session.md"

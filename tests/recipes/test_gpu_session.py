@@ -110,28 +110,31 @@ def test_the_real_parts_fit_what_the_device_brings_back(session, capsys):
     assert "caps add up to" in capsys.readouterr().out
 
 
-# What the H200 of 2026-11-26 showed (seconds per part), and the issue's order: correctness, tiles, the op
-# tables, the whole model, then the mechanisms, the patterns split in parts, and SFT.
-MEASURED = {"tests": 93, "bench": 42, "mechanisms": 94}
-ORDER = ["tests", "tiles", "bench", "model", "mechanisms", "patterns", "flexcost", "train", "blocksparse"]
+# What the H200 of 2026-11-26's second session showed (seconds per part from a cold machine), and the order:
+# correctness, the op tables, the whole model, the mechanisms, SFT, the patterns split by length, then the
+# tile sweep (the autotuner times the same settings within bench) and what has not changed since it ran.
+MEASURED = {"bench": 98, "model": 79, "tiles": 102}
+ORDER = ["tests", "bench", "model", "mechanisms", "train", "patterns", "patterns32k", "tiles", "flexcost",
+         "blocksparse"]
 
 
 def test_the_plan_is_one_10_minute_call_then_continue(session, capsys):
-    """Parts in order of worth; each cap at least 1.5x what the part took on a GPU (1.25x an estimate); the
-    first call (--deadline 560) starts the parts up to the pattern probe, --continue the rest; no demo."""
+    """Parts in order of worth; each cap at least 1.3x what the part took on a GPU (1.25x an estimate); the
+    first call (--deadline 560) starts the correctness tests, the op and whole-model tables and the
+    mechanisms, --continue the rest; no demo."""
     assert list(session.PARTS) == ORDER
     for name, part in session.PARTS.items():
         assert (part.expect == MEASURED.get(name, part.expect)
-                and part.cap >= (1.5 if name in MEASURED else 1.25) * part.expect)
+                and part.cap >= (1.3 if name in MEASURED else 1.25) * part.expect)
     argv = [" ".join(cmd) for part in session.PARTS.values() for cmd in part.commands]
     assert not any(" demo " in a for a in argv)
     assert sum("--backend flex" in a for a in argv) == 2 and sum("--backend blocksparse" in a for a in argv) == 2
     assert all("--shape llama-1b" in a for a in argv if "sft_throughput" in a)
     assert session.main(["--plan", "--deadline", "560"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "this call starts tests tiles bench model mechanisms patterns flexcost; --continue runs train " \
-        "blocksparse" in last
-    assert 600 < sum(p.expect for p in session.PARTS.values()) < 780  # with a start of 1-2 min: under 15 min
+    assert "this call starts tests bench model mechanisms; --continue runs train patterns" in last
+    before = [sum(session.PARTS[n].expect for n in ORDER[:i]) for i in (3, 4)]  # when mechanisms, train start
+    assert before[0] + session.MIN_START <= 560 < before[1] + session.MIN_START
 
 
 def test_every_command_runs_something_that_is_there(session):
