@@ -35,7 +35,7 @@ from allhere.validation import ConfigError
 
 from .gates import PATTERNS, byte_limit, flop_limit
 from .report import write_report
-from .timing import median_time
+from .timing import median_time, ms_text, stream_time
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -109,6 +109,20 @@ def fastest_dense(fn, cfg: BenchConfig) -> tuple[str, float]:
     return best
 
 
+def back_to_back(dense_fn, dense_name: str, aha_fn, cfg: BenchConfig) -> dict:
+    """On CUDA, the dense call (on its fastest backend) and AHA's timed as calls issued back to back
+    (``stream_time``: a model's layers issue them so, the host running ahead of the GPU): ms per call and
+    their ratio. Beside the one-call times, the gap says how much of AHA's time is its host's work (the
+    launches and small ops around its kernels). Empty off CUDA."""
+    if not cfg.device.startswith("cuda"):
+        return {}
+    backend = BACKENDS.get(dense_name, SDPBackend.MATH)
+    with sdpa_kernel([backend]):
+        dense = stream_time(dense_fn, device=cfg.device)
+    aha = stream_time(aha_fn, device=cfg.device)
+    return {"dense_stream_ms": 1e3 * dense, "aha_stream_ms": 1e3 * aha, "speedup_stream": dense / aha}
+
+
 def flex_sliding(q, k, v, window: int):
     """A callable running FlexAttention's sliding window (compiled), or None off CUDA."""
     if not q.is_cuda:
@@ -170,11 +184,14 @@ def bench_prefill(cfg: BenchConfig, n: int, pattern: str, mu: float) -> dict:
         dense_name, dense = fastest_dense(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), cfg)
         flex_fn = flex_sliding(q, k, v, cfg.window)
         flex = median_time(flex_fn, cfg.repeats, device=cfg.device) if flex_fn else None
-        aha = median_time(lambda: aha_attention_fast(q, k, v, gate, cfg.window), cfg.repeats, device=cfg.device)
+        aha_fn = lambda: aha_attention_fast(q, k, v, gate, cfg.window)  # noqa: E731
+        aha = median_time(aha_fn, cfg.repeats, device=cfg.device)
+        streamed = back_to_back(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dense_name, aha_fn,
+                                cfg)
     mu_real = gate.float().mean().item()
     return {"n": n, "pattern": pattern, "mu_asked": mu, "mu_f": mu_real, "dense_backend": dense_name,
             "dense_ms": 1e3 * dense, "flex_sliding_ms": None if flex is None else 1e3 * flex, "aha_ms": 1e3 * aha,
-            "speedup": dense / aha, "limit": flop_limit(mu_real, cfg.window, n)}
+            "speedup": dense / aha, "limit": flop_limit(mu_real, cfg.window, n), **streamed}
 
 
 def decode_inputs(cfg: BenchConfig, n: int, pattern: str, mu: float):
@@ -192,11 +209,13 @@ def bench_decode(cfg: BenchConfig, n: int, pattern: str, mu: float) -> dict:
     q, k, v, gate = decode_inputs(cfg, n, pattern, mu)
     with torch.no_grad():
         dense_name, dense = fastest_dense(lambda: F.scaled_dot_product_attention(q, k, v), cfg)
-        aha = median_time(lambda: aha_attention_fast(q, k, v, gate, cfg.window), cfg.repeats, device=cfg.device)
+        aha_fn = lambda: aha_attention_fast(q, k, v, gate, cfg.window)  # noqa: E731
+        aha = median_time(aha_fn, cfg.repeats, device=cfg.device)
+        streamed = back_to_back(lambda: F.scaled_dot_product_attention(q, k, v), dense_name, aha_fn, cfg)
     mu_real = gate.float().mean().item()
     return {"n": n, "batch": b, "pattern": pattern, "mu_asked": mu, "mu_f": mu_real, "dense_backend": dense_name,
             "dense_ms": 1e3 * dense, "aha_ms": 1e3 * aha, "speedup": dense / aha,
-            "limit": byte_limit(mu_real, cfg.window, n)}
+            "limit": byte_limit(mu_real, cfg.window, n), **streamed}
 
 
 def training_steps(cfg: BenchConfig, pattern: str, mu: float):
@@ -297,6 +316,27 @@ def _mu(row: dict) -> str:
     return f"{100 * row['mu_asked']:.0f}% ({100 * row['mu_f']:.1f}%)"
 
 
+def _streamed_note(rows: list[dict]) -> list[str]:
+    if not rows or "aha_stream_ms" not in rows[0]:
+        return []
+    return ["Times of one call, the GPU idle before it (what a lone call waits: the host's work, then the "
+            "GPU's); \"back to back\": 20 calls issued in a row, per call (what a model's layers get when the "
+            "host runs ahead).", ""]
+
+
+def _head(columns: list[str], rows: list[dict]) -> list[str]:
+    """A table's header and rule, with the back-to-back columns where the rows have them."""
+    if rows and "aha_stream_ms" in rows[0]:
+        columns = [*columns, "dense, back to back", "AHA, back to back", "speed-up, back to back"]
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def _streamed(r: dict) -> str:
+    if "aha_stream_ms" not in r:
+        return ""
+    return f" {ms_text(r['dense_stream_ms'])} | {ms_text(r['aha_stream_ms'])} | {r['speedup_stream']:.2f}x |"
+
+
 def render(report: dict) -> str:
     """bench.md: the whole-model tables (when run), the check and one table per part (prefill, decode,
     training)."""
@@ -312,19 +352,19 @@ def render(report: dict) -> str:
             f"dense SDPA backend of the same run. AHA runs the {report['aha_path']}.", "",
            "Check against the fp32 reference (relative error): "
            + ", ".join(f"{k} {v:.1e}" for k, v in report["check"].items()), "",
-           "## Prefill (B = 1)", "",
-           "| n | gates | mu_f asked (drawn) | dense (backend) | Flex sliding | AHA | speed-up | FLOP limit |",
-           "|---|---|---|---|---|---|---|---|"]
+           "## Prefill (B = 1)", "", *_streamed_note(report["prefill"]),
+           *_head(["n", "gates", "mu_f asked (drawn)", "dense (backend)", "Flex sliding", "AHA", "speed-up",
+                   "FLOP limit"], report["prefill"])]
     for r in report["prefill"]:
         flex = "n/a" if r["flex_sliding_ms"] is None else f"{r['flex_sliding_ms']:.2f} ms"
         out.append(f"| {r['n']} | {r['pattern']} | {_mu(r)} | {r['dense_ms']:.2f} ms ({r['dense_backend']}) "
-                   f"| {flex} | {r['aha_ms']:.2f} ms | {r['speedup']:.2f}x | {r['limit']:.1f}x |")
+                   f"| {flex} | {r['aha_ms']:.2f} ms | {r['speedup']:.2f}x | {r['limit']:.1f}x |" + _streamed(r))
     out += ["", f"## Decode (B = {c['decode_batch']}, one query per sequence)", "",
-            "| n | gates | mu_f asked (drawn) | dense (backend) | AHA | speed-up | byte limit |",
-            "|---|---|---|---|---|---|---|"]
+            *_head(["n", "gates", "mu_f asked (drawn)", "dense (backend)", "AHA", "speed-up", "byte limit"],
+                   report["decode"])]
     for r in report["decode"]:
         out.append(f"| {r['n']} | {r['pattern']} | {_mu(r)} | {r['dense_ms']:.3f} ms ({r['dense_backend']}) "
-                   f"| {r['aha_ms']:.3f} ms | {r['speedup']:.2f}x | {r['limit']:.1f}x |")
+                   f"| {r['aha_ms']:.3f} ms | {r['speedup']:.2f}x | {r['limit']:.1f}x |" + _streamed(r))
     out += ["", "## Training forward + backward (B = 1)", "",
             "| n | gates | mu_f asked (drawn) | dense (backend) | AHA (STE) | AHA / dense | PyTorch path |",
             "|---|---|---|---|---|---|---|"]

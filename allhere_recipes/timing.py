@@ -29,6 +29,24 @@ def median_time(fn, repeats: int = 5, warmup: int = 1, device: str = "cpu") -> f
     return statistics.median(times)
 
 
+def stream_time(fn, calls: int = 20, device: str = "cpu") -> float | None:
+    """Seconds per call of ``calls`` calls issued back to back between two CUDA events (after one warm-up):
+    the host issues the next call while the GPU runs the last, so this is max(host, GPU) per call, where
+    ``median_time`` (one call, the GPU idle before it) is about host + GPU for a call of small kernels.
+    None off CUDA (on the CPU the two are one)."""
+    if not device.startswith("cuda"):
+        return None
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
 def ms_text(ms: float) -> str:
     """Milliseconds with three significant digits and no exponent ("0.215 ms", "27.1 ms", "2712 ms"): a
     GPU's fast paths take fractions of a millisecond, which a fixed one decimal would print as 0.0."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import os
 import tempfile
@@ -109,12 +110,17 @@ def forget() -> None:
 
 
 def _identity(kernel: str, key: tuple, device: torch.device) -> str:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"{_device_tag(index)}|{kernel}|" + "-".join(str(part) for part in key)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_tag(index: int) -> str:
+    """"<GPU name> sm<capability>|triton <version>" of CUDA device ``index`` (asked once: every launch needs it)."""
     import triton
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
     major, minor = torch.cuda.get_device_capability(index)
-    return f"{torch.cuda.get_device_name(index)} sm{major}{minor}|triton {triton.__version__}|{kernel}|" + \
-        "-".join(str(part) for part in key)
+    return f"{torch.cuda.get_device_name(index)} sm{major}{minor}|triton {triton.__version__}"
 
 
 def _candidates(kernel: str, device: torch.device, head_dim: int, elem: int, length: int | None) -> list[dict]:

@@ -133,3 +133,24 @@ def test_bench_pin_tiles_is_recorded(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     assert report["config"]["pin_tiles"] and report["launch_settings"] == "pinned"
     assert "Pinned (`--pin-tiles`)" in (out / "bench.md").read_text()
+
+
+def test_back_to_back_columns_line_up_with_their_header():
+    """On CUDA each prefill / decode row also has its calls timed back to back (``stream_time``); the
+    table then grows three columns, header, rule and rows alike (rendered here from such rows)."""
+    from allhere_recipes.bench import render
+    from allhere_recipes.timing import stream_time
+
+    assert stream_time(lambda: None, device="cpu") is None  # off CUDA: nothing to add
+    common = dict(pattern="uniform", mu_asked=0.07, mu_f=0.07, dense_backend="cudnn", dense_ms=2.0, aha_ms=1.0,
+                  speedup=2.0, limit=10.0, dense_stream_ms=1.5, aha_stream_ms=0.25, speedup_stream=6.0)
+    report = {"device_name": "a GPU", "torch": "x", "aha_path": "Triton kernels", "check": {"prefill": 1e-3},
+              "config": dict(heads=16, dim=128, window=256, decode_batch=8),
+              "prefill": [dict(n=4096, flex_sliding_ms=None, **common)], "decode": [dict(n=8192, batch=8, **common)],
+              "training": []}
+    md = render(report)
+    for title in ("## Prefill", "## Decode"):
+        head, rule, row = [line for line in md.split(title)[1].splitlines() if line.startswith("|")][:3]
+        assert head.count("|") == rule.count("|") == row.count("|")
+        assert "AHA, back to back" in head and "| 0.250 ms | 6.00x |" in row
+    assert "20 calls issued in a row" in md
