@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from allhere import FullConfig
 from allhere.hf import convert, new_cache
+from allhere.hf.cache import cache_kwargs
 
 
 class ConcatLayer(DynamicLayer):
@@ -81,7 +82,7 @@ def main() -> None:
                     for name in names[r % 3:] + names[:r % 3]:
                         model, cache = runs[name]
                         t0 = time.perf_counter()
-                        model(token, past_key_values=cache, use_cache=True)
+                        model(token, use_cache=True, **cache_kwargs(cache))
                         times[name].append(time.perf_counter() - t0)
             ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
             first = first or ms["in place"]
