@@ -132,7 +132,8 @@ def format_stats(stats: dict) -> str:
 
 def format_kv(kv: dict) -> str:
     """The caches' bytes (``allhere.serve.vllm_model.kv_bytes``) in one line."""
-    window = f" + {kv['per_request']} bytes per request (windows and sinks)" if kv["per_request"] else ""
+    window = (f" + {kv['per_request']} bytes per request (the keys of windows and sinks, DAR's near window "
+              "included)") if kv["per_request"] else ""
     return (f"KV cache {kv['per_token']} bytes per token of context{window}; the unconverted model: "
             f"{kv['plain_per_token']} bytes per token")
 

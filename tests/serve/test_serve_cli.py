@@ -92,6 +92,6 @@ def test_kv_line():
     kv = {"per_token": 16384, "per_request": 0, "plain_per_token": 8192}
     assert format_kv(kv) == "KV cache 16384 bytes per token of context; the unconverted model: 8192 bytes per token"
     window = format_kv({"per_token": 0, "per_request": 2 ** 20, "plain_per_token": 8192})
-    assert "+ 1048576 bytes per request (windows and sinks)" in window
+    assert "+ 1048576 bytes per request (the keys of windows and sinks, DAR's near window included)" in window
     line = format_stats({"layers": {"0": [1, 4]}, "mu_f": 0.25, "tokens": 2, "kv": kv})
     assert line == "mu_f 25.0% over 2 tokens (per layer 0: 25.0%); KV cache 16384 bytes per token"
