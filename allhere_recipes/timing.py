@@ -29,22 +29,26 @@ def median_time(fn, repeats: int = 5, warmup: int = 1, device: str = "cpu") -> f
     return statistics.median(times)
 
 
-def stream_time(fn, calls: int = 20, device: str = "cpu") -> float | None:
-    """Seconds per call of ``calls`` calls issued back to back between two CUDA events (after one warm-up):
-    the host issues the next call while the GPU runs the last, so this is max(host, GPU) per call, where
-    ``median_time`` (one call, the GPU idle before it) is about host + GPU for a call of small kernels.
-    None off CUDA (on the CPU the two are one)."""
+def stream_time(fn, calls: int = 20, device: str = "cpu") -> tuple[float, float] | None:
+    """(seconds per call, host seconds per call) of ``calls`` calls issued back to back between two CUDA
+    events (after one warm-up). The host issues the next call while the GPU runs the last, so the first is
+    max(host, GPU) per call, where ``median_time`` (one call, the GPU idle before it) is about host + GPU for
+    a call of small kernels. The second is the wall time until the last call returned, before waiting for
+    the GPU: the host's own work per call (its Python, the ops' and kernels' launches), as long as the
+    GPU's queue does not fill. None off CUDA (on the CPU both are the call's time)."""
     if not device.startswith("cuda"):
         return None
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
     start.record()
     for _ in range(calls):
         fn()
     end.record()
+    host = time.perf_counter() - t0
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / calls
+    return start.elapsed_time(end) / 1e3 / calls, host / calls
 
 
 def ms_text(ms: float) -> str:

@@ -143,7 +143,8 @@ def test_back_to_back_columns_line_up_with_their_header():
 
     assert stream_time(lambda: None, device="cpu") is None  # off CUDA: nothing to add
     common = dict(pattern="uniform", mu_asked=0.07, mu_f=0.07, dense_backend="cudnn", dense_ms=2.0, aha_ms=1.0,
-                  speedup=2.0, limit=10.0, dense_stream_ms=1.5, aha_stream_ms=0.25, speedup_stream=6.0)
+                  speedup=2.0, limit=10.0, dense_stream_ms=1.5, aha_stream_ms=0.25, speedup_stream=6.0,
+                  aha_host_ms=0.2)
     report = {"device_name": "a GPU", "torch": "x", "aha_path": "Triton kernels", "check": {"prefill": 1e-3},
               "config": dict(heads=16, dim=128, window=256, decode_batch=8),
               "prefill": [dict(n=4096, flex_sliding_ms=None, **common)], "decode": [dict(n=8192, batch=8, **common)],
@@ -152,5 +153,5 @@ def test_back_to_back_columns_line_up_with_their_header():
     for title in ("## Prefill", "## Decode"):
         head, rule, row = [line for line in md.split(title)[1].splitlines() if line.startswith("|")][:3]
         assert head.count("|") == rule.count("|") == row.count("|")
-        assert "AHA, back to back" in head and "| 0.250 ms | 6.00x |" in row
+        assert "AHA, back to back" in head and "| 0.250 ms | 6.00x | 0.200 ms |" in row
     assert "20 calls issued in a row" in md
