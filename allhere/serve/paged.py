@@ -34,7 +34,8 @@ rule's parts and over pieces of bounded memory, never over requests or heads):
 4. decode rows (one query in their request) take one tile per (token, kv head, class) that gathers all its
    blocks at once and scores them by matmul from the transposed keys (``paged_decode``);
 5. all pieces a row read are merged by their log-sum-exp (one softmax over everything it reads), learned sink
-   logits (gpt-oss) joining as one more term; the rows are written to ``out``.
+   logits (gpt-oss) joining as one more term, folded as they come once they pass a memory budget
+   (``paged_chunks.Merger``); the rows are written to ``out``.
 
 Soft-capped scores (Gemma-2) have no fused kernel: there the scores are computed with matmuls too.
 """
@@ -46,7 +47,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .. import masks
-from .paged_chunks import Workspace, attend_part, merge, tile_rows
+from .paged_chunks import Merger, Workspace, attend_part, tile_rows
 from .paged_decode import decode_rows
 
 
@@ -133,12 +134,16 @@ def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
     n = int(query_start[-1])
     if n == 0:
         return
-    found = list(extra) + paged_pieces(q, view, query_start, seq_lens, block_table, reads, scale, row_class, softcap,
-                                       q_tile, pack, workspace)
+    merger = Merger(n * heads, q.shape[2], q.device)
+    for piece in extra:  # in turn, not interleaved: the pieces may share the workspace's buffers
+        merger.add(piece)
+    for piece in paged_pieces(q, view, query_start, seq_lens, block_table, reads, scale, row_class, softcap, q_tile,
+                              pack, workspace):
+        merger.add(piece)
     if sinks is not None:  # exp(sink logit) joins every row's denominator, with no value
         rows = torch.arange(n * heads, device=q.device)[:, None]
-        found.append((rows, q.new_zeros(n * heads, 1, q.shape[2]), sinks.float().repeat(n)[:, None]))
-    merged = merge(found, n * heads, q.shape[2], q.device).view(n, heads, -1).to(out.dtype)
+        merger.add((rows, q.new_zeros(n * heads, 1, q.shape[2]), sinks.float().repeat(n)[:, None]))
+    merged = merger.result().view(n, heads, -1).to(out.dtype)
     empty = [] if extra else [c for c, parts in enumerate(reads) if not parts]
     if not empty:
         out[:n] = merged
@@ -151,9 +156,10 @@ def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
 def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                  block_table: torch.Tensor, reads: Sequence[Sequence[Read]], scale: float,
                  row_class: torch.Tensor | None = None, softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
-                 workspace: Workspace | None = None) -> list:
-    """What ``paged_attention`` reads, before the merge: pieces (row ids ``token x heads + head`` [n, size], -1:
-    padding; output [n, size, d]; log-sum-exp [n, size]), for ``paged_chunks.merge``."""
+                 workspace: Workspace | None = None):
+    """What ``paged_attention`` reads, before the merge: yields pieces (row ids ``token x heads + head`` [n, size],
+    -1: padding; output [n, size, d]; log-sum-exp [n, size]) for ``paged_chunks.merge`` / ``Merger`` as they are
+    computed (a consumer that folds them holds no more than it chooses)."""
     heads = q.shape[1]
     n = int(query_start[-1])
     dev = q.device
@@ -167,11 +173,10 @@ def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor,
     cls = (torch.zeros(n * heads, dtype=torch.long, device=dev) if row_class is None
            else row_class[:n].reshape(-1).long())
     qflat = q[:n].reshape(n * heads, q.shape[2])  # by row id (one copy where q is a strided view)
-    found = []
     one = q_len == 1
     if bool(one.any()):  # decode rows: one tile per (token, kv head, class)
         t = starts[:-1][one]
-        found += decode_rows(qflat, t, req[t], pos[t], None if row_class is None else row_class[t], reads, view,
+        yield from decode_rows(qflat, t, req[t], pos[t], None if row_class is None else row_class[t], reads, view,
                              block_table, scale, softcap, heads, workspace)
     if not bool(one.all()):  # longer queries: tiles of rows in order of position, read chunk by chunk
         longer = ~one[req][tok]
@@ -188,5 +193,4 @@ def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor,
                 for tiles in tiled[size]:
                     for t, o, lse in attend_part(tiles, read.pred, view, block_table, scale, softcap,
                                                  pack, workspace):
-                        found.append((tiles.row[t], o, lse))
-    return found
+                        yield tiles.row[t], o, lse

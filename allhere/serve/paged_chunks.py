@@ -8,6 +8,7 @@ import torch
 
 MAX_GATHER_BYTES = 32 << 20  # keys and values gathered for one call (a longer batch runs in pieces)
 MAX_MASK_ELEMENTS = 4 << 20  # (row, key) pairs of the predicate evaluated at once
+MERGE_BUDGET = 64 << 20  # bytes of pieces (outputs, log-sum-exps, row ids) held before they are merged
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 FUSED = True  # torch's fused flash attention on the CPU; False (or another device, or capped scores): matmuls
 _NEG = float("-inf")
@@ -139,12 +140,12 @@ def gather(view: torch.Tensor, base: torch.Tensor, workspace: Workspace,
 
 def attend_part(tiles: Tiles, pred, view, block_table, scale: float, softcap: float, pack: int,
                 workspace: Workspace):
-    """The tiles against the keys of ``view`` that ``pred`` allows them: a list of (tile [n], output [n, size,
-    d], log-sum-exp [n, size] float32, -inf where a row reads none of those keys)."""
+    """The tiles against the keys of ``view`` that ``pred`` allows them: yields (tile [n], output [n, size, d],
+    log-sum-exp [n, size] float32, -inf where a row reads none of those keys), a call's worth at a time."""
     kt = view.shape[3]  # a chunk is one block
     tile, chunk = candidates(tiles, pred, kt)
     if tile.numel() == 0:
-        return []
+        return
     per_mask = tiles.size * kt
     dense_test = getattr(pred, "dense", None)
     if dense_test is not None:
@@ -160,7 +161,6 @@ def attend_part(tiles: Tiles, pred, view, block_table, scale: float, softcap: fl
         dense = [p.flatten(1).all(1) for p in pieces]
         kept = torch.cat([p[~d] for p, d in zip(pieces, dense)])
         dense = torch.cat(dense)
-    found = []
     base = block_table[tiles.req[tile], chunk].long() * view.shape[1] + tiles.kv_head[tile]
     part = (~dense).nonzero().squeeze(1)
     per_block = 2 * kt * view.shape[4] * view.element_size()
@@ -170,15 +170,14 @@ def attend_part(tiles: Tiles, pred, view, block_table, scale: float, softcap: fl
         allowed = _allowed(tiles, tile[p], chunk[p], pred, kt) if kept is None else kept[a:a + step]
         k, v = gather(view, base[p], workspace)
         o, lse = attend(tiles.q.index_select(0, tile[p]), k, v, allowed, scale, softcap)
-        found.append((tile[p], o, lse.masked_fill_(~allowed.any(-1), _NEG)))
+        yield tile[p], o, lse.masked_fill_(~allowed.any(-1), _NEG)
     for t, members in _packed(tile, dense, pack):
         s = members.shape[1]
         step = max(1, MAX_GATHER_BYTES // (2 * s * kt * view.shape[4] * view.element_size()))
         for a in range(0, t.numel(), step):
             m = members[a:a + step]
             k, v = (t.view(m.shape[0], s * kt, -1) for t in gather(view, base[m], workspace))
-            found.append((t[a:a + step], *attend(tiles.q.index_select(0, t[a:a + step]), k, v, None, scale, softcap)))
-    return found
+            yield t[a:a + step], *attend(tiles.q.index_select(0, t[a:a + step]), k, v, None, scale, softcap)
 
 
 def _packed(tile: torch.Tensor, dense: torch.Tensor, pack: int):
@@ -226,9 +225,10 @@ def attend(q, k, v, allowed, scale: float, softcap: float):
     return o[:, 0], lse[:, 0].float()
 
 
-def merge(found, n_rows: int, d: int, device) -> torch.Tensor:
+def merge(found, n_rows: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over every piece a row read: ``found`` holds (row ids [n, size] (-1: padding), output [n,
-    size, d], log-sum-exp [n, size]); returns [n_rows, d] float32 (0 for a row that read nothing)."""
+    size, d], log-sum-exp [n, size]); returns (output [n_rows, d] float32, 0 for a row that read nothing; its
+    log-sum-exp [n_rows], -inf there)."""
     m = torch.full((n_rows + 1,), _NEG, device=device)  # the last entry takes the padding
     rows = [r.flatten().where(r.flatten() >= 0, n_rows) for r, _, _ in found]
     for r, (_, _, lse) in zip(rows, found):
@@ -240,4 +240,28 @@ def merge(found, n_rows: int, d: int, device) -> torch.Tensor:
         w = torch.exp(lse.flatten() - m[r])
         acc.index_add_(0, r, o.reshape(-1, d).float() * w[:, None])
         den.index_add_(0, r, w)
-    return (acc / torch.where(den > 0, den, 1.0)[:, None])[:n_rows]
+    out = (acc / torch.where(den > 0, den, 1.0)[:, None])[:n_rows]
+    return out, (m + torch.log(den))[:n_rows].masked_fill(den[:n_rows] == 0, _NEG)
+
+
+class Merger:
+    """``merge`` over pieces handed in one at a time (``add``), holding at most about ``budget`` bytes of them:
+    past it, what is held is merged into one piece (each row's output so far and its log-sum-exp), so a
+    prefill whose rows read many key blocks keeps one row-sized result, not an output per block it read."""
+
+    def __init__(self, n_rows: int, d: int, device, budget: int | None = None) -> None:
+        self.n_rows, self.d, self.device = n_rows, d, device
+        self.budget = MERGE_BUDGET if budget is None else budget
+        self.held, self.bytes = [], 0
+
+    def add(self, piece) -> None:
+        self.held.append(piece)
+        self.bytes += sum(t.numel() * t.element_size() for t in piece)
+        if self.bytes > self.budget and len(self.held) > 1:
+            out, lse = merge(self.held, self.n_rows, self.d, self.device)
+            rows = torch.arange(self.n_rows, device=self.device)[:, None]
+            self.held, self.bytes = [(rows, out[:, None], lse[:, None])], 0  # the merged piece counts as free
+
+    def result(self) -> torch.Tensor:
+        """[n_rows, d] float32: every row's softmax over all it read (0 for a row that read nothing)."""
+        return merge(self.held, self.n_rows, self.d, self.device)[0]

@@ -96,11 +96,12 @@ def write_latents(view: torch.Tensor, slots: torch.Tensor, c: torch.Tensor) -> N
 
 def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                block_table: torch.Tensor, window: int, kv: LatentKV, scale: float,
-               budget: int = FAR_BUDGET, workspace: Workspace | None = None) -> list:
+               budget: int = FAR_BUDGET, workspace: Workspace | None = None):
     """What each row of ``q`` [tokens, heads, d] reads through the bottleneck: every key j <= its position -
     ``window``, rebuilt from ``view``'s latents through ``block_table`` (request r's queries are rows
     ``query_start[r]:query_start[r + 1]``, the last of its ``seq_lens[r]`` tokens, whose latents are written).
-    Returns pieces (row ids [n, size], output [n, size, d], log-sum-exp [n, size]) for ``paged_chunks.merge``;
+    Yields pieces (row ids [n, size], output [n, size, d], log-sum-exp [n, size]) for ``paged_chunks.merge`` /
+    ``Merger`` as they are computed (a prefill's rebuilt keys are overwritten chunk by chunk: consume in turn);
     ``budget``: bytes of rebuilt keys, latents and scores held at once (about); ``workspace``: memory reused
     across calls for a prefill's rebuilt keys and values (``paged_chunks.Workspace``)."""
     starts, lens = query_start.long(), seq_lens.long()
@@ -111,16 +112,14 @@ def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, s
     heads, kv_heads = q.shape[1], kv.v_weight.shape[0]
     per_token = 4 * (view.shape[2] + kv_heads * q.shape[2] + heads)  # a latent, its key, a score per head
     chunk = max(view.shape[1], budget // per_token // view.shape[1] * view.shape[1])  # keys per piece
-    found = []
     one = (q_len == 1) & (far > 0)
     if bool(one.any()):
-        found += _decode(q, view, starts, far, block_table, one.nonzero().flatten(), kv, scale, chunk)
+        yield from _decode(q, view, starts, far, block_table, one.nonzero().flatten(), kv, scale, chunk)
     workspace = workspace or Workspace()
     chunk = max(SCRATCH_BLOCK, chunk // SCRATCH_BLOCK * SCRATCH_BLOCK)
     for r in ((q_len > 1) & (far > 0)).nonzero().flatten().tolist():
-        found += _prefill(q, view, int(starts[r]), int(q_len[r]), int(lens[r]), block_table[r], window, kv, scale,
-                          chunk, workspace)
-    return found
+        yield from _prefill(q, view, int(starts[r]), int(q_len[r]), int(lens[r]), block_table[r], window, kv, scale,
+                            chunk, workspace)
 
 
 def _rebuild(view, blocks, first: int, count: int, kv: LatentKV):
@@ -175,17 +174,17 @@ def _decode(q, view, starts, far, block_table, reqs, kv: LatentKV, scale: float,
 
 
 def _prefill(q, view, start: int, q_len: int, length: int, blocks, window: int, kv: LatentKV, scale: float,
-             chunk: int, workspace: Workspace) -> list:
+             chunk: int, workspace: Workspace):
     """One request's ``q_len`` queries (rows ``start ..``, positions ``length - q_len ..``) against its far keys:
     many rows read the same keys, so the keys and values of a chunk of ``chunk`` tokens are rebuilt once into
-    paged blocks of the workspace and read as the near window is, tile by tile in torch's fused attention."""
+    paged blocks of the workspace and read as the near window is, tile by tile in torch's fused attention.
+    Yields the pieces chunk by chunk."""
     heads, d = q.shape[1], q.shape[2]
     kv_heads = kv.v_weight.shape[0]
     dev = q.device
     qr = q[start:start + q_len]
     v_weight = kv.v_weight.reshape(kv_heads * d, -1)
     v_bias = None if kv.v_bias is None else kv.v_bias.reshape(-1)
-    found = []
     for k0 in range(0, length - window, chunk):
         count = min(chunk, length - window - k0)
         c, k = _rebuild(view, blocks[None], k0, count, kv)
@@ -201,8 +200,7 @@ def _prefill(q, view, start: int, q_len: int, length: int, blocks, window: int, 
         for rows, o, lse in paged_pieces(qr, scratch, torch.tensor([0, q_len], device=dev),
                                          torch.tensor([length], device=dev), table, [[read]], scale,
                                          workspace=workspace):
-            found.append((torch.where(rows >= 0, rows + start * heads, -1), o, lse))
-    return found
+            yield torch.where(rows >= 0, rows + start * heads, -1), o, lse
 
 
 def _far_range(window: int, lo: int, hi: int):

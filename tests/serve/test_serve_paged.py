@@ -14,7 +14,7 @@ from allhere.masks import causal, sliding_window
 from allhere.ops.aha import aha_attention_reference
 from allhere.ops.dar import dar_attention_reference
 from allhere.ops.full import pattern_attention_reference
-from allhere.serve import paged_far
+from allhere.serve import paged_chunks, paged_far
 from allhere.serve.paged import (
     causal_read,
     paged_attention,
@@ -145,13 +145,16 @@ def test_masked_patterns_equal_dense_reference(cfg):
 AHA_READS = [[window_read(6)], [causal_read()]]  # with their dense tests
 
 
-@pytest.mark.parametrize("tiles", [(4, 8), (64, 1), (1, 2), (4, 0)],
-                         ids=["tile4-pack8", "tile64", "tile1-pack2", "no-dense-tests"])
-def test_aha_equals_reference(tiles):
+@pytest.mark.parametrize("tiles", [(4, 8, False), (64, 1, False), (1, 2, False), (4, 0, False), (4, 8, True)],
+                         ids=["tile4-pack8", "tile64", "tile1-pack2", "no-dense-tests", "tile4-pack8-folded"])
+def test_aha_equals_reference(tiles, monkeypatch):
     """Per (token, head) the window (class 0) or every earlier key (class 1), whatever the tile sizes, the
-    chunks read entirely found by the reads' dense tests or by evaluating their predicates."""
+    chunks read entirely found by the reads' dense tests or by evaluating their predicates; "folded": the
+    pieces merged two at a time as they come (a merge budget of 0 bytes)."""
     gen = torch.Generator().manual_seed(1)
-    q_tile, pack = tiles
+    q_tile, pack, folded = tiles
+    if folded:
+        monkeypatch.setattr(paged_chunks, "MERGE_BUDGET", 0)
     reads = AHA_READS if pack else [[(sliding_window(6), 0)], [(causal, 0)]]
     outs, data = _serve(reads, gen, q_tile=q_tile, pack=pack or 4)
     _check(outs, data, lambda q, kv, g, c: aha_attention_reference(_bhld(q), _bhld(kv[0]), _bhld(kv[1]),
@@ -240,17 +243,20 @@ def _latent_kv(gen, bias: bool, neox: bool, norm: bool):
     return LatentKV(keys, torch.randn(KV_HEADS, D, D_DOWN, generator=gen), v_bias, order), direct
 
 
-@pytest.mark.parametrize("window,bias,neox,norm,budget,scratch", [
-    (0, False, True, False, SMALL_BUDGET, 128), (3, True, True, False, SMALL_BUDGET, 4),
-    (3, False, False, True, 1 << 20, 128), (20, False, True, True, SMALL_BUDGET, 4),
-    (8, True, False, False, 1 << 20, 128)])
-def test_dar_latents_equal_reference(window, bias, neox, norm, budget, scratch, monkeypatch):
+@pytest.mark.parametrize("window,bias,neox,norm,budget,scratch,folded", [
+    (0, False, True, False, SMALL_BUDGET, 128, False), (3, True, True, False, SMALL_BUDGET, 4, False),
+    (3, False, False, True, 1 << 20, 128, False), (20, False, True, True, SMALL_BUDGET, 4, True),
+    (8, True, False, False, 1 << 20, 128, False)])
+def test_dar_latents_equal_reference(window, bias, neox, norm, budget, scratch, folded, monkeypatch):
     """DAR as served: the near window from the paged K/V, the far keys rebuilt from a paged latent cache of
     its own (other blocks, another block size, a strided view), one softmax = the dense reference with the
     far K/V made from the latents directly. A small budget: keys in pieces of 8, one decode request per piece;
     a large one: the decode requests of a step in one piece, the narrower ones masked. A prefill's far keys are
-    rebuilt into blocks of ``scratch`` tokens (4: several blocks, and keys in several chunks)."""
+    rebuilt into blocks of ``scratch`` tokens (4: several blocks, and keys in several chunks), and consumed
+    chunk by chunk; "folded": merged two pieces at a time as they come."""
     monkeypatch.setattr(paged_far, "SCRATCH_BLOCK", scratch)
+    if folded:
+        monkeypatch.setattr(paged_chunks, "MERGE_BUDGET", 0)
     gen = torch.Generator().manual_seed(3)
     kv, direct = _latent_kv(gen, bias, neox, norm)
     reads = [[window_read(window)] if window else []]
@@ -278,7 +284,7 @@ def test_dar_prefill_in_half_precision():
         write_latents(view, torch.arange(n), c.to(dtype))
         pieces = far_pieces(q.to(dtype), view, torch.tensor([0, n]), torch.tensor([n]), torch.tensor([[2, 0, 3]]),
                             window, kv, SCALE)
-        outs.append(merge(pieces, n * HEADS, D, q.device))
+        outs.append(merge(list(pieces), n * HEADS, D, q.device)[0])
     assert outs[1].dtype == torch.float32 and not outs[1].isnan().any()
     torch.testing.assert_close(outs[1], outs[0], atol=0.1, rtol=0.05)  # bf16 inputs: about 3 digits
 
