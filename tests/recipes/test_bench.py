@@ -24,6 +24,7 @@ def test_bench_smoke_run_on_cpu(tmp_path, capsys):
         assert r["limit"] == pytest.approx(1 / (r["mu_f"] + 2 * (1 - r["mu_f"]) * w / r["n"]))
     for r in report["decode"]:  # bytes: a global query reads the n cached keys, a local one w of them
         assert r["limit"] == pytest.approx(1 / (r["mu_f"] + (1 - r["mu_f"]) * min(1, w / r["n"])))
+        assert r["aha_cache_view_ms"] > 0  # the same step on k, v lying in a longer cache buffer
     for r in report["training"]:
         assert r["overhead"] == pytest.approx(r["aha_ms"] / r["dense_ms"])
     assert [(r["model"], r["n"]) for r in report["model"]] == [("Decoder", 300), ("converted Llama", 300)]
@@ -144,7 +145,7 @@ def test_back_to_back_columns_line_up_with_their_header():
     assert stream_time(lambda: None, device="cpu") is None  # off CUDA: nothing to add
     common = dict(pattern="uniform", mu_asked=0.07, mu_f=0.07, dense_backend="cudnn", dense_ms=2.0, aha_ms=1.0,
                   speedup=2.0, limit=10.0, dense_stream_ms=1.5, aha_stream_ms=0.25, speedup_stream=6.0,
-                  aha_host_ms=0.2)
+                  aha_host_ms=0.2, aha_cache_view_ms=1.02)
     report = {"device_name": "a GPU", "torch": "x", "aha_path": "Triton kernels", "check": {"prefill": 1e-3},
               "config": dict(heads=16, dim=128, window=256, decode_batch=8),
               "prefill": [dict(n=4096, flex_sliding_ms=None, **common)], "decode": [dict(n=8192, batch=8, **common)],
@@ -154,4 +155,5 @@ def test_back_to_back_columns_line_up_with_their_header():
         head, rule, row = [line for line in md.split(title)[1].splitlines() if line.startswith("|")][:3]
         assert head.count("|") == rule.count("|") == row.count("|")
         assert "AHA, back to back" in head and "| 0.250 ms | 6.00x | 0.200 ms |" in row
+    assert "| 1.02 ms (1.02x) |" in md.split("## Decode")[1]
     assert "20 calls issued in a row" in md
