@@ -2,14 +2,15 @@
 for the global (query, head) pairs only, packed per (batch, head) with their own count.
 
 Packing, without a host sync: per (batch, head), the positions of its global queries in increasing
-order (``pack_global``: a cumulative count and a scatter on the device). The global kernel has one
+order (``aha_pack.pack_global``: a running count and a scatter, in one launch). The global kernel has one
 program per (block of BLOCK_M of those positions, batch * head) for every block a head could have
 (n / BLOCK_M); a program past its head's own count returns at once, so the work follows each head's count
 (never padded to the busiest head: a head with 3 global queries does one block of 3 rows) while the
 grid, known from the shapes alone, needs nothing read back from the GPU. A program reads keys from 0 (or
 its earliest row's segment start) to its block's last position with a per-row causal mask and writes its
-rows over the local result in place; the blocks of all heads start longest first (``longest_first``: the
-latest last position first), so that no long block is left to run alone at the end.
+rows over the local result in place; the blocks of all heads start longest first
+(``aha_pack.longest_first``: the latest last position first), so that no long block is left to run alone at
+the end.
 The local result of a global query is computed and overwritten (a fraction mu_f of the local work).
 
 Masks cost only on the edges: in both kernels the key blocks that every row of a block may see entirely
@@ -30,6 +31,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
+from .aha_pack import longest_first, pack_global
 from .tiles import default as default_tiles
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -183,7 +185,7 @@ def packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M: tl.constexpr):
     """This program's block of global queries: the work item ORDER[program id] = (batch * heads + head) *
     blocks per head + block of that head (``longest_first``). Returns (rows in it -- 0 or less when the
     head has fewer blocks --, b * h + h, b, h, kv head, row mask, positions)."""
-    item = tl.load(ORDER + tl.program_id(0))
+    item = tl.load(ORDER + tl.program_id(0)).to(tl.int32)  # int64 indices of a sort: as int32, as before
     per_head = tl.cdiv(N, BLOCK_M)
     bh = item // per_head
     blk = item % per_head
@@ -223,35 +225,6 @@ def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, ORDER, START, sm_scale, B, N, H, 
              mask=rmask[:, None])
     if STORE_LSE:
         tl.store(LSE + bh * N + pos, lse, mask=rmask)
-
-
-def pack_global(hard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, cum) of a [b, h, n] bool gate, on its device and without a host sync. rows [b * h, n + 1]
-    int32: each (batch, head)'s global positions in increasing order, then unused entries; cum [b * h, n]
-    int32: how many of its queries up to each position are global (the last column is its count)."""
-    b, h, n = hard.shape
-    flat = hard.reshape(b * h, n)
-    cum = flat.cumsum(1, dtype=torch.int32)
-    slot = torch.where(flat, cum - 1, n).long()  # local queries all go to the unused column n
-    positions = torch.arange(n, device=hard.device, dtype=torch.int32).expand(b * h, n)
-    rows = torch.zeros(b * h, n + 1, device=hard.device, dtype=torch.int32).scatter_(1, slot, positions)
-    return rows, cum
-
-
-def longest_first(rows: torch.Tensor, cum: torch.Tensor, block_m: int) -> torch.Tensor:
-    """The global kernel's work items in the order they should start: every (batch * heads + head, block of
-    ``block_m`` of its packed queries) as one int32 (bh * blocks per head + block), the block whose last
-    query is latest (the most keys to read) first, across all heads, and the empty blocks (past a head's
-    count) last, where they return at once. A long block started last would run on alone after the rest
-    (the tail of the launch); on the device, without a host sync."""
-    bhs, n = cum.shape
-    per_head = triton.cdiv(n, block_m)
-    count = cum[:, -1:].long()  # [bh, 1]
-    last_row = torch.arange(1, per_head + 1, device=cum.device) * block_m - 1  # [per_head]
-    last_row = torch.minimum(last_row, count - 1)  # the block's last packed query (below its first: empty)
-    empty = last_row < torch.arange(per_head, device=cum.device) * block_m
-    reach = torch.where(empty, -1, rows.gather(1, last_row.clamp(min=0)).long())  # its position: the keys it reads
-    return torch.argsort(reach.flatten(), descending=True, stable=True).to(torch.int32)
 
 
 def aha_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
+from .aha_pack import longest_first, pack_global
 from .aha_prefill import (
     choose,
     edge_mask,
@@ -35,8 +36,6 @@ from .aha_prefill import (
     inner_blocks,
     key_sources,
     load_keys,
-    longest_first,
-    pack_global,
     packed_block,
     packed_keys,
     pinned_tiles,

@@ -7,13 +7,10 @@ import torch
 
 pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
 
+from allhere.kernels import aha_pack  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
-from allhere.kernels.aha_prefill import (  # noqa: E402
-    aha_prefill_triton,
-    longest_first,
-    pack_global,
-    tma_checked,
-)
+from allhere.kernels.aha_pack import longest_first, longest_first_torch, pack_global, pack_global_torch  # noqa: E402
+from allhere.kernels.aha_prefill import aha_prefill_triton, tma_checked  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton, segment_end  # noqa: E402
 from allhere.masks import segment_starts  # noqa: E402
 from allhere.ops.aha import aha_attention, aha_attention_reference, fast, triton_path  # noqa: E402
@@ -183,7 +180,7 @@ def test_packing_lists_each_heads_global_positions_and_counts_them():
     gate = torch.zeros(1, 3, 40, dtype=torch.bool)
     gate[0, 0, :35] = True  # 35 pairs
     gate[0, 2, [5, 9]] = True  # 2 pairs; head 1 has none
-    rows, cum = pack_global(gate)
+    rows, cum = (t.cpu() for t in pack_global(gate.to(DEVICE)))
     assert rows.shape == (3, 41) and cum.shape == (3, 40) and rows.dtype == cum.dtype == torch.int32
     assert rows[0, :35].tolist() == list(range(35)) and rows[2, :2].tolist() == [5, 9]
     assert cum[:, -1].tolist() == [35, 0, 2] and cum[2, [4, 5, 8, 9, 39]].tolist() == [0, 1, 1, 2, 2]
@@ -223,10 +220,29 @@ def test_global_blocks_start_longest_first_across_heads():
     gate = torch.zeros(1, 3, 12, dtype=torch.bool)
     gate[0, 0, [0, 1, 2, 3, 4, 11]] = True  # blocks: rows 0-3 (reach 3), rows 4, 11 (reach 11)
     gate[0, 2, [5, 7]] = True  # one block reaching 7; head 1 has none
-    order = longest_first(*pack_global(gate), 4).tolist()
+    order = longest_first(*pack_global(gate.to(DEVICE)), 4).tolist()
     per_head = 3
     assert order[:3] == [0 * per_head + 1, 2 * per_head + 0, 0 * per_head + 0]
     assert sorted(order) == list(range(9))  # every item once: the 6 empty ones after
+
+
+@pytest.mark.parametrize("b,h,n,block_m", [(2, 3, 100, 4), (1, 2, 37, 16), (3, 1, 16, 1), (1, 4, 1, 8)])
+def test_packing_kernels_equal_their_torch_references(b, h, n, block_m, monkeypatch):
+    """The packing in one launch each (``aha_pack``) = the same in torch ops, with programs that loop over
+    several chunks of positions and of blocks (chunks of 16 here), a float gate, all-global and all-local
+    heads, a sequence of one."""
+    monkeypatch.setattr(aha_pack, "CHUNK", 16)
+    gate = torch.rand(b, h, n, generator=torch.Generator().manual_seed(n)) < 0.3
+    gate[0, 0] = True
+    gate[-1, -1] = False
+    for g in (gate, gate.float()):
+        rows, cum = pack_global(g.to(DEVICE))
+        want_rows, want_cum = pack_global_torch(g)
+        assert torch.equal(cum.cpu(), want_cum)
+        for r, c in enumerate(want_cum[:, -1].tolist()):  # the entries past a head's count are never read
+            assert torch.equal(rows[r, :c].cpu(), want_rows[r, :c])
+        order = longest_first(rows, cum, block_m)
+        assert torch.equal(order.cpu(), longest_first_torch(want_rows, want_cum, block_m))
 
 
 @pytest.mark.parametrize("kernel", ["prefill", "training"])
