@@ -106,7 +106,8 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
         raise ValueError(f"the decode kernel takes one query per sequence, got {lq}")
     q, k, v = strided(q, k, v)
     hkv, t = k.shape[1], k.shape[2]
-    g = gate.reshape(b * h).to(torch.int8).contiguous()
+    g = gate.reshape(b * h).contiguous()  # read as != 0: a bool gate's bytes as they lie (no conversion kernel)
+    g = g.view(torch.uint8) if g.dtype == torch.bool else g
     first = g if kv_start is None else kv_start.to(torch.int32).contiguous()  # a placeholder when None
     has_start = kv_start is not None
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
