@@ -308,7 +308,7 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             *cache, cum, rows, out, scale, reqs, heads, group, window, *q_k, rows.stride(0), out.stride(0),
             out.stride(1), BLOCK_SIZE=block_size, D=d, GLOBAL=pass_ == GLOBAL, **_only(s, "BLOCK_M"), **exact)
 
-    # fp32 caches get fp32 dots (a GPU's default for fp32 tl.dot is TF32, ~1e-3 off); 16-bit ones are exact anyway
+    # fp32 caches get fp32 dots (a GPU's default for fp32 tl.dot is TF32, ~1e-3 off); 16-bit inputs multiply exactly
     exact = {"default_dot_input_precision": "ieee"} if q.dtype == torch.float32 else {}
     longest = tokens if max_query_len is None else min(max_query_len, tokens)
     # In this order: the global pass overwrites its rows' window results. The window pass reads neither
