@@ -54,7 +54,7 @@ def pack_global(hard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [b * h, n] int32, how many of its queries up to each position are global (the last column is its
     count). One launch."""
     b, h, n = hard.shape
-    flat = hard.reshape(b * h, n)
+    flat = hard.reshape(b * h, n).contiguous()  # the kernel reads rows of n (a copy only for odd strides)
     flat = flat.view(torch.uint8) if flat.dtype == torch.bool else flat  # the same bytes: no copy
     rows = torch.empty(b * h, n + 1, device=hard.device, dtype=torch.int32)
     cum = torch.empty(b * h, n, device=hard.device, dtype=torch.int32)

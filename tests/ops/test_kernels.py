@@ -229,13 +229,15 @@ def test_global_blocks_start_longest_first_across_heads():
 @pytest.mark.parametrize("b,h,n,block_m", [(2, 3, 100, 4), (1, 2, 37, 16), (3, 1, 16, 1), (1, 4, 1, 8)])
 def test_packing_kernels_equal_their_torch_references(b, h, n, block_m, monkeypatch):
     """The packing in one launch each (``aha_pack``) = the same in torch ops, with programs that loop over
-    several chunks of positions and of blocks (chunks of 16 here), a float gate, all-global and all-local
-    heads, a sequence of one."""
+    several chunks of positions and of blocks (chunks of 16 here), a float gate, a strided one, all-global
+    and all-local heads, a sequence of one."""
     monkeypatch.setattr(aha_pack, "CHUNK", 16)
     gate = torch.rand(b, h, n, generator=torch.Generator().manual_seed(n)) < 0.3
     gate[0, 0] = True
     gate[-1, -1] = False
-    for g in (gate, gate.float()):
+    strided = torch.zeros(b, h, 2 * n, dtype=torch.bool)
+    strided[..., ::2] = gate
+    for g in (gate, gate.float(), strided[..., ::2]):  # the last a view with a step: not contiguous
         rows, cum = pack_global(g.to(DEVICE))
         want_rows, want_cum = pack_global_torch(g)
         assert torch.equal(cum.cpu(), want_cum)
