@@ -35,7 +35,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from allhere.kernels import autotune, tiles  # noqa: E402
+from allhere.kernels import aha_pack, autotune, tiles  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
@@ -162,6 +162,8 @@ def main() -> None:
         for setting in settings[:1] if args.default_only else settings:
             for starts in (None, segments) if part != "decode" else (None,):
                 start = len(log)
+                # the global kernels' two orders: fixed without segments, sorted (longest first) with them
+                aha_pack.SORT_FROM = n + 1 if starts is None else 0
                 with autotune.pinned({kernel: setting}):
                     call(starts)
                 seg = "" if starts is None else ", segments"

@@ -1,6 +1,6 @@
 """The packing of AHA's global queries for the global kernels, on the device and without a host sync: per
 (batch, head) its global positions in increasing order and a running count (``pack_global``), and the order
-in which the blocks of those positions start (``longest_first``).
+in which the blocks of those positions start (``longest_first``; ``work_order`` keeps it to long sequences).
 
 Each is one Triton launch (plus the sort of the blocks by reach): on a GPU a prefill call's host work is
 mostly its launches, and the same steps in torch took about 25 small ops. ``pack_global_torch`` and
@@ -14,6 +14,10 @@ import triton
 import triton.language as tl
 
 CHUNK = 4096  # positions (pack) or blocks (reach) a program handles per step of its loop
+# From this length on, the global blocks start longest first (a launch and a sort); shorter sequences take a
+# fixed order, each head's last block first, which costs nothing: their blocks read few keys, so a long one
+# left to the end adds little, less than the sort costs the host.
+SORT_FROM = 8192
 
 
 @triton.jit
@@ -75,6 +79,15 @@ def longest_first(rows: torch.Tensor, cum: torch.Tensor, block_m: int) -> torch.
     if bhs and n:
         _reach_kernel[(bhs,)](rows, cum, reach, n, per_head, BLOCK_M=block_m, CHUNK=CHUNK)
     return torch.argsort(reach.flatten(), descending=True, stable=True)
+
+
+def work_order(rows: torch.Tensor, cum: torch.Tensor, block_m: int) -> tuple[torch.Tensor | None, int]:
+    """(ORDER, programs) of a global kernel over the packed queries (``pack_global``) in blocks of ``block_m``:
+    ORDER from ``longest_first`` for a sequence of ``SORT_FROM`` positions or more, else None (the kernel
+    then takes the fixed order: ``packed_block``); programs: one per (batch * heads, block) a head could have."""
+    bhs, n = cum.shape
+    programs = bhs * triton.cdiv(n, block_m)
+    return (longest_first(rows, cum, block_m) if n >= SORT_FROM else None), programs
 
 
 def pack_global_torch(hard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

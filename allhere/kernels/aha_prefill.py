@@ -8,9 +8,9 @@ program per (block of BLOCK_M of those positions, batch * head) for every block 
 (never padded to the busiest head: a head with 3 global queries does one block of 3 rows) while the
 grid, known from the shapes alone, needs nothing read back from the GPU. A program reads keys from 0 (or
 its earliest row's segment start) to its block's last position with a per-row causal mask and writes its
-rows over the local result in place; the blocks of all heads start longest first
-(``aha_pack.longest_first``: the latest last position first), so that no long block is left to run alone at
-the end.
+rows over the local result in place; from ``aha_pack.SORT_FROM`` positions on, the blocks of all heads start
+longest first (``aha_pack.longest_first``: the latest last position first), so that no long block is left to
+run alone at the end; shorter sequences take a fixed order that needs no sort.
 The local result of a global query is computed and overwritten (a fraction mu_f of the local work).
 
 Masks cost only on the edges: in both kernels the key blocks that every row of a block may see entirely
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_pack import longest_first, pack_global
+from .aha_pack import pack_global, work_order
 from .tiles import default as default_tiles
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -181,12 +181,17 @@ def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, B, N, H, G, W,
 
 
 @triton.jit
-def packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M: tl.constexpr):
-    """This program's block of global queries: the work item ORDER[program id] = (batch * heads + head) *
-    blocks per head + block of that head (``longest_first``). Returns (rows in it -- 0 or less when the
-    head has fewer blocks --, b * h + h, b, h, kv head, row mask, positions)."""
-    item = tl.load(ORDER + tl.program_id(0)).to(tl.int32)  # int64 indices of a sort: as int32, as before
+def packed_block(ROWS, CUM, ORDER, B, N, H, G, BLOCK_M: tl.constexpr, ORDERED: tl.constexpr):
+    """This program's block of global queries: the work item (batch * heads + head) * blocks per head + block
+    of that head, ORDER[program id] where ORDERED (``aha_pack.longest_first``), else the fixed order (every
+    head's last block, then the blocks before them, ...). Returns (rows in it -- 0 or less when the head has
+    fewer blocks --, b * h + h, b, h, kv head, row mask, positions)."""
     per_head = tl.cdiv(N, BLOCK_M)
+    if ORDERED:
+        item = tl.load(ORDER + tl.program_id(0)).to(tl.int32)  # int64 indices of a sort: as int32
+    else:
+        bhs = B * H
+        item = (tl.program_id(0) % bhs) * per_head + per_head - 1 - tl.program_id(0) // bhs
     bh = item // per_head
     blk = item % per_head
     count = tl.load(CUM + bh * N + N - 1) - blk * BLOCK_M
@@ -211,8 +216,8 @@ def packed_keys(START, b, N, pos, rmask, SEGMENTS: tl.constexpr, BLOCK_N: tl.con
 def _global_kernel(Q, K, V, O, LSE, ROWS, CUM, ORDER, START, sm_scale, B, N, H, G,
                    sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr,
-                   SEGMENTS: tl.constexpr, TMA: tl.constexpr = False):
-    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M)
+                   SEGMENTS: tl.constexpr, ORDERED: tl.constexpr, TMA: tl.constexpr = False):
+    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, ORDER, B, N, H, G, BLOCK_M, ORDERED)
     if count <= 0:
         return
     K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
@@ -332,10 +337,11 @@ def global_forward(q, k, v, out, lse, start, packed, scale, tiles: dict | None) 
     start, segments = segment_args(start, out)
 
     def launch(t: dict) -> None:
-        order = longest_first(*packed, t["BLOCK_M"])
-        _global_kernel[(order.numel(),)](
-            q, k, v, out, out if lse is None else lse, *packed, order, start, scale, b, n, h, h // k.shape[1], *strides,
-            D=d, STORE_LSE=lse is not None, SEGMENTS=segments, **tma_checked(t, k))
+        order, programs = work_order(*packed, t["BLOCK_M"])
+        _global_kernel[(programs,)](
+            q, k, v, out, out if lse is None else lse, *packed, packed[1] if order is None else order, start, scale, b,
+            n, h, h // k.shape[1], *strides,
+            D=d, STORE_LSE=lse is not None, SEGMENTS=segments, ORDERED=order is not None, **tma_checked(t, k))
 
     launch(tiles or choose("global", q, k, launch))
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_pack import longest_first, pack_global
+from .aha_pack import pack_global, work_order
 from .aha_prefill import (
     choose,
     edge_mask,
@@ -132,8 +132,8 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, B, N, H, G, W
 def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, ORDER, START, sm_scale, B, N, H, G,
                       sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
-                      TMA: tl.constexpr = False):
-    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, ORDER, N, H, G, BLOCK_M)
+                      ORDERED: tl.constexpr, TMA: tl.constexpr = False):
+    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, ORDER, B, N, H, G, BLOCK_M, ORDERED)
     if count <= 0:
         return
     K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
@@ -247,9 +247,10 @@ class _AHATrain(torch.autograd.Function):
                                                                     **tma_checked(t, k))
 
         def global_dq(t: dict) -> None:
-            order = longest_first(rows, cum, t["BLOCK_M"])
-            _global_dq_kernel[(order.numel(),)](q, k, v, dout, lse, delta, dq, rows, cum, order, start, scale, b, n, h,
-                                                h // hkv, *strides, **common, **tma_checked(t, k))
+            order, programs = work_order(rows, cum, t["BLOCK_M"])
+            _global_dq_kernel[(programs,)](q, k, v, dout, lse, delta, dq, rows, cum, cum if order is None else order,
+                                           start, scale, b, n, h, h // hkv, *strides, **common,
+                                           ORDERED=order is not None, **tma_checked(t, k))
 
         def dkdv_grads(t: dict) -> None:
             _dkdv_kernel[(triton.cdiv(n, t["BLOCK_N"]), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum,

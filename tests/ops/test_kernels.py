@@ -116,9 +116,13 @@ def test_kernels_with_segments_equal_the_reference_with_the_mask(layout, kernel,
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_kernels_on_random_shapes_windows_blocks_and_segments(seed):
+def test_kernels_on_random_shapes_windows_blocks_and_segments(seed, monkeypatch):
     """Random sizes, GQA, windows (1 to longer than the sequence), block sizes, gate densities, document
-    boundaries and left or right padding: prefill and training (values and gradients) equal the reference."""
+    boundaries and left or right padding: prefill and training (values and gradients) equal the reference.
+    Odd seeds start the global blocks longest first (sorted), even ones in the fixed order of short
+    sequences."""
+    if seed % 2:
+        monkeypatch.setattr(aha_pack, "SORT_FROM", 0)
     rng = random.Random(seed)
     b, hkv, n = rng.choice([1, 2]), rng.choice([1, 2]), rng.randint(5, 90)
     h, w, bm, bn = hkv * rng.choice([1, 2]), rng.choice([1, 3, 17, 40, 100]), rng.choice([16, 32]), rng.choice([16, 32])
