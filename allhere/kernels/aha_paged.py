@@ -16,7 +16,7 @@ back (the grids come from the shapes alone, so a call can be captured in a CUDA 
   program is a tile of BLOCK_M queries of one (request, head) sharing the keys they read through
   ``tl.dot``. The window pass: consecutive queries, every one over its window (the tile visits only the
   blocks its windows cover, about BLOCK_M + window keys, never the prefix). The global pass: the head's
-  global queries of the request packed in order (``pack_by_head``, on the device), every one over its whole
+  global queries of the request packed in order (``aha_pack.pack_global``, on the device), every one over its whole
   prefix, written over its window result (the wasted window work is a fraction mu of the local work). A
   tile mixing both kinds would read the whole prefix for its local rows too, and at a few percent of
   global (query, head) pairs nearly every tile of 64 has one; packed, only cdiv(global queries, BLOCK_M)
@@ -52,7 +52,8 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_prefill import LOG2E, edge_mask, inner_blocks, online_step
+from .aha_pack import pack_global
+from .aha_prefill import LOG2E, edge_mask, inner_blocks, online_step, strided
 from .tiles import default as default_tiles
 
 DECODE = "decode"  # the candidate lists (``tiles.SPACES``) the paged decode kernel is tuned over,
@@ -83,17 +84,18 @@ def _paged_keys(K, V, BT, bt_row, kv_off, offs_n, end, skb, sks,
 
 
 @triton.jit
-def _rows_before(QSTART, CUM, r, h, H, GLOBAL: tl.constexpr):
+def _rows_before(QSTART, CUM, r, h, sch, GLOBAL: tl.constexpr):
     """How many of a pass's rows of head h lie before request r: its first query row (the window pass), or
-    the global rows of head h before that row (the global pass; CUM [tokens + 1, heads])."""
+    the global rows of head h before that row (the global pass; CUM [heads, tokens], row stride ``sch``: the
+    running counts of ``aha_pack.pack_global``, none before row 0)."""
     row = tl.load(QSTART + r)
     if GLOBAL:
-        row = tl.load(CUM + row.to(tl.int64) * H + h)
+        row = tl.load(CUM + h * sch + row - 1, mask=row > 0, other=0)
     return row
 
 
 @triton.jit
-def _request_of_tile(QSTART, CUM, R, h, H, BLOCK_M: tl.constexpr, GLOBAL: tl.constexpr):
+def _request_of_tile(QSTART, CUM, R, h, sch, BLOCK_M: tl.constexpr, GLOBAL: tl.constexpr):
     """(request, index of its tile's first row among the pass's rows) of this program: request r owns the
     tile numbers [before(r) // BLOCK_M + r, before(r + 1) // BLOCK_M + r + 1) (``_rows_before``) -- at least
     the cdiv(rows, BLOCK_M) it needs, R more than the rows' tiles in all --, found by a binary search over
@@ -103,12 +105,12 @@ def _request_of_tile(QSTART, CUM, R, h, H, BLOCK_M: tl.constexpr, GLOBAL: tl.con
     hi = R
     while lo < hi:  # the first request whose tiles start after pid
         mid = (lo + hi) // 2
-        if _rows_before(QSTART, CUM, mid, h, H, GLOBAL) // BLOCK_M + mid <= pid:
+        if _rows_before(QSTART, CUM, mid, h, sch, GLOBAL) // BLOCK_M + mid <= pid:
             lo = mid + 1
         else:
             hi = mid
     r = lo - 1
-    before = _rows_before(QSTART, CUM, r, h, H, GLOBAL)
+    before = _rows_before(QSTART, CUM, r, h, sch, GLOBAL)
     return r, before + (pid - (before // BLOCK_M + r)) * BLOCK_M
 
 
@@ -129,7 +131,7 @@ def _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, l
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, H, G, W,
+def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, sch, G, W,
                     sqt, sqh, skb, sks, skh, sbt, sph, sot, soh,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
                     GLOBAL: tl.constexpr):
@@ -138,10 +140,10 @@ def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, H,
     BLOCK_M of the head's global rows of the request (PACKED [heads, tokens]: each head's global rows in
     order), each over its whole prefix, written over the window pass's result."""
     h = tl.program_id(1)
-    r, i0 = _request_of_tile(QSTART, CUM, R, h, H, BLOCK_M, GLOBAL)
+    r, i0 = _request_of_tile(QSTART, CUM, R, h, sch, BLOCK_M, GLOBAL)
     qs = tl.load(QSTART + r)
     qe = tl.load(QSTART + r + 1)
-    count = _rows_before(QSTART, CUM, r + 1, h, H, GLOBAL)
+    count = _rows_before(QSTART, CUM, r + 1, h, sch, GLOBAL)
     if (qe - qs <= 1) | (i0 >= count):  # a decode request (the decode kernel's), or a tile it does not need
         return
     n = tl.load(SEQLEN + r)
@@ -278,9 +280,7 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     reqs = block_table.shape[0]
     if tokens == 0 or reqs == 0:
         return out
-    q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
-    if k_cache.stride() != v_cache.stride():
-        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    q, k_cache, v_cache = strided(q, k_cache, v_cache)
     table, starts, lens = (t.to(torch.int32).contiguous() for t in (block_table, query_start, seq_lens))
     g = gate.to(torch.int8).contiguous()
     bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
@@ -305,7 +305,7 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     def prefill(s: dict, pass_: str, cum: torch.Tensor, rows: torch.Tensor) -> None:
         _prefill_kernel[(tokens // s["BLOCK_M"] + reqs, heads)](
-            *cache, cum, rows, out, scale, reqs, heads, group, window, *q_k, rows.stride(0), out.stride(0),
+            *cache, cum, rows, out, scale, reqs, cum.stride(0), group, window, *q_k, rows.stride(0), out.stride(0),
             out.stride(1), BLOCK_SIZE=block_size, D=d, GLOBAL=pass_ == GLOBAL, **_only(s, "BLOCK_M"), **exact)
 
     # fp32 caches get fp32 dots (a GPU's default for fp32 tl.dot is TF32, ~1e-3 off); 16-bit inputs multiply exactly
@@ -313,25 +313,10 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     longest = tokens if max_query_len is None else min(max_query_len, tokens)
     # In this order: the global pass overwrites its rows' window results. The window pass reads neither
     # cum nor rows (placeholders).
-    for pass_, packed in ((WINDOW, (starts, starts)), (GLOBAL, pack_by_head(gate))):
-        launch = functools.partial(prefill, pass_=pass_, cum=packed[0], rows=packed[1])
+    for pass_, (rows, cum) in ((WINDOW, (starts, starts)), (GLOBAL, pack_global(gate.T[None]))):
+        launch = functools.partial(prefill, pass_=pass_, cum=cum, rows=rows)
         launch(_setting(pass_, tiles, key + (f"t{autotune.length_bucket(tokens)}",), q, launch, longest))
     return out
-
-
-def pack_by_head(gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cum, rows) of a [tokens, heads] bool gate, on its device and without a host sync: cum [tokens + 1,
-    heads] int32, how many rows before each token are global per head; rows [heads, tokens + 1] int32, each
-    head's global rows in increasing order (then unused entries). Request r's global rows of head h are
-    ``rows[h, cum[query_start[r], h]:cum[query_start[r + 1], h]]``."""
-    tokens, heads = gate.shape
-    flat = gate.to(torch.bool)
-    cum = torch.zeros(tokens + 1, heads, device=gate.device, dtype=torch.int32)
-    cum[1:] = flat.cumsum(0, dtype=torch.int32)
-    slot = torch.where(flat, cum[:-1], tokens).long().T  # local rows all go to the unused column
-    order = torch.arange(tokens, device=gate.device, dtype=torch.int32).expand(heads, tokens)
-    rows = torch.zeros(heads, tokens + 1, device=gate.device, dtype=torch.int32).scatter_(1, slot, order)
-    return cum, rows
 
 
 def _setting(kernel: str, tiles: dict | None, key: tuple, q: torch.Tensor, launch, length: int) -> dict:

@@ -6,7 +6,8 @@ import torch
 
 pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
 
-from allhere.kernels.aha_paged import pack_by_head, paged_aha_attention  # noqa: E402
+from allhere.kernels.aha_pack import pack_global  # noqa: E402
+from allhere.kernels.aha_paged import paged_aha_attention  # noqa: E402
 from allhere.ops.aha import aha_attention_reference  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
@@ -167,8 +168,10 @@ def test_bad_arguments_are_named():
         paged_aha_attention(q, kv[0], kv[1], *args[:3], step.gate[:-1], 2, 1.0, out)
 
 
-def test_pack_by_head():
+def test_packing_by_head_of_a_token_major_gate():
+    """The global pass packs a [tokens, heads] gate per head (``pack_global`` of its transpose): each head's
+    running count of global rows up to each token, and its global rows in order."""
     gate = torch.tensor([[1, 0], [0, 0], [1, 1], [1, 0]], dtype=torch.bool)
-    cum, rows = pack_by_head(gate)
-    assert cum.tolist() == [[0, 0], [1, 0], [1, 0], [2, 1], [3, 1]]
+    rows, cum = (t.cpu() for t in pack_global(gate.to(DEVICE).T[None]))
+    assert cum.T.tolist() == [[1, 0], [1, 0], [2, 1], [3, 1]]
     assert rows[0, :3].tolist() == [0, 2, 3] and rows[1, :1].tolist() == [2]
