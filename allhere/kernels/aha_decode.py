@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_prefill import choose, strided
+from .aha_prefill import LOG2E, choose, strided
 from .tiles import default as default_tiles
 
 
@@ -29,6 +29,37 @@ def _first_key(GATE, KV_START, bh, b, T, W, HAS_START: tl.constexpr):
     if HAS_START:
         lo = tl.maximum(lo, tl.load(KV_START + b))  # keys before it are padding
     return lo
+
+
+@triton.jit
+def decode_step(m_i, l_i, acc, s, v):
+    """One key tile folded into a single query's online softmax: scores ``s`` [N] (base 2, masked keys -inf),
+    values ``v`` [N, D] fp32; returns the updated (max, sum, accumulator [D])."""
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v, 0)
+
+
+@triton.jit
+def merge_splits(OP, LSE, base, live, D: tl.constexpr, CHUNK: tl.constexpr):
+    """(weighted sum [D], sum of the weights) of the partial outputs ``OP[base + s]`` [D] of the splits
+    s < ``live``, each weighted by 2 ** (its log-sum-exp ``LSE[base + s]`` (base 2) - their max)."""
+    offs_s = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, D)
+    m = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
+    for s0 in range(0, live, CHUNK):
+        lse = tl.load(LSE + base + s0 + offs_s, mask=s0 + offs_s < live, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, 0))
+    acc = tl.zeros([D], tl.float32)
+    total = tl.sum(tl.zeros([CHUNK], tl.float32), 0)
+    for s0 in range(0, live, CHUNK):
+        smask = s0 + offs_s < live
+        w = tl.exp2(tl.load(LSE + base + s0 + offs_s, mask=smask, other=float("-inf")) - m)
+        part = tl.load(OP + (base + s0 + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+        total += tl.sum(w, 0)
+    return acc, total
 
 
 @triton.jit
@@ -47,6 +78,7 @@ def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, sm_scale, T, H, G, W,
         return
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b * sqb + h * sqh + offs_d).to(tl.float32)
+    qk_scale = sm_scale * LOG2E
     m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)  # fp32 scalars carried by the loop
     l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
     acc = tl.zeros([D], tl.float32)
@@ -56,41 +88,21 @@ def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, sm_scale, T, H, G, W,
         kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
         k = tl.load(K + kv, mask=kmask[:, None], other=0.0).to(tl.float32)
         v = tl.load(V + kv, mask=kmask[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], 1) * sm_scale
-        s = tl.where(kmask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        m_i = m_new
+        s = tl.where(kmask, tl.sum(k * q[None, :], 1) * qk_scale, float("-inf"))
+        m_i, l_i, acc = decode_step(m_i, l_i, acc, s, v)
     tl.store(OP + (bh * nsplit + split) * D + offs_d, acc / l_i)  # l_i >= 1: the split has keys
-    tl.store(LSE + bh * nsplit + split, m_i + tl.log(l_i))
+    tl.store(LSE + bh * nsplit + split, m_i + tl.log2(l_i))
 
 
 @triton.jit
 def _merge_kernel(OP, LSE, O, GATE, KV_START, NSPLIT, T, H, W, SPLIT: tl.constexpr, D: tl.constexpr,
                   CHUNK: tl.constexpr, HAS_START: tl.constexpr):
-    """One (sequence, head): the outputs of the splits that had keys, weighted by exp(lse - max lse);
-    zero if there was no key at all."""
+    """One (sequence, head): the outputs of the splits that had keys (``merge_splits``); zero if there was no
+    key at all."""
     bh = tl.program_id(0)
     live = tl.cdiv(T - _first_key(GATE, KV_START, bh, bh // H, T, W, HAS_START), SPLIT)  # splits with keys
-    offs_s = tl.arange(0, CHUNK)
-    offs_d = tl.arange(0, D)
-    m = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
-    for s0 in range(0, live, CHUNK):
-        m = tl.maximum(m, tl.max(tl.load(LSE + bh * NSPLIT + s0 + offs_s, mask=s0 + offs_s < live,
-                                         other=float("-inf")), 0))
-    acc = tl.zeros([D], tl.float32)
-    total = tl.sum(tl.zeros([CHUNK], tl.float32), 0)
-    for s0 in range(0, live, CHUNK):
-        smask = s0 + offs_s < live
-        w = tl.exp(tl.load(LSE + bh * NSPLIT + s0 + offs_s, mask=smask, other=float("-inf")) - m)
-        part = tl.load(OP + (bh * NSPLIT + s0 + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None],
-                       other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
-        total += tl.sum(w, 0)
-    tl.store(O + bh * D + offs_d, (acc / tl.where(total == 0.0, 1.0, total)).to(O.dtype.element_ty))
+    acc, total = merge_splits(OP, LSE, bh * NSPLIT, live, D, CHUNK)
+    tl.store(O + bh * D + tl.arange(0, D), (acc / tl.where(total == 0.0, 1.0, total)).to(O.dtype.element_ty))
 
 
 def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
+from .aha_decode import decode_step, merge_splits
 from .aha_pack import pack_global
 from .aha_prefill import LOG2E, edge_mask, inner_blocks, online_step, strided
 from .tiles import default as default_tiles
@@ -217,14 +218,8 @@ def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, sm_scale, H, G, W
     for s0 in range(start, end, BLOCK_N):
         offs_n = s0 + tl.arange(0, BLOCK_N)
         k, v = _paged_keys(K, V, BT, bt_row, kv_off, offs_n, end, skb, sks, True, BLOCK_SIZE, D)
-        s = tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale
-        s = tl.where(offs_n < end, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
-        m_i = m_new
+        s = tl.where(offs_n < end, tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
+        m_i, l_i, acc = decode_step(m_i, l_i, acc, s, v.to(tl.float32))
     at = rh.to(tl.int64) * nsplit + split
     tl.store(OP + at * D + offs_d, acc / l_i)  # l_i >= 1: the split has keys
     tl.store(LSE + at, m_i + tl.log2(l_i))
@@ -242,22 +237,8 @@ def _merge_kernel(OP, LSE, O, QSTART, SEQLEN, GATE, NSPLIT, H, W, sgt, sot, soh,
     if one == 0:  # not a decode request
         return
     live = tl.minimum(tl.cdiv(n - lo, SPLIT), NSPLIT)  # the splits with keys
-    base = rh.to(tl.int64) * NSPLIT
-    offs_s = tl.arange(0, CHUNK)
-    offs_d = tl.arange(0, D)
-    m = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
-    for s0 in range(0, live, CHUNK):
-        lse = tl.load(LSE + base + s0 + offs_s, mask=s0 + offs_s < live, other=float("-inf"))
-        m = tl.maximum(m, tl.max(lse, 0))
-    acc = tl.zeros([D], tl.float32)
-    total = tl.sum(tl.zeros([CHUNK], tl.float32), 0)
-    for s0 in range(0, live, CHUNK):
-        smask = s0 + offs_s < live
-        w = tl.exp2(tl.load(LSE + base + s0 + offs_s, mask=smask, other=float("-inf")) - m)
-        part = tl.load(OP + (base + s0 + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
-        total += tl.sum(w, 0)
-    tl.store(O + row * sot + h * soh + offs_d, (acc / total).to(O.dtype.element_ty))  # total >= 1: own key
+    acc, total = merge_splits(OP, LSE, rh.to(tl.int64) * NSPLIT, live, D, CHUNK)
+    tl.store(O + row * sot + h * soh + tl.arange(0, D), (acc / total).to(O.dtype.element_ty))  # total > 0: own key
 
 
 def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
