@@ -161,8 +161,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
         raise ImportError(INSTALL) from None
     work = Path(tempfile.mkdtemp(prefix="allhere-serve-"))
     log, stats_file = work / "vllm.log", work / "routing.json"
+    name = Path(model).resolve().name  # what requests name as "model"
     cmd = [sys.executable, "-c", VLLM, "--model", str(model), "--host", host, "--port", str(port), "--dtype", dtype,
-           "--served-model-name", Path(model).resolve().name]
+           "--served-model-name", name]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
     if kv_cache_gib is None and cpu:
@@ -186,7 +187,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
         reset = Path(str(stats_file) + RESET_SUFFIX)
         reset.touch()  # vLLM's warm-up passes are not counted: the counts start again at the next forward
         print(f"allhere serve: {model} at {url}/v1 (OpenAI-compatible: /v1/models, /v1/completions, "
-              f"/v1/chat/completions); started in {time.monotonic() - start:.0f} s; Ctrl-C stops it", flush=True)
+              f"/v1/chat/completions) as model \"{name}\"; started in {time.monotonic() - start:.0f} s; Ctrl-C "
+              "stops it", flush=True)
         if not verbose:
             print(f"allhere serve: vLLM's log: {log}", flush=True)
         stats = _read_stats(stats_file)
