@@ -117,17 +117,22 @@ def _request_of_tile(QSTART, CUM, R, h, sch, BLOCK_M: tl.constexpr, GLOBAL: tl.c
 
 @triton.jit
 def _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, lo, hi, m_i, l_i, acc, qk_scale,
-                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+                  IEEE: tl.constexpr):
     """The key blocks [lo, hi) of an online softmax in base 2 for query positions ``pos`` (each row sees the
     keys from ``first`` to itself): the updated (m, l, acc). MASKED applies the rows' ranges, the request's
-    end n and the row mask; without it every key of the range must be seen by every row."""
+    end n and the row mask; without it every key of the range must be seen by every row. IEEE: full fp32
+    dots (fp32 caches)."""
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         k, v = _paged_keys(K, V, BT, bt_row, kv_off, offs_n, n, skb, sks, MASKED, BLOCK_SIZE, D)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:  # the window lives in ``first``: an unbounded width (n + 1) leaves edge_mask the rest
             s = tl.where(edge_mask(pos, offs_n, first, rmask, n, n + 1), s, float("-inf"))
-        m_i, l_i, acc = online_step(m_i, l_i, acc, s, v)
+        m_i, l_i, acc = online_step(m_i, l_i, acc, s, v, IEEE)
     return m_i, l_i, acc
 
 
@@ -135,7 +140,7 @@ def _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, l
 def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, sch, G, W,
                     sqt, sqh, skb, sks, skh, sbt, sph, sot, soh,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-                    GLOBAL: tl.constexpr):
+                    GLOBAL: tl.constexpr, IEEE: tl.constexpr):
     """One tile of BLOCK_M rows of a request with several queries, one head (program ids: tile, head). The
     window pass (GLOBAL false): consecutive query rows, each over its window. The global pass: the next
     BLOCK_M of the head's global rows of the request (PACKED [heads, tokens]: each head's global rows in
@@ -171,11 +176,11 @@ def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, sc
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = sm_scale * LOG2E
     m_i, l_i, acc = _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, lo, inner_lo,
-                                  m_i, l_i, acc, qk_scale, True, BLOCK_N, BLOCK_SIZE, D)
+                                  m_i, l_i, acc, qk_scale, True, BLOCK_N, BLOCK_SIZE, D, IEEE)
     m_i, l_i, acc = _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, inner_lo, inner_hi,
-                                  m_i, l_i, acc, qk_scale, False, BLOCK_N, BLOCK_SIZE, D)
+                                  m_i, l_i, acc, qk_scale, False, BLOCK_N, BLOCK_SIZE, D, IEEE)
     m_i, l_i, acc = _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, inner_hi, hi,
-                                  m_i, l_i, acc, qk_scale, True, BLOCK_N, BLOCK_SIZE, D)
+                                  m_i, l_i, acc, qk_scale, True, BLOCK_N, BLOCK_SIZE, D, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a real row sees at least itself
     tl.store(O + rows[:, None] * sot + h * soh + offs_d[None, :], out.to(O.dtype.element_ty), mask=rmask[:, None])
 
@@ -287,10 +292,9 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     def prefill(s: dict, pass_: str, cum: torch.Tensor, rows: torch.Tensor) -> None:
         _prefill_kernel[(tokens // s["BLOCK_M"] + reqs, heads)](
             *cache, cum, rows, out, scale, reqs, cum.stride(0), group, window, *q_k, rows.stride(0), out.stride(0),
-            out.stride(1), BLOCK_SIZE=block_size, D=d, GLOBAL=pass_ == GLOBAL, **_only(s, "BLOCK_M"), **exact)
+            out.stride(1), BLOCK_SIZE=block_size, D=d, GLOBAL=pass_ == GLOBAL, **_only(s, "BLOCK_M"),
+            IEEE=q.dtype == torch.float32)  # fp32 caches: fp32 dots (TF32, a GPU's default, is ~1e-3 off)
 
-    # fp32 caches get fp32 dots (a GPU's default for fp32 tl.dot is TF32, ~1e-3 off); 16-bit inputs multiply exactly
-    exact = {"default_dot_input_precision": "ieee"} if q.dtype == torch.float32 else {}
     longest = tokens if max_query_len is None else min(max_query_len, tokens)
     # In this order: the global pass overwrites its rows' window results. The window pass reads neither
     # cum nor rows (placeholders).

@@ -91,14 +91,19 @@ def load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def online_step(m_i, l_i, acc, s, v):
+def online_step(m_i, l_i, acc, s, v, IEEE: tl.constexpr):
     """One key tile folded into the online softmax of a query tile: scores ``s`` [M, N] (base 2, masked keys
-    -inf), values ``v`` [N, D]; returns the updated (max m, sum l, accumulator acc)."""
+    -inf), values ``v`` [N, D]; returns the updated (max m, sum l, accumulator acc). IEEE: p @ v in full fp32
+    (for fp32 values; a GPU's default for an fp32 ``tl.dot`` is TF32)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -113,7 +118,7 @@ def _attend(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, m_i, 
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             s = tl.where(edge_mask(rows, offs_n, first, rmask, N, W), s, float("-inf"))
-        m_i, l_i, acc = online_step(m_i, l_i, acc, s, v)
+        m_i, l_i, acc = online_step(m_i, l_i, acc, s, v, False)
     return m_i, l_i, acc
 
 
