@@ -31,6 +31,7 @@ import allhere.train
 from allhere import AHAConfig
 from allhere.config import TrainConfig
 from allhere.hf import HFCausalLM, convert
+from allhere.masks import starts_from
 from allhere.train import train
 
 SHAPES = {  # LlamaConfig fields, and the shape's default steps / warmup / batch / sequence length
@@ -69,7 +70,7 @@ def run(name, model, args, vocab):
         if not args.doc_len:
             return ids, mask
         positions = (torch.arange(args.seq_len) % args.doc_len).expand(args.batch_size, -1)
-        return ids, mask, positions  # packed documents, as allhere sft packs conversations
+        return ids, mask, starts_from(position_ids=positions)  # packed documents, as allhere sft packs them
 
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=3e-5, beta2=0.95, warmup_ratio=0.03,
                       ckpt_every=10**9, log_every=10, device=args.device)
