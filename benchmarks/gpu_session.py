@@ -11,26 +11,29 @@ and nothing can be fetched there). A lent device gives a session 15 minutes in a
 same warm machine, one ``--continue`` call with what is left (about 200 s). The parts run in order of
 worth, each stopped at its cap (the time it took on the H200 of 2026-11-26 with a margin; an estimate for
 those that have not run yet; interrupted, then killed with its children), and none is started with under
-30 s left before --deadline (the device call's timeout: at least the deadline + 20 s). Each part's output
+30 s, or under a third of its expected time, left before --deadline (the device call's timeout: at least the deadline + 20 s). Each part's output
 goes to its file under $OUT (or runs/gpu) as it comes, so a part stopped halfway still shows how far it
 got; session.md says for each part what became of it, and what the next call should run. At most 8 files:
 what the device tool brings back (the pattern parts share one).
 
-Parts, in order (seconds each took on the H200 of 2026-11-26's second session from a cold machine; ~: an
-estimate). Tiles moved late: the autotuner now times the same settings in the first calls of bench.
-  tests        ~190      CUDA tests of the kernels (compiled for real, bf16 against the fp32 reference) and
-                         of the paged kernels (56 tests took 136 s, then the cap)
-  bench        took 98   allhere bench --profile: where each AHA path's time goes (kernel by kernel), then
+Parts, in order (seconds each took on the H200 of 2026-11-26's third session from a cold machine, tiles,
+flexcost and blocksparse the second's; ~: an estimate). Tiles moved late: the autotuner now times the same
+settings in the first calls of bench.
+  tests        took 146  CUDA tests of the kernels (compiled for real, bf16 against the fp32 reference) and
+                         of the paged kernels
+  bench        ~215      allhere bench --profile: where each AHA path's time goes (kernel by kernel), then
                          the op's prefill / decode / training against the fastest dense SDPA backend, and the
-                         launch settings the autotuner chose (52 s of tuning on a cold machine)
-  model        took 79   allhere bench --tables model: a Llama-3.2-1B-shaped model, plain SDPA against AHA
+                         launch settings the autotuner chose (cut at 125 s in its profile when cold, then 88 s
+                         on the warm machine, 48 s of it tuning the classes left)
+  model        took 59   allhere bench --tables model: a Llama-3.2-1B-shaped model, plain SDPA against AHA
                          (mu_f 7%): prefill tokens/s at 8k and 32k, decode tokens/s at B = 8 with 32k and
                          128k contexts through generate on allhere's in-place cache
-  mechanisms   ~170      every mechanism in a Decoder against the CPU, the patterns' FlexAttention path, the
+  mechanisms   took 83   every mechanism in a Decoder against the CPU, the patterns' FlexAttention path, the
                          AA-MoE op, ring attention and FSDP2 (bf16, sharded checkpoint) in a one-rank NCCL
-                         group (39 of its tests took 116 s, then the cap)
-  train        ~100      SFT tokens/s of AHA against plain SDPA at the Llama-3.2-1B shape, 10 timed steps
-                         (benchmarks/sft_throughput.py: one document per row, then packed documents of 512)
+                         group
+  train        ~180      SFT tokens/s of AHA against plain SDPA at the Llama-3.2-1B shape, 10 timed steps
+                         (benchmarks/sft_throughput.py: one document per row, then packed documents of 512;
+                         the first took ~115 s with the training kernels' tuning)
   patterns     ~110      benchmarks/patterns_speed.py, FlexAttention (the patterns' path on CUDA) at 8k: each
                          pattern compiles its mask builder and kernel on a cold machine
   patterns32k  ~130      the same at 32k (never finished inside one cap of 150 s with 8k before it)
@@ -77,20 +80,20 @@ def _patterns(backend: str, *lengths: str) -> tuple:
                  for n in lengths)
 
 
-PARTS = {  # in order of worth; expected: seconds on the H200 of 2026-11-26 (second session), from a cold machine
-    "tests": Part(240, "tests.log", (
+PARTS = {  # in order of worth; expected: seconds on the H200 of 2026-11-26 (third session), from a cold machine
+    "tests": Part(200, "tests.log", (
         (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/ops/test_gpu.py",
-         "tests/ops/test_kernels.py", "tests/ops/test_aha_paged.py"),), 190),  # 56 tests in 136 s, then cut
-    "bench": Part(130, "bench.log", (
-        (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),), 98),  # 52 s of it tuning
-    "model": Part(120, "model.log", (
-        (PY, "-m", "allhere.cli", "bench", "--tables", "model", "--out", "{tmp}/model"),), 79),
-    "mechanisms": Part(220, "mechanisms.log", (
+         "tests/ops/test_kernels.py", "tests/ops/test_aha_paged.py"),), 146),  # 86 tests
+    "bench": Part(270, "bench.log", (  # cold: 125 s (cut in the profile) + 88 s (48 s of it tuning)
+        (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),), 215),
+    "model": Part(100, "model.log", (
+        (PY, "-m", "allhere.cli", "bench", "--tables", "model", "--out", "{tmp}/model"),), 59),
+    "mechanisms": Part(120, "mechanisms.log", (
         (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=15", "tests/mechanisms/test_gpu_mechanisms.py"),),
-        170),  # 39 of 57 tests in 116 s, then cut
-    "train": Part(150, "train.log", tuple(
+        83),  # 57 tests
+    "train": Part(240, "train.log", tuple(
         (PY, "benchmarks/sft_throughput.py", "--device", "cuda", "--shape", "llama-1b", "--router-init", "global",
-         "--steps", "10", "--warmup", "3", *extra) for extra in ((), ("--doc-len", "512"))), 100),
+         "--steps", "10", "--warmup", "3", *extra) for extra in ((), ("--doc-len", "512"))), 180),  # the first: ~115 s (tuning)
     "patterns": Part(150, "patterns.md", _patterns("flex", "8192"), 110),  # compiles a mask builder per pattern
     "patterns32k": Part(180, "patterns.md", _patterns("flex", "32768"), 130),
     "tiles": Part(150, "tiles.md", ((PY, "benchmarks/kernel_tiles.py", "--repeats", "5"),), 102),
@@ -98,7 +101,13 @@ PARTS = {  # in order of worth; expected: seconds on the H200 of 2026-11-26 (sec
     "blocksparse": Part(100, "patterns.md", _patterns("blocksparse", "8192", "32768"), 60),
 }
 SUMMARY = "session.md"
-MIN_START = 30  # seconds: a part is not started with less left before the deadline
+MIN_START = 30  # seconds: no part is started with less left before the deadline, nor with under a third
+
+
+def needs(part: Part) -> float:
+    """Seconds a part must have left before the deadline to be started: MIN_START, or a third of its
+    expected time (a part cut far from its end is run again whole by --continue: its minutes were lost)."""
+    return max(MIN_START, part.expect / 3)
 GRACE = 10  # seconds between the interrupt at a cap (pytest then prints its failures so far) and the kill
 CAPPED = "stopped at the cap"
 RUNNING = "running: stopped from outside?"
@@ -208,7 +217,7 @@ def print_plan(parts: dict, deadline: float) -> None:
         print(f"{name}: cap {part.cap} s, expected ~{part.expect} s -> {part.log}")
         for cmd in part.commands:
             print("   ", " ".join(cmd[1:]))
-        if deadline - at >= MIN_START:
+        if deadline - at >= needs(part):
             fits.append(name)
         at += part.expect
     print(f"caps add up to {sum(p.cap for p in parts.values())} s, expected times to ~{at} s; deadline "
@@ -293,10 +302,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(names):
             left = args.deadline - (time.monotonic() - start)
-            if left < MIN_START:
+            if left < needs(parts[name]):
                 print("\n" + write_summary(args.out, header, parts, rows, names[i:],
-                                           f" (under {MIN_START} s were left before the deadline of "
-                                           f"{args.deadline:.0f} s)"))
+                                           f" (under the {needs(parts[name]):.0f} s that {name} needs were left "
+                                           f"before the deadline of {args.deadline:.0f} s)"))
                 return 1
             # Written first, so that a call stopped from outside still says which part it was in.
             write_summary(args.out, header, parts, rows + [(name, RUNNING, 0)], names[i + 1:], "")
