@@ -11,10 +11,10 @@ and nothing can be fetched there). A lent device gives a session 15 minutes in a
 same warm machine, one ``--continue`` call with what is left (about 200 s). The parts run in order of
 worth, each stopped at its cap (the time it took on the H200 of 2026-11-26 with a margin; an estimate for
 those that have not run yet; interrupted, then killed with its children), and none is started with under
-30 s, or under a third of its expected time, left before --deadline (the device call's timeout: at least the deadline + 20 s). Each part's output
-goes to its file under $OUT (or runs/gpu) as it comes, so a part stopped halfway still shows how far it
-got; session.md says for each part what became of it, and what the next call should run. At most 8 files:
-what the device tool brings back (the pattern parts share one).
+30 s, or under a third of its expected time, left before --deadline (the device call's timeout: at least
+the deadline + 20 s). Each part's output goes to its file under $OUT (or runs/gpu) as it comes, so a part
+stopped halfway still shows how far it got; session.md says for each part what became of it, and what the
+next call should run. At most 8 files: what the device tool brings back (the pattern parts share one).
 
 Parts, in order (seconds each took on the H200 of 2026-11-26's third session from a cold machine, tiles,
 flexcost and blocksparse the second's; ~: an estimate). Tiles moved late: the autotuner now times the same
@@ -93,7 +93,8 @@ PARTS = {  # in order of worth; expected: seconds on the H200 of 2026-11-26 (thi
         83),  # 57 tests
     "train": Part(240, "train.log", tuple(
         (PY, "benchmarks/sft_throughput.py", "--device", "cuda", "--shape", "llama-1b", "--router-init", "global",
-         "--steps", "10", "--warmup", "3", *extra) for extra in ((), ("--doc-len", "512"))), 180),  # the first: ~115 s (tuning)
+         "--steps", "10", "--warmup", "3", *extra) for extra in ((), ("--doc-len", "512"))),
+        180),  # the first command ~115 s (the training kernels' tuning)
     "patterns": Part(150, "patterns.md", _patterns("flex", "8192"), 110),  # compiles a mask builder per pattern
     "patterns32k": Part(180, "patterns.md", _patterns("flex", "32768"), 130),
     "tiles": Part(150, "tiles.md", ((PY, "benchmarks/kernel_tiles.py", "--repeats", "5"),), 102),

@@ -1,5 +1,6 @@
 """Triton kernels for AHA on the GPU: prefill, decode and training (forward + backward), and attention over a
-paged KV cache as a server keeps it (``aha_paged``: not yet called by allhere's vLLM serving).
+paged KV cache as a server keeps it (``aha_paged``: a served AHA layer's path on CUDA, through
+``allhere.serve.paged_kernel``).
 
 Needs the ``gpu`` extra (``pip install 'allhere[gpu]'``, i.e. triton). ``allhere.ops.aha.aha_attention``
 takes them with backend "triton", and with "auto" on CUDA where they take the call (``allhere.backend``;

@@ -57,9 +57,9 @@ def check_servable(config: dict, folder: str | Path, cpu: bool) -> None:
     if mech is not None and kind not in SERVED:
         raise ConfigError(f"{folder}: mechanism {kind!r} is not served by allhere's vLLM plugin (served: "
                           f"{', '.join(SERVED)})")
-    if kind in PAGED and not cpu:
+    if kind in PAGED and kind != "aha" and not cpu:
         raise ConfigError(f"{folder}: {kind} is served on vLLM's CPU backend only so far (allhere attends over "
-                          "the paged cache itself there; untested on a GPU)")
+                          "the paged cache itself there; only AHA has a GPU kernel for it)")
     arch = (config.get("architectures") or [None])[0]
     if kind == "dar" and MODELS.get(arch) == TRANSFORMERS_BACKEND:
         raise ConfigError(f"{folder}: DAR is not served on {arch}, which vLLM runs through its Transformers "
@@ -166,6 +166,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
            "--served-model-name", name]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
+    if not cpu and (config.get("allhere_mechanism") or {}).get("kind") == "aha":
+        cmd += ["--enforce-eager"]  # the Triton paged kernel's grid follows each step's lengths: no CUDA graphs
     if kv_cache_gib is None and cpu:
         kv_cache_gib = CPU_KV_CACHE_GIB
     if kv_cache_gib is not None:

@@ -11,7 +11,9 @@ allhere reads the tensor's storage as ``[blocks, kv_heads, 2 (key, value), block
 holds its keys transposed, one contiguous ``[head_dim, block_size]`` tile, then its values, ``[block_size,
 head_dim]``. That is the layout vLLM's own CPU attention kernel reads (its "vec" and "vec16" variants, for x86
 without AMX), so that kernel can read the same blocks where it computes a part of the rule (AHA's windowed
-rows: ``allhere.serve.vllm_paged``).
+rows: ``allhere.serve.vllm_paged``). A layer served by the Triton paged kernel instead (AHA on CUDA:
+``allhere.serve.paged_kernel``) stores its keys untransposed, ``[block_size, head_dim]`` like its values
+(``write(..., transposed=False)``, read through ``kernel_caches``); a layer keeps one layout for its life.
 
 The rule. A mechanism gives, per *row class*, what a row of that class reads: mask predicates over
 positions (``Read``, with an optional query tile size), each the same function allhere trains and generates
@@ -68,15 +70,26 @@ def paged_view(cache: torch.Tensor, block_size: int, kv_heads: int, head_dim: in
     return cache.view(-1).view(cache.numel() // per_block, kv_heads, 2, block_size, head_dim)
 
 
-def write(view: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store k, v [tokens, kv_heads, head_dim] at ``slots`` [tokens] (negative slots: padding, skipped)."""
+def write(view: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transposed: bool = True) -> None:
+    """Store k, v [tokens, kv_heads, head_dim] at ``slots`` [tokens] (negative slots: padding, skipped).
+    transposed: keys as [head_dim, block_size] per (block, kv head), as ``paged_attention`` reads them; False:
+    as [block_size, head_dim], as the Triton paged kernel reads them (``kernel_caches``)."""
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
     nb, kv_heads, _, bs, d = view.shape
     blocks, rows = slots.long() // bs, slots.long() % bs
-    view[:, :, 0].view(nb, kv_heads, d, bs)[blocks, :, :, rows] = k.to(view.dtype)  # keys transposed
+    if transposed:
+        view[:, :, 0].view(nb, kv_heads, d, bs)[blocks, :, :, rows] = k.to(view.dtype)
+    else:
+        view[blocks, :, 0, rows] = k.to(view.dtype)
     view[blocks, :, 1, rows] = v.to(view.dtype)
+
+
+def kernel_caches(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of a view written with ``transposed=False`` as the Triton paged kernel takes them:
+    [blocks, block_size, kv_heads, head_dim] each, views with one set of strides (nothing copied)."""
+    return view[:, :, 0].transpose(1, 2), view[:, :, 1].transpose(1, 2)
 
 
 def window_read(window: int, q_tile: int | None = None) -> Read:

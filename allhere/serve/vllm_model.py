@@ -68,10 +68,11 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from .. import registry
 from ..hosts import CONFIG_KEY, LAYERS_KEY
+from .paged_kernel import kernel_refusal
 from .vllm_dar import DARServe, LatentCache, install_dar
 from .vllm_kv import SinkAttention
 from .vllm_layers import AHAServe, install_aha, install_masked, rebuild_attention
-from .vllm_paged import VLLM_WINDOW_OFFSET, refuse_softmax_terms
+from .vllm_paged import VLLM_WINDOW_OFFSET, host_softmax_terms, refuse_softmax_terms
 from .vllm_plugin import PAGED, RESET_SUFFIX, SERVED, STATS_ENV
 
 
@@ -115,9 +116,10 @@ def install(model: nn.Module, config) -> list[int]:
     if kind not in SERVED:
         raise NotImplementedError(f"allhere vLLM serving: mechanism {kind!r} is not served (served: {SERVED})")
     vllm_config = get_current_vllm_config()
-    if kind in PAGED and vllm_config.device_config.device_type != "cpu":
+    device = vllm_config.device_config.device_type
+    if kind in PAGED and kind != "aha" and device != "cpu":
         raise NotImplementedError(f"allhere vLLM serving: {kind} runs on vLLM's CPU backend only so far (allhere's "
-                                  "own attention over the paged cache is untested on other devices)")
+                                  "own attention over the paged cache has a GPU kernel for AHA only)")
     if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise NotImplementedError("allhere vLLM serving: tensor / pipeline parallelism is not supported yet")
     blocks = _attention_blocks(model)
@@ -144,6 +146,14 @@ def install(model: nn.Module, config) -> list[int]:
                                                     n_sinks=cfg.n_sinks), cfg)
             continue
         if kind == "aha":
+            why = None if device == "cpu" else kernel_refusal(attn.head_size, torch.device(device),
+                                                              *host_softmax_terms(attn))
+            if why is None and device != "cpu" and not vllm_config.model_config.enforce_eager:
+                why = "CUDA graphs would replay the kernel's launch grids of the captured step (start vLLM with " \
+                      "--enforce-eager, as allhere serve does)"
+            if why is not None:
+                raise NotImplementedError(f"allhere vLLM serving: AHA on {device} runs allhere's Triton paged kernel, "
+                                          f"which cannot take layer {i}: {why}")
             install_aha(block, attn, settings, config.hidden_size, config.num_attention_heads).layer = i
         elif kind == "dar":
             install_dar(block, attn, registry.from_dict(settings), config.hidden_size)

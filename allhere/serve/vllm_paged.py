@@ -15,6 +15,8 @@ allhere's block layout is the one vLLM's CPU kernel reads in its "vec" / "vec16"
 keys transposed, then values; checked once per process by writing a few tokens both ways). Where the layer's
 kernel is one of those, the rows that read a plain window (AHA's local rows) are computed by vLLM's own windowed
 kernel over the same blocks, in place, and allhere's attention computes the rest (AHA's global rows).
+An AHA layer on CUDA runs allhere's Triton paged kernel for all its rows instead (``allhere.serve.paged_kernel``;
+its keys stored untransposed).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vllm.model_executor.layers.attention.attention import get_attention_context
 
 from .paged import Read, paged_attention, paged_view, write
 from .paged_chunks import Workspace
+from .paged_kernel import aha_paged, kernel_refusal
 
 PAGED_ATTR = "_allhere_paged"  # on the owner Attention: [its PagedAttention] (a list: no module cycle)
 VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
@@ -127,6 +130,7 @@ class PagedAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = owner.num_heads, owner.num_kv_heads, owner.head_size
         self.scale = float(owner.impl.scale)
         self.layer_name = owner.layer_name
+        self.kernel: bool | None = None  # AHA through the Triton paged kernel: decided at the first step with a cache
         object.__setattr__(owner, PAGED_ATTR, [self])
 
     def forward(self, q, k, v, *args, **kwargs):
@@ -154,8 +158,11 @@ class PagedAttention(nn.Module):
             return None
         n = meta.num_actual_tokens
         k, v = (t.view(-1, self.kv_heads, self.head_dim)[:n] for t in (k, v))
-        view = paged_view(cache, cache.shape[2], self.kv_heads, self.head_dim)  # vLLM's CPU layout [blocks,
-        write(view, meta.slot_mapping[:n], k, v)  # kv_heads, block_size, 2 x head_dim]
+        if self.kernel is None:  # one layout for the layer's life
+            self.kernel = self.window_class is not None and kernel_refusal(
+                self.head_dim, cache.device, self.softcap, self.sinks) is None
+        view = paged_view(cache, cache.shape[2], self.kv_heads, self.head_dim)  # blocks of block_size tokens
+        write(view, meta.slot_mapping[:n], k, v, transposed=not self.kernel)
         return meta, view, q.view(-1, self.heads, self.head_dim), out
 
     def compute(self, q, k, v, row_class, out) -> None:
@@ -164,6 +171,12 @@ class PagedAttention(nn.Module):
             return
         meta, view, q, out = step
         n = meta.num_actual_tokens
+        if self.kernel:  # AHA: the window for class c's rows, every earlier key for the others
+            c, window = self.window_class
+            aha_paged(q, view, meta.query_start_loc, meta.seq_lens, meta.block_table, row_class != c, window,
+                      self.scale, out, getattr(meta, "max_seq_len", None), getattr(meta, "max_query_len", None))
+            out[n:].zero_()
+            return
         sinks = self.sinks.float() if self.sinks is not None else None
         reads = self.reads
         isa = getattr(self.owner, "isa", None)

@@ -53,15 +53,20 @@ def test_head_size_without_a_cpu_kernel(tmp_path, capfd):
     assert "head_dim 16 is not supported by vLLM's CPU attention" in err
 
 
-@pytest.mark.parametrize("mech", [{"kind": "dar", "window": 4, "d_down": 8}, AHA], ids=["dar", "aha"])
-def test_paged_mechanisms_only_on_the_cpu(tmp_path, mech):
-    """AHA, sinks, the other masked patterns and DAR run allhere's own attention over vLLM's paged cache,
-    tested on vLLM's CPU backend only: refused on a GPU rather than served untested."""
+@pytest.mark.parametrize("mech", [{"kind": "dar", "window": 4, "d_down": 8}, {"kind": "sinks", "window": 4}, AHA],
+                         ids=["dar", "sinks", "aha"])
+def test_paged_mechanisms_on_the_cpu_and_aha_on_a_gpu(tmp_path, mech):
+    """Sinks, the other masked patterns and DAR run allhere's own torch attention over vLLM's paged cache,
+    tested on vLLM's CPU backend only: refused on a GPU rather than served untested. AHA has a GPU path (the
+    Triton paged kernel)."""
     from allhere.serve.launch import check_servable
     from allhere.validation import ConfigError
 
     config = {**LLAMA, "head_dim": 64, "allhere_mechanism": mech}
     check_servable(config, tmp_path, cpu=True)
+    if mech["kind"] == "aha":
+        check_servable(config, tmp_path, cpu=False)
+        return
     with pytest.raises(ConfigError, match=f"{mech['kind']} is served on vLLM's CPU backend only"):
         check_servable(config, tmp_path, cpu=False)
 

@@ -24,6 +24,7 @@ from allhere.serve.paged import (
 )
 from allhere.serve.paged_chunks import merge
 from allhere.serve.paged_far import LatentKV, far_pieces, rotary_projection, write_latents
+from allhere.serve.paged_kernel import aha_paged, kernel_refusal
 
 HEADS, KV_HEADS, D, BS = 4, 2, 8, 4  # 2 query heads per kv head; blocks of 4 tokens
 D_DOWN, BS_LATENT, ROTATED = 6, 8, 6  # DAR's latents: 6 numbers per token, in blocks of 8; rotary on 6 of D
@@ -55,31 +56,32 @@ def _table(gen, bs):
     return table, n_blocks + 3
 
 
-def _serve(reads, gen, gate=None, q_tile=4, latent=None, **options):
+def _serve(reads, gen, gate=None, q_tile=4, latent=None, d=D, kernel_window=None, **options):
     """Serve LENGTHS (+ the prefixed request) step by step as vLLM schedules them (STEPS), each step's K/V
     written first (with a padding slot), then attended (with a padding row after the real ones). Request 3
     starts with its first SHARED tokens already cached (request 0's blocks). ``latent``: (LatentKV, window, budget):
     also latents of D_DOWN per token in a cache of their own (blocks of BS_LATENT, another table), their far
     rows (``far_pieces``) joined. Returns per request its outputs [length, heads, d] (rows before SHARED of
-    request 3: never computed) and [q, (k, v), gate [length, heads] or None, latents or None]."""
+    request 3: never computed) and [q, (k, v), gate [length, heads] or None, latents or None]. ``kernel_window``:
+    AHA with this window through the Triton paged kernel (``paged_kernel.aha_paged``) instead of ``reads``."""
     lengths = LENGTHS + [PREFIXED]
     table, pool = _table(gen, BS)
-    view = paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * D), BS, KV_HEADS, D)
+    view = paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * d), BS, KV_HEADS, d)
     if latent is not None:
         latent_table, latent_pool = _table(gen, BS_LATENT)
         latent_cache = torch.zeros(latent_pool, 1, BS_LATENT, D_DOWN + 3)[:, 0, :, 1:D_DOWN + 1]  # strided
     data = []
     for n in lengths:
-        kv = (torch.randn(n, KV_HEADS, D, generator=gen), torch.randn(n, KV_HEADS, D, generator=gen))
+        kv = (torch.randn(n, KV_HEADS, d, generator=gen), torch.randn(n, KV_HEADS, d, generator=gen))
         g = torch.rand(n, HEADS, generator=gen) < 0.3 if gate is None else None
         c = torch.randn(n, D_DOWN, generator=gen) if latent is not None else None
-        data.append([torch.randn(n, HEADS, D, generator=gen), kv, g, c])
+        data.append([torch.randn(n, HEADS, d, generator=gen), kv, g, c])
     data[3][0][:SHARED] = data[0][0][:SHARED]  # the shared prefix: the same tokens
     for t in (0, 1):
         data[3][1][t][:SHARED] = data[0][1][t][:SHARED]
     if latent is not None:
         data[3][3][:SHARED] = data[0][3][:SHARED]
-    outs = [torch.full((n, HEADS, D), float("nan")) for n in lengths]
+    outs = [torch.full((n, HEADS, d), float("nan")) for n in lengths]
     done = [0, 0, 0, SHARED]
     for step in STEPS:
         rows, starts, lens = [], [0], []
@@ -92,9 +94,10 @@ def _serve(reads, gen, gate=None, q_tile=4, latent=None, **options):
         q = torch.cat([data[r][0][a:b] for r, a, b in rows])
         slots = torch.tensor([int(table[r, p // BS]) * BS + p % BS for r, a, b in rows for p in range(a, b)])
         k, v = (torch.cat([data[r][1][t][a:b] for r, a, b in rows]) for t in (0, 1))
-        write(view, torch.cat([slots, torch.tensor([-1])]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]]))
+        write(view, torch.cat([slots, torch.tensor([-1])]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]]),
+              transposed=kernel_window is None)
         row_class = None if gate is not None else torch.cat([data[r][2][a:b] for r, a, b in rows] + [gate_pad()])
-        out = torch.full((q.shape[0] + 1, HEADS, D), 7.0)
+        out = torch.full((q.shape[0] + 1, HEADS, d), 7.0)
         used = table[[r for r, _, _ in rows]]
         extra = ()
         if latent is not None:
@@ -104,8 +107,12 @@ def _serve(reads, gen, gate=None, q_tile=4, latent=None, **options):
             write_latents(latent_cache, torch.tensor(lslots + [-1]), torch.cat([c, c[:1]]))
             extra = far_pieces(q, latent_cache, torch.tensor(starts), torch.tensor(lens),
                                latent_table[[r for r, _, _ in rows]], latent[1], latent[0], SCALE, budget=latent[2])
-        paged_attention(torch.cat([q, q[:1]]), view, torch.tensor(starts), torch.tensor(lens), used, reads, SCALE,
-                        out, row_class=row_class, q_tile=q_tile, extra=extra, **options)
+        if kernel_window is not None:
+            aha_paged(torch.cat([q, q[:1]]), view, torch.tensor(starts), torch.tensor(lens), used, row_class,
+                      kernel_window, d ** -0.5, out)
+        else:
+            paged_attention(torch.cat([q, q[:1]]), view, torch.tensor(starts), torch.tensor(lens), used, reads,
+                            d ** -0.5, out, row_class=row_class, q_tile=q_tile, extra=extra, **options)
         assert bool((out[-1] == 7.0).all())  # the padding row is left alone
         for (r, a, b), s0, s1 in zip(rows, starts, starts[1:]):
             outs[r][a:b] = out[s0:s1]
@@ -159,6 +166,19 @@ def test_aha_equals_reference(tiles, monkeypatch):
     outs, data = _serve(reads, gen, q_tile=q_tile, pack=pack or 4)
     _check(outs, data, lambda q, kv, g, c: aha_attention_reference(_bhld(q), _bhld(kv[0]), _bhld(kv[1]),
                                                             g.T[None], 6, SCALE)[0].transpose(0, 1))
+
+
+def test_aha_through_the_triton_paged_kernel():
+    """The path of a served AHA layer on CUDA (here under Triton's interpreter), on the same steps: chunked
+    prefill beside decodes, a prefix-cache hit, padding slots and rows; keys stored untransposed."""
+    pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
+    assert kernel_refusal(16, torch.device("cuda")) is None
+    assert "head dim 8" in kernel_refusal(8, torch.device("cuda"))
+    assert "soft-capped" in kernel_refusal(16, torch.device("cuda"), softcap=30.0)
+    gen = torch.Generator().manual_seed(1)
+    outs, data = _serve(None, gen, d=16, kernel_window=6)
+    _check(outs, data, lambda q, kv, g, c: aha_attention_reference(_bhld(q), _bhld(kv[0]), _bhld(kv[1]),
+                                                            g.T[None], 6, 16 ** -0.5)[0].transpose(0, 1))
 
 
 def _dense_terms(sinks=None, cap=0.0):

@@ -59,9 +59,12 @@ def _allhere(folder, prompts, forced=None, new_tokens=NEW_TOKENS):
     return [generate(model, tokenizer, p, max_new_tokens=new_tokens).ids for p in prompts]
 
 
-def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0):
+def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, kernel=False):
+    """``kernel``: AHA layers through allhere's Triton paged kernel (its path on CUDA), in Triton's interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest's, for allhere's kernels
     env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if kernel:
+        env.update(TRITON_INTERPRET="1", ALLHERE_SERVE_TRITON="1")
     cmd = ([sys.executable, "-m", "allhere.serve.vllm_check", str(folder), "--prompts", json.dumps(prompts),
             "--max-tokens", str(NEW_TOKENS), "--forced", forced]
            + (["--again"] if again else []) + (["--compiled"] if compiled else [])
@@ -112,6 +115,16 @@ def test_llama_aha_routed_forced_global_and_local(folders):
     plain = _vllm(folders["llama"], prompts)["none"]["tokens"]  # forced-global AHA == the plain model served
     assert served["true"]["tokens"] == plain == _allhere(folders["llama"], prompts)
     assert routed["tokens"] != plain and served["false"]["tokens"] != plain  # the test can tell them apart
+
+
+def test_llama_aha_through_the_triton_paged_kernel(folders):
+    """The path of AHA layers on CUDA (allhere's Triton paged kernel, keys stored untransposed, every row in
+    the kernel), here in Triton's interpreter inside vLLM's CPU backend: the same tokens as allhere's generate."""
+    pytest.importorskip("triton")
+    prompts = folders["prompts"]
+    routed = _vllm(folders["llama_aha"], prompts, kernel=True)["none"]
+    assert 0.1 < routed["routing"]["mu_f"] < 0.9, routed["routing"]
+    assert routed["tokens"] == _allhere(folders["llama_aha"], prompts)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3", "gemma2", "mistral", "granite", "phi3", "olmo3",

@@ -1,0 +1,57 @@
+"""AHA over a paged KV cache through allhere's Triton paged kernels (``allhere.kernels.aha_paged``): the path of a
+served AHA layer on CUDA, where ``allhere.serve.paged``'s torch tiles would be the slow way. No vLLM import: the
+vLLM layer (``allhere.serve.vllm_paged``) hands it the step's tensors, and the tests call it on their own caches.
+
+The whole step is two or three launches for the batch (a split-KV decode kernel and its merge for requests with
+one query; for the others a window pass over every row, then a pass over the global rows, packed per head), each
+(request, query head) reading through the block table only the blocks its rule allows: a local row its window, a
+global row every key before it. Keys are stored untransposed in these layers (``paged.write(...,
+transposed=False)``). fp32 caches are computed with IEEE fp32 dots; fp16 / bf16 as the other kernels.
+
+Off CUDA the kernels run only under Triton's interpreter, slowly: a layer takes this path there only when
+``ALLHERE_SERVE_TRITON=1`` (and ``TRITON_INTERPRET=1`` before triton is imported), which the tests use to check
+the wiring inside vLLM's CPU backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .paged import kernel_caches
+
+FORCE_ENV = "ALLHERE_SERVE_TRITON"  # "1": the kernel path off CUDA too (Triton's interpreter; tests)
+
+
+def kernel_refusal(head_dim: int, device: torch.device, softcap: float = 0.0,
+                   sinks: torch.Tensor | None = None) -> str | None:
+    """None where a served AHA layer runs the Triton paged kernel, else why not (one line)."""
+    from .. import kernels
+
+    if not kernels.triton_available():
+        return "triton is not installed (pip install 'allhere[gpu]')"
+    if device.type != "cuda" and not (os.environ.get(FORCE_ENV) == "1" and kernels.interpreted()):
+        return f"the cache is on {device.type}, not CUDA (off CUDA: {FORCE_ENV}=1 under Triton's interpreter)"
+    if head_dim < 16 or head_dim > 128 or head_dim & (head_dim - 1):
+        return f"head dim {head_dim}: the paged kernel takes a power of two from 16 to 128"
+    if softcap:
+        return "soft-capped scores (the paged kernel does not cap them)"
+    if sinks is not None:
+        return "learned sink logits (the paged kernel has no extra softmax term)"
+    return None
+
+
+def aha_paged(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+              block_table: torch.Tensor, gate: torch.Tensor, window: int, scale: float, out: torch.Tensor,
+              max_seq_len: int | None = None, max_query_len: int | None = None) -> None:
+    """AHA's rows of one step into ``out`` [tokens, heads, d]: q [tokens, heads, d] and gate [tokens, heads] (True:
+    global) may run past the step's real tokens (``query_start[-1]``); those rows of ``out`` are left as they are.
+    ``view``: the layer's ``paged_view``, keys untransposed; query_start [requests + 1], seq_lens and block_table
+    at least [requests] (vLLM pads them in some steps). Host hints as ``paged_aha_attention`` takes them."""
+    from ..kernels.aha_paged import paged_aha_attention
+
+    reqs = query_start.numel() - 1
+    k_cache, v_cache = kernel_caches(view)
+    paged_aha_attention(q, k_cache, v_cache, block_table[:reqs], query_start, seq_lens[:reqs], gate, window, scale,
+                        out, max_seq_len=max_seq_len, max_query_len=max_query_len)
