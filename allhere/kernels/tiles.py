@@ -21,9 +21,12 @@ def _block(m: int, n: int, warps: int, stages: int, tma: bool = False) -> dict:
 # and later; ``prune`` drops them elsewhere).
 # The forward kernels (sliding window over every query; the packed global queries). The first was the
 # only setting before autotuning (no register spills in any forward kernel on sm_90).
+# (32, 64, 4, 3): for short sequences only (SMALL_TILES_UNTIL): at 4k with mu_f 7% the global queries fill under
+# 80 tiles of 64 rows, under one wave of an H200's 132 SMs (the tuner timed that kernel at ~55 TFLOP/s).
 FORWARD = [_block(64, 64, 8, 3), _block(128, 128, 8, 3), _block(128, 128, 8, 2), _block(64, 64, 4, 4),
            _block(64, 64, 4, 3), _block(128, 64, 4, 3), _block(64, 32, 4, 2), _block(128, 128, 8, 3, tma=True),
-           _block(64, 64, 4, 3, tma=True)]
+           _block(64, 64, 4, 3, tma=True), _block(32, 64, 4, 3)]
+SMALL_TILES_UNTIL = 8192  # positions: forward query tiles of 32 rows are timed up to this length only
 # The dQ kernels of the backward (q, dO and a [BLOCK_M, D] fp32 accumulator stay in registers).
 DQ = [_block(64, 64, 8, 3), _block(64, 64, 4, 3), _block(128, 128, 8, 2), _block(32, 64, 4, 3), _block(64, 32, 4, 2),
       _block(64, 64, 4, 3, tma=True)]
@@ -79,7 +82,8 @@ def prune(kernel: str, head_dim: int, elem: int, capability: tuple[int, int], ma
     tiles fit (``shared_bytes``); tensor descriptors only where ``tma_possible``; on Hopper (capability 9.x),
     for the kernels whose dots are [BLOCK_M, BLOCK_N] query-by-key tiles, not 8 warps on a tile under
     128 x 128 (the rule of Triton's fused-attention tutorial: too few rows for two warp groups); not a query
-    tile longer than the sequence ``length`` (it would be mostly empty), nor a decode split above it. Never empty:
+    tile longer than the sequence ``length`` (it would be mostly empty), nor a decode split above it, nor a
+forward query tile under 64 rows past SMALL_TILES_UNTIL (it helps only a grid too small for the GPU). Never empty:
     the default stays when nothing else does."""
     keep = []
     for s in SPACES[kernel]:
@@ -89,6 +93,8 @@ def prune(kernel: str, head_dim: int, elem: int, capability: tuple[int, int], ma
                 and s["BLOCK_M"] * s["BLOCK_N"] < 128 * 128):
             continue
         if length is not None and (s.get("BLOCK_M", 0) > max(length, 16) or s.get("SPLIT", 0) > max(length, 256)):
+            continue
+        if kernel in ("sliding", "global") and s["BLOCK_M"] < 64 and (length is None or length > SMALL_TILES_UNTIL):
             continue
         keep.append(dict(s))
     return keep or [default(kernel)]

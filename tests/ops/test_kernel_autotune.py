@@ -117,6 +117,8 @@ def test_pruning_follows_the_device():
     assert small and all(tiles.shared_bytes(s, 128, 2) <= 101376 for s in small)
     assert len(small) < len(tiles.FORWARD)
     assert all(s["BLOCK_M"] <= 64 for s in tiles.prune("sliding", 64, 2, (9, 0), 232448, length=64))
+    short, long = (tiles.prune("global", 128, 2, **h100, length=n) for n in (4096, 32768))
+    assert {s["BLOCK_M"] for s in short} > {s["BLOCK_M"] for s in long} == {64, 128}  # 32-row tiles: short only
     assert all(s["SPLIT"] <= 512 for s in tiles.prune("decode", 128, 2, (9, 0), 232448, length=300))
     assert tiles.prune("global", 128, 2, (9, 0), 1024) == [tiles.default("global")]  # never empty
     # a handful each on an H100 (a bounded first call); tensor descriptors only from Hopper on
