@@ -12,7 +12,8 @@ Where the setting comes from, first match wins:
   1. ``pinned()``: a fixed setting for reproducible runs (each kernel's default, or settings you give);
   2. Triton's interpreter (CPU tests): the default, never timed;
   3. this process's earlier choice, then the file;
-  4. tuning now (its cost is in ``choices()``).
+  4. tuning now (its cost is in ``choices()``); while a CUDA graph is being captured (a captured decode step,
+     vLLM's or torch.compile's CUDA graphs) nothing is timed: the first candidate runs, and is not kept.
 """
 
 from __future__ import annotations
@@ -91,10 +92,17 @@ def setting(kernel: str, key: tuple, device: torch.device, launch: Callable[[dic
         stored = _stored().get(ident)
         if stored is not None:
             _CHOSEN[ident] = {**stored, "source": "file", "tuning_s": 0.0}
+        elif _capturing():  # a CUDA graph being captured: timing would break it
+            return _candidates(kernel, device, head_dim, elem, length)[0]  # not kept: an eager call tunes
         else:
             _CHOSEN[ident] = _tune(kernel, device, launch, head_dim, elem, length)
             _save(ident, _CHOSEN[ident])
     return dict(_CHOSEN[ident]["setting"])
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def choices() -> list[dict]:

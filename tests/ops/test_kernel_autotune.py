@@ -55,6 +55,13 @@ def test_the_fastest_candidate_is_chosen_once_and_kept_across_processes(fake_gpu
     assert autotune.choices()[0]["source"] == "file"
 
 
+def test_nothing_is_timed_while_a_cuda_graph_is_captured(fake_gpu, monkeypatch):
+    monkeypatch.setattr(autotune, "_capturing", lambda: True)
+    assert choose(fake_gpu)["SPLIT"] == 512 and fake_gpu["timed"] == [] and autotune.choices() == []
+    monkeypatch.setattr(autotune, "_capturing", lambda: False)
+    assert choose(fake_gpu)["SPLIT"] == 256 and fake_gpu["timed"] == [512, 256, 1024]  # eager: tuned then
+
+
 def test_another_shape_class_is_tuned_apart_and_the_file_keeps_both(fake_gpu):
     choose(fake_gpu)
     fake_gpu["ms"][1024] = 0.01
