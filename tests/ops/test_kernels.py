@@ -202,6 +202,20 @@ def test_decode_equals_reference(b, h, hkv, t, d, w, split):
     assert rel_err(out, aha_attention_reference(q, k, v, gate, w)) < TOL
 
 
+def test_decode_merges_in_its_last_split_and_leaves_the_counters_zero():
+    """One launch: the last split of a head to finish merges its splits (an atomic count per (sequence, head),
+    set back to zero for the next call); the same call twice gives the same output."""
+    from allhere.kernels import aha_decode
+
+    q, k, v = inputs(2, 4, 2, 1, 150, 16)
+    gate = torch.tensor([[True, False, True, True], [False, True, False, False]])
+    calls = [run(aha_decode_triton, q, k, v, gate.to(DEVICE), 20, 16 ** -0.5, tiles=dict(SPLIT=16, BLOCK_N=16))
+             for _ in range(2)]
+    assert torch.equal(calls[0], calls[1])
+    assert rel_err(calls[0], aha_attention_reference(q, k, v, gate[..., None], 20)) < TOL
+    assert aha_decode._ARRIVED and not any(c.any() for c in aha_decode._ARRIVED.values())
+
+
 def test_decode_with_left_padding_equals_reference_with_the_mask():
     q, k, v = inputs(3, 4, 2, 1, 90, 16)
     gate = torch.rand(3, 4, 1, generator=torch.Generator().manual_seed(4)) < 0.5
