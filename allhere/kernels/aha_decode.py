@@ -113,7 +113,7 @@ def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, O, ARRIVED, sm_scale, T, H,
         tl.store(ARRIVED + bh, 0)  # ready for the next call
 
 
-def _arrived(device: torch.device, count: int) -> torch.Tensor:
+def arrived_counters(device: torch.device, count: int) -> torch.Tensor:
     """A zeroed int32 counter per (sequence, head), kept per device between calls (each call leaves it zero;
     calls on one stream at a time, as a model's layers make them)."""
     have = _ARRIVED.get(device)
@@ -144,7 +144,7 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
     has_start = kv_start is not None
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
 
-    arrived = _arrived(q.device, b * h)
+    arrived = arrived_counters(q.device, b * h)
 
     def launch(s: dict) -> None:
         nsplit = triton.cdiv(t, s["SPLIT"])

@@ -5,13 +5,14 @@ A call carries a batch of requests laid end to end on the token axis: request r'
 ``query_start[r]:query_start[r + 1]`` of q, the last positions of its ``seq_lens[r]`` tokens (one row: a
 decode step; several: a chunk of a prefill, after the context already cached). Every (query, head) has a
 hard gate: global reads every key up to its position, local only the ``window`` most recent ones (its own
-included). Three kernels share the call, the requests split between them on the GPU with nothing read
+included). Two kernels share the call, the requests split between them on the GPU with nothing read
 back (the grids come from the shapes alone, so a call can be captured in a CUDA graph):
 
 - decode (requests with one query), grown from ``aha_decode``: the keys of every (request, head) are split
   across programs, SPLIT keys each (flash decoding), so that a long global head is read by many thread
   blocks at once; a local head's window fits in its first split(s) and its other programs return at once.
-  The partial outputs are merged by their log-sum-exp, reading only the splits that had keys.
+  A head whose keys fit one split writes its output; the splits of a longer one are merged by their
+  log-sum-exp by the last of them to finish, reading only the splits that had keys.
 - prefill (requests with several queries), grown from ``aha_prefill``, in two passes of one kernel whose
   program is a tile of BLOCK_M queries of one (request, head) sharing the keys they read through
   ``tl.dot``. The window pass: consecutive queries, every one over its window (the tile visits only the
@@ -52,7 +53,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_decode import decode_step, merge_splits
+from .aha_decode import arrived_counters, decode_step, merge_splits
 from .aha_pack import pack_global
 from .aha_prefill import LOG2E, edge_mask, inner_blocks, online_step, strided
 from .tiles import default as default_tiles
@@ -197,11 +198,14 @@ def _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt):
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, sm_scale, H, G, W,
-                   sqt, sqh, skb, sks, skh, sbt, sgt,
-                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, O, ARRIVED, sm_scale, H, G, W,
+                   sqt, sqh, skb, sks, skh, sbt, sgt, sot, soh,
+                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+                   CHUNK: tl.constexpr):
     """Split ``split`` (SPLIT keys) of one (request, head) of a decode request (program ids: request *
-    heads + head, split): its partial output and log-sum-exp (base 2), unless the split has no key."""
+    heads + head, split), as ``aha_decode._decode_kernel``: a head whose keys fit one split writes its
+    output; otherwise the splits write partial outputs and log-sum-exps (base 2), and the last to finish
+    (ARRIVED, set back to 0) merges them."""
     rh = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -210,8 +214,9 @@ def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, sm_scale, H, G, W
     row, one, lo, n = _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt)
     start = lo + split * SPLIT
     end = tl.minimum(start + SPLIT, n)
-    if (one == 0) | (start >= end):  # not a decode request, or past this head's keys: the merge skips it
+    if (one == 0) | (start >= end):  # not a decode request, or past this head's keys
         return
+    live = tl.cdiv(n - lo, SPLIT)  # splits with keys (>= 1: a decode row sees its own key)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + row * sqt + h * sqh + offs_d).to(tl.float32)
     bt_row = r.to(tl.int64) * sbt
@@ -225,25 +230,18 @@ def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, sm_scale, H, G, W
         k, v = _paged_keys(K, V, BT, bt_row, kv_off, offs_n, end, skb, sks, True, BLOCK_SIZE, D)
         s = tl.where(offs_n < end, tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
         m_i, l_i, acc = decode_step(m_i, l_i, acc, s, v.to(tl.float32))
-    at = rh.to(tl.int64) * nsplit + split
-    tl.store(OP + at * D + offs_d, acc / l_i)  # l_i >= 1: the split has keys
-    tl.store(LSE + at, m_i + tl.log2(l_i))
-
-
-@triton.jit
-def _merge_kernel(OP, LSE, O, QSTART, SEQLEN, GATE, NSPLIT, H, W, sgt, sot, soh,
-                  SPLIT: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
-    """One (request, head) of a decode request: the partial outputs of the splits that had keys, weighted
-    by 2 ** (lse - max lse)."""
-    rh = tl.program_id(0)
-    r = rh // H
-    h = rh % H
-    row, one, lo, n = _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt)
-    if one == 0:  # not a decode request
+    o = O + row * sot + h * soh + offs_d
+    if live == 1:  # the head's only split (l_i >= 1: the split has keys)
+        tl.store(o, (acc / l_i).to(O.dtype.element_ty))
         return
-    live = tl.minimum(tl.cdiv(n - lo, SPLIT), NSPLIT)  # the splits with keys
-    acc, total = merge_splits(OP, LSE, rh.to(tl.int64) * NSPLIT, live, D, CHUNK)
-    tl.store(O + row * sot + h * soh + tl.arange(0, D), (acc / total).to(O.dtype.element_ty))  # total > 0: own key
+    at = rh.to(tl.int64) * nsplit + split
+    tl.store(OP + at * D + offs_d, acc / l_i)
+    tl.store(LSE + at, m_i + tl.log2(l_i))
+    tl.debug_barrier()  # every thread's stores, then one release (gpu scope) that carries them
+    if tl.atomic_add(ARRIVED + rh, 1, sem="acq_rel") == live - 1:  # the last split: every partial is there
+        acc, total = merge_splits(OP, LSE, rh.to(tl.int64) * nsplit, live, D, CHUNK)
+        tl.store(o, (acc / total).to(O.dtype.element_ty))
+        tl.store(ARRIVED + rh, 0)  # ready for the next call
 
 
 def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -276,14 +274,15 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     key = (f"d{d}", str(q.dtype).removeprefix("torch."), f"g{group}", f"n{autotune.length_bucket(bound)}", "paged",
            f"bs{block_size}")
 
+    arrived = arrived_counters(q.device, reqs * heads)
+
     def decode(s: dict) -> None:
         nsplit = triton.cdiv(max(bound, 1), s["SPLIT"])
-        partial = torch.empty(reqs * heads, nsplit, d, device=q.device, dtype=torch.float32)
-        lse = torch.empty(reqs * heads, nsplit, device=q.device, dtype=torch.float32)
-        _decode_kernel[(reqs * heads, nsplit)](*cache, g, partial, lse, scale, heads, group, window, *q_k,
-                                               g.stride(0), BLOCK_SIZE=block_size, D=d, **_only(s, "SPLIT"))
-        _merge_kernel[(reqs * heads,)](partial, lse, out, starts, lens, g, nsplit, heads, window, g.stride(0),
-                                       out.stride(0), out.stride(1), SPLIT=s["SPLIT"], D=d, CHUNK=MERGE_CHUNK)
+        scratch = torch.empty(reqs * heads * nsplit * (d + 1), device=q.device, dtype=torch.float32)
+        partial, lse = scratch[:reqs * heads * nsplit * d], scratch[reqs * heads * nsplit * d:]
+        _decode_kernel[(reqs * heads, nsplit)](*cache, g, partial, lse, out, arrived, scale, heads, group, window,
+                                               *q_k, g.stride(0), out.stride(0), out.stride(1),
+                                               BLOCK_SIZE=block_size, D=d, CHUNK=MERGE_CHUNK, **_only(s, "SPLIT"))
 
     decode(_setting(DECODE, tiles, key + (f"bh{autotune.length_bucket(reqs * heads)}",), q, decode, bound))
     if max_query_len is not None and max_query_len <= 1:  # a pure decode step
