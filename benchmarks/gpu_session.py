@@ -102,15 +102,17 @@ PARTS = {  # in order of worth; expected: seconds on the H200 of 2026-11-26 (thi
     "blocksparse": Part(100, "patterns.md", _patterns("blocksparse", "8192", "32768"), 60),
 }
 SUMMARY = "session.md"
-MIN_START = 30  # seconds: no part is started with less left before the deadline, nor with under a third
+MIN_START = 30  # seconds: no part is started with less left before the deadline (``needs``)
+GRACE = 10  # seconds between the interrupt at a cap (pytest then prints its failures so far) and the kill
+CAPPED = "stopped at the cap"
 
 
 def needs(part: Part) -> float:
     """Seconds a part must have left before the deadline to be started: MIN_START, or a third of its
     expected time (a part cut far from its end is run again whole by --continue: its minutes were lost)."""
     return max(MIN_START, part.expect / 3)
-GRACE = 10  # seconds between the interrupt at a cap (pytest then prints its failures so far) and the kill
-CAPPED = "stopped at the cap"
+
+
 RUNNING = "running: stopped from outside?"
 
 

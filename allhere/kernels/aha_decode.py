@@ -65,22 +65,41 @@ def merge_splits(OP, LSE, base, live, D: tl.constexpr, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def finish_split(acc, l_i, m_i, o, OP, LSE, ARRIVED, rh, split, nsplit, live, D: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """The end of a decode split of (sequence or request, head) ``rh`` (int64) whose output row is at ``o``
+    [D]: the only split of its head writes the output; otherwise it writes its partial output and
+    log-sum-exp, and the last of the head's ``live`` splits to arrive (counted in ARRIVED, which it sets
+    back to 0) merges them (``merge_splits``)."""
+    offs_d = tl.arange(0, D)
+    if live == 1:  # l_i >= 1: the split has keys
+        tl.store(o + offs_d, (acc / l_i).to(o.dtype.element_ty))
+    else:
+        at = rh * nsplit + split
+        tl.store(OP + at * D + offs_d, acc / l_i)
+        tl.store(LSE + at, m_i + tl.log2(l_i))
+        tl.debug_barrier()  # every thread's stores, then one release (gpu scope) that carries them
+        if tl.atomic_add(ARRIVED + rh, 1, sem="acq_rel") == live - 1:  # the last split: every partial is there
+            acc, total = merge_splits(OP, LSE, rh * nsplit, live, D, CHUNK)
+            tl.store(o + offs_d, (acc / total).to(o.dtype.element_ty))
+            tl.store(ARRIVED + rh, 0)  # ready for the next call
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, O, ARRIVED, sm_scale, T, H, G, W,
                    sqb, sqh, skb, skh, skn,
                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, HAS_START: tl.constexpr,
                    CHUNK: tl.constexpr):
-    """One split of one (sequence, head) (program ids: (sequence x head, split)). A head whose keys fit in one
-    split (every local head whose window fits) writes its output at once; otherwise each split writes its
-    partial output and log-sum-exp, and the last of the head's splits to arrive (counted in ARRIVED, which it
-    sets back to 0) merges them (``merge_splits``). A head with no key at all gets zero from its first split."""
-    bh = tl.program_id(0)
+    """One split of one (sequence, head) (program ids: (sequence x head, split)); ``finish_split`` writes or
+    merges. A head with no key at all gets zero from its first split."""
+    bh = tl.program_id(0).to(tl.int64)  # 64-bit: bh * nsplit * D may pass 2**31
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
     b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
     kh = h // G
     first = _first_key(GATE, KV_START, bh, b, T, W, HAS_START)
-    live = tl.cdiv(T - first, SPLIT)  # splits with keys
+    live = tl.minimum(tl.cdiv(T - first, SPLIT), nsplit)  # splits with keys
     start = first + split * SPLIT
     end = tl.minimum(start + SPLIT, T)
     offs_d = tl.arange(0, D)
@@ -101,28 +120,34 @@ def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, O, ARRIVED, sm_scale, T, H,
         v = tl.load(V + kv, mask=kmask[:, None], other=0.0).to(tl.float32)
         s = tl.where(kmask, tl.sum(k * q[None, :], 1) * qk_scale, float("-inf"))
         m_i, l_i, acc = decode_step(m_i, l_i, acc, s, v)
-    if live == 1:  # the head's only split: its output (l_i >= 1: the split has keys)
-        tl.store(O + bh * D + offs_d, (acc / l_i).to(O.dtype.element_ty))
-        return
-    tl.store(OP + (bh * nsplit + split) * D + offs_d, acc / l_i)
-    tl.store(LSE + bh * nsplit + split, m_i + tl.log2(l_i))
-    tl.debug_barrier()  # every thread's stores, then one release (gpu scope) that carries them
-    if tl.atomic_add(ARRIVED + bh, 1, sem="acq_rel") == live - 1:  # the last split: every partial is there
-        acc, total = merge_splits(OP, LSE, bh * nsplit, live, D, CHUNK)
-        tl.store(O + bh * D + offs_d, (acc / total).to(O.dtype.element_ty))
-        tl.store(ARRIVED + bh, 0)  # ready for the next call
+    finish_split(acc, l_i, m_i, O + bh * D, OP, LSE, ARRIVED, bh, split, nsplit, live, D, CHUNK)
+
+
+MERGE_CHUNK = 16  # splits the merge reads at a time
 
 
 def arrived_counters(device: torch.device, count: int) -> torch.Tensor:
     """A zeroed int32 counter per (sequence, head), kept per device between calls (each call leaves it zero;
-    calls on one stream at a time, as a model's layers make them)."""
+    calls on one stream at a time, as a model's layers make them). A larger one replaces it; the earlier ones
+    are kept, since a captured CUDA graph may still use them."""
     have = _ARRIVED.get(device)
     if have is None or have.numel() < count:
-        have = _ARRIVED[device] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"AHA decode: {count} (sequence, head) counters are needed while a CUDA graph is "
+                               "captured; run one eager call of this batch size first")
+        _KEPT.extend([have] if have is not None else [])
+        have = _ARRIVED[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
     return have
 
 
+def split_scratch(rows: int, nsplit: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' partial outputs [rows * nsplit * d] and log-sum-exps [rows * nsplit], fp32, in one allocation."""
+    scratch = torch.empty(rows * nsplit * (d + 1), device=device, dtype=torch.float32)
+    return scratch[:rows * nsplit * d], scratch[rows * nsplit * d:]
+
+
 _ARRIVED: dict[torch.device, torch.Tensor] = {}
+_KEPT: list[torch.Tensor] = []
 
 
 def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
@@ -143,16 +168,16 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
     first = g if kv_start is None else kv_start.to(torch.int32).contiguous()  # a placeholder when None
     has_start = kv_start is not None
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
-
+    if t == 0:  # no key at all
+        return out.zero_()
     arrived = arrived_counters(q.device, b * h)
 
     def launch(s: dict) -> None:
         nsplit = triton.cdiv(t, s["SPLIT"])
-        scratch = torch.empty(b * h * nsplit * (d + 1), device=q.device, dtype=torch.float32)  # one allocation:
-        partial, lse = scratch[:b * h * nsplit * d], scratch[b * h * nsplit * d:]  # split outputs, their lse
+        partial, lse = split_scratch(b * h, nsplit, d, q.device)
         _decode_kernel[(b * h, nsplit)](q, k, v, g, first, partial, lse, out, arrived, scale, t, h,
                                         h // hkv, window, q.stride(0), q.stride(1), *k.stride()[:3], D=d,
-                                        HAS_START=has_start, CHUNK=16, **s)
+                                        HAS_START=has_start, CHUNK=MERGE_CHUNK, **s)
 
     if tiles is not None:
         launch({**default_tiles("decode"), **tiles})

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_decode import arrived_counters, decode_step, merge_splits
+from .aha_decode import MERGE_CHUNK, arrived_counters, decode_step, finish_split, split_scratch
 from .aha_pack import pack_global
 from .aha_prefill import LOG2E, edge_mask, inner_blocks, online_step, strided
 from .tiles import default as default_tiles
@@ -61,7 +61,6 @@ from .tiles import default as default_tiles
 DECODE = "decode"  # the candidate lists (``tiles.SPACES``) the paged decode kernel is tuned over,
 WINDOW = "sliding"  # the prefill's window pass (every query over its window)
 GLOBAL = "global"  # and its global pass (the packed global queries over their prefixes)
-MERGE_CHUNK = 16  # splits the merge reads at a time
 
 
 @triton.jit
@@ -205,7 +204,7 @@ def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, O, ARRIVED, sm_sc
     """Split ``split`` (SPLIT keys) of one (request, head) of a decode request (program ids: request *
     heads + head, split), as ``aha_decode._decode_kernel``: a head whose keys fit one split writes its
     output; otherwise the splits write partial outputs and log-sum-exps (base 2), and the last to finish
-    (ARRIVED, set back to 0) merges them."""
+    (``finish_split``) merges them."""
     rh = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -216,7 +215,7 @@ def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, O, ARRIVED, sm_sc
     end = tl.minimum(start + SPLIT, n)
     if (one == 0) | (start >= end):  # not a decode request, or past this head's keys
         return
-    live = tl.cdiv(n - lo, SPLIT)  # splits with keys (>= 1: a decode row sees its own key)
+    live = tl.minimum(tl.cdiv(n - lo, SPLIT), nsplit)  # splits with keys (>= 1: a decode row sees its own key)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + row * sqt + h * sqh + offs_d).to(tl.float32)
     bt_row = r.to(tl.int64) * sbt
@@ -230,18 +229,8 @@ def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, O, ARRIVED, sm_sc
         k, v = _paged_keys(K, V, BT, bt_row, kv_off, offs_n, end, skb, sks, True, BLOCK_SIZE, D)
         s = tl.where(offs_n < end, tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
         m_i, l_i, acc = decode_step(m_i, l_i, acc, s, v.to(tl.float32))
-    o = O + row * sot + h * soh + offs_d
-    if live == 1:  # the head's only split (l_i >= 1: the split has keys)
-        tl.store(o, (acc / l_i).to(O.dtype.element_ty))
-        return
-    at = rh.to(tl.int64) * nsplit + split
-    tl.store(OP + at * D + offs_d, acc / l_i)
-    tl.store(LSE + at, m_i + tl.log2(l_i))
-    tl.debug_barrier()  # every thread's stores, then one release (gpu scope) that carries them
-    if tl.atomic_add(ARRIVED + rh, 1, sem="acq_rel") == live - 1:  # the last split: every partial is there
-        acc, total = merge_splits(OP, LSE, rh.to(tl.int64) * nsplit, live, D, CHUNK)
-        tl.store(o, (acc / total).to(O.dtype.element_ty))
-        tl.store(ARRIVED + rh, 0)  # ready for the next call
+    finish_split(acc, l_i, m_i, O + row * sot + h * soh, OP, LSE, ARRIVED, rh.to(tl.int64), split, nsplit, live,
+                 D, CHUNK)
 
 
 def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -278,8 +267,7 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     def decode(s: dict) -> None:
         nsplit = triton.cdiv(max(bound, 1), s["SPLIT"])
-        scratch = torch.empty(reqs * heads * nsplit * (d + 1), device=q.device, dtype=torch.float32)
-        partial, lse = scratch[:reqs * heads * nsplit * d], scratch[reqs * heads * nsplit * d:]
+        partial, lse = split_scratch(reqs * heads, nsplit, d, q.device)
         _decode_kernel[(reqs * heads, nsplit)](*cache, g, partial, lse, out, arrived, scale, heads, group, window,
                                                *q_k, g.stride(0), out.stride(0), out.stride(1),
                                                BLOCK_SIZE=block_size, D=d, CHUNK=MERGE_CHUNK, **_only(s, "SPLIT"))

@@ -83,8 +83,8 @@ def prune(kernel: str, head_dim: int, elem: int, capability: tuple[int, int], ma
     for the kernels whose dots are [BLOCK_M, BLOCK_N] query-by-key tiles, not 8 warps on a tile under
     128 x 128 (the rule of Triton's fused-attention tutorial: too few rows for two warp groups); not a query
     tile longer than the sequence ``length`` (it would be mostly empty), nor a decode split above it, nor a
-forward query tile under 64 rows past SMALL_TILES_UNTIL (it helps only a grid too small for the GPU). Never empty:
-    the default stays when nothing else does."""
+    forward query tile under 64 rows past SMALL_TILES_UNTIL (it helps only a grid too small for the GPU).
+    Never empty: the default stays when nothing else does."""
     keep = []
     for s in SPACES[kernel]:
         if shared_bytes(s, head_dim, elem) > max_shared or (s.get("TMA") and not tma_possible(capability)):

@@ -2,8 +2,8 @@
 served AHA layer on CUDA, where ``allhere.serve.paged``'s torch tiles would be the slow way. No vLLM import: the
 vLLM layer (``allhere.serve.vllm_paged``) hands it the step's tensors, and the tests call it on their own caches.
 
-The whole step is two or three launches for the batch (a split-KV decode kernel and its merge for requests with
-one query; for the others a window pass over every row, then a pass over the global rows, packed per head), each
+The whole step is a few launches for the batch (one split-KV decode kernel for the requests with one query; for
+the others a window pass over every row, then a pass over the global rows, packed per head), each
 (request, query head) reading through the block table only the blocks its rule allows: a local row its window, a
 global row every key before it. Keys are stored untransposed in these layers (``paged.write(...,
 transposed=False)``). fp32 caches are computed with IEEE fp32 dots; fp16 / bf16 as the other kernels.

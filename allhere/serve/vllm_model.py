@@ -148,6 +148,8 @@ def install(model: nn.Module, config) -> list[int]:
         if kind == "aha":
             why = None if device == "cpu" else kernel_refusal(attn.head_size, torch.device(device),
                                                               *host_softmax_terms(attn))
+            if why is None and device != "cpu" and vllm_config.cache_config.cache_dtype != "auto":
+                why = f"a KV cache of {vllm_config.cache_config.cache_dtype} (the kernel reads the model's dtype)"
             if why is None and device != "cpu" and not vllm_config.model_config.enforce_eager:
                 why = "CUDA graphs would replay the kernel's launch grids of the captured step (start vLLM with " \
                       "--enforce-eager, as allhere serve does)"

@@ -131,6 +131,8 @@ def test_host_hints():
     step.check(step.run(4, tiles=SMALL, max_seq_len=37, max_query_len=1), 4, 1e-4)
     mixed = Step(MIXED, seed=3)
     mixed.check(mixed.run(4, tiles=SMALL, max_seq_len=37, max_query_len=20), 4, 1e-4)
+    step.run(4, tiles=SMALL, max_seq_len=20, max_query_len=1)  # a hint under a length: that call is wrong, but
+    step.check(step.run(4, tiles=SMALL, max_seq_len=37, max_query_len=1), 4, 1e-4)  # it leaves no count behind
 
 
 def test_local_rows_never_load_keys_before_their_window():

@@ -214,6 +214,8 @@ def test_decode_merges_in_its_last_split_and_leaves_the_counters_zero():
     assert torch.equal(calls[0], calls[1])
     assert rel_err(calls[0], aha_attention_reference(q, k, v, gate[..., None], 20)) < TOL
     assert aha_decode._ARRIVED and not any(c.any() for c in aha_decode._ARRIVED.values())
+    empty = run(aha_decode_triton, q, k[:, :, :0], v[:, :, :0], gate.to(DEVICE), 20, 16 ** -0.5)
+    assert empty.shape == (2, 4, 1, 16) and not empty.any()  # no key at all: zero
 
 
 def test_decode_with_left_padding_equals_reference_with_the_mask():
