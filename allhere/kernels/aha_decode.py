@@ -95,7 +95,7 @@ def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, O, ARRIVED, sm_scale, T, H,
     bh = tl.program_id(0).to(tl.int64)  # 64-bit: bh * nsplit * D may pass 2**31
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
-    b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
+    b = bh // H
     h = bh % H
     kh = h // G
     first = _first_key(GATE, KV_START, bh, b, T, W, HAS_START)
@@ -132,10 +132,11 @@ def arrived_counters(device: torch.device, count: int) -> torch.Tensor:
     are kept, since a captured CUDA graph may still use them."""
     have = _ARRIVED.get(device)
     if have is None or have.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if autotune.capturing():
             raise RuntimeError(f"AHA decode: {count} (sequence, head) counters are needed while a CUDA graph is "
                                "captured; run one eager call of this batch size first")
-        _KEPT.extend([have] if have is not None else [])
+        if have is not None:
+            _KEPT.append(have)
         have = _ARRIVED[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
     return have
 

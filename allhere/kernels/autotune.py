@@ -92,7 +92,7 @@ def setting(kernel: str, key: tuple, device: torch.device, launch: Callable[[dic
         stored = _stored().get(ident)
         if stored is not None:
             _CHOSEN[ident] = {**stored, "source": "file", "tuning_s": 0.0}
-        elif _capturing():  # a CUDA graph being captured: timing would break it
+        elif capturing():  # a CUDA graph being captured: timing would break it
             return _candidates(kernel, device, head_dim, elem, length)[0]  # not kept: an eager call tunes
         else:
             _CHOSEN[ident] = _tune(kernel, device, launch, head_dim, elem, length)
@@ -100,7 +100,7 @@ def setting(kernel: str, key: tuple, device: torch.device, launch: Callable[[dic
     return dict(_CHOSEN[ident]["setting"])
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 

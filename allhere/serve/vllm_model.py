@@ -146,22 +146,28 @@ def install(model: nn.Module, config) -> list[int]:
                                                     n_sinks=cfg.n_sinks), cfg)
             continue
         if kind == "aha":
-            why = None if device == "cpu" else kernel_refusal(attn.head_size, torch.device(device),
-                                                              *host_softmax_terms(attn))
-            if why is None and device != "cpu" and vllm_config.cache_config.cache_dtype != "auto":
-                why = f"a KV cache of {vllm_config.cache_config.cache_dtype} (the kernel reads the model's dtype)"
-            if why is None and device != "cpu" and not vllm_config.model_config.enforce_eager:
-                why = "CUDA graphs would replay the kernel's launch grids of the captured step (start vLLM with " \
-                      "--enforce-eager, as allhere serve does)"
-            if why is not None:
-                raise NotImplementedError(f"allhere vLLM serving: AHA on {device} runs allhere's Triton paged kernel, "
-                                          f"which cannot take layer {i}: {why}")
+            if device != "cpu":
+                _check_aha_kernel(vllm_config, attn, i)
             install_aha(block, attn, settings, config.hidden_size, config.num_attention_heads).layer = i
         elif kind == "dar":
             install_dar(block, attn, registry.from_dict(settings), config.hidden_size)
         else:
             install_masked(block, attn, registry.from_dict(settings))
     return layers
+
+
+def _check_aha_kernel(vllm_config, attn: Attention, i: int) -> None:
+    """Raise where AHA layer ``i`` off the CPU cannot run allhere's Triton paged kernel."""
+    device = vllm_config.device_config.device_type
+    why = kernel_refusal(attn.head_size, torch.device(device), *host_softmax_terms(attn))
+    if why is None and vllm_config.cache_config.cache_dtype != "auto":
+        why = f"a KV cache of {vllm_config.cache_config.cache_dtype} (the kernel reads the model's dtype)"
+    if why is None and not vllm_config.model_config.enforce_eager:
+        why = ("CUDA graphs would replay the kernel's launch grids of the captured step (start vLLM with "
+               "--enforce-eager, as allhere serve does)")
+    if why is not None:
+        raise NotImplementedError(f"allhere vLLM serving: AHA on {device} runs allhere's Triton paged kernel, which "
+                                  f"cannot take layer {i}: {why}")
 
 
 def aha_layers(model: nn.Module) -> dict[int, AHAServe]:

@@ -13,8 +13,8 @@ so plain models served next to converted ones are unchanged.
 from __future__ import annotations
 
 SERVED = ("aha", "sliding", "sinks", "dilated", "longformer", "bigbird", "dar")  # the mechanisms (config kinds) served
-PAGED = ("aha", "sinks", "dilated", "longformer", "bigbird", "dar")  # allhere's attention over the cache: CPU
-# only, but AHA (also on CUDA, through the Triton paged kernel)
+# allhere's attention over the cache: on vLLM's CPU backend only, but AHA (on CUDA too: the Triton paged kernel)
+PAGED = ("aha", "sinks", "dilated", "longformer", "bigbird", "dar")
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention kernels
 STATS_ENV = "ALLHERE_ROUTING_STATS"  # a file the model writes its routing statistics to (allhere serve)
 RESET_SUFFIX = ".reset"  # while "<that file>.reset" exists, the next forward zeroes the counts first

@@ -56,9 +56,9 @@ def test_the_fastest_candidate_is_chosen_once_and_kept_across_processes(fake_gpu
 
 
 def test_nothing_is_timed_while_a_cuda_graph_is_captured(fake_gpu, monkeypatch):
-    monkeypatch.setattr(autotune, "_capturing", lambda: True)
+    monkeypatch.setattr(autotune, "capturing", lambda: True)
     assert choose(fake_gpu)["SPLIT"] == 512 and fake_gpu["timed"] == [] and autotune.choices() == []
-    monkeypatch.setattr(autotune, "_capturing", lambda: False)
+    monkeypatch.setattr(autotune, "capturing", lambda: False)
     assert choose(fake_gpu)["SPLIT"] == 256 and fake_gpu["timed"] == [512, 256, 1024]  # eager: tuned then
 
 
