@@ -147,8 +147,9 @@ def main() -> None:
         out, _ = aha_train_triton(q, k, v, hard, w, scale, row_start=starts)
         torch.autograd.grad(out.sum(), [q, k, v])  # the three backward kernels (values are meaningless)
 
-    def decode(starts):
-        aha_decode_triton(decode_q, k.detach(), v.detach(), gate, w, scale)
+    def decode(starts):  # with segments: per-sequence starts and lengths on the device
+        lens = None if starts is None else dict(kv_start=torch.tensor([0, 16]), kv_len=torch.tensor([n, n - 8]))
+        aha_decode_triton(decode_q, k.detach(), v.detach(), gate, w, scale, **(lens or {}))
 
     # Each kernel's candidates pruned for the target (what the autotuner would time on it), pinned one at a
     # time for that kernel alone (the others run their interpreter defaults, not recorded).
@@ -160,7 +161,7 @@ def main() -> None:
     for kernel, (part, call, only) in calls.items():
         settings = tiles.prune(kernel, d, dtype.itemsize, capability, shared, n)
         for setting in settings[:1] if args.default_only else settings:
-            for starts in (None, segments) if part != "decode" else (None,):
+            for starts in (None, segments):
                 start = len(log)
                 # the global kernels' two orders: fixed without segments, sorted (longest first) with them
                 aha_pack.SORT_FROM = n + 1 if starts is None else 0

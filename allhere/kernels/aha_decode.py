@@ -8,8 +8,12 @@ splits of a longer range write their partial outputs and log-sum-exps, and the l
 time at long contexts is mostly its host's, and a second launch for the merge cost about as much as the
 kernels' own work at 32k (0.1 ms per call on an H200).
 
-Layout: q [b, h, 1, d], k/v [b, kv_heads, t, d] (the cache, every sequence t long; any strides but a
-unit-stride last dimension), gate [b, h] bool.
+Layout: q [b, h, 1, d], k/v [b, kv_heads, t, d] (the cache, every sequence t long, or sequence i
+``kv_len[i]`` long in a buffer of t; any strides but a unit-stride last dimension), gate [b, h] bool.
+
+With ``kv_len`` on the device the launch does not depend on the lengths at all (the grid follows the
+buffer's t, the splits past a sequence's length return at once): one launch setting serves every step of
+a growing cache, as a captured CUDA graph replays it.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from .tiles import default as default_tiles
 
 @triton.jit
 def _first_key(GATE, KV_START, bh, b, T, W, HAS_START: tl.constexpr):
-    """The first key (sequence, head) ``bh`` reads: 0 for a global head, T - W for a local one, never
-    before the sequence's first real key."""
+    """The first key (sequence, head) ``bh`` of a sequence of T keys reads: 0 for a global head, T - W for a
+    local one, never before the sequence's first real key."""
     lo = tl.where(tl.load(GATE + bh) != 0, 0, tl.maximum(T - W, 0))
     if HAS_START:
         lo = tl.maximum(lo, tl.load(KV_START + b))  # keys before it are padding
@@ -86,18 +90,21 @@ def finish_split(acc, l_i, m_i, o, OP, LSE, ARRIVED, rh, split, nsplit, live, D:
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, GATE, KV_START, OP, LSE, O, ARRIVED, sm_scale, T, H, G, W,
+def _decode_kernel(Q, K, V, GATE, KV_START, KV_LEN, OP, LSE, O, ARRIVED, sm_scale, T, H, G, W,
                    sqb, sqh, skb, skh, skn,
                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, HAS_START: tl.constexpr,
-                   CHUNK: tl.constexpr):
+                   HAS_LEN: tl.constexpr, CHUNK: tl.constexpr):
     """One split of one (sequence, head) (program ids: (sequence x head, split)); ``finish_split`` writes or
-    merges. A head with no key at all gets zero from its first split."""
+    merges. A head with no key at all gets zero from its first split. T: the buffer's length, or with
+    HAS_LEN each sequence's own from KV_LEN."""
     bh = tl.program_id(0).to(tl.int64)  # 64-bit: bh * nsplit * D may pass 2**31
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
     b = bh // H
     h = bh % H
     kh = h // G
+    if HAS_LEN:
+        T = tl.minimum(tl.load(KV_LEN + b), T)
     first = _first_key(GATE, KV_START, bh, b, T, W, HAS_START)
     live = tl.minimum(tl.cdiv(T - first, SPLIT), nsplit)  # splits with keys
     start = first + split * SPLIT
@@ -152,13 +159,16 @@ _KEPT: list[torch.Tensor] = []
 
 
 def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
-                      scale: float, tiles: dict | None = None, kv_start: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float, tiles: dict | None = None, kv_start: torch.Tensor | None = None,
+                      kv_len: torch.Tensor | None = None) -> torch.Tensor:
     """AHA attention of the last query of every (sequence, head) over the whole cache; returns [b, h, 1, d].
     k, v are read where they lie: a view of a larger cache buffer costs no copy (``strided``). tiles: None,
     the launch setting from ``allhere.kernels.autotune``; or a pinned one (SPLIT: keys per program, the
     cache being split across programs; BLOCK_N: keys per step; num_warps, num_stages; what is left out
     comes from the default). kv_start: optional int [b], keys before it are padding (a sequence with no
-    real key gets zero)."""
+    real key gets zero). kv_len: optional int [b] on q's device, each sequence's keys (its query the last of
+    them; at most k's length, which is then the buffer's capacity): the launch is the same whatever the
+    lengths, so a CUDA graph captured once replays every later step."""
     b, h, lq, d = q.shape
     if lq != 1:
         raise ValueError(f"the decode kernel takes one query per sequence, got {lq}")
@@ -166,8 +176,7 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
     hkv, t = k.shape[1], k.shape[2]
     g = gate.reshape(b * h).contiguous()  # read as != 0: a bool gate's bytes as they lie (no conversion kernel)
     g = g.view(torch.uint8) if g.dtype == torch.bool else g
-    first = g if kv_start is None else kv_start.to(torch.int32).contiguous()  # a placeholder when None
-    has_start = kv_start is not None
+    first, lens = (g if x is None else x.to(torch.int32).contiguous() for x in (kv_start, kv_len))  # None: placeholders
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
     if t == 0:  # no key at all
         return out.zero_()
@@ -176,9 +185,10 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
     def launch(s: dict) -> None:
         nsplit = triton.cdiv(t, s["SPLIT"])
         partial, lse = split_scratch(b * h, nsplit, d, q.device)
-        _decode_kernel[(b * h, nsplit)](q, k, v, g, first, partial, lse, out, arrived, scale, t, h,
+        _decode_kernel[(b * h, nsplit)](q, k, v, g, first, lens, partial, lse, out, arrived, scale, t, h,
                                         h // hkv, window, q.stride(0), q.stride(1), *k.stride()[:3], D=d,
-                                        HAS_START=has_start, CHUNK=MERGE_CHUNK, **s)
+                                        HAS_START=kv_start is not None, HAS_LEN=kv_len is not None,
+                                        CHUNK=MERGE_CHUNK, **s)
 
     if tiles is not None:
         launch({**default_tiles("decode"), **tiles})

@@ -234,6 +234,46 @@ def test_decode_with_left_padding_equals_reference_with_the_mask():
     assert rel_err(via_op.float().cpu(), out) < TOL
 
 
+def test_decode_with_lengths_on_the_device_reads_each_sequence_and_launches_the_same(monkeypatch):
+    """kv_len: each sequence's own length in a longer buffer (what lies past it, here NaN, is never read);
+    the launch (grid and every argument but the tensors' contents) is the same whatever the lengths, as a
+    captured CUDA graph replays it; with kv_start too, each sequence reads [start, length)."""
+    from allhere.kernels import aha_decode
+
+    launches = []
+    real = aha_decode._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, [a.shape if torch.is_tensor(a) else a for a in args], kwargs))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(aha_decode, "_decode_kernel", Spy())
+    q, k, v = inputs(3, 4, 2, 1, 120, 16)
+    gate = torch.rand(3, 4, 1, generator=torch.Generator().manual_seed(5)) < 0.5
+    gate[:, 0], gate[:, 1] = True, False
+    pinned = dict(SPLIT=32, BLOCK_N=16)
+    for lens, starts in (([120, 1, 77], None), ([50, 90, 33], None), ([60, 0, 100], [10, 0, 99])):
+        kb, vb = (torch.cat([t, torch.full((3, 2, 40, 16), float("nan"))], 2) for t in (k, v))  # room for 40 more
+        for i, n in enumerate(lens):  # the buffer past each sequence's length: never read
+            kb[i, :, n:], vb[i, :, n:] = float("nan"), float("nan")
+        kw = dict(kv_len=torch.tensor(lens, device=DEVICE))
+        if starts is not None:
+            kw["kv_start"] = torch.tensor(starts, device=DEVICE)
+        out = run(aha_decode_triton, q, kb, vb, gate[..., 0].to(DEVICE), 9, 16 ** -0.5, tiles=pinned, **kw)
+        for i, n in enumerate(lens):
+            lo = 0 if starts is None else starts[i]
+            if n - lo <= 0:  # no key at all: zero
+                assert not out[i].any()
+                continue
+            want = aha_attention_reference(q[i:i + 1], k[i:i + 1, :, lo:n], v[i:i + 1, :, lo:n], gate[i:i + 1], 9)
+            assert rel_err(out[i:i + 1], want) < TOL, (lens, starts, i)
+    assert len({repr(launch) for launch in launches[:2]}) == 1  # the same launch for other lengths
+    assert not any(c.any() for c in aha_decode._ARRIVED.values())  # every count back to zero
+
+
 def test_global_blocks_start_longest_first_across_heads():
     """Work items (head, block of 4 packed queries): ordered by the last position each block reaches,
     across heads; blocks past a head's count come last."""
