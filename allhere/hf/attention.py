@@ -32,6 +32,7 @@ import sys
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -178,8 +179,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if attend is not None and not mech.host_softmax:
         raise NotImplementedError(f"{type(mech).__name__} does not compute this layer's softmax (sinks or "
                                   "soft-capping); convert refuses such layers")
+    host_cache = _host_cache(call_kwargs)
+    kv_len = static_length(host_cache, module.layer_idx, mech)
+    if kv_len is not None:  # a static cache: its whole buffers come in, kv_len[0] tokens of them written
+        query, key, value, attention_mask, kv_len = static_call(query, key, value, attention_mask, kv_len)
     starts = None
-    if isinstance(attention_mask, SegmentMask):
+    if kv_len is not None and isinstance(attention_mask, torch.Tensor):  # a decode query: its first key
+        starts = attention_mask[:, 0, -1].to(torch.uint8).argmax(-1)[:, None]
+    elif isinstance(attention_mask, SegmentMask):
         starts = attention_mask.starts
         if starts is None:
             raise NotImplementedError("allhere attention takes causal masks with padding and packed documents; "
@@ -187,16 +194,47 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     elif attention_mask is not None:
         raise NotImplementedError(f"allhere attention got a mask it did not build ({type(attention_mask).__name__})")
     call = AttentionCall(x=_hidden_states(args, call_kwargs), segment_starts=starts, scale=scaling, attend=attend,
-                         positions=SHARD_POSITIONS.get(),
+                         positions=SHARD_POSITIONS.get(), kv_len=kv_len,
                          project_kv=lambda h, positions=None: project_kv(module, args, call_kwargs, rotary, h,
                                                                          positions))
-    host_cache, cache = _host_cache(call_kwargs), None
-    if host_cache is not None:
+    cache = None
+    if host_cache is not None and kv_len is None:
         layer = own_layer(host_cache, module.layer_idx, mech, query.shape[2], key, value)
         cache = None if layer is None else layer.for_call(call_kwargs.get("position_ids"))
     out, routing = mech(query, key, value, call, cache=cache)
     mech.last_routing = routing
     return out.transpose(1, 2).contiguous(), None
+
+
+def static_length(host_cache, layer_idx: int, mech) -> torch.Tensor | None:
+    """The device count of tokens a static cache layer (transformers' ``StaticLayer``, e.g. of
+    ``StaticCache``: whole buffers handed over, written in place) holds after this call's update, else None.
+    Raises where the layer's mechanism cannot read such buffers or the layer slides."""
+    layer = None if host_cache is None else getattr(host_cache, "layers", [None] * (layer_idx + 1))[layer_idx]
+    if not isinstance(layer, StaticLayer):
+        return None
+    length = getattr(layer, "cumulative_length", None)
+    why = (None if mech.takes_kv_len else f"{type(mech).__name__} does not decode over a static cache's buffers")
+    if why is None and (layer.is_sliding or not torch.is_tensor(length)):
+        why = ("a sliding static layer" if layer.is_sliding
+               else "this transformers version's StaticLayer keeps no device count (cumulative_length)")
+    if why is not None:
+        raise NotImplementedError(f"allhere attention with a static cache: {why}; use the default cache or "
+                                  "allhere.hf.new_cache(model)")
+    return length
+
+
+def static_call(query, key, value, attention_mask, length: torch.Tensor):
+    """(query, key, value, mask, kv_len) of a call over a static cache's whole buffers: a decode query gets
+    kv_len (each sequence's count, read on the device) and its mask row as a dense tensor; a longer call (an
+    eager prefill) gets the written keys only, its mask cut to them, and no kv_len (one host read of the
+    count per layer)."""
+    dense = attention_mask.dense if isinstance(attention_mask, SegmentMask) else attention_mask
+    if query.shape[2] == 1:
+        return query, key, value, dense, length.to(torch.int32).expand(query.shape[0])
+    n = int(length)
+    dense = None if dense is None else dense[..., :n]
+    return query, key[:, :, :n], value[:, :, :n], None if dense is None else SegmentMask(dense), None
 
 
 def register() -> None:

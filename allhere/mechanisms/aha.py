@@ -106,6 +106,7 @@ class AHAAttention(AttentionMechanism):
 
     routed = True
     host_softmax = True
+    takes_kv_len = True
 
     def __init__(self, cfg: AHAConfig, dims: AttentionDims) -> None:
         super().__init__(cfg, dims)
@@ -159,7 +160,7 @@ class AHAAttention(AttentionMechanism):
             k, v = cache.update(k, v)
         # a host whose softmax has terms of its own (call.attend): both attentions through it, on the reference
         out = aha_attention(q, k, v, gate, self.cfg.window, scale=call.scale, row_start=call.segment_starts,
-                            attend=call.attend)
+                            attend=call.attend, kv_len=call.kv_len)
         return out, LayerRouting(scores=s, gates=hard)
 
     def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:

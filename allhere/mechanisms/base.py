@@ -82,6 +82,9 @@ class AttentionCall:
     # n, kv], given where its softmax has more than scaled scores (gpt-oss's sink logits, Gemma-2's soft-capping);
     # a mechanism that honours it (``host_softmax``) attends through it, and no other may be installed there.
     attend: Callable | None = None
+    # int [b]: one decode query per sequence over keys in a longer buffer (a host's static cache), sequence i
+    # holding its first kv_len[i]; only a mechanism with ``takes_kv_len`` is handed one.
+    kv_len: torch.Tensor | None = None
 
 
 @dataclass
@@ -146,6 +149,7 @@ class AttentionMechanism(nn.Module):
     hf_support = True  # whether ``allhere.hf.convert`` may install it in a Hugging Face attention module
     hf_cache = True  # whether it decodes with transformers' own KV cache (every key kept) on HF models
     host_softmax = False  # whether it attends through ``AttentionCall.attend`` when the host gives one
+    takes_kv_len = False  # whether it decodes over a static cache buffer (``AttentionCall.kv_len``)
     replaces_mlp = False  # whether the host block drops its MLP (the mechanism holds the feed-forward memory)
     aux_loss: torch.Tensor | None = None  # a scalar loss of the last forward for the training objective
 

@@ -274,6 +274,28 @@ def test_decode_with_lengths_on_the_device_reads_each_sequence_and_launches_the_
     assert not any(c.any() for c in aha_decode._ARRIVED.values())  # every count back to zero
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_the_op_takes_decode_lengths_on_every_path(backend):
+    """aha_attention(kv_len=): the kernels read the lengths on the device, the other paths take each
+    sequence's keys apart; the same outputs. A call that is no decode step, or a length out of range, is
+    refused."""
+    q, k, v = inputs(2, 4, 2, 1, 60, 16)
+    gate = torch.rand(2, 4, 1, generator=torch.Generator().manual_seed(6)) < 0.5
+    lens = torch.tensor([25, 60])
+    dev = lambda t: t.to(DEVICE, DTYPE)  # noqa: E731
+    with torch.no_grad():
+        out = aha_attention(dev(q), dev(k), dev(v), gate.to(DEVICE), 5, backend=backend,
+                            kv_len=lens.to(DEVICE)).float().cpu()
+        for i, n in enumerate(lens.tolist()):
+            want = aha_attention_reference(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], gate[i:i + 1], 5)
+            assert rel_err(out[i:i + 1], want) < TOL
+        with pytest.raises(ValueError, match="one decode query per sequence"):
+            aha_attention(*inputs(2, 4, 2, 60, 60, 16), torch.ones(2, 4, 60, dtype=torch.bool), 5, kv_len=lens)
+        if backend != "triton":  # the kernels would read a length past the buffer as the buffer's length
+            with pytest.raises(ValueError, match=r"kv_len\[1\] = 61"):
+                aha_attention(q, k, v, gate, 5, backend=backend, kv_len=torch.tensor([3, 61]))
+
+
 def test_global_blocks_start_longest_first_across_heads():
     """Work items (head, block of 4 packed queries): ordered by the last position each block reaches,
     across heads; blocks past a head's count come last."""

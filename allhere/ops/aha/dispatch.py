@@ -44,7 +44,7 @@ register_path("aha", "triton", aha_attention_triton, takes=_triton_takes, auto=_
 
 def aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
                   scale: float | None = None, row_start: torch.Tensor | None = None,
-                  backend: str | None = None, attend=None) -> torch.Tensor:
+                  backend: str | None = None, attend=None, kv_len: torch.Tensor | None = None) -> torch.Tensor:
     """All-or-Here attention (AHA paper Eq. 4): per (batch, head, query) full causal attention where the
     gate is 1, the ``window`` most recent keys (the query's own included) where it is 0.
 
@@ -62,12 +62,37 @@ def aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch
     backend: "auto" | "torch" | "triton" | "reference"; None = ``allhere.backend.get_backend()`` (the
     innermost ``use_backend`` block, else "auto"). attend: the host's own attention under a bool mask
     (``AttentionCall.attend``), for a host whose softmax has terms of its own; only the reference takes it.
+    kv_len: optional int [batch] on k's device, for one decode query per sequence (q_len 1) over a buffer of
+    kv_len keys or more (a static cache): sequence i's keys are its first kv_len[i], its query the last of
+    them. The Triton kernels read the lengths on the GPU (nothing goes back to the host: a CUDA graph can
+    capture the call); the other paths take each sequence's keys apart.
     Returns [batch, heads, q_len, dim] in q's dtype.
     """
     *_, d = check_aha(q, k, v, gate, window, row_start, gate_values=not gate.is_cuda)
     args = (q, k, v, gate, window, default_scale(d, scale))
     host = {} if attend is None else {"attend": attend}  # a path that takes no host softmax never sees it
+    if kv_len is not None:
+        return _with_lengths(select("aha", *args, backend=backend, row_start=row_start, **host), args, row_start,
+                             kv_len, host)
     return dispatch("aha", *args, backend=backend, row_start=row_start, **host)
+
+
+def _with_lengths(path, args: tuple, row_start, kv_len: torch.Tensor, host: dict) -> torch.Tensor:
+    """``path`` on a decode call whose sequences hold their first ``kv_len`` keys of k and v."""
+    q, k, v, gate, *rest = args
+    if q.shape[2] != 1 or tuple(kv_len.shape) != (q.shape[0],) or kv_len.is_floating_point():
+        raise ValueError(f"kv_len takes one decode query per sequence and an int [batch] tensor, got q "
+                         f"{tuple(q.shape)} and kv_len {tuple(kv_len.shape)} ({kv_len.dtype})")
+    if path.backend == "triton":
+        return path.fn(*args, row_start=row_start, kv_len=kv_len)
+    outs = []
+    for i, n in enumerate(kv_len.tolist()):  # off the kernels: each sequence's own keys (reads the lengths)
+        if not 1 <= n <= k.shape[2]:
+            raise ValueError(f"kv_len[{i}] = {n}: a decode query needs 1 to {k.shape[2]} keys (k's length)")
+        one = slice(i, i + 1)
+        starts = None if row_start is None else row_start[one]
+        outs.append(path.fn(q[one], k[one, :, :n], v[one, :, :n], gate[one], *rest, row_start=starts, **host))
+    return torch.cat(outs)
 
 
 def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,

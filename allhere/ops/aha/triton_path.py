@@ -53,8 +53,10 @@ def triton_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torc
 
 
 def aha_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
-                         scale: float, row_start: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernels on a call they take (``triton_refusal`` is None; arguments checked by the caller)."""
+                         scale: float, row_start: torch.Tensor | None = None,
+                         kv_len: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels on a call they take (``triton_refusal`` is None; arguments checked by the caller); kv_len
+    (decode only): each sequence's length in k and v, read by the decode kernel on the device."""
     hard = hard_gate(gate)
     lq, lk = q.shape[2], k.shape[2]
     if needs_grad(q, k, v, gate):
@@ -75,7 +77,7 @@ def aha_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate
         from ...kernels.aha_decode import aha_decode_triton
 
         kv_start = None if row_start is None else torch.where(row_start[:, 0] < 0, lk, row_start[:, 0])
-        return aha_decode_triton(q, k, v, hard[..., 0], window, scale, kv_start=kv_start)
+        return aha_decode_triton(q, k, v, hard[..., 0], window, scale, kv_start=kv_start, kv_len=kv_len)
     from ...kernels.aha_prefill import aha_prefill_triton
 
     return aha_prefill_triton(q, k, v, hard, window, scale, row_start=row_start)

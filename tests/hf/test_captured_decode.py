@@ -1,0 +1,103 @@
+"""Greedy decoding over transformers' StaticCache with one step captured as a CUDA graph
+(``allhere.hf.captured``). Without a GPU the step runs eagerly: the tokens it gives, the absence of host
+reads in a step, and a step whose ops do not depend on the cache's length are what a capture needs."""
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+transformers = pytest.importorskip("transformers")
+
+from allhere import AHAConfig, SlidingConfig  # noqa: E402
+from allhere.backend import use_backend  # noqa: E402
+from allhere.hf import convert  # noqa: E402
+from allhere.hf.captured import CapturedDecode  # noqa: E402
+
+CONFIG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**CONFIG)
+    plain = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    aha = convert(copy.deepcopy(plain), AHAConfig(window=4))
+    for layer in aha.model.layers:  # sharp routers: about half the (token, head) pairs global
+        torch.nn.init.normal_(layer.self_attn.allhere.router.weight, std=2.0)
+    return plain, aha
+
+
+def prompt(batch=2, n=12):
+    return torch.randint(3, 97, (batch, n), generator=torch.Generator().manual_seed(1))
+
+
+def greedy(model, ids, new):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_static_cache_decoding_gives_generates_tokens(models, backend):
+    """The plain model and the converted one (AHA at w = 4 over 22 tokens: local heads read a window of the
+    static buffers) give generate's greedy tokens; AHA on the Triton decode kernel (lengths read on the
+    device) as on the PyTorch path (each sequence's keys taken apart)."""
+    plain, aha = models
+    ids = prompt()
+    with use_backend(backend):
+        for model in (plain, aha) if backend == "auto" else (aha,):
+            got = CapturedDecode(model, 2, 40, capture=False).generate(ids, 10)
+            assert torch.equal(got, greedy(model, ids, 10))
+
+
+class Reads(TorchDispatchMode):
+    """Every op of a step, with its inputs' shapes; the host reads among them (``.item()`` and the like)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_reads_nothing_back_and_repeats_the_same_ops(models):
+    """What a CUDA graph replays: the step's ops and shapes are the same at every length, and nothing is read
+    back to the host (``aten._local_scalar_dense``: .item(), bool(), int() of a tensor)."""
+    _, aha = models
+    run = CapturedDecode(aha, 2, 40, capture=False)
+    with use_backend("triton"):
+        token = run.prefill(prompt()).argmax(-1)
+        steps = []
+        for _ in range(3):
+            with Reads() as reads:
+                token = run.step(token).argmax(-1)
+            steps.append(reads.ops)
+    assert steps[0] == steps[1] == steps[2] and len(steps[0]) > 20
+    assert not [op for op, _ in steps[0] if "_local_scalar_dense" in op or "item" in op]
+
+
+def test_refusals(models):
+    """A mechanism that cannot read a static cache's buffers is refused with the reason; the decoder's
+    own misuse too."""
+    plain, _ = models
+    sliding = convert(copy.deepcopy(plain), SlidingConfig(window=4))
+    with pytest.raises(NotImplementedError, match="static cache.*does not decode over a static cache"):
+        CapturedDecode(sliding, 2, 40, capture=False).prefill(prompt())
+    run = CapturedDecode(plain, 2, 14, capture=False)
+    with pytest.raises(RuntimeError, match="prefill a prompt first"):
+        run.step(torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"prefill takes one prompt of \[2, < 14\]"):
+        run.prefill(prompt(n=14))
+    run.prefill(prompt(n=12))
+    run.step(torch.zeros(2, dtype=torch.long))
+    run.step(torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="holds 14 tokens"):
+        run.step(torch.zeros(2, dtype=torch.long))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA device"):
+            CapturedDecode(plain, 2, 40, capture=True)
