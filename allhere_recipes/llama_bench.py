@@ -222,12 +222,69 @@ def decode_rows(t: LlamaTables, plain, aha, progress=print) -> list[dict]:
                 progress(f"whole-model decode {rows[-1]}")
             set_forced_gate(aha, None)
             del cache, seq
+        rows += captured_rows(t, plain, aha, seeds, ctx, room, rows, progress)
         plain_ms = [r["ms_per_step"] for r in rows if r["context"] == ctx and r["model"].startswith("plain")
                     and "error" not in r]
         for r in rows:
             if r["context"] == ctx and "error" not in r:
                 r["speedup"] = min(plain_ms) / r["ms_per_step"] if plain_ms else None
     return rows
+
+
+def captured_rows(t: LlamaTables, plain, aha, seeds: dict, ctx: int, room: int, rows: list, progress) -> list[dict]:
+    """Per model, decode steps over transformers' StaticCache filled to ``ctx``, the step captured once and
+    replayed (``CapturedDecode``; run eagerly off CUDA): what both models give once Python and launches are
+    off the step. AHA's routing is not read in a replay: its byte limit takes the routed row's share."""
+    from allhere.hf.captured import CapturedDecode
+
+    from .generate_bench import fill
+
+    routed = [r for r in rows if r["context"] == ctx and r["model"] == "AHA" and "error" not in r]
+    out = []
+    for name, model in (("plain (transformers SDPA, torch's choice)", plain), ("AHA", aha)):
+        _reset_peak(t.device)
+        how = "captured as a CUDA graph" if t.device.startswith("cuda") else "run eagerly (no CUDA)"
+        row = {"context": ctx, "batch": t.batch, "model": name, "cache": f"StaticCache, one step {how} "
+               "(allhere.hf.captured)"}
+        run = None
+        try:
+            run = CapturedDecode(model, t.batch, ctx + room, capture=t.device.startswith("cuda"))
+            fill(run.cache, seeds["aha" if model is aha else "plain"], t.batch, ctx)
+            run.resume()
+            steps = captured_steps(run, t.warmup_tokens, t.new_tokens, t.device)
+        except Exception as e:  # noqa: BLE001 -- a row that fails (memory, a capture) leaves the others
+            out.append({**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+            progress(f"whole-model decode {out[-1]}")
+            del run
+            continue
+        ms = 1e3 * sorted(steps)[len(steps) // 2]
+        kv_global = 1.0 if model is plain else (routed[0]["kv_heads_global"] if routed else 0.0)
+        out.append({**row, "ms_per_step": ms, "tokens_per_s": t.batch / ms * 1e3, "steps": len(steps),
+                    "mu_f": None, "kv_heads_global": kv_global,
+                    "byte_limit": decode_byte_limit(plain, t, ctx, kv_global),
+                    "cache_gb": _cache_gb(run.cache), "cache_used_gb": _cache_gb(run.cache, used=True),
+                    "peak_gb": _peak_gb(t.device)})
+        progress(f"whole-model decode {out[-1]}")
+        del run
+    return out
+
+
+def captured_steps(run, warmup: int, new_tokens: int, device: str) -> list[float]:
+    """Seconds of each greedy step of ``run`` (a ``CapturedDecode`` resumed on a filled cache) after
+    ``warmup`` untimed ones (the first captures the graph): ``new_tokens - 1``, as many as ``decode_steps``
+    times between ``new_tokens`` tokens."""
+    token = torch.zeros(run.batch, dtype=torch.long, device=run.device)
+    times = []
+    for i in range(warmup + new_tokens - 1):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        token = run.step(token).argmax(-1)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
 
 
 def prefill_flop_limit(model, t: LlamaTables, n: int, mu: float) -> float:

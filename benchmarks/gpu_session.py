@@ -24,10 +24,12 @@ autotuner now times the same settings in the first calls of bench.
   bench        took 216  allhere bench --profile: where each AHA path's time goes (kernel by kernel), then
                          the op's prefill / decode / training against the fastest dense SDPA backend, and the
                          launch settings the autotuner chose (164 s of it tuning)
-  model        ~110      allhere bench --tables model: a Llama-3.2-1B-shaped model, plain SDPA (under torch's
+  model        ~125      allhere bench --tables model: a Llama-3.2-1B-shaped model, plain SDPA (under torch's
                          backend choice and under flash/efficient only) against AHA (mu_f 7%): prefill
                          tokens/s at 8k and 32k, decode tokens/s at B = 8 with 32k and 128k contexts through
-                         generate on allhere's in-place cache (took 90 s before the second backend choice)
+                         generate on allhere's in-place cache, and both models' decode step captured as a
+                         CUDA graph over a StaticCache (took 90 s before the second backend choice and the
+                         captured steps)
   mechanisms   took 83   every mechanism in a Decoder against the CPU, the patterns' FlexAttention path, the
                          AA-MoE op, ring attention and FSDP2 (bf16, sharded checkpoint) in a one-rank NCCL
                          group
@@ -83,11 +85,12 @@ def _patterns(backend: str, *lengths: str) -> tuple:
 PARTS = {  # in order of worth; expected: seconds on the H200 of 2026-11-26 (fourth session), from a cold machine
     "tests": Part(215, "tests.log", (
         (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/ops/test_gpu.py",
-         "tests/ops/test_kernels.py", "tests/ops/test_aha_paged.py"),), 164),  # 87 tests
+         "tests/ops/test_kernels.py", "tests/ops/test_aha_paged.py",
+         "tests/hf/test_captured_decode.py"),), 164),  # 87 tests, then the captured decode's (~10 s)
     "bench": Part(290, "bench.log", (  # cold, 164 s of it tuning
         (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),), 216),
-    "model": Part(150, "model.log", (  # 90 s before the plain rows under a second SDPA backend choice
-        (PY, "-m", "allhere.cli", "bench", "--tables", "model", "--out", "{tmp}/model"),), 110),
+    "model": Part(165, "model.log", (  # 90 s before the second SDPA choice and the captured steps
+        (PY, "-m", "allhere.cli", "bench", "--tables", "model", "--out", "{tmp}/model"),), 125),
     "mechanisms": Part(120, "mechanisms.log", (
         (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=15", "tests/mechanisms/test_gpu_mechanisms.py"),),
         83),  # 57 tests

@@ -62,6 +62,16 @@ class CapturedDecode:
         self.length = ids.shape[1]
         return logits
 
+    def resume(self) -> None:
+        """Decode on after the tokens already written into ``self.cache`` through its layers' ``update`` (a
+        benchmark fills it so, without running a prompt)."""
+        counts = {int(layer.cumulative_length) for layer in self.cache.layers if layer.is_initialized}
+        if len(counts) != 1 or not 0 < min(counts) < self.max_len:
+            raise ValueError(f"resume needs every layer of the cache holding one count under {self.max_len}, "
+                             f"got {sorted(counts)}")
+        self.length = counts.pop()
+        self.pos.fill_(self.length)
+
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append ``tokens`` [batch] (one per row); the logits [batch, vocab] of the next token (a buffer the
@@ -94,8 +104,15 @@ class CapturedDecode:
         for layer, count in zip(self.cache.layers, counts):
             layer.cumulative_length.copy_(count)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._logits = self._forward(self.ids, self.pos)
+        try:
+            with torch.cuda.graph(self.graph):
+                self._logits = self._forward(self.ids, self.pos)
+        except RuntimeError as e:
+            self.graph = None
+            raise RuntimeError(f"the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0]}): "
+                               "something in it reads a tensor back to the host (an attention path without "
+                               "device lengths, e.g. AHA in fp32 off the Triton kernels?); capture=False runs it "
+                               "eagerly") from e
         for layer, count in zip(self.cache.layers, counts):  # capturing ran nothing, but to be sure
             layer.cumulative_length.copy_(count)
 

@@ -101,3 +101,16 @@ def test_refusals(models):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA device"):
             CapturedDecode(plain, 2, 40, capture=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a GPU")
+def test_the_captured_step_gives_the_eager_steps_tokens(models):
+    """On a GPU: the step captured once and replayed gives the tokens of the same step run eagerly (bf16: the
+    converted layers on the Triton decode kernel)."""
+    for model in models:
+        model = copy.deepcopy(model).to("cuda", torch.bfloat16)
+        ids = prompt().cuda()
+        eager = CapturedDecode(model, 2, 40, capture=False).generate(ids, 12)
+        captured = CapturedDecode(model, 2, 40)
+        assert captured.capture and torch.equal(captured.generate(ids, 12), eager)
+        assert captured.graph is not None

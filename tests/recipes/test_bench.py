@@ -63,14 +63,16 @@ def test_whole_model_tables_smoke_run_on_cpu(tmp_path, capsys):
     rows = llama["decode"]
     plain = [f"plain (transformers SDPA, {c})" for c in ("torch's choice", "flash/efficient only")]
     assert [(r["context"], r["model"]) for r in rows] == [
-        (c, m) for c in (128, 256) for m in (*plain, *plain, "AHA", "AHA, every gate local (ceiling)")]
+        (c, m) for c in (128, 256) for m in (*plain, *plain, "AHA", "AHA, every gate local (ceiling)", plain[0], "AHA")]
+    static = [r for r in rows if r["cache"].startswith("StaticCache, one step run eagerly (no CUDA)")]
+    assert [r["model"] for r in static] == [plain[0], "AHA"] * 2 and all("error" not in r for r in static)
     by_backend = llama["prefill"][0]["plain_by_backend"]  # the plain prefill under each backend, the fastest kept
     assert set(by_backend) == {"torch's choice", "flash/efficient only"}
     assert llama["prefill"][0]["plain_ms"] == min(by_backend.values())
     assert by_backend[llama["prefill"][0]["plain_backend"]] == llama["prefill"][0]["plain_ms"]
     for r in rows:
         assert r["steps"] == 2 and r["tokens_per_s"] > 0 and r["cache_used_gb"] <= r["cache_gb"]
-        assert (r["mu_f"] is not None) == (r["model"] == "AHA")
+        assert (r["mu_f"] is not None) == (r["model"] == "AHA" and r not in static)  # a replay reads no routing
         # head 0 of every layer global: the first KV head of each layer is read whole, of 2
         read_whole = {"AHA": 0.5, "AHA, every gate local (ceiling)": 0.0}
         assert r["kv_heads_global"] == read_whole.get(r["model"], 1.0)
@@ -79,8 +81,10 @@ def test_whole_model_tables_smoke_run_on_cpu(tmp_path, capsys):
     # the in-place cache allocated once for the context and two runs of warm-up + timed tokens (+2: 10), in
     # 64-token grains, never reallocated:
     # 2 layers x (K, V) x batch 2 x 2 KV heads x head dim 8 x fp32
-    aha = [r for r in rows if r["model"].startswith("AHA")]
+    aha = [r for r in rows if r["model"].startswith("AHA") and r not in static]
     assert [round(r["cache_gb"] * 1e9) for r in aha] == [2 * 2 * 2 * 2 * 8 * 4 * t for t in (192, 192, 320, 320)]
+    # the static caches: exactly the context and the steps' room (128 + 10, 256 + 10), held from the start
+    assert [round(r["cache_gb"] * 1e9) for r in static] == [2 * 2 * 2 * 2 * 8 * 4 * t for t in (138, 138, 266, 266)]
     md = (out / "bench.md").read_text()
     assert "SMOKE TEST on the CPU" in md and "### Decode (B = 2" in md and "SMOKE TEST" in capsys.readouterr().out
 
@@ -108,7 +112,7 @@ def test_a_decode_row_out_of_memory_leaves_the_others(monkeypatch):
     monkeypatch.setattr(generate_bench, "decode_steps", steps)
     t = llama_tables("cpu", contexts=(128,), new_tokens=2)
     rows = decode_rows(t, *build_models(t), progress=lambda *_: None)
-    assert [r.get("error", "ok")[:13] for r in rows] == ["out of memory", "ok", "ok", "ok", "ok"]
+    assert [r.get("error", "ok")[:13] for r in rows] == ["out of memory", "ok", "ok", "ok", "ok", "ok", "ok"]
     assert max(r["speedup"] for r in rows[1:3]) == 1.0  # the faster plain row of the in-place cache
     table = render_llama({"settings": vars(t), "shape": {"hidden_size": 64, "num_hidden_layers": 2,
                           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 256},
