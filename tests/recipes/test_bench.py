@@ -113,7 +113,7 @@ def test_a_decode_row_out_of_memory_leaves_the_others(monkeypatch):
     t = llama_tables("cpu", contexts=(128,), new_tokens=2)
     rows = decode_rows(t, *build_models(t), progress=lambda *_: None)
     assert [r.get("error", "ok")[:13] for r in rows] == ["out of memory", "ok", "ok", "ok", "ok", "ok", "ok"]
-    assert max(r["speedup"] for r in rows[1:3]) == 1.0  # the faster plain row of the in-place cache
+    assert max(r["speedup"] for r in rows if r["model"].startswith("plain") and "error" not in r) == 1.0
     table = render_llama({"settings": vars(t), "shape": {"hidden_size": 64, "num_hidden_layers": 2,
                           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 256},
                           "parameters": 1, "transformers": "x", "load_before": (0, 0, 0), "load_after": (0, 0, 0),
