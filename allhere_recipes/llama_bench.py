@@ -239,9 +239,10 @@ def captured_rows(t: LlamaTables, plain, aha, seeds: dict, ctx: int, room: int, 
 
     from .generate_bench import fill
 
-    routed = [r for r in rows if r["context"] == ctx and r["model"] == "AHA" and "error" not in r]
+    routed = [r for r in rows if r["context"] == ctx and r["model"] == "AHA" and "error" not in r]  # eager, routed
     out = []
-    for name, model in (("plain (transformers SDPA, torch's choice)", plain), ("AHA", aha)):
+    for name, model in (("plain (transformers SDPA, torch's choice), captured step", plain),
+                        ("AHA, captured step", aha)):
         _reset_peak(t.device)
         how = "captured as a CUDA graph" if t.device.startswith("cuda") else "run eagerly (no CUDA)"
         row = {"context": ctx, "batch": t.batch, "model": name, "cache": f"StaticCache, one step {how} "
@@ -251,7 +252,7 @@ def captured_rows(t: LlamaTables, plain, aha, seeds: dict, ctx: int, room: int, 
             run = CapturedDecode(model, t.batch, ctx + room, capture=t.device.startswith("cuda"))
             fill(run.cache, seeds["aha" if model is aha else "plain"], t.batch, ctx)
             run.resume()
-            steps = captured_steps(run, t.warmup_tokens, t.new_tokens, t.device)
+            steps = captured_steps(run, max(t.warmup_tokens, 1), t.new_tokens, t.device)  # the first captures
         except Exception as e:  # noqa: BLE001 -- a row that fails (memory, a capture) leaves the others
             out.append({**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
             progress(f"whole-model decode {out[-1]}")
@@ -357,7 +358,8 @@ def render_llama(r: dict) -> list[str]:
     warm = f"{t['warmup_tokens']} untimed token" + ("s" if t["warmup_tokens"] != 1 else "")
     out += ["", f"### Decode (B = {t['batch']}, `generate` on a filled cache, {t['new_tokens']} new tokens timed "
             f"after {warm}; median step)", "",
-            "| context | model | cache | ms / step | tokens/s | vs fastest plain | byte limit | mu_f (KV heads read "
+            "| context | model | cache | ms / step | tokens/s | vs fastest plain (eager or captured) | byte limit "
+            "| mu_f (KV heads read "
             "whole) | cache: held / used | peak |", "|---|---|---|---|---|---|---|---|---|---|"]
     for d in r["decode"]:
         if "error" in d:

@@ -185,7 +185,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         query, key, value, attention_mask, kv_len = static_call(query, key, value, attention_mask, kv_len)
     starts = None
     if kv_len is not None and isinstance(attention_mask, torch.Tensor):  # a decode query: its first key
-        starts = attention_mask[:, 0, -1].to(torch.uint8).argmax(-1)[:, None]
+        starts = decode_start(attention_mask[:, 0, -1], kv_len)
     elif isinstance(attention_mask, SegmentMask):
         starts = attention_mask.starts
         if starts is None:
@@ -235,6 +235,24 @@ def static_call(query, key, value, attention_mask, length: torch.Tensor):
     n = int(length)
     dense = None if dense is None else dense[..., :n]
     return query, key[:, :, :n], value[:, :, :n], None if dense is None else SegmentMask(dense), None
+
+
+def decode_start(row: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
+    """[b, 1] the first key of each decode query over a static cache, from its mask row (bool [b, buffer]),
+    where the row allows exactly the keys from it to the query (padding before them, nothing after). A row
+    that is not so (a hole, no key) is refused; while a CUDA graph is captured, where no check can be read
+    back, it gets -1 (zero output) instead of a wrong answer."""
+    first = row.to(torch.uint8).argmax(-1)
+    exact = row.sum(-1) == kv_len - first
+    if not capturing() and not bool(exact.all()):
+        raise NotImplementedError("allhere attention over a static cache takes left padding only (each row's keys "
+                                  "one run up to the query); this mask has holes or rows without keys")
+    return torch.where(exact, first, -1)[:, None]
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (no value may be read back then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def register() -> None:

@@ -11,6 +11,9 @@ sequence per row, no padding), and attention that reads the lengths on the devic
 the static buffers with its mask, or for a converted layer allhere's decode kernel with ``kv_len``
 (``allhere.hf.attention.static_call``). The prompt is run eagerly first (one forward, its keys written into
 the static buffers). Off CUDA, or with ``capture=False``, the same step runs eagerly: what the tests check.
+Not capturable, and refused or failing with the reason: models with sliding-window layers (transformers'
+sliding static layers count on the host), AHA off the Triton kernels (fp32, head dims they do not take:
+the lengths are read on the host) and AHA with a forced gate (``set_forced_gate``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class CapturedDecode:
         if self.capture and self.device.type != "cuda":
             raise ValueError("a CUDA graph needs the model on a CUDA device")
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        if self.capture and any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
+            raise ValueError("a model with sliding-window layers (their static layers keep a count on the host, "
+                             "which a captured graph would freeze) cannot be captured; capture=False runs it "
+                             "eagerly")
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # the new token's position
         # transformers versions that still take cache_position would derive it from the cache's count on

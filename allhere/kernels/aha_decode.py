@@ -167,8 +167,8 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
     cache being split across programs; BLOCK_N: keys per step; num_warps, num_stages; what is left out
     comes from the default). kv_start: optional int [b], keys before it are padding (a sequence with no
     real key gets zero). kv_len: optional int [b] on q's device, each sequence's keys (its query the last of
-    them; at most k's length, which is then the buffer's capacity): the launch is the same whatever the
-    lengths, so a CUDA graph captured once replays every later step."""
+    them; k's length, the buffer's capacity, where larger; none: zero output): the launch is the same
+    whatever the lengths, so a CUDA graph captured once replays every later step."""
     b, h, lq, d = q.shape
     if lq != 1:
         raise ValueError(f"the decode kernel takes one query per sequence, got {lq}")
@@ -182,7 +182,7 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
         return out.zero_()
     arrived = arrived_counters(q.device, b * h)
 
-    def launch(s: dict) -> None:
+    def launch(s: dict, lens: torch.Tensor = lens) -> None:
         nsplit = triton.cdiv(t, s["SPLIT"])
         partial, lse = split_scratch(b * h, nsplit, d, q.device)
         _decode_kernel[(b * h, nsplit)](q, k, v, g, first, lens, partial, lse, out, arrived, scale, t, h,
@@ -192,6 +192,9 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
 
     if tiles is not None:
         launch({**default_tiles("decode"), **tiles})
-    else:  # keyed also on the batch x heads bucket: with the cache length it sets how many programs fill the GPU
+    elif kv_len is None:  # keyed also on the batch x heads bucket: with the length it sets how many programs run
         launch(choose("decode", q, k, launch, f"bh{autotune.length_bucket(b * h)}"))
+    else:  # a class of its own, timed with the buffer full (the setting serves every length a graph replays)
+        full = lambda s: launch(s, torch.full_like(lens, t))  # noqa: E731
+        launch(choose("decode", q, k, full, f"bh{autotune.length_bucket(b * h)}", "lens"))
     return out

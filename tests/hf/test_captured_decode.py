@@ -65,20 +65,40 @@ class Reads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_step_reads_nothing_back_and_repeats_the_same_ops(models):
-    """What a CUDA graph replays: the step's ops and shapes are the same at every length, and nothing is read
-    back to the host (``aten._local_scalar_dense``: .item(), bool(), int() of a tensor)."""
+def test_a_step_reads_nothing_back_and_repeats_the_same_ops(models, monkeypatch):
+    """What a CUDA graph replays, in the steps after the first (which allocates what later steps reuse), run as
+    under a capture (``capturing``: the host-side checks left out): the ops and shapes are the same at every
+    length, and none reads a value back or makes a shape from one (``aten._local_scalar_dense``: .item(),
+    bool(), int() of a tensor; nonzero, boolean indexing). Host reads that bypass the dispatcher (.tolist()
+    of a CPU tensor) are not seen here: the GPU test below captures for real."""
+    from allhere.hf import attention
+
     _, aha = models
     run = CapturedDecode(aha, 2, 40, capture=False)
     with use_backend("triton"):
-        token = run.prefill(prompt()).argmax(-1)
+        token = run.step(run.prefill(prompt()).argmax(-1)).argmax(-1)
+        monkeypatch.setattr(attention, "capturing", lambda: True)
         steps = []
         for _ in range(3):
             with Reads() as reads:
                 token = run.step(token).argmax(-1)
             steps.append(reads.ops)
     assert steps[0] == steps[1] == steps[2] and len(steps[0]) > 20
-    assert not [op for op, _ in steps[0] if "_local_scalar_dense" in op or "item" in op]
+    host = ("_local_scalar_dense", "item", "nonzero", "masked_select", "index.Tensor")
+    assert not [op for op, _ in steps[0] if any(name in op for name in host)]
+
+
+def test_a_decode_mask_with_holes_is_refused_or_zero_under_a_capture(monkeypatch):
+    """Over a static cache a decode row's keys are read from its first allowed key to the query: a mask with
+    holes is refused (eager), or gives that row zero while a graph is captured (nothing can be read back)."""
+    from allhere.hf import attention
+
+    row = torch.tensor([[False, True, True, True, False, False], [True, False, True, True, False, False]])
+    lens = torch.tensor([4, 4], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="left padding only"):
+        attention.decode_start(row, lens)
+    monkeypatch.setattr(attention, "capturing", lambda: True)
+    assert attention.decode_start(row, lens).tolist() == [[1], [-1]]
 
 
 def test_refusals(models):

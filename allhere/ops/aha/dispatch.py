@@ -65,7 +65,8 @@ def aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch
     kv_len: optional int [batch] on k's device, for one decode query per sequence (q_len 1) over a buffer of
     kv_len keys or more (a static cache): sequence i's keys are its first kv_len[i], its query the last of
     them. The Triton kernels read the lengths on the GPU (nothing goes back to the host: a CUDA graph can
-    capture the call); the other paths take each sequence's keys apart.
+    capture the call; a length past k's is k's, one under 1 gives zero); the other paths read them on the
+    host, take each sequence's keys apart and refuse a length outside 1 to k's.
     Returns [batch, heads, q_len, dim] in q's dtype.
     """
     *_, d = check_aha(q, k, v, gate, window, row_start, gate_values=not gate.is_cuda)
