@@ -37,6 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..hosts import SUBMODULE
+from ..kernels.autotune import capturing
 from ..masks import segment_starts
 from ..mechanisms.base import AttentionCall
 from .cache import own_layer
@@ -182,7 +183,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     host_cache = _host_cache(call_kwargs)
     kv_len = static_length(host_cache, module.layer_idx, mech)
     if kv_len is not None:  # a static cache: its whole buffers come in, kv_len[0] tokens of them written
-        query, key, value, attention_mask, kv_len = static_call(query, key, value, attention_mask, kv_len)
+        key, value, attention_mask, kv_len = static_call(query.shape[2], key, value, attention_mask, kv_len)
     starts = None
     if kv_len is not None and isinstance(attention_mask, torch.Tensor):  # a decode query: its first key
         starts = decode_start(attention_mask[:, 0, -1], kv_len)
@@ -210,7 +211,8 @@ def static_length(host_cache, layer_idx: int, mech) -> torch.Tensor | None:
     """The device count of tokens a static cache layer (transformers' ``StaticLayer``, e.g. of
     ``StaticCache``: whole buffers handed over, written in place) holds after this call's update, else None.
     Raises where the layer's mechanism cannot read such buffers or the layer slides."""
-    layer = None if host_cache is None else getattr(host_cache, "layers", [None] * (layer_idx + 1))[layer_idx]
+    layers = getattr(host_cache, "layers", None)
+    layer = None if layers is None else layers[layer_idx]
     if not isinstance(layer, StaticLayer):
         return None
     length = getattr(layer, "cumulative_length", None)
@@ -224,17 +226,16 @@ def static_length(host_cache, layer_idx: int, mech) -> torch.Tensor | None:
     return length
 
 
-def static_call(query, key, value, attention_mask, length: torch.Tensor):
-    """(query, key, value, mask, kv_len) of a call over a static cache's whole buffers: a decode query gets
-    kv_len (each sequence's count, read on the device) and its mask row as a dense tensor; a longer call (an
-    eager prefill) gets the written keys only, its mask cut to them, and no kv_len (one host read of the
-    count per layer)."""
+def static_call(q_len: int, key, value, attention_mask, length: torch.Tensor):
+    """(key, value, mask, kv_len) of a call of ``q_len`` queries over a static cache's whole buffers: a decode
+    query gets kv_len (each sequence's count, read on the device) and its mask row as a dense tensor; a longer
+    call (an eager prefill) gets the written keys only, its mask cut to them, and no kv_len (one host read of
+    the count per layer)."""
     dense = attention_mask.dense if isinstance(attention_mask, SegmentMask) else attention_mask
-    if query.shape[2] == 1:
-        return query, key, value, dense, length.to(torch.int32).expand(query.shape[0])
+    if q_len == 1:
+        return key, value, dense, length.to(torch.int32).expand(key.shape[0])
     n = int(length)
-    dense = None if dense is None else dense[..., :n]
-    return query, key[:, :, :n], value[:, :, :n], None if dense is None else SegmentMask(dense), None
+    return key[:, :, :n], value[:, :, :n], None if dense is None else SegmentMask(dense[..., :n]), None
 
 
 def decode_start(row: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
@@ -248,11 +249,6 @@ def decode_start(row: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("allhere attention over a static cache takes left padding only (each row's keys "
                                   "one run up to the query); this mask has holes or rows without keys")
     return torch.where(exact, first, -1)[:, None]
-
-
-def capturing() -> bool:
-    """Whether a CUDA graph is being captured on the current stream (no value may be read back then)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def register() -> None:

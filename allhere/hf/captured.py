@@ -120,8 +120,6 @@ class CapturedDecode:
                                "something in it reads a tensor back to the host (an attention path without "
                                "device lengths, e.g. AHA in fp32 off the Triton kernels?); capture=False runs it "
                                "eagerly") from e
-        for layer, count in zip(self.cache.layers, counts):  # capturing ran nothing, but to be sure
-            layer.cumulative_length.copy_(count)
 
     def generate(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """Greedy continuation: [batch, new_tokens] after the prompt ``ids`` [batch, n]."""
