@@ -76,6 +76,22 @@ def mask_function(*args, **kwargs):
     return None if dense is None else SegmentMask(dense)
 
 
+def masks_for_generate(make):
+    """``make`` (transformers' ``create_masks_for_generate``, or the model's own) with ``SegmentMask`` unwrapped
+    to its dense tensor: transformers' ``generate`` builds the masks of a static cache's step ahead of the
+    forward and hands them back to it, where only a tensor (or a dict of them) passes as already built. The
+    attention function reads a dense mask as it reads a ``SegmentMask``'s."""
+
+    def dense_masks(*args, **kwargs):
+        masks = make(*args, **kwargs)
+        if isinstance(masks, dict):
+            return {k: m.dense if isinstance(m, SegmentMask) else m for k, m in masks.items()}
+        return masks.dense if isinstance(masks, SegmentMask) else masks
+
+    dense_masks.allhere_unwraps = True
+    return dense_masks
+
+
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bool mask (True = may attend) as the additive float mask the eager attention functions take."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)

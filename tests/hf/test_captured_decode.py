@@ -52,6 +52,21 @@ def test_static_cache_decoding_gives_generates_tokens(models, backend):
             assert torch.equal(got, greedy(model, ids, 10))
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_transformers_generate_with_a_static_cache(models, backend):
+    """transformers' own ``generate(cache_implementation="static")`` on the converted model (its masks built ahead
+    of each step and handed back to the forward) gives the tokens of its default cache, a left-padded row
+    included (its first keys masked: the decode reads from its first real key on)."""
+    _, aha = models
+    ids = prompt()
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    with use_backend(backend):
+        static = aha.generate(ids, cache_implementation="static", **kwargs)
+        assert torch.equal(static, aha.generate(ids, **kwargs))
+
+
 class Reads(TorchDispatchMode):
     """Every op of a step, with its inputs' shapes; the host reads among them (``.item()`` and the like)."""
 
