@@ -127,20 +127,26 @@ def _rebuild(view, blocks, first: int, count: int, kv: LatentKV):
     of the requests whose blocks are ``blocks`` [n, >= their last block + 1]."""
     bs = view.shape[1]
     b0, b1 = first // bs, -(-(first + count) // bs)
-    c = view[blocks[:, b0:b1].long()].flatten(1, 2)[:, first - b0 * bs: first - b0 * bs + count]  # [n, count, dd]
+    n = blocks.shape[0]
+    c = view.index_select(0, blocks[:, b0:b1].reshape(-1).long()).view(n, -1, view.shape[2])  # [n, blocks x bs, dd]
+    c = c[:, first - b0 * bs: first - b0 * bs + count]
     return c, kv.keys(c, torch.arange(first, first + count, device=c.device))
 
 
 def _attend(q, k, c, allowed, kv: LatentKV, scale: float):
     """q [n, kv_heads, m, d] (m: rows per kv head) against keys k [n, keys, kv_heads, d] and latents c [n, keys,
-    d_down] under ``allowed`` [n, 1, m or 1, keys]: (output [n, kv_heads, m, d], log-sum-exp [n, kv_heads, m])."""
+    d_down] under ``allowed`` [n, 1, m or 1, keys] (None: every key): (output [n, kv_heads, m, d], log-sum-exp
+    [n, kv_heads, m])."""
     q = q.float()  # per kv head: its keys read where they lie, a transposed operand (no copy)
-    s = torch.stack([torch.matmul(q[:, h], k[:, :, h].transpose(1, 2)) for h in range(k.shape[2])], 1) * scale
-    s.masked_fill_(~allowed, _NEG)
+    s = torch.stack([torch.matmul(q[:, h], k[:, :, h].transpose(1, 2)) for h in range(k.shape[2])], 1).mul_(scale)
+    if allowed is not None:
+        s.masked_fill_(~allowed, _NEG)
     lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
+    p = s.sub_(lse.clamp_min(torch.finfo(torch.float32).min)[..., None]).exp_()
     n, g, m, keys = p.shape
-    c = c.float().masked_fill(~allowed.any(2)[:, 0, :, None], 0)  # 0 x a stale inf in an unread slot is NaN
+    c = c.float()
+    if allowed is not None:
+        c = c.masked_fill(~allowed.any(2)[:, 0, :, None], 0)  # 0 x a stale inf in an unread slot is NaN
     pc = torch.bmm(p.view(n, g * m, keys), c).view(n, g, m, -1)  # the probabilities weight the latents
     o = torch.matmul(pc, kv.v_weight.float().transpose(1, 2))  # [n, kv_heads, m, d]
     if kv.v_bias is not None:
@@ -160,14 +166,16 @@ def _decode(q, view, starts, far, block_table, reqs, kv: LatentKV, scale: float,
         j = i + 1
         while j < len(widths) and (j + 1 - i) * widths[j] <= chunk:
             j += 1
-        idx, i = reqs[i:j], j
+        idx, i0, i = reqs[i:j], i, j
         n, width = idx.numel(), int(far[idx[-1]])
         rows = starts[idx][:, None] * heads + torch.arange(heads, device=q.device)  # [n, heads]
         qr = q[starts[idx]].view(n, kv_heads, heads // kv_heads, d)
         for first in range(0, width, chunk):  # one request wider than a piece: its keys in chunks
             count = min(chunk, width - first)
             c, k = _rebuild(view, block_table[idx], first, count, kv)
-            allowed = (torch.arange(first, first + count, device=q.device) < far[idx, None])[:, None, None]
+            allowed = None  # every request of the piece reads all these keys (the narrowest is first)
+            if widths[i0] < first + count:
+                allowed = (torch.arange(first, first + count, device=q.device) < far[idx, None])[:, None, None]
             o, lse = _attend(qr, k, c, allowed, kv, scale)
             found.append((rows, o.reshape(n, heads, d), lse.reshape(n, heads)))
     return found
