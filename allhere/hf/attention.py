@@ -257,11 +257,11 @@ def static_call(q_len: int, key, value, attention_mask, length: torch.Tensor):
 def decode_start(row: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
     """[b, 1] the first key of each decode query over a static cache, from its mask row (bool [b, buffer]),
     where the row allows exactly the keys from it to the query (padding before them, nothing after). A row
-    that is not so (a hole, no key) is refused; while a CUDA graph is captured, where no check can be read
-    back, it gets -1 (zero output) instead of a wrong answer."""
+    that is not so (a hole, no key) is refused; while a CUDA graph is captured or torch.compile traces, where no
+    check can be read back, it gets -1 (zero output) instead of a wrong answer."""
     first = row.to(torch.uint8).argmax(-1)
     exact = row.sum(-1) == kv_len - first
-    if not capturing() and not bool(exact.all()):
+    if not capturing() and not torch.compiler.is_compiling() and not bool(exact.all()):
         raise NotImplementedError("allhere attention over a static cache takes left padding only (each row's keys "
                                   "one run up to the query); this mask has holes or rows without keys")
     return torch.where(exact, first, -1)[:, None]

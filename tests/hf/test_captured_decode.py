@@ -67,6 +67,29 @@ def test_transformers_generate_with_a_static_cache(models, backend):
         assert torch.equal(static, aha.generate(ids, **kwargs))
 
 
+def test_transformers_generate_with_a_static_cache_compiled(models):
+    """The same with the forward compiled as transformers compiles it for a static cache on a GPU (here forced on
+    the CPU): allhere's checks that read a value back are left out while torch.compile traces."""
+    _, aha = models
+    ids = prompt()
+    compile_config = transformers.CompileConfig()
+    compile_config._compile_all_devices = True
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                  pad_token_id=0)
+    want = aha.generate(ids, **kwargs)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        got = aha.generate(ids, cache_implementation="static", compile_config=compile_config, **kwargs)
+        compiled = counters["frames"]["ok"]
+    finally:
+        torch._dynamo.reset()
+    assert compiled > 0  # the forward did go through torch.compile
+    assert torch.equal(got, want)
+
+
 class Reads(TorchDispatchMode):
     """Every op of a step, with its inputs' shapes; the host reads among them (``.item()`` and the like)."""
 
