@@ -186,9 +186,11 @@ class _Streamer:
 
 @torch.no_grad()
 def _hf_generate(model, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float | None,
-                 stream: TextStream, stats: Stats, eos: set[int], use_cache: bool, pad: int | None) -> list[int]:
+                 stream: TextStream, stats: Stats, eos: set[int], use_cache: bool, pad: int | None,
+                 static_cache: bool = False) -> list[int]:
     """A transformers model: its own ``generate``, a converted one on ``allhere.hf.new_cache`` (in-place
-    layers sized for the prompt and the reply, DAR's compressed ones), a plain one on its own. The model's
+    layers sized for the prompt and the reply, DAR's compressed ones), a plain one on its own; with
+    ``static_cache``, either on transformers' ``StaticCache`` (which transformers compiles on a GPU). The model's
     generation config applies but for the length, the end tokens and the sampling settings set here (a
     checkpoint's recommended temperature / top_k / top_p are not used: the caller's are)."""
     config = copy.deepcopy(model.generation_config)
@@ -210,7 +212,9 @@ def _hf_generate(model, prompt: list[int], max_new_tokens: int, temperature: flo
 
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
     cache = {}
-    if config.use_cache and mechanism_layers(model):  # in-place layers sized once for prompt + reply
+    if static_cache:
+        config.cache_implementation = "static"
+    elif config.use_cache and mechanism_layers(model):  # in-place layers sized once for prompt + reply
         from .hf.cache import cache_kwargs, new_cache
 
         cache = cache_kwargs(new_cache(model, reserve=len(prompt) + max_new_tokens))
@@ -225,15 +229,19 @@ def _hf_generate(model, prompt: list[int], max_new_tokens: int, temperature: flo
 
 
 def generate(model, tokenizer, prompt: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
-             top_p: float | None = None, emit: Emit | None = None, use_cache: bool = True) -> Generated:
+             top_p: float | None = None, emit: Emit | None = None, use_cache: bool = True,
+             static_cache: bool = False) -> Generated:
     """Continue the token ids ``prompt`` by up to ``max_new_tokens`` tokens, stopping at an end-of-sequence
     token (the model's generation config and the tokenizer's; allhere's byte-level models have none).
     ``emit(text)`` gets the text as it becomes final (see ``TextStream``). temperature 0: greedy; > 0:
     sampling from softmax(logits / temperature), within the top_p nucleus when given (torch's global
     generator: seed it with ``torch.manual_seed``). ``use_cache=False`` runs every step on the whole
-    sequence (the same tokens, slower: a check of the cache)."""
+    sequence (the same tokens, slower: a check of the cache). ``static_cache``: a transformers model decodes
+    over transformers' ``StaticCache`` (see ``check_static_cache``)."""
     if not prompt:
         raise ConfigError("the prompt has no tokens: give some text")
+    if static_cache:
+        check_static_cache(model)
     if not temperature >= 0 or (top_p is not None and not 0 < top_p <= 1):  # NaN fails both
         raise ConfigError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
     stream = TextStream(tokenizer, emit)
@@ -244,10 +252,24 @@ def generate(model, tokenizer, prompt: list[int], max_new_tokens: int = 256, tem
         new = _decoder_loop(model, prompt, max_new_tokens, temperature, top_p, stream, stats, eos, use_cache)
     else:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=None)
-        new = _hf_generate(model, prompt, max_new_tokens, temperature, top_p, stream, stats, eos, use_cache, pad)
+        new = _hf_generate(model, prompt, max_new_tokens, temperature, top_p, stream, stats, eos, use_cache, pad,
+                           static_cache)
     stats.seconds = time.perf_counter() - start
     stats.new_tokens = len(new)
     return Generated(new, stream.end(), stats)
+
+
+def check_static_cache(model) -> None:
+    """Raise ConfigError where ``model`` cannot decode over transformers' ``StaticCache``: an allhere checkpoint
+    (not a transformers model), or a converted model whose mechanism reads only its own cache layouts (every
+    mechanism but AHA)."""
+    if isinstance(model, Decoder):
+        raise ConfigError("--static-cache is transformers' StaticCache: it takes a transformers model folder, not an "
+                          "allhere checkpoint")
+    other = sorted({type(m).__name__ for m in mechanism_layers(model) if not m.takes_kv_len})
+    if other:
+        raise ConfigError(f"--static-cache: {', '.join(other)} does not decode over transformers' StaticCache (AHA "
+                          "and plain models do); leave it out")
 
 
 def template_ids(tokenizer, messages: list[dict]) -> list[int]:

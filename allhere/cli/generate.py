@@ -35,6 +35,10 @@ def generate_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the whole distribution; needs --temperature > 0)")
     p.add_argument("--seed", type=a.positive_or_zero, default=None,
                    help="seed for sampling (default: none, every run differs; needs --temperature > 0)")
+    p.add_argument("--static-cache", action="store_true",
+                   help="decode over transformers' StaticCache (a transformers model folder, plain or AHA); on a GPU "
+                        "transformers then compiles the decode step (torch.compile, CUDA graphs), paying the "
+                        "compilation on the first call (default: allhere's in-place cache, eager)")
     p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
 
 
@@ -71,7 +75,8 @@ def generate(args) -> None:
         raise ConfigError("--chat needs a chat template, and an allhere checkpoint is a byte-level model without "
                           "one: use --prompt")
     model, tokenizer = load(args.model, args.device)
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    static_cache=args.static_cache)
     if args.seed is not None:
         torch.manual_seed(args.seed)
 

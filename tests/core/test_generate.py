@@ -180,6 +180,29 @@ def test_cached_generation_equals_uncached_and_mu_f_counts_the_fed_back_tokens(m
     assert 0 < s.mu_f < 1  # neutral routers: some gates open, some closed
 
 
+@pytest.mark.parametrize("name", ["plain", "aha"])
+def test_static_cache_gives_the_same_tokens_and_gates(models, name):
+    """``--static-cache``: transformers' StaticCache instead of allhere's in-place cache, the same reply and, for
+    AHA, the same gates counted."""
+    model, tok = load(models[name])
+    prompt = prompt_of(name, tok)
+    default = generate(model, tok, prompt, max_new_tokens=STEPS)
+    static = generate(model, tok, prompt, max_new_tokens=STEPS, static_cache=True)
+    assert static.ids == default.ids and static.text == default.text
+    s, d = static.stats, default.stats
+    assert (s.decode_steps, s.full_gates, s.gates) == (d.decode_steps, d.full_gates, d.gates)
+
+
+def test_static_cache_refusals(models, capsys):
+    """An allhere checkpoint and a mechanism that reads only its own cache layouts are refused in one line."""
+    code, out, err = run([f"--model={models['ckpt']}", "--prompt", "ab", "--static-cache"], capsys)
+    assert code == 2 and not out and "not an allhere checkpoint" in err
+    model, tok = load(models["plain"])
+    allhere.hf.convert(model, allhere.SinksConfig(window=4, n_sinks=2))
+    with pytest.raises(allhere.validation.ConfigError, match="does not decode over transformers' StaticCache"):
+        generate(model, tok, prompt_of("plain", tok), max_new_tokens=2, static_cache=True)
+
+
 @pytest.mark.parametrize("name", ["aha", "ckpt"])
 def test_top_p_tiny_samples_the_argmax(models, name):
     model, tok = load(models[name])
