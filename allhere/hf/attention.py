@@ -34,7 +34,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate, sdpa_mask
 
 from ..hosts import SUBMODULE
 from ..kernels.autotune import capturing
@@ -76,11 +76,14 @@ def mask_function(*args, **kwargs):
     return None if dense is None else SegmentMask(dense)
 
 
-def masks_for_generate(make):
-    """``make`` (transformers' ``create_masks_for_generate``, or the model's own) with ``SegmentMask`` unwrapped
-    to its dense tensor: transformers' ``generate`` builds the masks of a static cache's step ahead of the
-    forward and hands them back to it, where only a tensor (or a dict of them) passes as already built. The
-    attention function reads a dense mask as it reads a ``SegmentMask``'s."""
+def unwrap_generate_masks(model) -> None:
+    """Have ``model.generate`` hand the forward dense masks where it builds them ahead of a static cache's step
+    (its ``create_masks_for_generate``, transformers' or the model's own, wrapped once): the forward takes only a
+    tensor (or a dict of them) as a mask already built, and the attention function reads a dense mask as it reads
+    a ``SegmentMask``'s."""
+    make = getattr(model, "create_masks_for_generate", create_masks_for_generate)
+    if getattr(make, "allhere_unwraps", False):
+        return
 
     def dense_masks(*args, **kwargs):
         masks = make(*args, **kwargs)
@@ -89,7 +92,7 @@ def masks_for_generate(make):
         return masks.dense if isinstance(masks, SegmentMask) else masks
 
     dense_masks.allhere_unwraps = True
-    return dense_masks
+    model.create_masks_for_generate = dense_masks
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
 from ..mechanisms.base import AttentionDims, mechanism_layers
 from ..routing import Routing, routed_layers
 from ..validation import ConfigError
-from .attention import ATTN_NAME, HOST_IMPL, masks_for_generate, register, stash_call
+from .attention import ATTN_NAME, HOST_IMPL, register, stash_call, unwrap_generate_masks
 from .cache import has_own_layer
 
 KINDS_KEY = "allhere_original_layer_types"  # config.json entry: the layer types before windows were replaced
@@ -321,18 +321,8 @@ def convert(model, cfg, layers: str | Sequence[int] = "full", seed: int | None =
     setattr(config, CONFIG_KEY, registry.to_dict(cfg))
     setattr(config, LAYERS_KEY, chosen)
     model.set_attn_implementation(ATTN_NAME)
-    _unwrap_generate_masks(model)
+    unwrap_generate_masks(model)
     return model
-
-
-def _unwrap_generate_masks(model) -> None:
-    """Have ``generate`` with a static cache hand the forward dense masks (``attention.masks_for_generate``); the
-    model's own mask builder kept where it has one."""
-    from transformers.masking_utils import create_masks_for_generate
-
-    make = getattr(model, "create_masks_for_generate", create_masks_for_generate)
-    if not getattr(make, "allhere_unwraps", False):
-        model.create_masks_for_generate = masks_for_generate(make)
 
 
 def layer_seed(seed: int, index: int) -> int:

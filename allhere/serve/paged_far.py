@@ -166,15 +166,15 @@ def _decode(q, view, starts, far, block_table, reqs, kv: LatentKV, scale: float,
         j = i + 1
         while j < len(widths) and (j + 1 - i) * widths[j] <= chunk:
             j += 1
-        idx, i0, i = reqs[i:j], i, j
+        idx, narrowest, i = reqs[i:j], widths[i], j
         n, width = idx.numel(), int(far[idx[-1]])
         rows = starts[idx][:, None] * heads + torch.arange(heads, device=q.device)  # [n, heads]
         qr = q[starts[idx]].view(n, kv_heads, heads // kv_heads, d)
         for first in range(0, width, chunk):  # one request wider than a piece: its keys in chunks
             count = min(chunk, width - first)
             c, k = _rebuild(view, block_table[idx], first, count, kv)
-            allowed = None  # every request of the piece reads all these keys (the narrowest is first)
-            if widths[i0] < first + count:
+            allowed = None  # every request of the piece reads all these keys
+            if narrowest < first + count:
                 allowed = (torch.arange(first, first + count, device=q.device) < far[idx, None])[:, None, None]
             o, lse = _attend(qr, k, c, allowed, kv, scale)
             found.append((rows, o.reshape(n, heads, d), lse.reshape(n, heads)))
