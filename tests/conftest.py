@@ -1,7 +1,13 @@
 import os
+import signal
 
 import pytest
 import torch
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    # A background job of a shell script starts with Ctrl-C ignored, and its children inherit that: the tests
+    # that stop a run with SIGINT would see it ignored. A handler here is reset to the default in every child.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if not torch.cuda.is_available():
     # Triton's interpreter runs the kernels on the CPU (tests/ops/test_kernels.py). It must be chosen before

@@ -179,3 +179,31 @@ def test_a_model_that_refuses_padding_gets_unpadded_batches(tmp_path):
     assert [greedy for _, greedy in got] == [greedy for _, greedy in want]
     assert [score for score, _ in got] == pytest.approx([score for score, _ in want], rel=1e-5)
     assert batched.runner.pads is False
+
+
+def test_the_task_index_is_built_once_per_include_path_as_its_files_stand(tmp_path, monkeypatch):
+    """lm-eval's TaskManager (seconds to build) is reused for the same include path, and built again when a
+    task file there is added or changed, or for another path."""
+    import lm_eval.tasks
+
+    from allhere.eval import harness
+
+    built = []
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path=None: built.append(include_path) or object())
+    harness._task_manager.cache_clear()
+    try:
+        (tmp_path / "a.yaml").write_text("task: a\n")
+        first = harness.task_manager(str(tmp_path))
+        assert harness.task_manager(str(tmp_path)) is first and harness.task_manager(tmp_path / ".") is first
+        (tmp_path / "notes.txt").write_text("not a task")
+        assert harness.task_manager(str(tmp_path)) is first
+        (tmp_path / "sub").mkdir()
+        (tmp_path / "sub" / "b.yml").write_text("task: b\n")
+        second = harness.task_manager(str(tmp_path))
+        assert second is not first
+        (tmp_path / "a.yaml").write_text("task: a2\n")
+        assert harness.task_manager(str(tmp_path)) is not second
+        assert harness.task_manager(None) is harness.task_manager(None)
+        assert built == [str(tmp_path)] * 3 + [None]
+    finally:
+        harness._task_manager.cache_clear()
