@@ -170,8 +170,7 @@ def task_manager(include_path: str | None = None):
     if include_path is None:
         return _task_manager(None, ())
     root = Path(include_path).resolve()
-    files = sorted(f for f in root.rglob("*") if f.suffix in (".yaml", ".yml") and f.is_file()) if root.is_dir() \
-        else [root] if root.is_file() else []
+    files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.suffix in (".yaml", ".yml"))
     return _task_manager(str(root), tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
 
 

@@ -76,7 +76,9 @@ def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(No
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m allhere.serve.vllm_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m allhere.serve.vllm_check", description=__doc__.split("\n")[0],
+                                epilog="python -m allhere.serve.vllm_check --jobs: checks from stdin, one JSON list "
+                                       "of these arguments per line, one result line each")
     p.add_argument("model", help="a model folder (plain, or written by allhere convert)")
     p.add_argument("--prompts", required=True, help="JSON list of prompts, each a list of token ids")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -114,6 +116,7 @@ def main(argv=None) -> None:
         except (Exception, SystemExit) as err:  # argparse exits on a bad argument: report it, take the next job
             detail = traceback.format_exc(limit=-3) if isinstance(err, Exception) else f"bad arguments (exit {err})"
             print("ALLHERE_VLLM_ERROR " + json.dumps(detail), flush=True)
+
 
 if __name__ == "__main__":
     main()
