@@ -166,8 +166,8 @@ def _decode(q, view, starts, far, block_table, reqs, kv: LatentKV, scale: float,
         j = i + 1
         while j < len(widths) and (j + 1 - i) * widths[j] <= chunk:
             j += 1
-        idx, narrowest, i = reqs[i:j], widths[i], j
-        n, width = idx.numel(), int(far[idx[-1]])
+        idx, narrowest, width, i = reqs[i:j], widths[i], widths[j - 1], j
+        n = idx.numel()
         rows = starts[idx][:, None] * heads + torch.arange(heads, device=q.device)  # [n, heads]
         qr = q[starts[idx]].view(n, kv_heads, heads // kv_heads, d)
         for first in range(0, width, chunk):  # one request wider than a piece: its keys in chunks
