@@ -171,7 +171,7 @@ def task_manager(include_path: str | None = None):
         return _task_manager(None, ())
     root = Path(include_path).resolve()
     files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.suffix in (".yaml", ".yml"))
-    return _task_manager(str(root), tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+    return _task_manager(str(root), tuple((str(f), (st := f.stat()).st_mtime_ns, st.st_size) for f in files))
 
 
 @functools.lru_cache(maxsize=4)
