@@ -5,8 +5,9 @@ allhere: it has no plugin entry point for models). From Python: ``import allhere
 the model name ``allhere`` with lm-eval, then ``lm_eval.simple_evaluate(model="allhere",
 model_args="pretrained=PATH", ...)`` works, or pass ``AllhereLM(PATH)`` as the model.
 
-``pretrained`` is an allhere checkpoint (``*.safetensors``, byte-level tokens) or a folder with a
-transformers model (converted by allhere to AHA or DAR, or plain). On a plain transformers model every
+``pretrained`` is an allhere checkpoint (``*.safetensors``, byte-level tokens), a folder with a
+transformers model (converted by allhere to AHA or DAR, or plain), or a GGUF file (``allhere.hf.gguf``: its
+weights de-quantized to float32). On a plain transformers model every
 request is scored as lm-eval's own ``hf`` model scores it: the same tokens (``requests``), the same
 windows for rolling log-likelihoods, the same greedy generations and stop rules. Requests run in batches
 of ``batch_size`` (``runners``: padding, KV caches, mu_f).
@@ -62,7 +63,7 @@ class AllhereLM(LM):
             from ..hf.io import load_local
             from .runners import HFRunner
 
-            tokenizer, model = load_local(path)  # plain, or saved converted to AHA / DAR
+            tokenizer, model = load_local(path)  # plain, saved converted to AHA / DAR, or a GGUF file
             self.runner = HFRunner(model.to(self._device).eval(), tokenizer, self._device,
                                    None if add_bos_token is None else _flag(add_bos_token))
             self.max_length = int(max_length or max_length_of(model.config, tokenizer))

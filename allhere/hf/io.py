@@ -114,26 +114,33 @@ def load_tokenizer(path: Path, config):
 
 
 def check_causal_lm(path: str | Path, convertible: bool = False, layers="full", mechanism=None):
-    """The transformers config of the model folder ``path``, after checking that it is a causal
-    (decoder-only) LM -- and with ``convertible`` one ``allhere.hf.convert`` can convert (with ``mechanism``
-    where given, on ``layers`` as there) -- before any weight is loaded: ConfigError naming what it is
-    otherwise."""
+    """The transformers config of the model folder (or GGUF file, ``allhere.hf.gguf``) ``path``, after checking
+    that it is a causal (decoder-only) LM -- and with ``convertible`` one ``allhere.hf.convert`` can convert
+    (with ``mechanism`` where given, on ``layers`` as there) -- before any weight is loaded: ConfigError naming
+    what it is otherwise."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    p = Path(path)
-    if not (p / "config.json").exists():
-        raise ConfigError(f"model path {p} is not a saved transformers model (no config.json)")
-    from .faolmo import olmo2_config
-    from .faolmo import read_config as faolmo_config
+    from .gguf import is_gguf
+    from .gguf import read_config as gguf_config
 
-    raw = faolmo_config(p)
-    if raw is not None:  # the AHA authors' format (OLMo-2 with AHA routers), which AutoConfig does not know
-        return olmo2_config(raw, f"{p}/config.json")
-    try:
-        config = AutoConfig.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError) as e:  # malformed json, unknown model_type, ...
-        raise ConfigError(f"{p}/config.json is not a config transformers can read: {e}") from None
+    p = Path(path)
+    if is_gguf(p):
+        config = gguf_config(p)  # the file checked first (truncated, an architecture transformers cannot read)
+    elif not (p / "config.json").exists():
+        raise ConfigError(f"model path {p} is not a saved transformers model (no config.json)"
+                          + (" nor a GGUF file" if p.is_file() else ""))
+    else:
+        from .faolmo import olmo2_config
+        from .faolmo import read_config as faolmo_config
+
+        raw = faolmo_config(p)
+        if raw is not None:  # the AHA authors' format (OLMo-2 with AHA routers), which AutoConfig does not know
+            return olmo2_config(raw, f"{p}/config.json")
+        try:
+            config = AutoConfig.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # malformed json, unknown model_type, ...
+            raise ConfigError(f"{p}/config.json is not a config transformers can read: {e}") from None
     model_type = getattr(config, "model_type", None)
     architectures = list(getattr(config, "architectures", None) or [])
     what = architectures[0] if architectures else model_type
@@ -157,13 +164,19 @@ def check_causal_lm(path: str | Path, convertible: bool = False, layers="full", 
 def load_local(model_path: str | Path, convertible: bool = False, dtype: torch.dtype | str = "auto", layers="full"):
     """Tokenizer and model from a local folder with transformers' own loaders (never the network): a plain
     transformers causal LM (with ``convertible``, of a family allhere converts), or one saved converted (then
-    through ``load_pretrained``). ``dtype``: "auto" keeps the dtype the weights were saved in (what
-    lm-eval's ``hf`` model does); training asks for float32."""
+    through ``load_pretrained``). ``model_path`` may be a GGUF file too (``allhere.hf.gguf.load``: its weights
+    de-quantized, an ordinary model). ``dtype``: "auto" keeps the dtype the weights were saved in (what
+    lm-eval's ``hf`` model does; float32 for a GGUF, the de-quantized values exactly); training asks for float32."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    from .gguf import is_gguf
+    from .gguf import load as load_gguf
+
     p = Path(model_path)
     config = check_causal_lm(p, convertible, layers)
+    if is_gguf(p):
+        return load_gguf(p, dtype)
     tokenizer = load_tokenizer(p, config)
     try:
         if saved_mechanism(config) is not None:
@@ -177,7 +190,11 @@ def load_local(model_path: str | Path, convertible: bool = False, dtype: torch.d
 def saved_dtype(config, path: str | Path | None = None) -> torch.dtype:
     """The dtype a model's weights were published in: config.json's ``dtype`` / ``torch_dtype``; where the
     config does not say (gpt-oss), that of the first floating-point tensor in the weight files of ``path``;
-    float32 when neither tells."""
+    float32 when neither tells, and for a GGUF file (its weights de-quantized: float32 holds them exactly)."""
+    from .gguf import is_gguf
+
+    if path is not None and is_gguf(path):
+        return torch.float32
     value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if value is None and path is not None:
         from safetensors import safe_open

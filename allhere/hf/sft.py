@@ -8,7 +8,8 @@ assistant tokens only.
 Precision: the weights are trained in float32 whatever dtype the checkpoint was published in (an AdamW
 update of lr 3e-5 is below bf16's resolution for most weights, and float16 training overflows), with
 bf16 autocast on CUDA; the checkpoints for resuming hold float32, the final ``out/model`` is cast back to
-the published dtype (config.json ``torch_dtype``), so it is as large as the model it came from.
+the published dtype (config.json ``torch_dtype``), so it is as large as the model it came from. A GGUF file's
+is saved in float32, which holds its de-quantized weights exactly (larger than the file's quantized blocks).
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     parallel = ParallelConfig(context_parallel=context_parallel, layout=cp_layout)
     env = detect()
     parallel.mesh(1 if env is None else env.world, global_batch // batch_size, seq_len)  # before loading anything
+    if env is not None:
+        from .sharded_load import refuse_gguf
+
+        refuse_gguf(Path(model_path))
     out = Path(out)
     with run_lock(out):  # one writer per run folder; train() takes it again (reentrant)
         rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded

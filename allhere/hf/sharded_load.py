@@ -155,9 +155,20 @@ def load_sharded(model_path: str | Path, mechanism=None, layers="full", dtype: t
     return tokenizer, model
 
 
+def refuse_gguf(p: Path) -> None:
+    """ConfigError for a GGUF file: its tensors are de-quantized whole, never read shard by shard."""
+    from .gguf import is_gguf
+
+    if is_gguf(p):
+        raise ConfigError(f"{p} is a GGUF file, which the sharded load under torchrun does not read: write it as a "
+                          "model folder first (allhere convert --model FILE --out FOLDER ..., then train FOLDER with "
+                          "the same mechanism settings)")
+
+
 def _load(p: Path, mechanism, layers, dtype, device, seed, mesh):
     from .faolmo import read_config as faolmo_config
 
+    refuse_gguf(p)
     if (p / "config.json").exists() and faolmo_config(p) is not None:
         raise ConfigError(f"{p} is in the AHA authors' (faolmo) format, which load_sharded does not read; load it "
                           "with allhere.hf.load_local and save it with allhere.hf.save_pretrained first")
