@@ -12,7 +12,9 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                 "The server runs until Ctrl-C or SIGTERM; for an AHA model it prints mu_f (the share of "
                 "(token, head) pairs on full attention) as requests come.")
     p.add_argument("--model", type=a.model_folder, required=True,
-                   help="a transformers model folder: plain, or written by allhere convert / sft (required)")
+                   help="a transformers model folder (plain, or written by allhere convert / sft), a GGUF file (served "
+                        "from a float32 safetensors copy written once into allhere's cache), or a fetched model's name "
+                        "(allhere fetch: smollm2) (required)")
     p.add_argument("--host", type=a.host, default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=a.port, default=8000, help="port to listen on (default 8000)")

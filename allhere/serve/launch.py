@@ -1,4 +1,5 @@
-"""``allhere serve``: vLLM's OpenAI-compatible server on a model folder, with allhere's vLLM plugin.
+"""``allhere serve``: vLLM's OpenAI-compatible server on a model folder, with allhere's vLLM plugin (a GGUF file
+is served from its de-quantized copy, ``allhere.hf.gguf.as_folder``).
 
 The server is vLLM's own (``vllm serve``), started as a child process in its own session; the plugin
 (``allhere.serve.vllm_plugin``, found by vLLM through its ``vllm.general_plugins`` entry point) makes it
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import signal
@@ -151,8 +153,21 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
 
     if stats_every is None:
         stats_every = float(os.environ.get("ALLHERE_SERVE_STATS_EVERY", 30))
-    config = read_config(model)
+    name = Path(model).resolve().name  # what requests name as "model"
     cpu = not torch.cuda.is_available()
+    if Path(model).is_file():  # a GGUF (a folder is read as it is: allhere.hf is not imported for it)
+        from ..hf.gguf import as_folder
+        from ..hf.gguf import read_config as gguf_config
+
+        check_servable(gguf_config(model).to_dict(), model, cpu)  # ConfigError for a file that is no GGUF
+        check_port(host, port)
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(INSTALL)
+        # vLLM reads allhere's plugin models from folders: serve the GGUF's de-quantized copy
+        source, model, name = model, str(as_folder(model)), Path(model).stem
+        print(f"allhere serve: {source} is a GGUF file: serving its de-quantized copy (float32 safetensors, written "
+              f"once, reused while the file is unchanged): {model}", flush=True)
+    config = read_config(model)
     check_servable(config, model, cpu)
     check_port(host, port)
     try:
@@ -161,7 +176,6 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
         raise ImportError(INSTALL) from None
     work = Path(tempfile.mkdtemp(prefix="allhere-serve-"))
     log, stats_file = work / "vllm.log", work / "routing.json"
-    name = Path(model).resolve().name  # what requests name as "model"
     cmd = [sys.executable, "-c", VLLM, "--model", str(model), "--host", host, "--port", str(port), "--dtype", dtype,
            "--served-model-name", name]
     if max_model_len is not None:
