@@ -146,21 +146,43 @@ def existing_folder(value: str) -> str:
 
 @_named("model folder")
 def model_folder(value: str) -> str:
-    """A folder saved by transformers' ``save_pretrained`` (it has a config.json)."""
-    existing_folder(value)
-    if not (Path(value) / "config.json").is_file():
-        raise Bad(f"{value!r} is not a saved transformers model (no config.json in it)")
+    """A folder saved by transformers' ``save_pretrained`` (it has a config.json), a GGUF file, or the name of a
+    known model (``allhere fetch``) when no file or folder has that name: its cached file."""
+    p = Path(value)
+    if not p.exists() and os.sep not in value:
+        from ..models_cache import KNOWN, model_path
+        from ..validation import ConfigError
+
+        if value in KNOWN:
+            try:
+                return str(model_path(value))
+            except ConfigError as e:  # not fetched
+                raise Bad(str(e)) from None
+    if _existing(value).is_dir():
+        if not (p / "config.json").is_file():
+            raise Bad(f"{value!r} is not a saved transformers model (no config.json in it)")
+        return value
+    from ..hf.gguf import is_gguf
+
+    if not is_gguf(p):
+        raise Bad(f"expected a transformers model folder or a GGUF file, got the file {value!r}")
     return value
 
 
 @_named("checkpoint or model folder")
 def checkpoint_or_model(value: str) -> str:
-    """An allhere checkpoint (a .safetensors file) or a transformers model folder."""
-    if _existing(value).is_dir():
-        return model_folder(value)
-    if Path(value).suffix != ".safetensors":
-        raise Bad(f"expected an allhere checkpoint (*.safetensors) or a transformers model folder, got {value!r}")
-    return value
+    """An allhere checkpoint (a .safetensors file), or what ``model_folder`` takes."""
+    p = Path(value)
+    if p.suffix == ".safetensors" and not p.is_dir():
+        _existing(value)
+        return value
+    if p.is_file():
+        try:
+            return model_folder(value)
+        except Bad:
+            raise Bad(f"expected an allhere checkpoint (*.safetensors), a transformers model folder or a GGUF file, "
+                      f"got {value!r}") from None
+    return model_folder(value)
 
 
 @_named("output folder")
@@ -202,6 +224,7 @@ def names(value: str) -> list[str]:
 
 # Shared flags -----------------------------------------------------------------------------------------
 
+GGUF_HELP = "a GGUF file (de-quantized to float32), or a fetched model's name (allhere fetch: smollm2)"
 DEVICE_HELP = "auto (default: the first GPU if there is one, else cpu), cpu or cuda[:N]"
 DATA_HELP = ("your own text instead of the stdlib corpus: a UTF-8 text file, a folder of text files, or a "
              "datasets folder saved with save_to_disk (column 'text'); default: the stdlib corpus")

@@ -18,8 +18,8 @@ MU_F_HELP = ("For a model that routes (AHA), stderr also shows mu_f: the share o
 def generate_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = MU_F_HELP
     p.add_argument("--model", type=a.checkpoint_or_model, required=True,
-                   help="an allhere checkpoint (.safetensors, byte-level) or a transformers causal LM folder: plain, "
-                        "or saved by allhere convert / sft (required)")
+                   help="an allhere checkpoint (.safetensors, byte-level), a transformers causal LM folder (plain, "
+                        f"or saved by allhere convert / sft), {a.GGUF_HELP} (required)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", type=a.text, help="the text to continue; this or --chat")
     what.add_argument("--chat", action="store_true",

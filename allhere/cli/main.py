@@ -24,6 +24,7 @@ from ..interrupt import Interrupted, terminate_as_interrupt
 from ..validation import ConfigError
 from .bench import bench, bench_arguments
 from .comparisons import compare, compare_arguments, patterns, patterns_arguments
+from .fetch import fetch, fetch_arguments
 from .generate import generate, generate_arguments
 from .models import (
     convert,
@@ -77,6 +78,8 @@ COMMANDS = (
     Command("bench", "AHA against the fastest dense attention: the op's prefill / decode / training, and a whole "
             "model's prefill and decode tokens/s (GPU)",
             bench_arguments, bench),
+    Command("fetch", "fetch a known pretrained model (smollm2: SmolLM2-135M-Instruct as a GGUF) into allhere's cache; "
+            "then --model NAME takes it", fetch_arguments, fetch),
     Command("convert", "convert a local Hugging Face model to AHA, DAR or a windowed sparse pattern and save it",
             convert_arguments, convert),
     Command("sft", "convert a local Hugging Face model to AHA or DAR and fine-tune it on chat data",

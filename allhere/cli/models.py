@@ -63,8 +63,8 @@ def perplexity_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--checkpoint", type=a.existing_file,
                        help="an allhere checkpoint.safetensors (e.g. runs/demo/stdlib/aha/...); this or --model")
     which.add_argument("--model", type=a.model_folder,
-                       help="a Hugging Face causal LM folder (plain, or saved by allhere convert / sft); this or "
-                            "--checkpoint")
+                       help="a Hugging Face causal LM folder (plain, or saved by allhere convert / sft), "
+                            f"{a.GGUF_HELP}; this or --checkpoint")
     p.add_argument("--data", type=a.data_path, default=None, help=a.DATA_HELP)
     p.add_argument("--seq-len", type=a.positive, default=256, help="window length (default 256)")
     p.add_argument("--stride", type=a.positive, default=None, help="window advance (default seq-len / 2)")
@@ -102,7 +102,8 @@ def perplexity(args) -> None:
 
 def eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=a.checkpoint_or_model, required=True,
-                   help="an allhere checkpoint (.safetensors) or a transformers causal LM folder (required)")
+                   help=f"an allhere checkpoint (.safetensors), a transformers causal LM folder, {a.GGUF_HELP} "
+                        "(required)")
     p.add_argument("--tasks", type=a.names, required=True,
                    help="comma-separated lm-eval task names, e.g. hellaswag,arc_easy (required)")
     p.add_argument("--include-path", type=a.existing_folder, default=None,
@@ -139,7 +140,7 @@ def _print_notes(config, layers: str) -> None:
 
 def convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=a.model_folder, required=True,
-                   help="folder of a saved transformers causal LM (required)")
+                   help=f"folder of a saved transformers causal LM, {a.GGUF_HELP} (required)")
     p.add_argument("--out", type=a.out_folder, required=True,
                    help="a new or empty folder to save the converted model into (required)")
     a.conversion_flags(p, _hf_kinds())
@@ -180,7 +181,7 @@ def convert(args) -> None:
 
 def sft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=a.model_folder, required=True,
-                   help="folder of a saved transformers causal LM (required)")
+                   help=f"folder of a saved transformers causal LM, {a.GGUF_HELP} (required)")
     p.add_argument("--data", type=a.data_path, required=True,
                    help="chat data: .jsonl/.json/.parquet with a 'messages' column, or a folder of them (required)")
     p.add_argument("--out", type=a.out_folder, required=True,
