@@ -5,6 +5,8 @@ from."""
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 
 import numpy as np
@@ -35,16 +37,14 @@ def tiny_llama(seed: int = 0):
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's order of the rotary halves in Q and K (convert_hf_to_gguf.py's ``permute``), which
-    transformers' GGUF loader reverses."""
+    """The order llama.cpp's converter gives the rows of Llama's Q and K (each head's rotary halves interleaved),
+    which transformers' GGUF loader reverses."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def dequantized(model, quantized=QUANTIZED):
     """A copy of ``model`` with the matrices the GGUF stores quantized replaced by their de-quantized values: the
     model the GGUF holds exactly."""
-    import copy
-
     from gguf import GGMLQuantizationType, quants
 
     out = copy.deepcopy(model)
@@ -83,8 +83,6 @@ def write_gguf(path: Path, tok, model, quantized=QUANTIZED, arch: str = "llama")
     w.add_tokenizer_pre("gpt2")
     w.add_token_list([t for t, _ in vocab])
     w.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t, _ in vocab])
-    import json
-
     merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     w.add_bos_token_id(tok.bos_token_id)

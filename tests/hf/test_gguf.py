@@ -146,6 +146,13 @@ def test_bad_files_are_one_line_and_nothing_is_written(files, tmp_path, capsys, 
         assert "llama" in line
 
 
+def test_the_sharded_load_refuses_a_gguf(files):
+    from allhere.hf.sharded_load import refuse_gguf
+
+    with pytest.raises(ConfigError, match="is a GGUF file, which the sharded load under torchrun does not read"):
+        refuse_gguf(files["q8"])
+
+
 @pytest.mark.parametrize("package", ["gguf", "accelerate"])
 def test_a_missing_package_names_the_extra(files, tmp_path, capsys, monkeypatch, package):
     monkeypatch.setitem(sys.modules, package, None)  # what find_spec and import see when it is not installed
