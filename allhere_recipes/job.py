@@ -53,7 +53,11 @@ class Job:
 
     def plan(self, ckpt: Path, steps: int, cost: float) -> None:
         name = f"{Path(ckpt).parent.parent.name}/{Path(ckpt).parent.name}"  # the label ``train`` gives its bar
-        self.left[name] = max(0, steps - steps_done(ckpt))
+        self.plan_named(name, steps - steps_done(ckpt), cost)
+
+    def plan_named(self, name: str, steps: int, cost: float) -> None:
+        """Work other than a training run (an evaluation), its bar labelled ``name``: ``steps`` of ``cost``."""
+        self.left[name] = max(0, steps)
         self.cost[name] = cost
 
     def time_left(self, running: str, pace: float | None) -> float | None:

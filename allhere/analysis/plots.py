@@ -20,7 +20,8 @@ def usage_heatmaps(panels: dict[str, list[list[float]]], path: str | Path,
                    layers: dict[str, list[int]] | None = None) -> Path:
     """One panel per entry: rows = AHA layers, columns = heads, colour = mu_f in [0, 1]."""
     plt = require_matplotlib()
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    tall = max(3.4, 0.28 * max(len(u) for u in panels.values()) + 1.2)  # a real model's 30 layers: taller
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), tall), squeeze=False)
     for ax, (title, usage) in zip(axes[0], panels.items()):
         im = ax.imshow(usage, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
         rows = (layers or {}).get(title, list(range(len(usage))))

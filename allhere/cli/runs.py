@@ -12,9 +12,13 @@ from . import args as a
 # demo -------------------------------------------------------------------------------------------------
 
 def demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=a.out_folder, default="runs/demo",
+    p.add_argument("--out", type=a.out_folder, default=None,
                    help="run folder: resumed when it holds a run with the same settings, refused when it holds "
-                        "anything else (default runs/demo)")
+                        "anything else (default runs/demo; with --model runs/<the model's name>)")
+    p.add_argument("--model", default=None,
+                   help="run the AHA paper's protocol on a real pretrained model instead of the embedded one: "
+                        "smollm2 (fetched by `allhere fetch smollm2`), a GGUF file or a transformers folder; "
+                        "with --mechanism dar the DAR comparison on it (default: the embedded model)")
     a.preset_flag(p, PRESETS)
     a.task_flag(p, "run", TASKS)
     p.add_argument("--data", type=a.data_path, default=None, help=a.DATA_HELP)
@@ -48,13 +52,18 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_demo_flags(args) -> None:
-    """A flag of the other demo is an error, not silently ignored."""
+    """A flag of the other demo (or of the embedded model's demo, with --model) is an error, not silently
+    ignored."""
     only = {"aha": {"window": "--window", "lam": "--lam", "pretrain_steps": "--pretrain-steps",
                     "finetune_steps": "--finetune-steps", "tasks": "--task", "compile": "--compile",
                     "pretrain": "--pretrain"},
             "dar": {"windows": "--windows", "from_scratch": "--from-scratch"}}
     other = "dar" if args.mechanism == "aha" else "aha"
-    given = [flag for name, flag in only[other].items() if getattr(args, name, None) not in (None, False)]
+    foreign = {**only["aha"], **only["dar"]} if args.model is not None else only[other]
+    given = [flag for name, flag in foreign.items() if getattr(args, name, None) not in (None, False)]
+    if given and args.model is not None:
+        raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the embedded model's demo, "
+                          "not for --model (its settings: --preset, --device, --data, --out)")
     if given:
         raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
                           f"`allhere demo --mechanism {other}`, not --mechanism {args.mechanism}")
@@ -62,6 +71,9 @@ def _check_demo_flags(args) -> None:
 
 def demo(args) -> None:
     _check_demo_flags(args)
+    if args.model is not None:
+        return _real_demo(args)
+    args.out = args.out or "runs/demo"
     if args.mechanism == "dar":
         from allhere_recipes.dar_demo import render, run_dar_demo
 
@@ -79,6 +91,26 @@ def demo(args) -> None:
                       pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps, compile=args.compile)
     print(render(report))
     print(f"Report written to {args.out}/report.md, report.json and mu_f_heatmap.png")
+
+
+def _real_demo(args) -> None:
+    from pathlib import Path
+
+    out = args.out or f"runs/{Path(args.model).stem.split('.')[0]}"
+    settings = dict(model=args.model, out=out, preset=None if args.preset == "cpu" else args.preset,
+                    device=args.device, data_path=args.data, progress=not args.no_progress)
+    if args.mechanism == "dar":
+        from allhere_recipes.real_dar import run_real_dar
+        from allhere_recipes.real_report import render_dar
+
+        print(render_dar(run_real_dar(**settings)))
+        print(f"Report written to {out}/dar/dar_report.md and dar_report.json")
+        return
+    from allhere_recipes.real_model import run_real_demo
+    from allhere_recipes.real_report import render_aha
+
+    print(render_aha(run_real_demo(**settings)))
+    print(f"Report written to {out}/aha/report.md, report.json and mu_f_heatmap.png")
 
 
 # analyze ----------------------------------------------------------------------------------------------

@@ -38,6 +38,6 @@ def evaluate_lm(model: Decoder, windows: torch.Tensor, batch_size: int = 16, dev
 def static_mu_f(model: Decoder) -> float:
     """Share of full attention of a model without routers: 1 per layer whose mechanism reads every
     preceding token (full; DAR, whose distant tokens are compressed but still attended), 0 per layer that
-    does not (sliding)."""
+    does not (sliding); 1 for a model with no mechanism at all (a plain transformers model attends fully)."""
     layers = mechanism_layers(model)
-    return sum(m.reads_all_keys for m in layers) / len(layers)
+    return sum(m.reads_all_keys for m in layers) / len(layers) if layers else 1.0

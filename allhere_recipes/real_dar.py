@@ -1,0 +1,143 @@
+"""``allhere demo --model smollm2 --mechanism dar``: the DAR paper's comparison ("Dual Dimensionality for Local
+and Global Attention", arXiv:2606.18587, Tables 1 and 3) on a real pretrained model.
+
+From the pretrained model: DAR(w, d_down = d/4) and uniform reduction (every token through the bottleneck,
+w = 0) at the same KV budget, each fine-tuned in the paper's two stages (1: only W_down / W_up, at the
+paper's 3e-4; 2: everything at 3e-5), against the vanilla control fine-tuned for the same stage-2 steps.
+Held-out quality as the paper gives it (Rel. % = perplexity / the control's, smaller is better) and the KV
+bytes per token each model's cache holds after a held-out window (measured on the cache, batch 1). Writes
+dar_report.md and dar_report.json into ``<out>/dar`` with every model as a transformers folder.
+
+The same KV budget: DAR's cache keeps every token's latent (d_down numbers per layer) and the full keys and
+values of the last w tokens (2 x kv_dim); uniform reduction keeps only latents, so at the held-out length L
+it gets d_u = d_down + w x 2 kv_dim / L (rounded up to a multiple of 8): both hold about as many bytes at L.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from allhere.hf import cache_nbytes, new_cache
+from allhere.hf.cache import cache_kwargs
+from allhere.hf.io import check_causal_lm, load_local
+from allhere.mechanisms import DARConfig
+from allhere.runlock import run_lock
+
+from .job import Job
+from .real_data import token_data
+from .real_plan import RealPlan, preset_plan
+from .real_probes import heldout
+from .real_report import write_dar_report
+from .real_runs import fine_tune, plan_run, plan_work, resolve_model, stage, token_cost, train_config, work_bar
+from .rundir import check_out, claim
+
+
+def mechanisms(plan: RealPlan, config) -> dict[str, DARConfig]:
+    """DAR(w, d/4) and uniform reduction at its KV budget at ``plan.seq_len``."""
+    d = config.hidden_size
+    kv_dim = config.num_key_value_heads * getattr(config, "head_dim", d // config.num_attention_heads)
+    d_down = d // 4
+    uniform = min(d, 8 * math.ceil((d_down + plan.window * 2 * kv_dim / plan.seq_len) / 8))
+    return {f"DAR w={plan.window} d/4": DARConfig(window=plan.window, d_down=d_down),
+            f"uniform reduction d={uniform}": DARConfig(window=0, d_down=uniform)}
+
+
+def folder_of(mech: DARConfig) -> str:
+    return f"w{mech.window}-d{mech.d_down}"
+
+
+def run_real_dar(model: str = "smollm2", out: str | Path = "runs/smollm2", preset: str | None = None,
+                 device: str = "cpu", data_path: str | None = None, progress: bool = True, log=print) -> dict:
+    """Run (or continue) the DAR comparison in ``out/dar``; write its report there; return it."""
+    plan = preset_plan(preset or ("gpu" if device.startswith("cuda") else "cpu"), device)
+    source = resolve_model(model)
+    config = check_causal_lm(source)
+    mechs = mechanisms(plan, config)
+    for mech in mechs.values():
+        check_causal_lm(source, convertible=True, mechanism=mech)
+    check_out(out)
+    task = Path(out) / "dar"
+    t0 = time.time()
+    with run_lock(out):
+        tokenizer, base = load_local(source, convertible=True, dtype=torch.float32)
+        base.to(device)
+        data = token_data(tokenizer, plan.seq_len, plan.eval_sequences, data_path)
+        claim(task, {"job": "dar", "model": str(Path(source).resolve()), "plan": plan.to_dict(),
+                     "data_path": data_path, "data_sha256": data.fingerprint})
+        log(f"{source}: {data.description}")
+        stage1 = train_config(plan, plan.dar_steps, plan.dar_stage1_lr)
+        stage2 = train_config(plan, plan.dar_steps, plan.lr)
+        job = Job(progress)
+        plan_run(job, task / "control", stage2, base, plan.seq_len)
+        for mech in mechs.values():
+            plan_run(job, task / folder_of(mech) / "stage1", stage1, base, plan.seq_len)
+            plan_run(job, task / folder_of(mech) / "stage2", stage2, base, plan.seq_len)
+        for name in ("pretrained", "control", *map(folder_of, mechs.values())):
+            plan_work(job, task, name, plan.eval_sequences + 1, token_cost(base, plan.seq_len, plan.seq_len))
+        batches = data.batches(plan.batch_size, plan.seq_len)
+
+        def measure(name: str, m) -> dict:
+            return stage(task, name, lambda: _measure(job, task, name, m, data, device))
+
+        rows = {"vanilla (pretrained)": measure("pretrained", base)}
+        control = fine_tune(task / "control", base, None, stage2, batches, tokenizer, job)
+        rows["vanilla (+ stage-2 steps, control)"] = measure("control", control)
+        del control
+        for label, mech in mechs.items():
+            folder = task / folder_of(mech)
+            first = fine_tune(folder / "stage1", base, mech, stage1, batches, tokenizer, job, train_only=".allhere.")
+            second = fine_tune(folder / "stage2", base, mech, stage2, batches, tokenizer, job, start=first)
+            rows[label] = measure(folder_of(mech), second)
+            del first, second
+        report = summarize(plan, rows, data.description, str(source))
+        report["seconds_this_call"] = round(time.time() - t0, 1)
+        write_dar_report(task, report)
+    return report
+
+
+@torch.inference_mode()
+def kv_bytes_per_token(model, ids: torch.Tensor) -> float:
+    """Bytes the model's cache keeps per token after a prefill of ``ids`` [1, n]: a converted model's own cache
+    (``allhere.hf.new_cache``; DAR's latents, near keys and absorbed weights), a plain model's DynamicCache."""
+    from transformers.cache_utils import DynamicCache
+
+    from allhere.mechanisms.base import mechanism_layers
+
+    cache = new_cache(model) if mechanism_layers(model) else DynamicCache(config=model.config)
+    model(ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
+    return cache_nbytes(cache, used=True) / ids.shape[1]
+
+
+def _measure(job: Job, task: Path, name: str, model, data, device: str) -> dict:
+    bar = work_bar(job, task, name, len(data.heldout) + 1)
+    losses = []
+    for window in data.heldout.split(1):
+        losses.append(heldout(model, window, device)["loss"])
+        bar.update(1)
+    row = {"loss": sum(losses) / len(losses)}
+    row["perplexity"] = math.exp(row["loss"])
+    row["kv_bytes_per_token"] = kv_bytes_per_token(model, data.heldout[:1].to(device))
+    bar.update(1)
+    bar.close()
+    return row
+
+
+def summarize(plan: RealPlan, rows: dict, data: str, source: str) -> dict:
+    control = rows["vanilla (+ stage-2 steps, control)"]
+    for r in rows.values():
+        r["rel_percent"] = 100.0 * r["perplexity"] / control["perplexity"]
+        r["retain_vs_control"] = 100.0 * control["loss"] / r["loss"]
+        r["kv_vs_plain"] = r["kv_bytes_per_token"] / control["kv_bytes_per_token"]
+    dar = next(r for k, r in rows.items() if k.startswith("DAR"))
+    uniform = next(r for k, r in rows.items() if k.startswith("uniform"))
+    goals = {"DAR keeps >= 99% of the control's held-out quality (loss ratio)": dar["retain_vs_control"] >= 99.0,
+             "uniform reduction at the same KV budget below DAR": uniform["loss"] > dar["loss"],
+             "DAR's KV bytes per token <= 0.5x the plain model's": dar["kv_vs_plain"] <= 0.5}
+    return {"model": source, "plan": plan.to_dict(), "data": data, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "load_average_after": list(os.getloadavg()), "rows": rows,
+            "goals": goals}

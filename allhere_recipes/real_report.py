@@ -1,0 +1,93 @@
+"""The real-model jobs' reports: report.md and report.json (and AHA's mu_f_heatmap.png) in the job's folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .report import goal_lines, percent, write_report
+
+AHA_ROWS = (("pretrained", "pretrained"), ("control", "control: full attention, fine-tuned"),
+            ("aha", "AHA, fine-tuned"))
+
+
+def _mu(r: dict) -> str:
+    return percent(r["mu_f"]) if r.get("mu_f") is not None else "-"
+
+
+def _passkey(r: dict) -> str:
+    p = r["passkey"]
+    return f"{percent(p['accuracy'])} ({p['correct']}/{p['prompts']})"
+
+
+def render_aha(report: dict) -> str:
+    plan, rows = report["plan"], report["rows"]
+    aha = rows["aha"]
+    out = ["# AHA on a real pretrained model", "",
+           f"Model: `{report['model']}`. Data: {report['data']}.", "",
+           f"Window w = {plan['window']}, {plan['seq_len']}-token sequences, {plan['steps']} fine-tuning steps of "
+           f"{plan['batch_size'] * plan['grad_accum']} sequence(s), AdamW {plan['lr']:g} (routers x"
+           f"{plan['router_lr_mult']:g}), lambda from {plan['lam']:g}"
+           + (f" steered to mu_f {percent(plan['target_mu_f'])}" if plan.get("target_mu_f") else "")
+           + f", device {plan['device']}, torch {report['torch']}, {report['threads']} threads.", "",
+           "## Held-out quality, mu_f and passkey retrieval", "",
+           "| model | held-out loss (nats/token) | Retain % vs control | Retain % vs pretrained | mu_f | passkey |",
+           "|---|---|---|---|---|---|"]
+    table = [(label, rows[key]) for key, label in AHA_ROWS]
+    table.append(("AHA with every gate local (a sliding window of w)", aha["all_local"]))
+    for label, r in table:
+        out.append(f"| {label} | {r['loss']:.4f} | {r['retain_vs_control']:.1f}% | {r['retain_vs_pretrained']:.1f}% "
+                   f"| {_mu(r)} | {_passkey(r)} |")
+    tail = aha["long_tail"]
+    out += ["", f"Passkey: {plan['passkey_prompts']} prompts of {plan['passkey_length']} tokens, the key said "
+                f"between {2 * plan['window']} tokens before the end and the prompt's start (beyond the window).",
+            "", "## The long tail", "",
+            f"Of {tail['heads']} (layer, head) pairs, the busiest {tail['busiest_heads']} (10%) make "
+            f"{percent(tail['busiest_share_of_global_calls'])} of the global calls on held-out text; "
+            f"{tail['heads_global_half_the_time']} heads are global on at least half of the tokens, "
+            f"{tail['heads_never_global']} never. mu_f per layer and head: mu_f_heatmap.png.", "",
+            "## Decode speed at a long prompt", "",
+            "| model | cache | prompt tokens | prefill s | ms per step | tokens/s | x plain (fastest) | mu_f |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in report["speed"]["rows"]:
+        out.append(f"| {r['model']} | {r['cache']} | {r['prompt_tokens']} | {r['prefill_s']:.2f} | "
+                   f"{r['ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {_mu(r)} |")
+    out += ["", "## Chat", ""]
+    chats = {label: rows[key]["chat"]["replies"] for key, label in AHA_ROWS}
+    for i, prompt in enumerate(rows["pretrained"]["chat"]["prompts"]):
+        out += [f"**{prompt}**", ""] + [f"- *{label}*: {replies[i]!r}" for label, replies in chats.items()] + [""]
+    out += ["## Goals", ""] + goal_lines(report["goals"])
+    out += ["", "Retain % = the other model's held-out loss / this row's (higher is better); mu_f = share of "
+                "(token, head) pairs on full attention (the AHA paper's Eq. 8)."]
+    return "\n".join(out) + "\n"
+
+
+def write_aha_report(task: Path, report: dict) -> dict[str, Path]:
+    paths = write_report(task, "report", report, render_aha(report))
+    from allhere.analysis.plots import usage_heatmaps
+
+    paths["png"] = usage_heatmaps({"AHA, held-out text": report["rows"]["aha"]["usage"]},
+                                  Path(task) / "mu_f_heatmap.png")
+    return paths
+
+
+def render_dar(report: dict) -> str:
+    plan = report["plan"]
+    out = ["# DAR on a real pretrained model", "",
+           f"Model: `{report['model']}`. Data: {report['data']}.", "",
+           f"{plan['seq_len']}-token held-out windows; each DAR model fine-tuned {plan['dar_steps']} steps in stage 1 "
+           f"(the bottleneck only, lr {plan['dar_stage1_lr']:g}) and {plan['dar_steps']} in stage 2 (everything, lr "
+           f"{plan['lr']:g}); the control {plan['dar_steps']} steps at lr {plan['lr']:g}. Device {plan['device']}, "
+           f"torch {report['torch']}, {report['threads']} threads.", "",
+           "| model | held-out loss | perplexity | Rel. % (vs control, smaller is better) | Retain % vs control "
+           "| KV bytes / token | x plain |", "|---|---|---|---|---|---|---|"]
+    for name, r in report["rows"].items():
+        out.append(f"| {name} | {r['loss']:.4f} | {r['perplexity']:.3f} | {r['rel_percent']:.2f}% | "
+                   f"{r['retain_vs_control']:.1f}% | {r['kv_bytes_per_token']:,.0f} | {r['kv_vs_plain']:.2f}x |")
+    out += ["", "KV bytes per token: what each model's cache keeps after one held-out window, divided by its "
+                "tokens (DAR: every token's latent, the last w tokens' keys and values, the absorbed weights).",
+            "", "## Goals", ""] + goal_lines(report["goals"])
+    return "\n".join(out) + "\n"
+
+
+def write_dar_report(task: Path, report: dict) -> dict[str, Path]:
+    return write_report(task, "dar_report", report, render_dar(report))

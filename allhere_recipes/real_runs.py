@@ -1,0 +1,127 @@
+"""The pieces every real-model job shares: its run folder, the model it starts from, fine-tuning runs that end
+as model folders, results kept per stage, and the whole job's time left.
+
+A job's folder is ``<out>/<job>`` (``aha`` or ``dar``): settings.json (the plan, the model, the data's
+fingerprint: a folder holding other settings is refused), ``results/<stage>.json`` for every evaluation done
+(a rerun skips it), and one folder per fine-tuning run: ``checkpoint.safetensors`` while it trains (resumed
+after Ctrl-C), then ``model/``, a transformers folder in bfloat16 (the dtype SmolLM2 is published in) that
+``allhere generate --model`` and ``allhere.hf.load_pretrained`` load; the checkpoint, with its optimizer
+state (four times the model), is removed once ``model/`` is written. Every evaluation reads the fine-tuned
+models as saved: their weights rounded to bfloat16, computed in float32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from allhere.config import TrainConfig
+from allhere.hf import HFCausalLM, convert
+from allhere.hf.io import load_local
+from allhere.train import train
+
+from .job import Job
+from .rundir import write_json
+
+SAVED_DTYPE = torch.bfloat16
+DECODE_TOKENS = 16  # a decode step's cost in forward tokens, for the time estimate (CPU, a 135M model)
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A model folder or GGUF file as given, or the cached file of a known model (``allhere fetch``)."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    from allhere.models_cache import model_path
+
+    return model_path(name_or_path)
+
+
+def stage(task: Path, name: str, run: Callable[[], dict]) -> dict:
+    """``run()``'s result, kept in ``task/results/<name>.json``: computed once, read back on a rerun."""
+    path = task / "results" / f"{name}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    result = run()
+    write_json(path, result)
+    return result
+
+
+def token_cost(model, tokens: int, seq_len: int) -> float:
+    """A forward's multiply-adds over ``tokens`` tokens in sequences of ``seq_len``: 2 per weight per token and
+    causal attention's (the unit of ``allhere_recipes.job``; a training step costs about 3 forwards)."""
+    c = model.config
+    params = sum(p.numel() for p in model.parameters())
+    return tokens * (2.0 * params + 2.0 * c.num_hidden_layers * seq_len * c.hidden_size)
+
+
+def plan_run(job: Job, folder: Path, cfg: TrainConfig, model, seq_len: int) -> None:
+    """A fine-tuning run in the job's estimate (nothing left once its model folder exists)."""
+    ckpt = folder / "checkpoint.safetensors"
+    cost = 3.0 * token_cost(model, cfg.batch_size * cfg.grad_accum * seq_len, seq_len)
+    job.plan(ckpt, 0 if (folder / "model" / "config.json").exists() else cfg.steps, cost)
+
+
+def plan_work(job: Job, task: Path, name: str, units: int, cost: float) -> None:
+    """An evaluation stage in the job's estimate: ``units`` items of ``cost`` each (none once it is done)."""
+    job.plan_named(f"{task.name}/{name}", 0 if (task / "results" / f"{name}.json").exists() else units, cost)
+
+
+def work_bar(job: Job, task: Path, name: str, units: int):
+    return job.bar(units, f"{task.name}/{name}")
+
+
+def fine_tune(folder: Path, base, mechanism, cfg: TrainConfig, batches, tokenizer, job: Job,
+              train_only: str | None = None, start=None):
+    """``base`` (or ``start``, a model already converted) fine-tuned with ``cfg``: a copy converted to
+    ``mechanism`` (None: left plain), trained in ``folder`` (resumed from its checkpoint) and saved as
+    ``folder/model``; a finished run is read back from there. Returns the model in float32, with the saved
+    weights."""
+    saved = folder / "model"
+    if (saved / "config.json").exists():
+        return load_local(saved, dtype=torch.float32)[1]
+    if start is not None:
+        model = copy.deepcopy(start)
+    else:
+        model = copy.deepcopy(base)
+        if mechanism is not None:
+            convert(model, mechanism, seed=0)
+    ckpt = folder / "checkpoint.safetensors"
+    state = train(HFCausalLM(model), batches, cfg, ckpt, resume=True, progress=job.bar, train_only=train_only)
+    write_json(folder / "history.json", state["history"], indent=None)  # loss, mu_f, lambda per step
+    save_model(model, saved, tokenizer)
+    for done in (ckpt, ckpt.with_suffix(".json")):
+        done.unlink(missing_ok=True)
+    return model.float()
+
+
+def save_model(model, folder: Path, tokenizer) -> None:
+    """``model`` in bfloat16 with its tokenizer as a transformers folder, written whole or not at all; the model
+    keeps the rounded weights."""
+    from allhere.hf import converted_mechanism, save_pretrained
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(SAVED_DTYPE)
+    if converted_mechanism(model) is not None:
+        save_pretrained(model, tmp)
+    else:
+        model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    tmp.replace(folder)
+
+
+def train_config(plan, steps: int, lr: float, lam: float = 0.0, target_mu_f: float | None = None,
+                 router_lr_mult: float = 1.0) -> TrainConfig:
+    """The paper's optimizer (AdamW, betas 0.9 / 0.95, warmup 3%, no weight decay as ``allhere sft``), a
+    checkpoint every 25 steps (a checkpoint of a 135M model with its optimizer state is 1.6 GB)."""
+    return TrainConfig(steps=steps, batch_size=plan.batch_size, grad_accum=plan.grad_accum, lr=lr, beta1=0.9,
+                       beta2=0.95, warmup_ratio=0.03, weight_decay=0.0, lam=lam, target_mu_f=target_mu_f,
+                       lam_rate=plan.lam_rate, router_lr_mult=router_lr_mult, ckpt_every=25, log_every=1,
+                       device=plan.device)
+

@@ -1,0 +1,120 @@
+"""The real-model jobs (``allhere demo --model``) on a tiny SmolLM2-shaped folder; passkey prompts; the long
+tail; the real SmolLM2 when it is fetched (slow, skipped otherwise)."""
+
+import hashlib
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from allhere.cli import main
+from allhere.eval.passkey import QUESTION, answer_of, passkey_prompts
+from allhere_recipes.real_probes import long_tail
+
+from hf_fixtures import make_tokenizer, write_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny SmolLM2-shaped model folder and a small text folder (some standard-library modules)."""
+    root = tmp_path_factory.mktemp("real")
+    model = write_model("SmolLM2-135M", root / "model", init_std=0.1)
+    data = root / "data"
+    data.mkdir()
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    held = [f for f in files if int(hashlib.sha256(f.name.encode()).hexdigest(), 16) % 100 < 5]  # text_corpus's split
+    for f in held[:3] + [f for f in files if f not in held][:20]:
+        shutil.copy(f, data / f.name)
+    return model, data
+
+
+def test_tiny_aha_job_reports_saves_models_and_resumes(tiny, tmp_path, capsys, monkeypatch):
+    model, data = tiny
+    out = tmp_path / "run"
+    args = ["demo", "--model", str(model), "--preset", "tiny", "--data", str(data), "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    task = out / "aha"
+    report = json.loads((task / "report.json").read_text())
+    rows = report["rows"]
+    assert set(rows) == {"pretrained", "aha", "control"}
+    assert rows["control"]["retain_vs_control"] == pytest.approx(100.0)
+    assert rows["pretrained"]["retain_vs_pretrained"] == pytest.approx(100.0)
+    assert rows["aha"]["retain_vs_control"] == pytest.approx(100 * rows["control"]["loss"] / rows["aha"]["loss"])
+    assert len(rows["aha"]["usage"]) == 2 and len(rows["aha"]["usage"][0]) == 9  # layers x heads
+    assert rows["aha"]["all_local"]["mu_f"] == 0.0 and rows["control"]["mu_f"] == 1.0
+    assert rows["aha"]["passkey"]["prompts"] == 2 and len(rows["aha"]["chat"]["replies"]) == 4
+    assert {r["model"] for r in report["speed"]["rows"]} == {"plain (control)", "AHA"}
+    assert len(report["histories"]["aha"]) == 3 and "lam" in report["histories"]["aha"][0]
+    assert (task / "mu_f_heatmap.png").stat().st_size > 0 and "## Goals" in (task / "report.md").read_text()
+    assert not list(task.glob("*/checkpoint.safetensors"))  # removed once the model folder is written
+
+    from allhere.hf import load_pretrained
+    from allhere.hf.io import load_local
+
+    aha = load_pretrained(task / "aha" / "model")
+    assert next(aha.parameters()).dtype == torch.bfloat16
+    assert load_local(task / "control" / "model")[1].config.model_type == "llama"
+
+    import allhere_recipes.real_runs as runs
+
+    monkeypatch.setattr(runs, "train", lambda *a, **k: pytest.fail("a finished run trained again"))
+    capsys.readouterr()
+    assert main(args) == 0  # everything read back: no training, the same report
+    assert json.loads((task / "report.json").read_text())["rows"]["aha"]["loss"] == rows["aha"]["loss"]
+
+
+def test_tiny_dar_job(tiny, tmp_path):
+    model, data = tiny
+    out = tmp_path / "run"
+    assert main(["demo", "--model", str(model), "--mechanism", "dar", "--preset", "tiny", "--data", str(data),
+                 "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "dar" / "dar_report.json").read_text())
+    rows = report["rows"]
+    dar = rows["DAR w=8 d/4"]
+    uniform = next(r for k, r in rows.items() if k.startswith("uniform reduction d="))
+    plain = rows["vanilla (+ stage-2 steps, control)"]
+    assert plain["rel_percent"] == pytest.approx(100.0)
+    # d = 72: d/4 = 18; the same budget at 64 tokens: 18 + 8 * 2 * 24 / 64 = 24
+    assert "uniform reduction d=24" in rows
+    assert dar["kv_bytes_per_token"] < plain["kv_bytes_per_token"] and uniform["kv_bytes_per_token"] > 0
+    for folder in ("control", "w8-d18/stage1", "w8-d18/stage2", "w0-d24/stage2"):
+        assert (out / "dar" / folder / "model" / "config.json").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--window", "8"], "--window is for the embedded model's demo"),
+    (["--task", "stdlib"], "--task is for the embedded model's demo"),
+])
+def test_flags_of_the_embedded_demo_are_refused(tiny, tmp_path, capsys, extra, message):
+    assert main(["demo", "--model", str(tiny[0]), "--out", str(tmp_path / "o"), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_model_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ALLHERE_CACHE", str(tmp_path / "cache"))
+    assert main(["demo", "--model", "smollm2", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "allhere fetch smollm2" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_passkey_prompts_have_their_length_and_distance():
+    tok = make_tokenizer()
+    prompts = passkey_prompts(tok, 5, 400, 60, seed=1)
+    question = len(tok(QUESTION, add_special_tokens=False)["input_ids"])
+    assert sorted(p.distance for p in prompts)[0] == 60 and len({p.key for p in prompts}) == 5
+    for p in prompts:
+        assert len(p.ids) == 400
+        text = tok.decode(p.ids[: len(p.ids) - p.distance])
+        assert text.rstrip().endswith(f"{p.key} is the pass key.") and p.distance > question
+    assert answer_of(" 12345. Remember") == "12345" and answer_of("no digits") is None
+
+
+def test_long_tail_share():
+    usage = [[1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.5, 0.5]]  # 10 heads: the busiest one makes half
+    tail = long_tail(usage)
+    assert tail["busiest_heads"] == 1 and tail["busiest_share_of_global_calls"] == pytest.approx(0.5)
+    assert tail["heads_global_half_the_time"] == 3 and tail["heads_never_global"] == 7
