@@ -7,6 +7,12 @@ to its length, then a window of ``seq_len`` tokens at a uniform offset in it (a 
 generator, so a resumed run sees the same batches); documents shorter than ``seq_len`` are left out. The
 held-out windows are the first ``seq_len`` tokens of the validation documents, the longest first, then
 consecutive later windows of the same documents where there are too few documents.
+
+Planted recall (``recall_share`` of the training windows): the code of the window with a constant defined early
+(``RETRY_LIMIT = 48213``) and checked at its end (``assert RETRY_LIMIT == 48213``), more than ``min_distance``
+tokens later. Predicting the check's digits needs the definition, beyond any window of that size: the only
+training signal, in code that is otherwise mostly local, that tells a router when a head must read far back.
+The held-out windows stay unplanted.
 """
 
 from __future__ import annotations
@@ -18,6 +24,37 @@ import torch
 
 from allhere.data.corpus import SEPARATOR, DataError, stdlib_corpus, text_corpus
 
+NAMES = ("RETRY_LIMIT", "MAX_DEPTH", "DEFAULT_PORT", "BUFFER_SIZE", "MAGIC_NUMBER", "CACHE_TTL", "BATCH_SEED",
+         "PAGE_OFFSET", "TIMEOUT_MS", "BLOCK_COUNT", "USER_ID", "CHECKSUM")
+
+
+@dataclass
+class Planted:
+    """Pre-tokenized recall pairs: a definition line and the check that repeats its number."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    min_distance: int  # tokens from the definition's end to the check's start, at least
+
+    def into(self, doc: torch.Tensor, seq_len: int, g: torch.Generator) -> torch.Tensor:
+        """A window of ``doc``'s code, ``seq_len`` tokens, with a pair planted: the check at its end."""
+        define, check = self.pairs[int(torch.randint(0, len(self.pairs), (1,), generator=g))]
+        code = seq_len - len(define) - len(check)
+        at = int(torch.randint(0, code - self.min_distance + 1, (1,), generator=g))  # code before the definition
+        start = int(torch.randint(0, len(doc) - code + 1, (1,), generator=g))
+        piece = doc[start:start + code]
+        return torch.cat([piece[:at], define, piece[at:], check])
+
+
+def planted_pairs(tokenizer, count: int = 256, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(count):
+        name = NAMES[int(torch.randint(0, len(NAMES), (1,), generator=g))]
+        number = int(torch.randint(10000, 100000, (1,), generator=g))
+        define, check = _encode(tokenizer, [f"{name} = {number}\n", f"assert {name} == {number}\n"])
+        pairs.append((define, check))
+    return pairs
+
 
 @dataclass
 class TokenData:
@@ -26,9 +63,11 @@ class TokenData:
     heldout_docs: list[torch.Tensor]  # the validation documents in tokens (the long-prompt source)
     description: str
     fingerprint: str  # sha256 of the training and held-out tokens
+    planted: Planted | None = None
 
-    def batches(self, batch_size: int, seq_len: int):
-        """A ``BatchFn`` for ``allhere.train.train``: ``batch_size`` windows of ``seq_len`` tokens."""
+    def batches(self, batch_size: int, seq_len: int, recall_share: float = 0.0):
+        """A ``BatchFn`` for ``allhere.train.train``: ``batch_size`` windows of ``seq_len`` tokens, each with a
+        planted recall pair with probability ``recall_share``."""
         lengths = torch.tensor([len(d) for d in self.train], dtype=torch.float64)
 
         def draw(step: int, micro: int, g: torch.Generator) -> torch.Tensor:
@@ -36,6 +75,9 @@ class TokenData:
             rows = []
             for i in docs:
                 doc = self.train[i]
+                if recall_share and float(torch.rand((), generator=g)) < recall_share:
+                    rows.append(self.planted.into(doc, seq_len, g))
+                    continue
                 start = int(torch.randint(0, len(doc) - seq_len + 1, (1,), generator=g))
                 rows.append(doc[start:start + seq_len])
             return torch.stack(rows)
@@ -52,8 +94,10 @@ def _encode(tokenizer, texts: list[str]) -> list[torch.Tensor]:
     return [torch.tensor(x, dtype=torch.int64) for x in ids]
 
 
-def token_data(tokenizer, seq_len: int, eval_sequences: int, data_path: str | None = None) -> TokenData:
-    """The stdlib corpus (or the user's text at ``data_path``) in the tokenizer's tokens."""
+def token_data(tokenizer, seq_len: int, eval_sequences: int, data_path: str | None = None,
+               recall_distance: int = 0) -> TokenData:
+    """The stdlib corpus (or the user's text at ``data_path``) in the tokenizer's tokens; with ``recall_distance``
+    the recall pairs to plant (``Planted``) at least that far apart."""
     corpus = stdlib_corpus() if data_path is None else text_corpus(data_path)
     train = [d for d in _encode(tokenizer, _texts(corpus.train)) if len(d) >= seq_len]
     val = sorted(_encode(tokenizer, [v.numpy().tobytes().decode("utf-8", errors="replace")
@@ -70,6 +114,7 @@ def token_data(tokenizer, seq_len: int, eval_sequences: int, data_path: str | No
     for t in (*train, heldout):
         sha.update(t.numpy().tobytes())
     tokens = sum(len(d) for d in train)
+    planted = Planted(planted_pairs(tokenizer), recall_distance) if recall_distance else None
     return TokenData(train, heldout, val, f"{corpus.source}: {len(train):,} training documents of >= {seq_len} "
                      f"tokens ({tokens:,} tokens); {len(heldout)} held-out windows of {seq_len} tokens from "
-                     f"{len(val)} validation documents", sha.hexdigest())
+                     f"{len(val)} validation documents", sha.hexdigest(), planted)

@@ -65,7 +65,7 @@ def run_real_demo(model: str = "smollm2", out: str | Path = "runs/smollm2", pres
     with run_lock(out):
         tokenizer, base = load_local(source, convertible=True, dtype=torch.float32)
         base.to(device)
-        data = token_data(tokenizer, plan.seq_len, plan.eval_sequences, data_path)
+        data = token_data(tokenizer, plan.seq_len, plan.eval_sequences, data_path, plan.window + 16)
         ensure_chat_template(tokenizer)  # a model without one (a base model) chats through allhere's fallback
         claim(task, {"job": "aha", "model": str(Path(source).resolve()), "plan": plan.to_dict(),
                      "data_path": data_path, "data_sha256": data.fingerprint})
@@ -74,7 +74,7 @@ def run_real_demo(model: str = "smollm2", out: str | Path = "runs/smollm2", pres
         job = plan_job(task, plan, base, progress)
         runs = {"aha": train_config(plan, plan.steps, plan.lr, plan.lam, plan.target_mu_f, plan.router_lr_mult),
                 "control": train_config(plan, plan.steps, plan.lr)}
-        batches = data.batches(plan.batch_size, plan.seq_len)
+        batches = data.batches(plan.batch_size, plan.seq_len, plan.recall_share)
 
         def measure(name: str, m, routed: bool = False) -> dict:
             row = stage(task, f"{name}-heldout", lambda: _heldout(job, task, f"{name}-heldout", m, data, device))

@@ -79,12 +79,15 @@ def render_dar(report: dict) -> str:
            f"{plan['lr']:g}); the control {plan['dar_steps']} steps at lr {plan['lr']:g}. Device {plan['device']}, "
            f"torch {report['torch']}, {report['threads']} threads.", "",
            "| model | held-out loss | perplexity | Rel. % (vs control, smaller is better) | Retain % vs control "
-           "| KV bytes / token | x plain |", "|---|---|---|---|---|---|---|"]
+           f"| KV bytes / token at {plan['seq_len']} | x plain | at {plan['speed_prompt']} | x plain |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for name, r in report["rows"].items():
         out.append(f"| {name} | {r['loss']:.4f} | {r['perplexity']:.3f} | {r['rel_percent']:.2f}% | "
-                   f"{r['retain_vs_control']:.1f}% | {r['kv_bytes_per_token']:,.0f} | {r['kv_vs_plain']:.2f}x |")
-    out += ["", "KV bytes per token: what each model's cache keeps after one held-out window, divided by its "
-                "tokens (DAR: every token's latent, the last w tokens' keys and values, the absorbed weights).",
+                   f"{r['retain_vs_control']:.1f}% | {r['kv_bytes_per_token']:,.0f} | {r['kv_vs_plain']:.2f}x | "
+                   f"{r['kv_bytes_per_token_long']:,.0f} | {r['kv_vs_plain_long']:.2f}x |")
+    out += ["", "KV bytes per token: what each model's cache keeps after a held-out window (and after a longer "
+                "held-out prompt), divided by its tokens, float32 (DAR: every token's latent, the last w tokens' "
+                "keys and values, and its absorbed weights, a constant per layer).",
             "", "## Goals", ""] + goal_lines(report["goals"])
     return "\n".join(out) + "\n"
 

@@ -5,6 +5,13 @@ plugin), one server after the other, in one run and one table.
     .venv-serve/bin/python benchmarks/serve_throughput.py                       # every mechanism, 2k and 8k prompts
     .venv-serve/bin/python benchmarks/serve_throughput.py --mechanisms aha sinks --prompts 8192
     .venv-serve/bin/python benchmarks/serve_throughput.py --quick               # prompts of 256, 16 new tokens
+    .venv-serve/bin/python benchmarks/serve_throughput.py --real runs/smollm2/aha --prompts 8000 --new 64
+
+``--real RUN``: instead of the random model, a finished real-model job (``allhere demo --model smollm2``): its
+control (``RUN/control/model``, full attention, fine-tuned) served by vLLM's own attention against its fine-tuned
+AHA model (``RUN/aha/model``, the routers it learned), both in the dtype they were saved in (bfloat16; ``--dtype``
+to override), with SmolLM2's grouped-query attention; every prompt a different stretch of the standard library's
+held-out files in the model's tokens, sent as token ids.
 
 (needs the serving environment: bash scripts/install_serve.sh). Model: a random-weight Llama of 4 layers, d = 256,
 4 heads of 64 (fp32) and a word-level tokenizer of 1024 words, saved with transformers. Its versions: AHA (w = 256,
@@ -100,11 +107,30 @@ def build(root: Path, calibrate: int, mechanisms: list[str], max_len: int) -> tu
     return folders, mu_f
 
 
+def real_prompts(folder: Path, lengths: list[int], count: int) -> dict[int, list[list[int]]]:
+    """``count`` prompts of each length in ``lengths``, as token ids of the model in ``folder``: consecutive
+    stretches of the standard library's held-out files (``allhere.data.corpus``), longest file first."""
+    from transformers import AutoTokenizer
+
+    from allhere.data.corpus import stdlib_corpus
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    docs = sorted((tok(d.numpy().tobytes().decode("utf-8", "replace"), add_special_tokens=False)["input_ids"]
+                   for d in stdlib_corpus().val_docs), key=len, reverse=True)
+    stream = [t for d in docs for t in d]
+    out = {}
+    for n in lengths:
+        if len(stream) < n * count:
+            raise SystemExit(f"the held-out text has {len(stream)} tokens, fewer than {count} prompts of {n}")
+        out[n] = [stream[i * n:(i + 1) * n] for i in range(count)]
+    return out
+
+
 class Server:
-    def __init__(self, folder: Path, port: int, max_len: int, kv_gib: float) -> None:
+    def __init__(self, folder: Path, port: int, max_len: int, kv_gib: float, dtype: str = "float32") -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen([sys.executable, "-m", "allhere.cli", "serve", "--model", str(folder), "--port",
-                                      str(port), "--dtype", "float32", "--max-model-len", str(max_len),
+                                      str(port), "--dtype", dtype, "--max-model-len", str(max_len),
                                       "--kv-cache-gib", str(kv_gib)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "ALLHERE_SERVE_STATS_EVERY": "1"})
@@ -143,9 +169,9 @@ class KVPoll:
         return self.peak
 
 
-def one_request(client, name: str, prompt: str, new: int) -> tuple[float, int, float, float]:
+def one_request(client, name: str, prompt: str | list[int], new: int) -> tuple[float, int, float, float]:
     """(time to first token, new tokens, first and last token's times after the start) of one streamed
-    completion."""
+    completion of ``prompt`` (text, or token ids)."""
     start = time.perf_counter()
     first = last = None
     tokens = 0
@@ -161,7 +187,7 @@ def one_request(client, name: str, prompt: str, new: int) -> tuple[float, int, f
     return first, tokens, first, last
 
 
-def workload(port: int, name: str, prompts: list[str], new: int, rounds: int, rounds16: int, prompt_len: int,
+def workload(port: int, name: str, prompts: list, new: int, rounds: int, rounds16: int, prompt_len: int,
              kv_bytes: float) -> dict:
     import openai
 
@@ -200,27 +226,41 @@ def main() -> None:
     names = list(configs())
     p.add_argument("--mechanisms", nargs="+", choices=names, default=names,
                    help="converted models to serve against the plain one (default: all)")
+    p.add_argument("--real", type=Path, default=None,
+                   help="a finished real-model job's folder (RUN/control/model against RUN/aha/model) instead of "
+                        "the random model")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                   help="served dtype (default float32; with --real auto: the dtype the folders were saved in)")
     a = p.parse_args()
     if a.quick:
         a.prompts, a.new, a.rounds, a.rounds16 = [256], 16, 2, 1
     max_len = max(a.prompts) + a.new + 64
-    root = Path(tempfile.mkdtemp(prefix="serve-bench-"))
-    folders, mu_f = build(root, min(max(a.prompts), 4096), list(dict.fromkeys(a.mechanisms)), max(max_len, 4096))
-    g = torch.Generator().manual_seed(2)
-    prompts = {n: [" ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 4, (n - 1,), generator=g))
-                   for _ in range(1 + a.rounds + 16 * a.rounds16)] for n in a.prompts}  # + BOS = n tokens each
+    count = 1 + a.rounds + 16 * a.rounds16
+    if a.real is not None:
+        folders, mu_f = {"plain": a.real / "control" / "model", "aha": a.real / "aha" / "model"}, None
+        prompts = real_prompts(folders["plain"], a.prompts, count)
+        dtype = a.dtype or "auto"
+    else:
+        root = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+        folders, mu_f = build(root, min(max(a.prompts), 4096), list(dict.fromkeys(a.mechanisms)), max(max_len, 4096))
+        g = torch.Generator().manual_seed(2)
+        prompts = {n: [" ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 4, (n - 1,), generator=g))
+                       for _ in range(count)] for n in a.prompts}  # + BOS = n tokens each
+        dtype = a.dtype or "float32"
     load = lambda: " ".join(f"{x:.2f}" for x in os.getloadavg())  # noqa: E731
     print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; prompts {a.prompts} tokens, "
-          f"{a.new} new, batch 1 x {a.rounds}, batch 16 x {a.rounds16}; KV cache {a.kv_cache_gib} GiB"
+          f"{a.new} new, batch 1 x {a.rounds}, batch 16 x {a.rounds16}; KV cache {a.kv_cache_gib} GiB; dtype {dtype}"
+          + (f"; real model: {a.real}" if a.real is not None else "")
           + (f"; AHA mu_f on a prompt {100 * mu_f:.1f}%" if mu_f is not None else ""), flush=True)
     results = {}
     kv_bytes = a.kv_cache_gib * 2 ** 30
     for name, folder in folders.items():
         print(f"# {name}: load average before {load()}", flush=True)
-        server = Server(folder, a.port, max_len, a.kv_cache_gib)
+        server = Server(folder, a.port, max_len, a.kv_cache_gib, dtype)
         try:
             for n in a.prompts:
-                results[name, n] = workload(a.port, folder.name, prompts[n], a.new, a.rounds, a.rounds16, n, kv_bytes)
+                results[name, n] = workload(a.port, folder.resolve().name, prompts[n], a.new, a.rounds, a.rounds16,
+                                            n, kv_bytes)
                 print(f"# {name} {n}: {results[name, n]}", flush=True)
             time.sleep(2)  # the last routing line
             stats = [line.strip() for line in server.lines if "mu_f" in line]

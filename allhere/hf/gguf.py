@@ -10,6 +10,7 @@ each one line. Needs the ``gguf`` extra (the ``gguf`` and ``accelerate`` package
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -139,6 +140,24 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
     return value
 
 
+@contextlib.contextmanager
+def _quiet_unless_bars():
+    """transformers' GGUF loader draws its own tqdm bar ("Converting and de-quantizing GGUF tensors") whatever
+    transformers' progress-bar setting, which allhere's command line turns off unless --verbose: follow it."""
+    from transformers import modeling_gguf_pytorch_utils as loader
+    from transformers.utils import logging
+
+    drawn = getattr(loader, "tqdm", None)
+    if drawn is None or logging.is_progress_bar_enabled():
+        yield
+        return
+    loader.tqdm = functools.partial(drawn, disable=True)
+    try:
+        yield
+    finally:
+        loader.tqdm = drawn
+
+
 def load(path: str | Path, dtype: torch.dtype | str = "auto"):
     """(tokenizer, model) of the GGUF file ``path``: an ordinary transformers model (``save_pretrained`` writes
     safetensors), its weights de-quantized, in ``dtype`` ("auto": float32, the de-quantized values exactly)."""
@@ -155,8 +174,9 @@ def load(path: str | Path, dtype: torch.dtype | str = "auto"):
     except ImportError:  # transformers before GgufConfig: its loader always de-quantizes
         unpacked = {}
     try:
-        read = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=str(p), dtype=torch.float32,
-                                                    local_files_only=True, **unpacked)
+        with _quiet_unless_bars():
+            read = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=str(p), dtype=torch.float32,
+                                                        local_files_only=True, **unpacked)
         # Rebuilt rather than cleared: from_pretrained(gguf_file=) leaves transformers' GGUF quantizer on the model
         # and quantization_config in its config, so save_pretrained refuses it ("not serializable") and a saved
         # config.json would send the next load down the GGUF path again. Deleting those by hand depends on what

@@ -85,6 +85,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--forced", default="none", help="comma-separated: none, true, false")
     p.add_argument("--again", action="store_true", help="generate each setting's prompts a second time (prefix cache)")
     p.add_argument("--compiled", action="store_true", help="vLLM's default torch.compile instead of eager")
+    p.add_argument("--max-model-len", type=int, default=512, help="longest prompt + new tokens (default 512)")
     p.add_argument("--held", type=int, default=0, metavar="N",
                    help="also generate N tokens from the last prompt alone and report the KV blocks held per step")
     return p
@@ -94,8 +95,8 @@ def check(argv: list[str]) -> dict:
     """One check from its arguments (``parser``); the engine is gone when it returns."""
     args = parser().parse_args(argv)
     forced = [SETTINGS[s.strip().lower()] for s in args.forced.split(",")]
-    out = greedy(args.model, json.loads(args.prompts), args.max_tokens, forced, again=args.again,
-                 compiled=args.compiled, held=args.held)
+    out = greedy(args.model, json.loads(args.prompts), args.max_tokens, forced, max_model_len=args.max_model_len,
+                 again=args.again, compiled=args.compiled, held=args.held)
     gc.collect()  # the engine's model and KV cache, before the next check builds its own
     return out
 

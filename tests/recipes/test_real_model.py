@@ -118,3 +118,54 @@ def test_long_tail_share():
     tail = long_tail(usage)
     assert tail["busiest_heads"] == 1 and tail["busiest_share_of_global_calls"] == pytest.approx(0.5)
     assert tail["heads_global_half_the_time"] == 3 and tail["heads_never_global"] == 7
+
+
+@pytest.mark.slow
+def test_smollm2_converted_with_open_gates_and_its_passkeys():
+    """The real SmolLM2-135M-Instruct where `allhere fetch smollm2` has put it (skipped otherwise): converted to AHA
+    with every gate open it scores a held-out window exactly as the pretrained model; all local it scores worse; the
+    pretrained model finds most passkeys beyond the window, the all-local one none."""
+    from allhere import AHAConfig, set_forced_gate
+    from allhere.data.corpus import stdlib_corpus
+    from allhere.eval.passkey import passkey_accuracy
+    from allhere.hf import convert
+    from allhere.hf.io import load_local
+    from allhere.models_cache import model_path
+    from allhere.validation import ConfigError
+    from allhere_recipes.real_probes import heldout
+
+    try:
+        path = model_path("smollm2")
+    except ConfigError:
+        pytest.skip("smollm2 is not fetched (allhere fetch smollm2)")
+    tok, model = load_local(path, dtype=torch.float32)
+    text = max(stdlib_corpus().val_docs, key=len).numpy().tobytes().decode("utf-8", "replace")
+    window = torch.tensor([tok(text, add_special_tokens=False)["input_ids"][:256]])
+    prompts = passkey_prompts(tok, 4, 400, 128)
+    before, found = heldout(model, window, "cpu")["loss"], passkey_accuracy(model, tok, prompts)["correct"]
+    convert(model, AHAConfig(window=64))
+    assert heldout(model, window, "cpu")["loss"] == pytest.approx(before, abs=1e-5)  # the gates start open
+    assert found >= 3
+    set_forced_gate(model, False)
+    assert heldout(model, window, "cpu")["loss"] > before + 0.3
+    assert passkey_accuracy(model, tok, prompts)["correct"] == 0
+
+
+def test_planted_recall_windows():
+    """A planted window: seq_len tokens, the check at its end, its definition at least min_distance before it,
+    both naming the same constant and number."""
+    from allhere_recipes.real_data import Planted, planted_pairs
+
+    tok = make_tokenizer()
+    planted = Planted(planted_pairs(tok, count=8), min_distance=40)
+    doc = torch.arange(1000, 1300)  # ids the pairs' tokens never take
+    for seed in range(20):
+        row = planted.into(doc, 120, torch.Generator().manual_seed(seed))
+        assert len(row) == 120
+        text = tok.decode([t for t in row.tolist() if t < 1000])
+        define, check = text.split("\n")[:2]
+        name, number = define.split(" = ")
+        assert check == f"assert {name} == {number}" and len(number) == 5
+        ours = (row < 1000).nonzero().flatten().tolist()  # the definition's run, then the check's at the end
+        gap = max(b - a - 1 for a, b in zip(ours, ours[1:]))
+        assert ours[-1] == 119 and gap >= 40

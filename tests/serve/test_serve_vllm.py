@@ -104,7 +104,7 @@ def _engines():
     _ENGINES.close()
 
 
-def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, kernel=False):
+def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, kernel=False, max_model_len=512):
     """Greedy tokens served by vLLM (``allhere.serve.vllm_check``): the eager checks in the shared process,
     ``compiled`` and ``kernel`` (AHA layers through allhere's Triton paged kernel, its path on CUDA, in Triton's
     interpreter) each in a process of their own, since they change how the process compiles."""
@@ -112,7 +112,7 @@ def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, k
     env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     args = ([str(folder), "--prompts", json.dumps(prompts), "--max-tokens", str(NEW_TOKENS), "--forced", forced]
             + (["--again"] if again else []) + (["--compiled"] if compiled else [])
-            + (["--held", str(held)] if held else []))
+            + (["--held", str(held)] if held else []) + ["--max-model-len", str(max_model_len)])
     if not (compiled or kernel):
         return _ENGINES.run(args, env)
     if kernel:
@@ -320,3 +320,31 @@ def test_vllm_window_kernel_reads_allheres_layout():
         paged_attention(q, view, meta.query_start_loc, meta.seq_lens, table, [[window_read(window)]], d ** -0.5,
                         ours, sinks=sinks, softcap=cap)
         torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_real_smollm2_aha_served_as_generated():
+    """A real pretrained model with the routers it learned: the real-model job's fine-tuned SmolLM2-AHA (GQA, saved
+    in bfloat16; ``allhere demo --model smollm2`` writes it to runs/smollm2/aha/aha/model, or name the folder in
+    $ALLHERE_REAL_AHA), served by vLLM in float32 as allhere generates in float32: the same greedy tokens, on a
+    chat prompt, a held-out stretch of code and a passkey prompt, each longer than its window. Skipped where no
+    such folder is at hand (CI: the job takes most of an hour)."""
+    from pathlib import Path
+
+    from allhere.data.corpus import stdlib_corpus
+    from allhere.eval.passkey import passkey_prompts
+    from allhere.generation import template_ids
+
+    folder = Path(os.environ.get("ALLHERE_REAL_AHA", "runs/smollm2/aha/aha/model"))
+    if not (folder / "config.json").exists():
+        pytest.skip(f"no fine-tuned real AHA model at {folder} (allhere demo --model smollm2)")
+    tokenizer, model = load_local(folder, dtype=torch.float32)
+    window = model.config.allhere_mechanism["window"]
+    text = max(stdlib_corpus().val_docs, key=len).numpy().tobytes().decode("utf-8", "replace")
+    prompts = [template_ids(tokenizer, [{"role": "user", "content": "What is the capital of France? Answer in one "
+                                                                      "sentence."}]),
+               tokenizer(text, add_special_tokens=False)["input_ids"][: 5 * window],
+               passkey_prompts(tokenizer, 1, 4 * window, 2 * window)[0].ids]
+    ours = [generate(model, tokenizer, p, max_new_tokens=NEW_TOKENS).ids for p in prompts]
+    served = _vllm(folder, prompts, max_model_len=8 * window)["none"]
+    assert 0.0 < served["routing"]["mu_f"] < 0.5, served["routing"]  # the learned routers, mostly local
+    assert served["tokens"] == ours
