@@ -8,11 +8,12 @@ generator, so a resumed run sees the same batches); documents shorter than ``seq
 held-out windows are the first ``seq_len`` tokens of the validation documents, the longest first, then
 consecutive later windows of the same documents where there are too few documents.
 
-Planted recall (``recall_share`` of the training windows): the code of the window with a constant defined early
-(``RETRY_LIMIT = 48213``) and checked at its end (``assert RETRY_LIMIT == 48213``), more than ``min_distance``
-tokens later. Predicting the check's digits needs the definition, beyond any window of that size: the only
-training signal, in code that is otherwise mostly local, that tells a router when a head must read far back.
-The held-out windows stay unplanted.
+Planted recall (``recall_share`` of the training windows): the code of the window with a five-digit number
+stated early and asked for at its end, more than ``min_distance`` tokens later, in one of four forms (``FORMS``):
+a constant and its assert, or a comment stating a fact and a comment asking for it. Predicting the number at the
+end needs its statement, beyond any window of that size: in code that is otherwise mostly local, the training
+signal that tells a router when a head must read far back. The passkey test (``allhere.eval.passkey``) has other
+words and no code around it. The held-out windows stay unplanted.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ from allhere.data.corpus import SEPARATOR, DataError, stdlib_corpus, text_corpus
 
 NAMES = ("RETRY_LIMIT", "MAX_DEPTH", "DEFAULT_PORT", "BUFFER_SIZE", "MAGIC_NUMBER", "CACHE_TTL", "BATCH_SEED",
          "PAGE_OFFSET", "TIMEOUT_MS", "BLOCK_COUNT", "USER_ID", "CHECKSUM")
+FORMS = (  # (statement, question ending in the number): {name} a constant's name, {n} the number
+    ("{name} = {n}\n", "assert {name} == {n}\n"),
+    ("# Note: the secret number is {n}. Keep it in mind.\n", "# Q: what was the secret number? A: {n}\n"),
+    ("# The vault combination is {n}.\n", "# The vault combination, from above: {n}\n"),
+    ("# Ticket {n} tracks this module.\n", "# tracked in ticket {n}\n"),
+)
 
 
 @dataclass
@@ -51,7 +58,8 @@ def planted_pairs(tokenizer, count: int = 256, seed: int = 0) -> list[tuple[torc
     for _ in range(count):
         name = NAMES[int(torch.randint(0, len(NAMES), (1,), generator=g))]
         number = int(torch.randint(10000, 100000, (1,), generator=g))
-        define, check = _encode(tokenizer, [f"{name} = {number}\n", f"assert {name} == {number}\n"])
+        form = FORMS[int(torch.randint(0, len(FORMS), (1,), generator=g))]
+        define, check = _encode(tokenizer, [f.format(name=name, n=number) for f in form])
         pairs.append((define, check))
     return pairs
 
@@ -114,7 +122,12 @@ def token_data(tokenizer, seq_len: int, eval_sequences: int, data_path: str | No
     for t in (*train, heldout):
         sha.update(t.numpy().tobytes())
     tokens = sum(len(d) for d in train)
-    planted = Planted(planted_pairs(tokenizer), recall_distance) if recall_distance else None
+    planted = None
+    if recall_distance:
+        pairs = [(a, b) for a, b in planted_pairs(tokenizer) if len(a) + len(b) + recall_distance <= seq_len]
+        if not pairs:
+            raise DataError(f"no recall pair fits {seq_len} tokens with {recall_distance} tokens between its parts")
+        planted = Planted(pairs, recall_distance)
     return TokenData(train, heldout, val, f"{corpus.source}: {len(train):,} training documents of >= {seq_len} "
                      f"tokens ({tokens:,} tokens); {len(heldout)} held-out windows of {seq_len} tokens from "
                      f"{len(val)} validation documents", sha.hexdigest(), planted)

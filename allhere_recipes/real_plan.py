@@ -82,7 +82,7 @@ class RealPlan:
 def preset_plan(preset: str, device: str) -> RealPlan:
     """"cpu": the default, about 45 minutes on 2 cores; "gpu": 8k tokens at w = 256; "tiny": seconds, for tests."""
     if preset == "tiny":
-        return RealPlan(seq_len=64, window=8, steps=3, batch_size=1, grad_accum=1, lr=3e-5, router_lr_mult=100.0,
+        return RealPlan(seq_len=160, window=8, steps=3, batch_size=1, grad_accum=1, lr=3e-5, router_lr_mult=100.0,
                         lam=0.01, target_mu_f=0.1, lam_rate=0.1, recall_share=0.5, eval_sequences=2, passkey_prompts=2,
                         passkey_length=320, chat_tokens=4, speed_prompt=48, speed_tokens=3, dar_steps=2,
                         dar_stage1_lr=3e-4, device=device)
