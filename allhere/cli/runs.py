@@ -15,7 +15,7 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=a.out_folder, default=None,
                    help="run folder: resumed when it holds a run with the same settings, refused when it holds "
                         "anything else (default runs/demo; with --model runs/<the model's name>)")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", type=a.model_folder, default=None,
                    help="run the AHA paper's protocol on a real pretrained model instead of the embedded one: "
                         "smollm2 (fetched by `allhere fetch smollm2`), a GGUF file or a transformers folder; "
                         "with --mechanism dar the DAR comparison on it (default: the embedded model)")

@@ -26,7 +26,7 @@ LAYERS = [
     ("model", ["allhere", "allhere.model", "allhere.routing", "allhere.losses", "allhere.checkpoint",
                "allhere.data", "allhere.analysis"]),
     ("train", ["allhere.train", "allhere.distributed"]),
-    ("host", ["allhere.hf", "allhere.serve"]),
+    ("host", ["allhere.hf", "allhere.serve", "allhere.models_cache"]),
     ("application", ["allhere.eval", "allhere.generation"]),
     ("recipes", ["allhere_recipes"]),
     ("cli", ["allhere.cli"]),

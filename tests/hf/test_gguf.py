@@ -250,6 +250,7 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.real
 def test_smollm2_knows_the_capital_of_france():
     """The real SmolLM2-135M-Instruct, where `allhere fetch smollm2` has put it (skipped otherwise)."""
     try:

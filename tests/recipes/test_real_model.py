@@ -122,6 +122,7 @@ def test_long_tail_share():
 
 
 @pytest.mark.slow
+@pytest.mark.real
 def test_smollm2_converted_with_open_gates_and_its_passkeys():
     """The real SmolLM2-135M-Instruct where `allhere fetch smollm2` has put it (skipped otherwise): converted to AHA
     with every gate open it scores a held-out window exactly as the pretrained model; all local it scores worse; the

@@ -322,6 +322,7 @@ def test_vllm_window_kernel_reads_allheres_layout():
         torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.real
 def test_real_smollm2_aha_served_as_generated():
     """A real pretrained model with the routers it learned: the real-model job's fine-tuned SmolLM2-AHA (GQA, saved
     in bfloat16; ``allhere demo --model smollm2`` writes it to runs/smollm2/aha/aha/model, or name the folder in
