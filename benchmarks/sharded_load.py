@@ -27,7 +27,7 @@ def _sharded(rank: int, world: int, model: str, window: int) -> dict:
     from allhere.hf.sharded_load import load_sharded
     from allhere.mechanisms import AHAConfig
 
-    _, m = load_sharded(model, mechanism=AHAConfig(window=window), dtype=torch.float32)
+    _, m = load_sharded(model, mechanism=AHAConfig(window=window), dtype=torch.float32, measure_memory=True)
     r = m.allhere_load_report
     return dict(peak=r.peak_rss_delta_bytes, local=r.local_bytes, full=r.full_model_bytes, seconds=r.seconds,
                 source=r.peak_source)

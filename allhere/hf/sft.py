@@ -64,7 +64,7 @@ def _load(model_path, config, mech, layers, seed: int, env, device: str):
 
     device = init(env, device)
     tokenizer, model = load_sharded(model_path, mechanism=None if saved is not None else mech, layers=layers,
-                                    dtype=torch.float32, device=device, seed=seed)
+                                    dtype=torch.float32, device=device, seed=seed, measure_memory=True)
     return tokenizer, model, trained, device
 
 

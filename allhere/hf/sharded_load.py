@@ -20,12 +20,14 @@ Why safetensors slices rather than DCP's ``HuggingFaceStorageReader``: the reade
 checkpoint's names and dtypes, has no place for weights that are not in the files (mechanism weights of a
 plain checkpoint, a tied head) and reads whole tensors where a slice is all a rank needs.
 
-The measured peak of the resident memory during the load comes back as ``model.allhere_load_report``
-(``LoadReport``).
+What the load cost comes back as ``model.allhere_load_report`` (``LoadReport``); its peak resident memory only
+with ``measure_memory=True``, which resets the process's high-water mark (a write to /proc/self/clear_refs, a
+side effect on the whole process), so the caller asks for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -54,12 +56,13 @@ class LoadReport:
 
     rank: int  # this process's rank in the default group
     world: int  # ranks in the default group
-    peak_rss_delta_bytes: int  # highest resident memory during the load minus the resident memory before it
-    # (a process's first import of the model family's transformers code counts in it too)
+    peak_rss_delta_bytes: int | None  # highest resident memory during the load minus the resident memory before
+    # it (a process's first import of the model family's transformers code counts in it too); None: not measured
     full_model_bytes: int  # every parameter of the whole model in the loaded dtype (a tied one once)
     local_bytes: int  # the parameter bytes of this rank's shards
     seconds: float  # wall time of the load
-    peak_source: str  # how the peak was measured: "VmHWM" (kernel high-water mark, reset first) or "sampled"
+    peak_source: str  # how the peak was measured: "VmHWM" (kernel high-water mark, reset first), "sampled", or
+    # "not measured"
 
 
 class PeakRSS:
@@ -128,14 +131,15 @@ class PeakRSS:
 
 
 def load_sharded(model_path: str | Path, mechanism=None, layers="full", dtype: torch.dtype | str = torch.float32,
-                 device: str | torch.device = "cpu", seed: int = 0, mesh=None):
+                 device: str | torch.device = "cpu", seed: int = 0, mesh=None, measure_memory: bool = False):
     """(tokenizer, model) of the folder ``model_path``, the model sharded with FSDP2 over ``mesh`` (a
     DeviceMesh; default: every rank of the default group) on ``device``, its weights in ``dtype`` ("auto": as
     saved). Call it on every rank. A folder saved converted by allhere loads with its saved mechanism and weights (a
     ``mechanism`` asked for is then ignored, as ``load_local`` ignores it); a plain one is converted with
     ``mechanism`` on ``layers`` (None: left plain), the new weights initialised as
     ``convert(..., seed=seed)`` initialises them. The model comes in eval mode, as ``from_pretrained``
-    gives it, with ``model.allhere_load_report`` (``LoadReport``) of this rank.
+    gives it, with ``model.allhere_load_report`` (``LoadReport``) of this rank; ``measure_memory``: measure the
+    load's peak resident memory there too (``PeakRSS``: it resets this process's high-water mark).
 
     ConfigError for a folder that is no causal LM allhere can convert, or in the AHA authors' format;
     CheckpointError naming the file for a missing or corrupt weight file, or a tensor that is missing or
@@ -146,12 +150,13 @@ def load_sharded(model_path: str | Path, mechanism=None, layers="full", dtype: t
         raise RuntimeError("load_sharded runs on every rank of an initialised process group "
                            "(torch.distributed.init_process_group, e.g. under torchrun)")
     start = time.perf_counter()
-    with PeakRSS() as peak:
+    with PeakRSS() if measure_memory else contextlib.nullcontext() as peak:
         tokenizer, model, local_bytes = _load(Path(model_path), mechanism, layers, dtype, torch.device(device),
                                               seed, mesh)
     full = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.allhere_load_report = LoadReport(dist.get_rank(), dist.get_world_size(), peak.delta, full, local_bytes,
-                                           time.perf_counter() - start, peak.source)
+    model.allhere_load_report = LoadReport(dist.get_rank(), dist.get_world_size(), peak.delta if peak else None,
+                                           full, local_bytes, time.perf_counter() - start,
+                                           peak.source if peak else "not measured")
     return tokenizer, model
 
 

@@ -50,7 +50,8 @@ def _correctness(rank, world, tmp, folders, broken):
         report = model.allhere_load_report
         res = {"tied": model.lm_head.weight is model.get_input_embeddings().weight,
                "dtensor": type(model.lm_head.weight).__name__, "full_bytes": report.full_model_bytes,
-               "local_bytes": report.local_bytes, "tokenizer": len(tok)}
+               "local_bytes": report.local_bytes, "tokenizer": len(tok),
+               "peak": (report.peak_rss_delta_bytes, report.peak_source)}
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         ids = _ids(model.config.vocab_size)
         with torch.no_grad():
@@ -127,6 +128,7 @@ def test_gathered_state_buffers_and_logits_equal_single_process(results, case):
     for rank in results:  # sharded: each rank holds about half of the parameters
         assert rank[case]["dtensor"] == "DTensor"
         assert rank[case]["local_bytes"] < 0.6 * rank[case]["full_bytes"]
+        assert rank[case]["peak"] == (None, "not measured")  # memory is measured only when asked (a side effect)
 
 
 @pytest.mark.parametrize("case", sorted(TIED))
@@ -184,7 +186,7 @@ def test_convert_with_seed_is_reproducible(folders):
 def _peak_sharded(rank, world, tmp, folder):
     import transformers.models.llama.modeling_llama  # noqa: F401  (a first import costs ~100 MB with 5.17)
 
-    _, model = load_sharded(folder)
+    _, model = load_sharded(folder, measure_memory=True)
     r = model.allhere_load_report
     return {"delta": r.peak_rss_delta_bytes, "full": r.full_model_bytes, "local": r.local_bytes,
             "source": r.peak_source}
