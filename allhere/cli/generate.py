@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..interrupt import Interrupted
 from ..validation import ConfigError
 from . import args as a
 
@@ -95,5 +96,6 @@ def generate(args) -> None:
         for reply in chat(model, tokenizer, _turns(), emit=emit, **settings):
             print()
             _report(reply)
-    except KeyboardInterrupt:
-        print("\nstopped", file=sys.stderr)
+    except (KeyboardInterrupt, Interrupted):  # the reply so far stays on its line; main says how it ended (130)
+        print()
+        raise

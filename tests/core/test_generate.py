@@ -258,6 +258,19 @@ def test_chat_over_stdin_keeps_the_conversation_in_the_template(models, capsys, 
     assert "fallback" in lines[0] and sum("tokens/s" in line for line in lines) == 2 and len(lines) == 3
 
 
+def test_ctrl_c_in_a_chat_exits_130_with_one_line(models, capsys, monkeypatch):
+    class CtrlC(io.StringIO):
+        def readline(self, *args):
+            if self.tell() > 0:  # the second line: the user presses Ctrl-C instead
+                raise KeyboardInterrupt
+            return super().readline(*args)
+
+    monkeypatch.setattr(sys, "stdin", CtrlC("w1 w2 w3\n"))
+    code, out, err = run(["--model", models["aha"], "--chat", "--max-new-tokens", "6", "--device", "cpu"], capsys)
+    assert code == 130 and out.count("\n") == 2  # the reply's line, and the line ended on Ctrl-C
+    assert err.strip().splitlines()[-1] == "allhere generate: interrupted"
+
+
 def test_sampling_with_a_seed_repeats(models, capsys):
     argv = ["--model", models["bpe"], "--prompt", "ça va", "--temperature", "1.5", "--top-p", "0.9", "--seed", "7",
             "--max-new-tokens", "8", "--device", "cpu"]
