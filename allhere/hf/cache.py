@@ -19,7 +19,8 @@ Where such layers come from:
   and decodes with, is the compressed / in-place one. No ``generate`` or ``forward`` is patched; the one
   transient cost: the prompt's K/V of one layer are copied once more on the first call. Layers left
   unconverted (a hybrid's sliding layers) keep transformers' own.
-- ``new_cache(model)`` builds the cache up front (pass it as ``past_key_values=``).
+- ``new_cache(model)`` builds the cache up front (hand it on with ``**cache_kwargs(cache)``: ``cache=``
+  where transformers has renamed ``past_key_values``, which then warns).
 
 A cache that already holds every key of earlier calls (a ``DynamicCache`` filled by another model) is
 refused with an error: its keys carry no latents to rebuild distant K/V from.
@@ -248,7 +249,7 @@ def own_layer(cache: Cache, layer_idx: int, mech, new_tokens: int, key: torch.Te
 def new_cache(model, reserve: int | None = None) -> Cache:
     """An empty transformers ``Cache`` for a converted model: each converted layer the mechanism's own
     (``new_own_layer``) or an ``InPlaceLayer``; the layers left unconverted (a hybrid's sliding
-    layers) transformers' own. Pass it as ``past_key_values=`` to ``generate`` or ``forward``;
+    layers) transformers' own. Pass it to ``generate`` or ``forward`` with ``**cache_kwargs(cache)``;
     ``generate`` builds an equivalent one by itself. ``reserve``: the tokens the in-place layers will hold
     (prompt + new tokens), allocated at once: without it a layer filled by a long prompt doubles its
     buffer at the first new token (a 128k-token prompt would hold room for 256k)."""

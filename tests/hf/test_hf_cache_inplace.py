@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # 
 
 from allhere import AHAConfig, SinksConfig, SlidingConfig  # noqa: E402
 from allhere.hf import convert, new_cache  # noqa: E402
-from allhere.hf.cache import InPlaceLayer  # noqa: E402
+from allhere.hf.cache import InPlaceLayer, cache_kwargs  # noqa: E402
 
 from helpers import mixed_routers, rel_err  # noqa: E402
 from hf_fixtures import write_model  # noqa: E402
@@ -46,10 +46,10 @@ def test_a_decode_step_writes_into_the_same_buffer_and_matches_a_full_forward():
     with torch.no_grad():
         full = model(ids).logits
         cache = new_cache(model)
-        steps = [model(ids[:, :20], past_key_values=cache).logits]
+        steps = [model(ids[:, :20], **cache_kwargs(cache)).logits]
         ptr = cache.layers[0].keys.data_ptr()
         for t in range(20, 30):
-            steps.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
+            steps.append(model(ids[:, t:t + 1], **cache_kwargs(cache)).logits)
             assert cache.layers[0].keys.data_ptr() == ptr  # no copy of the cache per token
     assert rel_err(torch.cat(steps, dim=1), full) < 1e-5
 
@@ -62,10 +62,10 @@ def test_beam_search_and_crop():
         plain = model.generate(ids, max_new_tokens=10, num_beams=3, use_cache=False, **GREEDY)
         assert torch.equal(beams, plain)  # reorder_cache / batch_repeat_interleave on the buffers
         cache = new_cache(model)
-        model(ids, past_key_values=cache)
+        model(ids, **cache_kwargs(cache))
         cache.crop(-3)  # drop the last 3 of 8 tokens: assisted generation's rollback
         assert cache.get_seq_length() == 5
-        again = model(ids[:, 5:], past_key_values=cache).logits
+        again = model(ids[:, 5:], **cache_kwargs(cache)).logits
     assert rel_err(again, model(ids).logits[:, 5:]) < 1e-5
 
 

@@ -15,7 +15,7 @@ from allhere.hf import (  # noqa: E402
     new_cache,
     save_pretrained,
 )
-from allhere.hf.cache import DARCacheLayer  # noqa: E402
+from allhere.hf.cache import DARCacheLayer, cache_kwargs  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
 from test_hf import FAMILIES, build  # noqa: E402
@@ -74,7 +74,7 @@ def test_cached_greedy_generation_equals_uncached(name):
     with torch.no_grad():
         uncached = model.generate(prompt, use_cache=False, **GREEDY)
         out = model.generate(prompt, return_dict_in_generate=True, **GREEDY)  # the cache by default
-        given = model.generate(prompt, past_key_values=new_cache(model), **GREEDY)
+        given = model.generate(prompt, **cache_kwargs(new_cache(model)), **GREEDY)
     assert torch.equal(out.sequences, uncached) and torch.equal(given, uncached)
     cache = out.past_key_values
     assert all(isinstance(layer, DARCacheLayer) for layer in cache.layers)  # generate's cache, adopted
@@ -90,11 +90,11 @@ def test_chunked_prefill_and_decode_equal_full_forward(name, window):
         full = model(ids, use_cache=False).logits
         first = model(ids[:, :7], use_cache=True)  # a cache transformers built, adopted on this call
         parts, cache = [first.logits], first.past_key_values
-        parts.append(model(ids[:, 7:12], past_key_values=cache).logits)
-        parts += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(12, 20)]
+        parts.append(model(ids[:, 7:12], **cache_kwargs(cache)).logits)
+        parts += [model(ids[:, t:t + 1], **cache_kwargs(cache)).logits for t in range(12, 20)]
         own = new_cache(model)  # built up front
-        again = torch.cat([model(ids[:, :9], past_key_values=own).logits,
-                           model(ids[:, 9:], past_key_values=own).logits], 1)
+        again = torch.cat([model(ids[:, :9], **cache_kwargs(own)).logits,
+                           model(ids[:, 9:], **cache_kwargs(own)).logits], 1)
     assert rel_err(torch.cat(parts, 1), full) < 1e-5 and rel_err(again, full) < 1e-5
     assert cache.get_seq_length() == own.get_seq_length() == 20
 
@@ -108,9 +108,9 @@ def test_cache_holds_window_full_kv_and_latents_only():
     with torch.no_grad():
         dynamic = build("llama")(ids, use_cache=True).past_key_values
         cache = new_cache(model)
-        model(ids[:, :40], past_key_values=cache)
+        model(ids[:, :40], **cache_kwargs(cache))
         for i in range(40, t):
-            model(ids[:, i:i + 1], past_key_values=cache)
+            model(ids[:, i:i + 1], **cache_kwargs(cache))
     layers, kv_dim, f32 = 2, 2 * 16, 4  # 2 kv heads x head_dim 16
     assert cache_nbytes(dynamic) == layers * 2 * b * t * kv_dim * f32
     used = layers * (2 * b * w * kv_dim * f32 + b * t * (d_down * f32 + 4))
@@ -172,9 +172,9 @@ def test_a_cache_holding_every_key_is_refused():
     with torch.no_grad():
         full = build("llama")(ids[:, :-1], use_cache=True).past_key_values  # a DynamicCache with every key
         with pytest.raises(RuntimeError, match="own compressed cache.*DynamicCache holding every key"):
-            model(ids[:, -1:], past_key_values=full)
+            model(ids[:, -1:], **cache_kwargs(full))
         empty = transformers.DynamicCache()  # an empty one is fine: it becomes the compressed cache
-        model(ids, past_key_values=empty)
+        model(ids, **cache_kwargs(empty))
         assert isinstance(empty.layers[0], DARCacheLayer)
     with pytest.raises(ValueError, match="no allhere mechanisms"):
         new_cache(build("llama"))

@@ -109,6 +109,7 @@ def test_decode_over_the_decoders_kv_cache_reads_it_in_place(monkeypatch):
 def test_decode_over_a_converted_hf_models_in_place_layer_reads_it_in_place(monkeypatch):
     transformers = pytest.importorskip("transformers")
     from allhere.hf import convert, new_cache
+    from allhere.hf.cache import cache_kwargs
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -119,7 +120,7 @@ def test_decode_over_a_converted_hf_models_in_place_layer_reads_it_in_place(monk
     counter = CopyCounter()
     decode = spy(monkeypatch, aha_decode, "_decode_kernel", counter)
     cache = new_cache(model)
-    got = decode_steps(model, ids, 20, cache, lambda x, c: model(x, past_key_values=c).logits, counter)
+    got = decode_steps(model, ids, 20, cache, lambda x, c: model(x, **cache_kwargs(c)).logits, counter)
     layers = [layer._kv for layer in cache.layers]
     buffers = {storage(kv._k.data) for kv in layers} | {storage(kv._v.data) for kv in layers}
     assert all(kv.capacity > 40 for kv in layers)  # the buffers double: the 40 tokens are a view
