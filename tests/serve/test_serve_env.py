@@ -22,8 +22,8 @@ def test_serving_tests_pass_in_the_serving_environment():
     if "ALLHERE_SERVE_PYTHON" not in os.environ and not Path(python).exists():
         pytest.skip("no serving environment: bash scripts/install_serve.sh makes .venv-serve")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
-    run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not real", *FILES], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=1800)
+    run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not real", *FILES],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-2000:]
     assert run.returncode == 0 and "skipped" not in summary, run.stdout[-6000:] + run.stderr[-2000:]
     print(summary)
