@@ -7,7 +7,7 @@ on a real pretrained language model.
    steps and learning rate (``real_plan`` says which and why);
 3. every model is measured on held-out text (Retain % against the control and the pretrained model; AHA's
    mu_f per layer and head, and its long tail), on passkey retrieval beyond the window (pretrained, control,
-   AHA, AHA with every gate local), on a few chat prompts, and AHA's decode speed at a long prompt against the
+   AHA, AHA with every gate local, and with every gate global), on a few chat prompts, and AHA's decode speed at a long prompt against the
    plain model's;
 4. report.md, report.json and mu_f_heatmap.png are written into ``<out>/aha``, with both fine-tuned models as
    transformers folders (``aha/model``, ``control/model``).
@@ -81,15 +81,19 @@ def run_real_demo(model: str = "smollm2", out: str | Path = "runs/smollm2", pres
             row["passkey"] = stage(task, f"{name}-passkey",
                                    lambda: _passkey(job, task, f"{name}-passkey", m, tokenizer, prompts))
             row["chat"] = stage(task, f"{name}-chat", lambda: _chat(job, task, f"{name}-chat", m, tokenizer, plan))
-            if routed:  # the same model with every gate local: a sliding window of w
-                set_forced_gate(m, False)
+            # the same model with every gate local (a sliding window of w), then every gate global (full
+            # attention with the fine-tuned weights: what the routers' choices cost, apart from the weights')
+            for forced, which in ((False, "local"), (True, "global")) if routed else ():
+                set_forced_gate(m, forced)
                 try:
-                    row["all_local"] = stage(task, f"{name}-local-heldout",
-                                             lambda: _heldout(job, task, f"{name}-local-heldout", m, data, device))
-                    row["all_local"]["passkey"] = stage(task, f"{name}-local-passkey", lambda: _passkey(
-                        job, task, f"{name}-local-passkey", m, tokenizer, prompts))
+                    part = f"{name}-{which}"
+                    row[f"all_{which}"] = stage(task, f"{part}-heldout",
+                                                lambda: _heldout(job, task, f"{part}-heldout", m, data, device))
+                    row[f"all_{which}"]["passkey"] = stage(task, f"{part}-passkey", lambda: _passkey(
+                        job, task, f"{part}-passkey", m, tokenizer, prompts))
                 finally:
                     set_forced_gate(m, None)
+            if routed:
                 row["long_tail"] = probes.long_tail(row["usage"])
             return row
 
@@ -112,11 +116,11 @@ def plan_job(task: Path, plan: RealPlan, base, progress: bool) -> Job:
     plan_run(job, task / "aha", train_config(plan, plan.steps, plan.lr), base, plan.seq_len)
     plan_run(job, task / "control", train_config(plan, plan.steps, plan.lr), base, plan.seq_len)
     forward = lambda tokens: token_cost(base, tokens, plan.seq_len)  # noqa: E731
-    for name in ("pretrained", "aha", "control", "aha-local"):
+    for name in ("pretrained", "aha", "control", "aha-local", "aha-global"):
         plan_work(job, task, f"{name}-heldout", plan.eval_sequences, forward(plan.seq_len))
         plan_work(job, task, f"{name}-passkey", plan.passkey_prompts,
                   forward(plan.passkey_length + 8 * DECODE_TOKENS))
-        if name != "aha-local":
+        if name in ("pretrained", "aha", "control"):
             plan_work(job, task, f"{name}-chat", len(probes.CHAT_PROMPTS), forward(plan.chat_tokens * DECODE_TOKENS))
     plan_work(job, task, "speed", 3, forward(plan.speed_prompt + (plan.speed_tokens + 2) * DECODE_TOKENS))
     return job
@@ -171,7 +175,7 @@ def _speed(job: Job, task: Path, plain, aha, data, plan: RealPlan) -> dict:
 def summarize(plan: RealPlan, rows: dict, speed: dict, data: str, source: str, task: Path) -> dict:
     """The report: the rows with Retain % against the pretrained model and the control, and the goals."""
     pre, control, aha = rows["pretrained"]["loss"], rows["control"]["loss"], rows["aha"]
-    for r in (*rows.values(), aha["all_local"]):
+    for r in (*rows.values(), aha["all_local"], aha["all_global"]):
         r["retain_vs_pretrained"] = 100.0 * pre / r["loss"]
         r["retain_vs_control"] = 100.0 * control / r["loss"]
     pk = {name: rows[name]["passkey"]["accuracy"] for name in rows}

@@ -34,6 +34,7 @@ def render_aha(report: dict) -> str:
            "|---|---|---|---|---|---|"]
     table = [(label, rows[key]) for key, label in AHA_ROWS]
     table.append(("AHA with every gate local (a sliding window of w)", aha["all_local"]))
+    table.append(("AHA with every gate global (full attention, AHA's weights)", aha["all_global"]))
     for label, r in table:
         out.append(f"| {label} | {r['loss']:.4f} | {r['retain_vs_control']:.1f}% | {r['retain_vs_pretrained']:.1f}% "
                    f"| {_mu(r)} | {_passkey(r)} |")

@@ -7,13 +7,14 @@ far keys rebuilt from a paged cache of d_down = 64 latents).
 
     .venv-serve/bin/python benchmarks/serve_paged_op.py             # decode 16 x 8k, decode 1 x 8k, a prefill chunk
     .venv-serve/bin/python benchmarks/serve_paged_op.py --threads 1
+    .venv-serve/bin/python benchmarks/serve_paged_op.py --dtype bfloat16 --heads 9 --kv-heads 3   # SmolLM2's GQA
 
-Shapes: 4 heads of 64 (4 kv heads), fp32, blocks of 128 (vLLM's CPU default), blocks scattered at random.
-Scenarios: "decode16": 16 requests of 8192 tokens, one query each; "decode1": one such request; "prefill": the
-last 2048-token chunk of an 8192-token prompt (vLLM's CPU server schedules 2048 tokens a step); "prefill2k": a
-2048-token prompt. AHA's gates: head 0 global for 27% of the queries, the others for 2% (mu_f about 8%), drawn
-at random. Times are the median of --reps calls after one warm-up; the load average is printed with each row
-(the machine may be shared).
+Shapes: 4 heads of 64 (4 kv heads; --heads, --kv-heads), fp32 (--dtype), blocks of 128 (vLLM's CPU default), blocks
+scattered at random. Scenarios: "decode16": 16 requests of 8192 tokens, one query each; "decode1": one such
+request; "prefill": the last 2048-token chunk of an 8192-token prompt (vLLM's CPU server schedules 2048 tokens a
+step); "prefill2k": a 2048-token prompt. AHA's gates: head 0 global for 27% of the queries, the others for 2% (mu_f
+about 8%), drawn at random. ``--only`` keeps the runs whose name holds one of the words given. Times are the median
+of --reps calls after one warm-up; the load average is printed with each row (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -31,19 +32,19 @@ SCENARIOS = {"decode16": (16, 8192, 1), "decode1": (1, 8192, 1), "prefill": (1, 
              "prefill2k": (1, 2048, 2048)}
 
 
-def setup(requests: int, length: int, q_len: int):
+def setup(requests: int, length: int, q_len: int, dtype: torch.dtype = torch.float32):
     from allhere.serve.paged import paged_view
 
     torch.manual_seed(0)
     nb = requests * (length // BS) + 4
-    cache = torch.randn(nb, KVH, BS, 2 * D) * 0.5
+    cache = (torch.randn(nb, KVH, BS, 2 * D) * 0.5).to(dtype)
     table = torch.randperm(nb)[: requests * (length // BS)].view(requests, length // BS).int()
     return dict(nb=nb, cache=cache, view=paged_view(cache, BS, KVH, D), table=table,
-                latents=torch.randn(nb, BS, D_DOWN) * 0.5,
+                latents=(torch.randn(nb, BS, D_DOWN) * 0.5).to(dtype),
                 seq=torch.full((requests,), length, dtype=torch.int32),
-                qs=torch.arange(requests + 1, dtype=torch.int32) * q_len, q=torch.randn(requests * q_len, H, D),
-                out=torch.zeros(requests * q_len, H, D),
-                gate=torch.rand(requests * q_len, H) < torch.tensor([0.27, 0.02, 0.02, 0.02]))
+                qs=torch.arange(requests + 1, dtype=torch.int32) * q_len,
+                q=torch.randn(requests * q_len, H, D).to(dtype), out=torch.zeros(requests * q_len, H, D, dtype=dtype),
+                gate=torch.rand(requests * q_len, H) < torch.tensor([0.27] + [0.02] * (H - 1)))
 
 
 def vllm_attention(s, q, qs, seq, table, window, out):
@@ -73,7 +74,7 @@ def vllm_aha(s):
         q_len = qs[1:] - qs[:-1]
         req = torch.repeat_interleave(torch.arange(len(seq)), q_len)[idx]
         pos = idx - qs[req] + (seq - q_len)[req]
-        full = torch.empty(idx.numel(), H, D)
+        full = torch.empty(idx.numel(), H, D, dtype=q.dtype)
         vllm_attention(s, q[idx].contiguous(), torch.arange(idx.numel() + 1, dtype=torch.int32), (pos + 1).int(),
                        table[req].contiguous(), -1, full)
         local[idx] = torch.where(gate[idx][..., None], full, local[idx])
@@ -140,11 +141,18 @@ def allhere_reads():
 
 
 def main() -> None:
+    global H, KVH
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--heads", type=int, default=H, help=f"query heads (default {H})")
+    p.add_argument("--kv-heads", type=int, default=KVH, help=f"kv heads (default {KVH})")
+    p.add_argument("--only", nargs="+", default=None, help="run only the runs whose name holds one of these words")
     a = p.parse_args()
+    H, KVH = a.heads, a.kv_heads
+    dtype = getattr(torch, a.dtype)
     if a.threads:
         torch.set_num_threads(a.threads)
     from allhere.serve.paged import paged_attention
@@ -152,11 +160,12 @@ def main() -> None:
 
     workspace = Workspace()
     kv = latent_kv()
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, {a.dtype}, "
+          f"{H} heads over {KVH} kv heads of {D}")
     print("| scenario | attention | ms | vs vLLM full | load |")
     print("|---|---|---|---|---|")
     for scenario in a.scenarios:
-        s = setup(*SCENARIOS[scenario])
+        s = setup(*SCENARIOS[scenario], dtype=dtype)
         runs = {"vLLM full": lambda: vllm_attention(s, s["q"], s["qs"], s["seq"], s["table"], -1, s["out"]),
                 "vLLM window 256": lambda: vllm_attention(s, s["q"], s["qs"], s["seq"], s["table"], 256, s["out"]),
                 "AHA from vLLM's kernel": lambda: vllm_aha(s)}
@@ -168,6 +177,8 @@ def main() -> None:
         runs["allhere dar, as served (far keys rebuilt from latents)"] = lambda: dar_served(s, kv, workspace)
         base = None
         for name, run in runs.items():
+            if a.only and name != "vLLM full" and not any(w in name for w in a.only):
+                continue
             run()
             times = []
             for _ in range(a.reps):

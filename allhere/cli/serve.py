@@ -23,7 +23,8 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=a.positive_number, default=None,
                    help="memory for the KV cache in GiB (default: 4 on the CPU; on a GPU vLLM's share of its memory)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="weights and activations (default auto: the dtype the folder was saved in)")
+                   help="weights and activations (default auto: the dtype config.json says the folder was saved in, "
+                        "float32 where it says none; printed when the server is ready)")
 
 
 def serve(args) -> None:

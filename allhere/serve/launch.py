@@ -76,6 +76,19 @@ def check_servable(config: dict, folder: str | Path, cpu: bool) -> None:
                           f"{', '.join(map(str, CPU_HEAD_SIZES))})")
 
 
+def served_dtype(dtype: str, config: dict) -> str:
+    """The dtype the server runs in: ``dtype``, or for "auto" the one config.json says the weights were saved in
+    (transformers' "dtype", formerly "torch_dtype"; float32 where it says none, as transformers loads such a
+    folder). Handed to vLLM by name: its own "auto" serves float32 weights in bfloat16 on the CPU."""
+    if dtype != "auto":
+        return dtype
+    saved = config.get("dtype") or config.get("torch_dtype") or "float32"
+    saved = str(saved).removeprefix("torch.")
+    if saved not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"config.json says the weights are {saved}: give --dtype float32, bfloat16 or float16")
+    return saved
+
+
 def check_port(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         # as the server will (uvicorn): connections of an earlier server in TIME_WAIT do not block the port,
@@ -169,6 +182,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
               f"once, reused while the file is unchanged): {model}", flush=True)
     config = read_config(model)
     check_servable(config, model, cpu)
+    dtype = served_dtype(dtype, config)
     check_port(host, port)
     try:
         import vllm  # noqa: F401
@@ -203,8 +217,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
         reset = Path(str(stats_file) + RESET_SUFFIX)
         reset.touch()  # vLLM's warm-up passes are not counted: the counts start again at the next forward
         print(f"allhere serve: {model} at {url}/v1 (OpenAI-compatible: /v1/models, /v1/completions, "
-              f"/v1/chat/completions) as model \"{name}\"; started in {time.monotonic() - start:.0f} s; Ctrl-C "
-              "stops it", flush=True)
+              f"/v1/chat/completions) as model \"{name}\" in {dtype}; started in {time.monotonic() - start:.0f} s; "
+              "Ctrl-C stops it", flush=True)
         if not verbose:
             print(f"allhere serve: vLLM's log: {log}", flush=True)
         stats = _read_stats(stats_file)

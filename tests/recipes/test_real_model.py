@@ -46,6 +46,7 @@ def test_tiny_aha_job_reports_saves_models_and_resumes(tiny, tmp_path, capsys, m
     assert rows["aha"]["retain_vs_control"] == pytest.approx(100 * rows["control"]["loss"] / rows["aha"]["loss"])
     assert len(rows["aha"]["usage"]) == 2 and len(rows["aha"]["usage"][0]) == 9  # layers x heads
     assert rows["aha"]["all_local"]["mu_f"] == 0.0 and rows["control"]["mu_f"] == 1.0
+    assert rows["aha"]["all_global"]["mu_f"] == 1.0 and "every gate global" in (task / "report.md").read_text()
     assert rows["aha"]["passkey"]["prompts"] == 2 and len(rows["aha"]["chat"]["replies"]) == 4
     assert {r["model"] for r in report["speed"]["rows"]} == {"plain (control)", "AHA"}
     assert len(report["histories"]["aha"]) == 3 and "lam" in report["histories"]["aha"][0]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from allhere.cli import main
+from allhere.validation import ConfigError
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "num_attention_heads": 2,
          "num_key_value_heads": 1, "num_hidden_layers": 2, "vocab_size": 100}
@@ -100,3 +101,15 @@ def test_kv_line():
     assert "+ 1048576 bytes per request (the keys of windows and sinks, DAR's near window included)" in window
     line = format_stats({"layers": {"0": [1, 4]}, "mu_f": 0.25, "tokens": 2, "kv": kv})
     assert line == "mu_f 25.0% over 2 tokens (per layer 0: 25.0%); KV cache 16384 bytes per token"
+
+
+def test_auto_serves_the_dtype_the_folder_was_saved_in():
+    """vLLM's own "auto" would serve float32 weights in bfloat16 on the CPU: allhere hands it the saved dtype."""
+    from allhere.serve.launch import served_dtype
+
+    assert served_dtype("auto", {"dtype": "bfloat16"}) == "bfloat16"
+    assert served_dtype("auto", {"torch_dtype": "float32"}) == "float32"  # transformers' older name
+    assert served_dtype("auto", {}) == "float32"  # as transformers loads a folder that says none
+    assert served_dtype("float16", {"dtype": "bfloat16"}) == "float16"
+    with pytest.raises(ConfigError, match="float8_e4m3fn: give --dtype"):
+        served_dtype("auto", {**LLAMA, "dtype": "float8_e4m3fn"})

@@ -82,7 +82,7 @@ def server(tmp_path_factory):
         assert proc.poll() is None, "".join(lines)
         assert time.monotonic() - start < 600, "".join(lines)
         time.sleep(0.5)
-    assert any(f'as model "{folder.name}"' in line for line in lines), "".join(lines)  # the name requests use
+    assert any(f'as model "{folder.name}" in float32' in line for line in lines), "".join(lines)  # requests' name
     time.sleep(2)  # routing lines come every second here: none before a request (vLLM's warm-up is not counted)
     assert not any("mu_f" in line for line in lines), "".join(lines)
     model, tok = load(str(folder))
