@@ -91,6 +91,7 @@ def test_degenerate_inputs(damaged, tmp_path, capfd):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.slow
 def test_eval_task_whose_dataset_is_not_on_this_machine(damaged, tmp_path):
     """A Hub task (its dataset neither cached nor reachable) is one line, without retrying the network."""
     pytest.importorskip("lm_eval")

@@ -128,6 +128,7 @@ def test_run_folder_is_claimed_only_once_the_data_is_good(tmp_path, capsys):
     assert not out.exists()  # nothing claimed: a corrected run starts without "holds a run with other settings"
 
 
+@pytest.mark.slow
 def test_output_folders_holding_something_else_are_refused(tmp_path, capsys):
     model = tmp_path / "model"
     model.mkdir()
@@ -149,6 +150,7 @@ def test_output_folders_holding_something_else_are_refused(tmp_path, capsys):
     assert json.loads((bench / "bench.json").read_text())["config"]["window"] == 8
 
 
+@pytest.mark.slow
 def test_unknown_lm_eval_task_is_one_line(tmp_path, capsys):
     pytest.importorskip("lm_eval")
     ckpt = tmp_path / "x.safetensors"

@@ -139,6 +139,7 @@ def straight(chat, tmp_path_factory):
     return final_weights(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
 def test_signal_saves_one_line_and_resumes_exactly(chat, straight, tmp_path, one_thread, start_gated, sig,
                                                    code):
@@ -169,6 +170,7 @@ def test_signal_saves_one_line_and_resumes_exactly(chat, straight, tmp_path, one
     assert_same_weights(final_weights(out), straight)
 
 
+@pytest.mark.slow
 def test_killed_after_its_first_checkpoint_resumes_exactly(chat, tmp_path, one_thread, start_gated):
     """sft checkpoints every 100 steps: kill -9 in step 101 of 102 loses that step only; the lock the dead
     process leaves behind is taken over."""

@@ -14,6 +14,7 @@ from allhere.validation import ConfigError
 import train_worker  # noqa: E402
 
 
+@pytest.mark.slow
 def test_compiled_training_matches_eager(tmp_path):
     cfg = dataclasses.replace(train_worker.CFG, steps=4, ckpt_every=4)
     eager = train_worker.run(tmp_path / "eager" / "c.safetensors", cfg=cfg)

@@ -42,6 +42,7 @@ def single():
     return {kind: W.single(kind) for kind in KINDS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,layout", CASES, ids=[f"{k}-{lay}" for k, lay in CASES])
 def test_sharded_equals_single_process(sharded_run, single, kind, layout):
     world, per_rank = sharded_run
@@ -109,6 +110,7 @@ def test_shard_batch_shifts_before_sharding(layout):
     assert torch.equal(targets, want)
 
 
+@pytest.mark.slow
 def test_train_context_parallel_matches_one_process(tmp_path):
     path = tmp_path / "cp" / "checkpoint.safetensors"
     per_rank = dist_worker.launch(W.train_spawned, 2, tmp_path / "results", path, "zigzag")

@@ -93,6 +93,7 @@ def single():
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window,layout", CASES, ids=[f"w{w}-{lay}" for w, lay in CASES])
 def test_dar_sharded_equals_single_process(sharded_run, single, window, layout):
     world, per_rank = sharded_run

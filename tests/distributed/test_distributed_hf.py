@@ -33,6 +33,7 @@ def two_ranks(folder, tmp_path_factory):
     return dist_worker.launch(W.sharded, 2, tmp_path_factory.mktemp("results"), folder, CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,layout", CASES)
 def test_packed_documents_match_one_process(folder, two_ranks, kind, layout):
     one = W.single(folder, kind)

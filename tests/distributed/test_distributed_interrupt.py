@@ -23,6 +23,7 @@ from allhere.checkpoint import load_model  # noqa: E402
 import dist_train_worker  # noqa: E402
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_rank_at_the_same_step(tmp_path):
     path = tmp_path / "stopped" / "checkpoint.safetensors"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]),

@@ -111,6 +111,7 @@ def sharded(rank, world, tmp, layouts_):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_toy_mechanism_runs_context_parallel(tmp_path, world):
     net = model()

@@ -40,6 +40,7 @@ def inputs(tmp_path_factory):
     return tmp, str(model), str(write_chat(tmp / "chat.jsonl", n=40))
 
 
+@pytest.mark.slow
 def test_two_by_two_mesh_matches_one_process(inputs):
     tmp, model, data = inputs
     mesh = dist_worker.launch(run_sft, 4, tmp / "results", model, data, str(tmp / "mesh"), 2)

@@ -35,6 +35,7 @@ def two_process_run(tmp_path_factory):
     return path, per_rank
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(two_process_run, tmp_path):
     path, per_rank = two_process_run
     single = dist_train_worker.run(tmp_path / "single" / "checkpoint.safetensors")
@@ -53,6 +54,7 @@ def test_two_processes_match_one(two_process_run, tmp_path):
         assert not torch.equal(p, p0), f"{name} never changed"
 
 
+@pytest.mark.slow
 def test_killed_rank_resumes_from_sharded_checkpoint(two_process_run, tmp_path):
     straight, _ = two_process_run
     path = tmp_path / "killed" / "checkpoint.safetensors"
@@ -88,6 +90,7 @@ def test_killed_rank_resumes_from_sharded_checkpoint(two_process_run, tmp_path):
         assert torch.equal(p, q), name
 
 
+@pytest.mark.slow
 def test_aamoe_predictor_trains_alike_in_two_processes(tmp_path):
     """FSDP2 and a mechanism's aux_loss: AA-MoE's budget predictor gets its gradient only from that loss,
     not through the block's output; two processes train it (and everything else) as one does."""

@@ -67,6 +67,7 @@ def test_transformers_generate_with_a_static_cache(models, backend):
         assert torch.equal(static, aha.generate(ids, **kwargs))
 
 
+@pytest.mark.slow
 def test_transformers_generate_with_a_static_cache_compiled(models):
     """The same with the forward compiled as transformers compiles it for a static cache on a GPU (here forced on
     the CPU): allhere's checks that read a value back are left out while torch.compile traces."""

@@ -48,6 +48,7 @@ def direct_accuracy(model, path) -> float:
     return right / len(docs)
 
 
+@pytest.mark.slow
 def test_evaluate_reports_metrics_and_mu_f(setup):
     from allhere.eval.harness import evaluate
 
@@ -82,6 +83,7 @@ def test_rolling_loglikelihood_matches_a_direct_forward(setup):
     assert AllhereLM(str(ckpt), max_length=32).loglikelihood_rolling([req])[0] == pytest.approx(windows, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_eval(setup, capsys, monkeypatch):
     """Results on stdout; on stderr our progress over the requests, lm-eval's own bars only with --verbose;
     --batch-size reaches the model."""

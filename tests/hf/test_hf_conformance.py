@@ -140,6 +140,7 @@ def run_cli(args, capsys):
     return captured.out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_the_user_path(folders, name, tmp_path, capsys):
     """convert -> sft -> load_pretrained -> generate (cache = no cache) -> perplexity -> eval."""

@@ -23,6 +23,8 @@ from allhere.mechanisms.base import AttentionDims  # noqa: E402
 from dist_worker import launch  # noqa: E402
 from hf_fixtures import write_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # two ranks per fixture: about a minute in all
+
 SEED = 7
 AHA = AHAConfig(window=4, router_init="neutral")  # random router weights: a seed that missed them would show
 DAR = DARConfig(window=4, d_down=16)  # a random orthonormal bottleneck

@@ -106,6 +106,7 @@ def test_decode_over_the_decoders_kv_cache_reads_it_in_place(monkeypatch):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 def test_decode_over_a_converted_hf_models_in_place_layer_reads_it_in_place(monkeypatch):
     transformers = pytest.importorskip("transformers")
     from allhere.hf import convert, new_cache

@@ -94,6 +94,7 @@ SEGMENTS = {"left-pad": ([], [0, 5]), "right-pad": ([], [0, 0], [3, 0]), "docume
             "documents+pad": ([21, 40], [0, 7]), "nothing-real": ([], [19, 50])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", SEGMENTS)
 @pytest.mark.parametrize("kernel", ["prefill", "training"])
 @pytest.mark.parametrize("w", [6, 40])

@@ -44,6 +44,7 @@ def test_bench_without_a_gpu_says_so(capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_whole_model_tables_smoke_run_on_cpu(tmp_path, capsys):
     """``allhere bench --device cpu --tables model``: the Llama-3.2-1B structure at toy sizes, prefill and
     decode through generate, plain against AHA; labelled as a smoke test (its numbers mean nothing)."""

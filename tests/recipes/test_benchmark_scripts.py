@@ -19,6 +19,7 @@ def run_script(*args, ok=(0,)):
     return done.stdout if done.returncode == 0 else done.returncode
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke sizes are for the CPU interpreter")
 def test_kernel_tiles_smoke():
     pytest.importorskip("triton")
@@ -44,6 +45,7 @@ def test_kernels_compile_for_h100():
     assert all(row.rstrip().endswith("| ok |") for row in rows), out
 
 
+@pytest.mark.slow
 def test_sft_throughput_tiny():
     pytest.importorskip("transformers")
     out = run_script("benchmarks/sft_throughput.py", "--device", "cpu", "--tiny", "--steps", "12", "--warmup", "2",
@@ -83,6 +85,7 @@ def test_target_mu_f_script_tiny(tmp_path):
     assert (tmp_path / "recall" / "target-mu-f-0.2-rate-0.05" / "checkpoint.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_lmeval_speed_tiny():
     for module in ("transformers", "lm_eval", "accelerate", "tokenizers"):
         pytest.importorskip(module)
@@ -106,6 +109,7 @@ def test_aamoe_speed_smoke():
     assert out.count("load average") == 2
 
 
+@pytest.mark.slow
 def test_flex_mask_cost_smoke():
     """benchmarks/flex_mask_cost.py on the CPU (flex_attention unfused): every pattern's variants on the same
     tiles, labelled as a smoke test."""

@@ -34,6 +34,7 @@ def script():
 
 # The shipped files -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", TASKS)
 def test_shipped_base_loads_fits_and_gives_its_recorded_heldout_loss(task):
     plan = plans("cpu", "cpu")[task]

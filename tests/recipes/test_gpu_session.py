@@ -44,6 +44,7 @@ def test_commands_find_allhere_without_an_install(session, tmp_path, monkeypatch
     assert Path(cwd) == ROOT and path.split(os.pathsep)[0] == str(ROOT)
 
 
+@pytest.mark.slow
 def test_a_part_past_its_cap_is_interrupted_then_killed_with_its_children(session, tmp_path, monkeypatch):
     """At the cap the command's process group gets an interrupt first (pytest then prints its failures so
     far), and is killed when it ignores it; children go too, and later commands of the part do not start."""
@@ -65,6 +66,7 @@ def test_a_part_past_its_cap_is_interrupted_then_killed_with_its_children(sessio
     assert not marker.exists()  # the whole process group went, not only the part's first process
 
 
+@pytest.mark.slow
 def test_the_session_stops_at_its_deadline_and_names_the_parts_left(session, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(session, "PARTS", {
         "quick": session.Part(30, "quick.log", (py("print('quick done')"),)),
