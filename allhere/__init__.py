@@ -23,7 +23,7 @@ from .mechanisms import (
 from .model import Decoder, DecoderOutput, swap_mechanism
 from .ops.aha import aha_attention, aha_attention_reference
 from .ops.sliding import sliding_window_attention, sliding_window_attention_reference
-from .registry import register
+from .registry import Serving, register
 from .routing import LayerRouting, Routing, routed_layers, set_forced_gate
 from .validation import ConfigError
 
@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AAMoEConfig", "AHAConfig", "AllAttentionConfig", "BigBirdConfig", "ConfigError", "DARConfig", "DilatedConfig",
-    "LongformerConfig", "SinksConfig", "bigbird_schedule", "dilation_schedule", "Decoder", "DecoderOutput",
+    "LongformerConfig", "Serving", "SinksConfig", "bigbird_schedule", "dilation_schedule", "Decoder", "DecoderOutput",
     "FullConfig", "LayerRouting", "ModelConfig", "Routing", "SlidingConfig", "TrainConfig", "aha_attention",
     "aha_attention_reference", "register", "routed_layers", "set_forced_gate", "sliding_window_attention",
     "sliding_window_attention_reference", "swap_mechanism", "use_backend",

@@ -35,7 +35,7 @@ block_size, kv_heads, d], e.g. ``kv_cache[0]`` and ``kv_cache[1]`` of one [2, nu
 kv_heads, d] tensor (any strides, a unit-stride last dimension: read where they lie); block_table [reqs,
 max_blocks], query_start [reqs + 1], seq_lens [reqs] int32; gate [tokens, heads] bool (True = global);
 grouped-query attention: query head h reads kv head h // (heads // kv_heads). Head dim a power of two
->= 16; any block size. Online softmax in fp32 (base 2), output in out's dtype.
+from 16 to 128 (``refusal``); any block size. Online softmax in fp32 (base 2), output in out's dtype.
 
 Launch settings: the paged kernels take the candidate lists of the kernels they grew from (``tiles``:
 "decode" for SPLIT / BLOCK_N, "sliding" and "global" for the two prefill passes' BLOCK_M / BLOCK_N;
@@ -305,6 +305,31 @@ def _only(setting: dict, tile: str) -> dict:
     return {name: setting[name] for name in (tile, "BLOCK_N", "num_warps", "num_stages")}
 
 
+# Head dims: a power of two (``tl.arange(0, D)``), at least 16 (``tl.dot``'s smallest tile side), at most 128.
+# The kernels' arithmetic is written for any D, but their launch settings are not: they borrow the candidates of
+# ``tiles`` (sized for head dims 64-128). At 256 the prefill's default tile (64 queries, 64 keys, 3 stages) needs
+# at least 224 KiB of shared memory in fp16 / bf16, the dense kernels' same default more than an H100 gives a
+# block (``allhere.ops.aha.triton_path``, which refuses the same range), and 448 KiB in fp32 (a served fp32
+# cache), more than any GPU gives. Where no candidate fits, ``tiles.prune`` keeps the default and it is launched
+# anyway (so is a setting passed as ``tiles``); the decode's [BLOCK_N, D] fp32 products would spill. No head dim
+# above 128 has been compiled or checked here: refused rather than run untested.
+HEAD_DIMS = (16, 128)
+
+
+def refusal(head_dim: int, softcap: float = 0.0, sinks: bool = False) -> str | None:
+    """None where the paged kernels take a layer of head dim ``head_dim`` whose scores are soft-capped at
+    ``softcap`` (0: none) and whose softmax has learned sink logits (``sinks``), else why not (one line): the
+    static rule of ``paged_aha_attention`` (``_check``) and of a served layer (``allhere.serve.paged_kernel``)."""
+    lo, hi = HEAD_DIMS
+    if not lo <= head_dim <= hi or head_dim & (head_dim - 1):
+        return f"head dim {head_dim}: the paged kernels take a power of two from {lo} to {hi}"
+    if softcap:
+        return "soft-capped scores (the paged kernels do not cap them)"
+    if sinks:
+        return "learned sink logits (the paged kernels have no extra softmax term)"
+    return None
+
+
 def _check(q, k_cache, v_cache, block_table, query_start, seq_lens, gate, window, out) -> tuple[int, ...]:
     """(tokens, heads, d, kv_heads, block_size) of a call, or a ValueError naming what does not fit."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -315,8 +340,9 @@ def _check(q, k_cache, v_cache, block_table, query_start, seq_lens, gate, window
     if dk != d or heads % kv_heads:
         raise ValueError(f"q's heads ({heads}) must be a multiple of the cache's kv heads ({kv_heads}) and the "
                          f"head dims must match ({d} vs {dk})")
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"the paged kernels take a power-of-two head dim >= 16, got {d}")
+    why = refusal(d)
+    if why is not None:
+        raise ValueError(why)
     reqs = block_table.shape[0] if block_table.dim() == 2 else -1
     if reqs < 0 or tuple(query_start.shape) != (reqs + 1,) or tuple(seq_lens.shape) != (reqs,):
         raise ValueError(f"expected block_table [reqs, max_blocks], query_start [reqs + 1], seq_lens [reqs], got "

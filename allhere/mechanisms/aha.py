@@ -20,7 +20,7 @@ from torch import nn
 from ..masks import causal, sliding_window
 from ..ops.aha import aha_attention
 from ..ops.ste import straight_through
-from ..registry import register
+from ..registry import Serving, register
 from ..validation import check, check_int, is_number
 from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan, LayerRouting
 
@@ -99,7 +99,11 @@ def init_router_(weight: torch.Tensor, bias: torch.Tensor | None, cfg: AHAConfig
             bias.fill_(sign * cfg.router_init_bias)
 
 
-@register(AHAConfig, summary="All-or-Here: a router picks full or windowed attention per (token, head)")
+# served (allhere.serve): the router and allhere's attention over vLLM's paged cache, the host's sink logits and
+# soft cap included; on CUDA through allhere's Triton paged kernel, whose launch grids follow each step's lengths
+# (no CUDA graphs)
+@register(AHAConfig, summary="All-or-Here: a router picks full or windowed attention per (token, head)",
+          serving=Serving("aha", devices=("cpu", "cuda"), softmax_terms=True, cuda_graphs=False))
 class AHAAttention(AttentionMechanism):
     """``forced_gate``: None routes normally; True / False forces every gate to full / local attention; a
     bool tensor [heads] fixes each head (the static baseline)."""

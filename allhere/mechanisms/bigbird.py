@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..masks import MaskFn, bigbird
-from ..registry import register
+from ..registry import Serving, register
 from ..validation import check, check_int
 from .caches import KVCache
 from .masked_base import PatternAttention
@@ -62,7 +62,8 @@ def bigbird_schedule(n_layers: int, **fields) -> tuple[BigBirdConfig, ...]:
     return tuple(BigBirdConfig(layer=i, **fields) for i in range(n_layers))
 
 
-@register(BigBirdConfig, summary="block window + global blocks + seeded random blocks (BigBird)")
+@register(BigBirdConfig, summary="block window + global blocks + seeded random blocks (BigBird)",
+          serving=Serving("masked"))  # served: allhere's attention over vLLM's paged cache (CPU backend)
 class BigBirdAttention(PatternAttention):
     """Block-sparse attention under ``allhere.masks.bigbird`` with tiles of one BigBird block (16..128;
     else 64). Cache: every key -- random blocks reach anywhere into the past, so it cannot be bounded."""

@@ -38,7 +38,7 @@ from torch import nn
 from .. import masks
 from ..ops.common import segment_mask
 from ..ops.dar import dar_attention
-from ..registry import register
+from ..registry import Serving, register
 from ..validation import ConfigError, check_int
 from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan, FarKV
 from .caches import GrowingTensor, KVCache, RollingKVCache, view_bytes
@@ -145,7 +145,11 @@ def cache_bytes(tokens: int, d_model: int, heads: int, kv_heads: int, d_down: in
     return dar.used_nbytes(), vanilla.used_nbytes()
 
 
-@register(DARConfig, summary="full K/V near the query, a d_down bottleneck far from it")
+# served (allhere.serve, vLLM's CPU backend, vLLM's own model classes only: it rebuilds distant keys through
+# the block's qkv_proj at each key's position): the window's K/V and every token's latent in caches of their own
+@register(DARConfig, summary="full K/V near the query, a d_down bottleneck far from it",
+          serving=Serving("dar", own_cache_group="it keeps the window's K/V and every token's latent in caches of "
+                          "their own", transformers_backend=False))
 class DARAttention(AttentionMechanism):
     """Needs the host's K/V path (``call.project_kv``) for the distant keys and values. Decodes with a
     ``cache`` offering ``DARCache``'s interface (``update(k, v, latent)``, ``positions()``, ``absorbed``):

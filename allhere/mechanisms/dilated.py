@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..masks import MaskFn, dilated_window
 from ..ops.dilated import dilated_window_attention
-from ..registry import register
+from ..registry import Serving, register
 from ..validation import check, check_int
 from .caches import RollingKVCache
 from .masked_base import PatternAttention, check_dilation
@@ -50,7 +50,8 @@ def dilation_schedule(window: int, dilations, causal: bool = True) -> tuple[Dila
     return tuple(DilatedConfig(window, d, causal) for d in dilations)
 
 
-@register(DilatedConfig, summary="w keys at stride d (Longformer's dilated window; per-head / per-layer d)")
+@register(DilatedConfig, summary="w keys at stride d (Longformer's dilated window; per-head / per-layer d)",
+          serving=Serving("masked"))  # served: allhere's attention over vLLM's paged cache (CPU backend)
 class DilatedAttention(PatternAttention):
     """Whole sequences: residue classes + the blocked window op (``allhere.ops.dilated``); otherwise
     (decode, segments) the block-sparse op. Cache: the last (window - 1) * d + 1 keys."""

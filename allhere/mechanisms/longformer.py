@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..masks import MaskFn, global_at, global_first, longformer
-from ..registry import register
+from ..registry import Serving, register
 from ..validation import check, check_int
 from .caches import PatternKVCache
 from .masked_base import PatternAttention, check_dilation
@@ -69,7 +69,8 @@ class LongformerConfig:
         return longformer(self.window, self.is_global(max(1, self.last_global + 1)), self.dilation, causal=self.causal)
 
 
-@register(LongformerConfig, summary="dilated window plus global tokens (first g / positions; Longformer)")
+@register(LongformerConfig, summary="dilated window plus global tokens (first g / positions; Longformer)",
+          serving=Serving("masked"))  # served: allhere's attention over vLLM's paged cache (CPU backend)
 class LongformerAttention(PatternAttention):
     """Block-sparse attention under ``allhere.masks.longformer``. Cache: the window's span plus the global
     keys seen so far, and every key until the last global query has passed (a global query reads the whole

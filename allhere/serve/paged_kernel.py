@@ -26,20 +26,17 @@ FORCE_ENV = "ALLHERE_SERVE_TRITON"  # "1": the kernel path off CUDA too (Triton'
 
 def kernel_refusal(head_dim: int, device: torch.device, softcap: float = 0.0,
                    sinks: torch.Tensor | None = None) -> str | None:
-    """None where a served AHA layer runs the Triton paged kernel, else why not (one line)."""
+    """None where a served AHA layer runs the Triton paged kernel, else why not (one line): triton, a CUDA cache
+    (or the interpreter, when asked), then the kernel's own rule (``allhere.kernels.aha_paged.refusal``)."""
     from .. import kernels
 
     if not kernels.triton_available():
         return "triton is not installed (pip install 'allhere[gpu]')"
     if device.type != "cuda" and not (os.environ.get(FORCE_ENV) == "1" and kernels.interpreted()):
         return f"the cache is on {device.type}, not CUDA (off CUDA: {FORCE_ENV}=1 under Triton's interpreter)"
-    if head_dim < 16 or head_dim > 128 or head_dim & (head_dim - 1):
-        return f"head dim {head_dim}: the paged kernel takes a power of two from 16 to 128"
-    if softcap:
-        return "soft-capped scores (the paged kernel does not cap them)"
-    if sinks is not None:
-        return "learned sink logits (the paged kernel has no extra softmax term)"
-    return None
+    from ..kernels.aha_paged import refusal
+
+    return refusal(head_dim, softcap, sinks is not None)
 
 
 def aha_paged(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,

@@ -2,7 +2,7 @@
 served by vLLM with the cache the paper's Section 5 describes: full-dimensional K/V for the last ``window``
 tokens only, and a d_down latent c = h W_down for every token, from which each step rebuilds the distant keys
 (W_up absorbed into W_K) and reads the distant values through the latents (W_up absorbed into W_V). Imported by
-``allhere.serve.vllm_model``, never by ``import allhere``.
+``allhere.serve.vllm_install``, never by ``import allhere``.
 
 Two caches per converted layer, both vLLM's (it sizes them, assigns their blocks, prefix-caches and frees them):
 
@@ -47,7 +47,7 @@ from ..hosts import SUBMODULE
 from .paged import paged_attention, token_positions, window_read
 from .paged_far import LatentKV, far_pieces, rotary_projection, write_latents
 from .vllm_layers import WINDOW_TILE, block_argument, rebuild_attention
-from .vllm_paged import VLLM_WINDOW_OFFSET, WORKSPACE, PagedAttention, refuse_softmax_terms
+from .vllm_paged import VLLM_WINDOW_OFFSET, WORKSPACE, PagedAttention
 
 
 @dataclass
@@ -225,7 +225,6 @@ def install_dar(block: nn.Module, attn: Attention, cfg, d_model: int) -> None:
     if missing:
         raise NotImplementedError(f"allhere vLLM serving: DAR rebuilds distant keys through the block's qkv_proj; "
                                   f"{type(block).__name__} has no {', '.join(missing)}")
-    refuse_softmax_terms(attn)  # the rebuilt layer would not have them
     near = rebuild_attention(block, attn, per_layer_sliding_window=max(cfg.window, 1) + VLLM_WINDOW_OFFSET)
     mech = DARServe(d_model, cfg.d_down, cfg.window, near.layer_name.rpartition(".")[0], block)
     block.add_module(SUBMODULE, mech)

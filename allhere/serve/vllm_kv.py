@@ -14,8 +14,9 @@ the window's blocks sliding, as vLLM's own sliding-window layers do for a plain 
   a freed block: the sinks' mask excludes every block of the gap, and the block test skips them.
 
 Registered in vLLM's public KV spec registry when this module is imported: by the worker through
-``allhere.serve.vllm_layers``, by the engine core when it unpickles the workers' specs. Needs vLLM's hybrid KV
-cache manager (``allhere.serve.vllm_model.install`` refuses sinks without it). Never imported by ``import allhere``.
+``allhere.serve.vllm_install``, by the engine core when it unpickles the workers' specs. Needs vLLM's hybrid KV
+cache manager (``allhere.serve.vllm_install.install`` refuses sinks without it: their ``Serving.own_cache_group``).
+Never imported by ``import allhere``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What each served mechanism puts on a converted vLLM attention block: its rule for ``PagedAttention``
-(``allhere.serve.vllm_paged``) and the weights and hooks it needs. Imported by ``allhere.serve.vllm_model``,
-never by ``import allhere``. The mechanisms' own pure pieces give the rules: AHA's gate from the hidden state
-(``allhere.mechanisms.aha.hidden_gate``), a pattern's mask predicate (``cfg.mask_fn``).
+(``allhere.serve.vllm_paged``) and the weights and hooks it needs. Imported by ``allhere.serve.vllm_install``
+(which runs the installer a kind's ``Serving`` names), never by ``import allhere``. Each takes the kind's config
+object (``allhere.registry.from_dict``), and the mechanisms' own pure pieces give the rules: AHA's gate from the
+hidden state (``allhere.mechanisms.aha.hidden_gate``), a pattern's mask predicate (``cfg.mask_fn``).
 
 - AHA: one attention over the layer's cache, two row classes: a local (token, head) reads its ``window`` most
   recent keys, a global one every earlier key, in prefill (chunked prefill included) as in decode. The router
@@ -10,7 +11,8 @@ never by ``import allhere``. The mechanisms' own pure pieces give the rules: AHA
   The host's softmax terms are kept: learned sink logits (gpt-oss) and soft-capped scores (Gemma-2). Where
   vLLM's CPU kernel reads allhere's block layout, the local rows are its windowed kernel's (in place, over the
   same blocks) and allhere's attention computes the global rows only.
-- sinks, dilated, Longformer, BigBird (causal): one class reading what the pattern's predicate allows.
+- sinks, dilated, Longformer, BigBird and any other causal pattern (``install_masked``): one class reading what
+  the pattern's predicate allows.
 - DAR: ``allhere.serve.vllm_dar``.
 
 Query tiles: rows that read a window go in tiles of 64 (their keys span the tile plus the window); rows that
@@ -27,7 +29,7 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 
 from ..hosts import SUBMODULE
-from ..mechanisms.aha import hidden_gate
+from ..mechanisms.aha import AHAConfig, hidden_gate
 from .paged import Read, causal_read, window_read
 from .vllm_paged import PagedAttention
 
@@ -37,12 +39,13 @@ WINDOW_TILE, WIDE_TILE = 64, 256  # query rows per tile: rows reading a window, 
 class AHAServe(nn.Module):
     """AHA's router for one layer, and its routing counts; ``gate`` is set by the block's pre-hook."""
 
-    def __init__(self, settings: dict, d_model: int, n_heads: int) -> None:
+    def __init__(self, cfg: AHAConfig, d_model: int, n_heads: int) -> None:
         super().__init__()
-        self.window, self.tau = int(settings["window"]), float(settings["tau"])
-        if settings.get("router", "linear") != "linear":
-            raise NotImplementedError("allhere vLLM serving: AHA router='qproj' is not supported (use 'linear')")
-        self.router = nn.Linear(d_model, n_heads, bias=bool(settings.get("router_bias", True)))
+        self.tau = cfg.tau
+        if cfg.router != "linear":
+            raise NotImplementedError(f"allhere vLLM serving: AHA router={cfg.router!r} is not supported "
+                                      "(use 'linear')")
+        self.router = nn.Linear(d_model, n_heads, bias=cfg.router_bias)
         self.gate: torch.Tensor | None = None
         self.forced_gate: bool | None = None  # True / False: every gate global / local; None: route
         self.register_buffer("n_global", torch.zeros((), dtype=torch.long), persistent=False)
@@ -82,16 +85,20 @@ def _route_hook(block, args, kwargs):
     getattr(block, SUBMODULE).route(where[key])
 
 
-def install_aha(block: nn.Module, attn: Attention, settings: dict, d_model: int, n_heads: int) -> AHAServe:
-    mech = AHAServe(settings, d_model, n_heads)
+def install_aha(block: nn.Module, attn: Attention, cfg: AHAConfig, d_model: int, n_heads: int) -> AHAServe:
+    mech = AHAServe(cfg, d_model, n_heads)
     block.add_module(SUBMODULE, mech)
-    reads = [[window_read(mech.window, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]]  # gate 0 / 1
-    block.attn = PagedAttention(attn, reads, softmax_terms=True, router=mech, window_class=(0, mech.window))
+    reads = [[window_read(cfg.window, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]]  # gate 0 / 1
+    block.attn = PagedAttention(attn, reads, router=mech, window_class=0)
     block.register_forward_pre_hook(_route_hook, with_kwargs=True)
     return mech
 
 
 def install_masked(block: nn.Module, attn: Attention, cfg) -> None:
+    """Any pattern: its config's ``mask_fn(n, layer)`` (a causal predicate with its block test) over the cache."""
+    if not callable(getattr(cfg, "mask_fn", None)):
+        raise NotImplementedError(f"allhere vLLM serving: {cfg.kind} is served as a masked pattern, but "
+                                  f"{type(cfg).__name__} has no mask_fn")
     if not getattr(cfg, "causal", True):
         raise NotImplementedError(f"allhere vLLM serving: {cfg.kind} with causal=False is an encoder's pattern")
     block.attn = PagedAttention(attn, [[Read(cfg.mask_fn(None), WINDOW_TILE)]])

@@ -6,20 +6,21 @@ Imported by vLLM (lazily, through ``allhere.serve.vllm_plugin``), never by ``imp
 A folder without allhere settings (config.json lacks ``allhere_mechanism``) gets vLLM's own model,
 unchanged: the classes below only add to ``__init__``.
 
-Mechanisms served (per converted layer, ``config.allhere_layers``):
+Mechanisms served (per converted layer, ``config.allhere_layers``): every kind registered with a ``Serving``
+(``allhere.registry``), put on the layers by the installer it names (``allhere.serve.vllm_install``):
 
-- ``aha`` (All-or-Here attention, "Learning When Not to Attend Globally"), ``sinks``, ``dilated``,
-  ``longformer``, ``bigbird`` (causal) and ``dar``: allhere's own attention over the layer's paged cache, one
-  batched call per layer reading per (request, query head) only the keys the mechanism's rule allows
-  (``allhere.serve.vllm_layers``, ``allhere.serve.vllm_paged``), on vLLM's CPU backend. AHA's router ``S =
-  sigmoid(X W_router + b)`` on the attention block's input X (the same weights as allhere saved:
-  ``...self_attn.allhere.router.{weight,bias}``) gives the hard gate ``g = S > tau`` per (token, query
+- AHA (All-or-Here attention, "Learning When Not to Attend Globally"), sinks, dilated, Longformer, BigBird
+  (causal) and DAR: allhere's own attention over the layer's paged cache, one batched call per layer reading per
+  (request, query head) only the keys the mechanism's rule allows (``allhere.serve.vllm_layers``,
+  ``allhere.serve.vllm_paged``), on vLLM's CPU backend (AHA on CUDA too, through allhere's Triton paged kernel).
+  AHA's router ``S = sigmoid(X W_router + b)`` on the attention block's input X (the same weights as allhere
+  saved: ``...self_attn.allhere.router.{weight,bias}``) gives the hard gate ``g = S > tau`` per (token, query
   head): the full causal prefix where g, the ``window`` most recent keys elsewhere. A sinks layer's
   ``Attention`` is rebuilt to report a KV cache of its own (``allhere.serve.vllm_kv``): the sink blocks and
   the window's, a constant number of blocks per request. DAR keeps the window's K/V in a sliding-window
   cache and every token's d_down latent in a cache of its own, the distant keys rebuilt from the latents at
   every step (``allhere.serve.vllm_dar``).
-- ``sliding``: the layer's ``Attention`` rebuilt with ``per_layer_sliding_window = window`` (vLLM then
+- sliding: the layer's ``Attention`` rebuilt with ``per_layer_sliding_window = window`` (vLLM then
   keeps a sliding-window KV cache for it).
 
 Window convention: allhere's window w = the w most recent keys, the query's own included
@@ -52,7 +53,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
@@ -64,110 +64,12 @@ from vllm.model_executor.models.phi3 import Phi3ForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.transformers import TransformersForCausalLM
-from vllm.model_executor.models.utils import extract_layer_index
 
-from .. import registry
-from ..hosts import CONFIG_KEY, LAYERS_KEY
-from .paged_kernel import kernel_refusal
-from .vllm_dar import DARServe, LatentCache, install_dar
+from .vllm_dar import DARServe, LatentCache
+from .vllm_install import install
 from .vllm_kv import SinkAttention
-from .vllm_layers import AHAServe, install_aha, install_masked, rebuild_attention
-from .vllm_paged import VLLM_WINDOW_OFFSET, host_softmax_terms, refuse_softmax_terms
-from .vllm_plugin import PAGED, RESET_SUFFIX, SERVED, STATS_ENV
-
-
-def _attention_blocks(model: nn.Module) -> dict[int, tuple[nn.Module, Attention]]:
-    """layer index -> (attention block, its vLLM Attention child ``attn``), found by structure."""
-    found = {}
-    for name, module in model.named_modules():
-        attn = getattr(module, "attn", None)
-        if isinstance(attn, Attention):
-            found[extract_layer_index(attn.layer_name)] = (module, attn)
-    return found
-
-
-def _check_hybrid(vllm_config, kind: str) -> None:
-    """Sinks and DAR keep KV cache groups of their own (``allhere.serve.vllm_kv``, ``allhere.serve.vllm_dar``):
-    vLLM's hybrid KV cache manager must be on."""
-    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-        why = {"sinks": "their cache frees the blocks between the sinks and the window",
-               "dar": "it keeps the window's K/V and every token's latent in caches of their own"}[kind]
-        raise NotImplementedError(f"allhere vLLM serving: {kind} needs vLLM's hybrid KV cache manager ({why}), "
-                                  "which is disabled here")
-
-
-def _check_sinks(vllm_config, blocks: dict, layers: list[int], window: int) -> None:
-    """Sinks free the blocks between the sinks and the window through a KV cache group of their own: no vLLM
-    sliding layer may have the same window (vLLM would put both in the sliding layers' group, which frees the
-    sink blocks)."""
-    same = [i for i, (_, a) in blocks.items() if i not in layers and a.sliding_window == window + VLLM_WINDOW_OFFSET]
-    if same:
-        raise NotImplementedError(f"allhere vLLM serving: sinks with window {window}, the window of the model's own "
-                                  f"sliding layers {same}: convert with another window")
-
-
-def install(model: nn.Module, config) -> list[int]:
-    """Put the mechanism of ``config`` (a converted folder's transformers config) on ``model``'s converted
-    layers; returns their indices. No-op (returns []) for a config without allhere settings."""
-    settings = getattr(config, CONFIG_KEY, None)
-    if settings is None:
-        return []
-    kind = settings.get("kind")
-    if kind not in SERVED:
-        raise NotImplementedError(f"allhere vLLM serving: mechanism {kind!r} is not served (served: {SERVED})")
-    vllm_config = get_current_vllm_config()
-    device = vllm_config.device_config.device_type
-    if kind in PAGED and kind != "aha" and device != "cpu":
-        raise NotImplementedError(f"allhere vLLM serving: {kind} runs on vLLM's CPU backend only so far (allhere's "
-                                  "own attention over the paged cache has a GPU kernel for AHA only)")
-    if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
-        raise NotImplementedError("allhere vLLM serving: tensor / pipeline parallelism is not supported yet")
-    blocks = _attention_blocks(model)
-    layers = list(getattr(config, LAYERS_KEY, None) or sorted(blocks))
-    missing = [i for i in layers if i not in blocks]
-    if missing:
-        raise ValueError(f"allhere vLLM serving: converted layers {missing} have no vLLM Attention")
-    if kind in ("sinks", "dar"):
-        _check_hybrid(vllm_config, kind)
-    if kind == "sinks":
-        _check_sinks(vllm_config, blocks, layers, int(settings["window"]))
-    for i in layers:
-        block, attn = blocks[i]
-        # a window as long as the context (Phi-4-mini's 262144) is no window: allhere converted the layer as full
-        if attn.sliding_window is not None and attn.sliding_window < config.max_position_embeddings:
-            raise NotImplementedError(f"allhere vLLM serving: layer {i} already has a sliding window")
-        if kind == "sliding":
-            rebuild_attention(block, attn, per_layer_sliding_window=int(settings["window"]) + VLLM_WINDOW_OFFSET)
-            continue
-        if kind == "sinks":  # its cache keeps the sink blocks and the window's (allhere.serve.vllm_kv)
-            cfg = registry.from_dict(settings)
-            refuse_softmax_terms(attn)  # the rebuilt layer would not have them
-            install_masked(block, rebuild_attention(block, attn, SinkAttention, window=cfg.window,
-                                                    n_sinks=cfg.n_sinks), cfg)
-            continue
-        if kind == "aha":
-            if device != "cpu":
-                _check_aha_kernel(vllm_config, attn, i)
-            install_aha(block, attn, settings, config.hidden_size, config.num_attention_heads).layer = i
-        elif kind == "dar":
-            install_dar(block, attn, registry.from_dict(settings), config.hidden_size)
-        else:
-            install_masked(block, attn, registry.from_dict(settings))
-    return layers
-
-
-def _check_aha_kernel(vllm_config, attn: Attention, i: int) -> None:
-    """Raise where AHA layer ``i`` off the CPU cannot run allhere's Triton paged kernel."""
-    device = vllm_config.device_config.device_type
-    why = kernel_refusal(attn.head_size, torch.device(device), *host_softmax_terms(attn))
-    if why is None and vllm_config.cache_config.cache_dtype != "auto":
-        why = f"a KV cache of {vllm_config.cache_config.cache_dtype} (the kernel reads the model's dtype)"
-    if why is None and not vllm_config.model_config.enforce_eager:
-        why = ("CUDA graphs would replay the kernel's launch grids of the captured step (start vLLM with "
-               "--enforce-eager, as allhere serve does)")
-    if why is not None:
-        raise NotImplementedError(f"allhere vLLM serving: AHA on {device} runs allhere's Triton paged kernel, which "
-                                  f"cannot take layer {i}: {why}")
+from .vllm_layers import AHAServe
+from .vllm_plugin import RESET_SUFFIX, STATS_ENV
 
 
 def aha_layers(model: nn.Module) -> dict[int, AHAServe]:
@@ -322,5 +224,6 @@ class AllherePhi3ForCausalLM(_Converted, Phi3ForCausalLM):
 
 class AllhereTransformersForCausalLM(_Converted, TransformersForCausalLM):
     """OLMo-2/3, SmolLM3, GPT-NeoX: families vLLM runs through its Transformers backend (the Hugging Face
-    modules, each attention module holding its vLLM ``Attention`` as ``attn``). AHA, sliding and the masked
-    patterns install as on vLLM's own classes; DAR is refused (it rebuilds keys through a block taking positions)."""
+    modules, each attention module holding its vLLM ``Attention`` as ``attn``). The served kinds install as on
+    vLLM's own classes, but those whose ``Serving`` says ``transformers_backend=False`` (DAR: it rebuilds keys
+    through a block taking positions) are refused."""

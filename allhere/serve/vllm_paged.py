@@ -88,7 +88,8 @@ def host_softmax_terms(attn: Attention) -> tuple[float, torch.Tensor | None]:
 
 
 def refuse_softmax_terms(attn: Attention) -> None:
-    """For the mechanisms that do not compute the host's soft-capped scores or learned sink logits."""
+    """For the mechanisms that do not compute the host's soft-capped scores or learned sink logits
+    (``Serving.softmax_terms`` False: ``allhere.serve.vllm_install`` calls it on every converted layer)."""
     softcap, sinks = host_softmax_terms(attn)
     if softcap or sinks is not None:
         raise NotImplementedError(f"allhere vLLM serving: {attn.layer_name} has soft-capped scores or learned "
@@ -111,18 +112,19 @@ def _(q, k, v, aux, out, layer) -> None:
 
 class PagedAttention(nn.Module):
     """Stands where the block's ``attn`` stood. ``owner``: the layer's vLLM ``Attention``, used for its cache only;
-    ``reads``: per row class, what a row reads (``allhere.serve.paged``). ``softmax_terms``: compute the host's
-    learned sink logits and soft-capped scores (AHA does, as allhere's own attention does for it); the other
-    mechanisms refuse a layer that has them. ``router``: a module whose ``gate`` [tokens, heads] (set by the
-    block's pre-hook) is the row class of this step. ``window_class``: (class, window) whose rows read exactly
-    their window most recent keys, for vLLM's windowed kernel where it reads allhere's layout."""
+    ``reads``: per row class, what a row reads (``allhere.serve.paged``). The host's learned sink logits and
+    soft-capped scores, where the owner has them, are computed (a mechanism that does not compute them was
+    refused before: ``Serving.softmax_terms``). ``router``: a module whose ``gate`` [tokens, heads] (set by the
+    block's pre-hook) is the row class of this step. ``window_class``: the class whose rows read exactly their
+    window most recent keys (its one part a ``window_read``, which holds the window), for vLLM's windowed kernel
+    where it reads allhere's layout and for the Triton paged kernel (AHA)."""
 
-    def __init__(self, owner: Attention, reads: Sequence[Sequence[Read]], softmax_terms: bool = False,
-                 router: nn.Module | None = None, window_class: tuple[int, int] | None = None) -> None:
+    def __init__(self, owner: Attention, reads: Sequence[Sequence[Read]], router: nn.Module | None = None,
+                 window_class: int | None = None) -> None:
         super().__init__()
         self.softcap, self.sinks = host_softmax_terms(owner)
-        if not softmax_terms:
-            refuse_softmax_terms(owner)
+        if window_class is not None and (len(reads[window_class]) != 1 or reads[window_class][0].window is None):
+            raise ValueError(f"allhere: row class {window_class} of {owner.layer_name} must read one window_read")
         self.owner = owner
         self.reads = reads
         self.window_class = window_class
@@ -171,8 +173,9 @@ class PagedAttention(nn.Module):
             return
         meta, view, q, out = step
         n = meta.num_actual_tokens
+        c = self.window_class
+        window = None if c is None else self.reads[c][0].window
         if self.kernel:  # AHA: the window for class c's rows, every earlier key for the others
-            c, window = self.window_class
             aha_paged(q, view, meta.query_start_loc, meta.seq_lens, meta.block_table, row_class != c, window,
                       self.scale, out, getattr(meta, "max_seq_len", None), getattr(meta, "max_query_len", None))
             out[n:].zero_()
@@ -180,8 +183,7 @@ class PagedAttention(nn.Module):
         sinks = self.sinks.float() if self.sinks is not None else None
         reads = self.reads
         isa = getattr(self.owner, "isa", None)
-        if self.window_class is not None and same_layout(isa, view.dtype):
-            c, window = self.window_class
+        if c is not None and same_layout(isa, view.dtype):
             vllm_window(q, self.owner.kv_cache, meta, window, self.scale, self.softcap, self.sinks, isa, out)
             reads = [[] if i == c else parts for i, parts in enumerate(reads)]  # those rows are done
             if row_class is not None and not bool((row_class[:n] != c).any()):

@@ -7,14 +7,12 @@ e.g. ``LlamaForCausalLM``), so the folder needs no other name and still loads in
 ``allhere.hf.load_pretrained``. Those classes are vLLM's own model for a folder without allhere settings,
 so plain models served next to converted ones are unchanged.
 
-``register`` imports nothing heavy: vLLM imports the classes lazily (``"module:Class"``).
+``register`` imports nothing heavy: vLLM imports the classes lazily (``"module:Class"``). Which mechanisms are
+served, and how, each registers itself (``allhere.registry.Serving``, read through ``allhere.serve.serving``).
 """
 
 from __future__ import annotations
 
-SERVED = ("aha", "sliding", "sinks", "dilated", "longformer", "bigbird", "dar")  # the mechanisms (config kinds) served
-# allhere's attention over the cache: on vLLM's CPU backend only, but AHA (on CUDA too: the Triton paged kernel)
-PAGED = ("aha", "sinks", "dilated", "longformer", "bigbird", "dar")
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention kernels
 STATS_ENV = "ALLHERE_ROUTING_STATS"  # a file the model writes its routing statistics to (allhere serve)
 RESET_SUFFIX = ".reset"  # while "<that file>.reset" exists, the next forward zeroes the counts first

@@ -4,6 +4,8 @@ its own, no private name imported from another module. ``allhere`` is the librar
 (demo, sweep, studies, bench, cost models) sits on top of it, and only the command line imports it."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,3 +161,13 @@ def test_the_parser_sees_relative_and_lazy_imports(name):
     assert found and all(t.split(".")[0] in PACKAGES for t in found)
     if name == "allhere_recipes.bench":
         assert "allhere_recipes.bench_profile" in found  # imported inside run_bench
+
+
+def test_import_allhere_leaves_the_serving_code_alone():
+    """Every mechanism declares how vLLM serves it (``registry.Serving``, plain data) without the serving code:
+    ``import allhere`` and reading every registered kind's spec import neither vLLM nor ``allhere.serve``."""
+    code = ("import sys, allhere; from allhere import registry; [registry.get(k).serving for k in registry.kinds()]; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm' or m.startswith('allhere.serve')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"

@@ -100,3 +100,32 @@ def test_hugging_face_conversion():
         assert rel_err(model(ids).logits, oracle) < 1e-5
         kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(model.generate(ids, use_cache=True, **kw), model.generate(ids, use_cache=False, **kw))
+
+
+def test_each_served_kind_declares_how_once():
+    """How vLLM serves a kind is declared where it registers (``register(..., serving=Serving(...))``); a kind
+    without it is not served."""
+    from allhere import Serving
+
+    want = {"aha": Serving("aha", devices=("cpu", "cuda"), softmax_terms=True, cuda_graphs=False),
+            "sliding": Serving("sliding", devices=("cpu", "cuda")), "dilated": Serving("masked"),
+            "longformer": Serving("masked"), "bigbird": Serving("masked")}
+    for kind, spec in want.items():
+        assert get(kind).serving == spec, kind
+    sinks, dar = get("sinks").serving, get("dar").serving
+    assert (sinks.installer, sinks.devices, sinks.transformers_backend) == ("sinks", ("cpu",), True)
+    assert (dar.installer, dar.devices, dar.transformers_backend) == ("dar", ("cpu",), False)
+    assert "sinks and the window" in sinks.own_cache_group and "latent" in dar.own_cache_group
+    assert not sinks.softmax_terms and not dar.softmax_terms
+    assert all(get(k).serving is None for k in ("full", "aamoe", "all_attention", "every_other"))
+
+
+def test_a_serving_spec_is_checked():
+    from allhere import Serving
+
+    with pytest.raises(ValueError, match="installer 'flash'"):
+        Serving("flash")
+    with pytest.raises(ValueError, match="devices"):
+        Serving("masked", devices=("tpu",))
+    with pytest.raises(TypeError, match="Serving"):
+        register(EveryOtherConfig, serving="masked")

@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
 
 from allhere.kernels.aha_pack import pack_global  # noqa: E402
-from allhere.kernels.aha_paged import paged_aha_attention  # noqa: E402
+from allhere.kernels.aha_paged import paged_aha_attention, refusal  # noqa: E402
 from allhere.ops.aha import aha_attention_reference  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
@@ -168,6 +168,20 @@ def test_bad_arguments_are_named():
         paged_aha_attention(q, kv[0], kv[1], step.table, step.query_start[:-1], *args[2:], 2, 1.0, out)
     with pytest.raises(ValueError, match="gate"):
         paged_aha_attention(q, kv[0], kv[1], *args[:3], step.gate[:-1], 2, 1.0, out)
+    wide = torch.zeros(q.shape[0], q.shape[1], 256)  # a head dim past the rule (``refusal``): the kernels' too
+    with pytest.raises(ValueError, match="head dim 256: the paged kernels take a power of two from 16 to 128"):
+        paged_aha_attention(wide, *(torch.zeros(*c.shape[:-1], 256) for c in kv), *args, 2, 1.0, wide)
+
+
+def test_one_rule_for_the_kernels_and_a_served_layer():
+    """``refusal``: what ``paged_aha_attention`` checks and ``allhere.serve.paged_kernel.kernel_refusal`` asks."""
+    from allhere.serve.paged_kernel import kernel_refusal
+
+    assert refusal(16) is None and refusal(128) is None
+    for d in (8, 96, 256):
+        assert refusal(d).startswith(f"head dim {d}:")
+        assert kernel_refusal(d, torch.device("cuda")) == refusal(d)
+    assert "soft-capped" in refusal(64, softcap=30.0) and "sink logits" in refusal(64, sinks=True)
 
 
 def test_packing_by_head_of_a_token_major_gate():

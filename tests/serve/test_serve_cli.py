@@ -41,7 +41,7 @@ def free_port() -> int:
     ({**LLAMA, "architectures": ["PhiForCausalLM"], "allhere_mechanism": AHA},
      "does not serve converted PhiForCausalLM"),
     ({**LLAMA, "architectures": ["Olmo2ForCausalLM"], "allhere_mechanism": {"kind": "dar", "window": 4, "d_down": 8}},
-     "DAR is not served on Olmo2ForCausalLM"),
+     "dar is not served on Olmo2ForCausalLM, which vLLM runs through its Transformers backend"),
 ])
 def test_models_the_plugin_cannot_serve(tmp_path, capfd, config, says):
     assert says in refused(capfd, "--model", folder(tmp_path, config), "--port", str(free_port()))
@@ -70,6 +70,28 @@ def test_paged_mechanisms_on_the_cpu_and_aha_on_a_gpu(tmp_path, mech):
         return
     with pytest.raises(ConfigError, match=f"{mech['kind']} is served on vLLM's CPU backend only"):
         check_servable(config, tmp_path, cpu=False)
+
+
+def test_what_is_served_comes_from_the_registry(tmp_path):
+    """The checks read each kind's ``Serving`` (declared where it registers): a masked pattern registered outside
+    allhere (tests/strided_pattern.py) is served on the CPU and listed, refused on a GPU like the built-in
+    patterns, with nothing in allhere.serve naming it; a kind registered without ``serving`` is refused."""
+    import strided_pattern  # noqa: F401  (registers "strided_test")
+
+    from allhere.serve import serving
+    from allhere.serve.launch import check_servable
+
+    mech = {"kind": "strided_test", "window": 4, "stride": 3}
+    assert "strided_test" in serving.kinds("cpu", transformers_backend=True)
+    assert serving.kinds("cuda") == ("aha", "sliding")
+    for arch in ("LlamaForCausalLM", "Olmo2ForCausalLM"):
+        check_servable({**LLAMA, "architectures": [arch], "head_dim": 64, "allhere_mechanism": mech}, tmp_path,
+                       cpu=True)
+    with pytest.raises(ConfigError, match=r"strided_test is served on vLLM's CPU backend only so far \(served on "
+                                          r"CUDA: aha, sliding\)"):
+        check_servable({**LLAMA, "head_dim": 64, "allhere_mechanism": mech}, tmp_path, cpu=False)
+    with pytest.raises(ConfigError, match="mechanism 'full' is not served .*served: aha, .*strided_test"):
+        check_servable({**LLAMA, "head_dim": 64, "allhere_mechanism": {"kind": "full"}}, tmp_path, cpu=True)
 
 
 def test_port_in_use(tmp_path, capfd):

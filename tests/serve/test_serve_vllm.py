@@ -104,21 +104,27 @@ def _engines():
     _ENGINES.close()
 
 
-def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, kernel=False, max_model_len=512):
+def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, kernel=False, max_model_len=512,
+          module=None):
     """Greedy tokens served by vLLM (``allhere.serve.vllm_check``): the eager checks in the shared process,
     ``compiled`` and ``kernel`` (AHA layers through allhere's Triton paged kernel, its path on CUDA, in Triton's
-    interpreter) each in a process of their own, since they change how the process compiles."""
+    interpreter) each in a process of their own, since they change how the process compiles; so does a check
+    that first imports ``module`` from tests/ (a mechanism registered outside allhere)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest's, for allhere's kernels
     env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     args = ([str(folder), "--prompts", json.dumps(prompts), "--max-tokens", str(NEW_TOKENS), "--forced", forced]
             + (["--again"] if again else []) + (["--compiled"] if compiled else [])
             + (["--held", str(held)] if held else []) + ["--max-model-len", str(max_model_len)])
-    if not (compiled or kernel):
+    if not (compiled or kernel or module):
         return _ENGINES.run(args, env)
     if kernel:
         env.update(TRITON_INTERPRET="1", ALLHERE_SERVE_TRITON="1")
-    run = subprocess.run([sys.executable, "-m", "allhere.serve.vllm_check", *args], capture_output=True, text=True,
-                         env=env, timeout=600)
+    cmd = ["-m", "allhere.serve.vllm_check"]
+    if module:
+        tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join([tests] + [p for p in [env.get("PYTHONPATH")] if p])
+        cmd = ["-c", f"import {module}; from allhere.serve.vllm_check import main; main()"]
+    run = subprocess.run([sys.executable, *cmd, *args], capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("ALLHERE_VLLM_RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(lines[-1].split(" ", 1)[1])
@@ -271,6 +277,23 @@ def test_paged_families(sharp, key):
     ours = _allhere(sharp[key], prompts)
     assert _vllm(sharp[key], prompts)["none"]["tokens"] == ours
     assert ours != _allhere(sharp[key.split("_")[0]], prompts)
+
+
+def test_a_pattern_registered_outside_allhere(sharp, tmp_path):
+    """A masked pattern defined in the tests (tests/strided_pattern.py: a window plus every 5th key), registered
+    with ``serving=Serving("masked")`` and nothing else: vLLM serves it token for token as allhere generates it,
+    with nothing in allhere.serve naming it."""
+    from strided_pattern import StridedConfig
+
+    from allhere import registry
+    from allhere.serve.vllm_install import INSTALLERS
+
+    assert set(INSTALLERS) == set(registry.INSTALLERS)  # every installer a Serving may name
+    prompts = sharp["prompts"]
+    folder = _convert(sharp["llama"], tmp_path / "llama_strided", StridedConfig(window=WINDOW, stride=5))
+    ours = _allhere(folder, prompts)
+    assert _vllm(folder, prompts, module="strided_pattern")["none"]["tokens"] == ours
+    assert ours != _allhere(sharp["llama"], prompts) and ours != _allhere(sharp["llama_sliding"], prompts)
 
 
 def test_gpt_oss_aha(sharp):
