@@ -7,8 +7,8 @@ on a real pretrained language model.
    steps and learning rate (``real_plan`` says which and why);
 3. every model is measured on held-out text (Retain % against the control and the pretrained model; AHA's
    mu_f per layer and head, and its long tail), on passkey retrieval beyond the window (pretrained, control,
-   AHA, AHA with every gate local, and with every gate global), on a few chat prompts, and AHA's decode speed at a long prompt against the
-   plain model's;
+   AHA, AHA with every gate local, and with every gate global), on a few chat prompts, and AHA's decode speed
+   at a long prompt against the plain model's;
 4. report.md, report.json and mu_f_heatmap.png are written into ``<out>/aha``, with both fine-tuned models as
    transformers folders (``aha/model``, ``control/model``).
 A rerun with the same settings continues where the last one stopped.

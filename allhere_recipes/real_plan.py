@@ -80,7 +80,8 @@ class RealPlan:
 
 
 def preset_plan(preset: str, device: str) -> RealPlan:
-    """"cpu": the default, about 33 minutes on 2 cores (DAR about 30); "gpu": 8k tokens at w = 256; "tiny": seconds, for tests."""
+    """"cpu": the default, about 33 minutes on 2 cores (the AHA job); "gpu": 8k tokens at w = 256; "tiny": seconds,
+    for tests."""
     if preset == "tiny":
         return RealPlan(seq_len=160, window=8, steps=3, batch_size=1, grad_accum=1, lr=3e-5, router_lr_mult=100.0,
                         lam=0.01, target_mu_f=0.1, lam_rate=0.1, recall_share=0.5, eval_sequences=2, passkey_prompts=2,

@@ -2,8 +2,9 @@
 (``allhere.serve.paged``) per mechanism against vLLM's own CPU attention kernel (``cpu_attention_with_kv_cache``)
 over the same blocks, and AHA computed with vLLM's kernel on the subsets (the windowed kernel for every token, the
 full kernel again for the tokens with a global head, joined per head), and AHA as served (vLLM's windowed kernel for
-the local rows, allhere's attention for the global ones), and DAR as served (the window from the paged K/V, the
-far keys rebuilt from a paged cache of d_down = 64 latents).
+every row's window, its full kernel per (token, kv head) for the decode tokens' global rows, allhere's attention
+for the prefill tokens' global rows), and DAR as served (the window from the paged K/V, the far keys rebuilt from
+a paged cache of d_down = 64 latents).
 
     .venv-serve/bin/python benchmarks/serve_paged_op.py             # decode 16 x 8k, decode 1 x 8k, a prefill chunk
     .venv-serve/bin/python benchmarks/serve_paged_op.py --threads 1
@@ -82,19 +83,20 @@ def vllm_aha(s):
 
 
 def aha_served(s, workspace):
-    """AHA as ``allhere serve`` computes it on this CPU: vLLM's windowed kernel for every row in place, then
-    allhere's attention for the global rows."""
+    """AHA as ``allhere serve`` computes it on this CPU (``aha_over_vllm``): vLLM's windowed kernel for every row
+    in place, its full kernel per (token, kv head) for the decode tokens' global rows, allhere's attention for the
+    prefill tokens' global rows."""
     from types import SimpleNamespace
 
-    from allhere.serve.paged import causal_read, paged_attention
-    from allhere.serve.vllm_layers import WIDE_TILE
-    from allhere.serve.vllm_paged import vllm_window
+    from allhere.serve.paged import causal_read, window_read
+    from allhere.serve.vllm_layers import WIDE_TILE, WINDOW_TILE
+    from allhere.serve.vllm_paged import aha_over_vllm
 
     meta = SimpleNamespace(num_actual_tokens=s["q"].shape[0], query_start_loc=s["qs"], seq_lens=s["seq"],
                            block_table=s["table"])
-    vllm_window(s["q"], s["cache"], meta, 256, D ** -0.5, 0.0, None, "vec", s["out"])
-    paged_attention(s["q"], s["view"], s["qs"], s["seq"], s["table"], [[], [causal_read(q_tile=WIDE_TILE)]],
-                    D ** -0.5, s["out"], row_class=s["gate"], workspace=workspace)
+    reads = [[window_read(256, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]]
+    aha_over_vllm(s["q"], s["cache"], s["view"], meta, reads, s["gate"], 0, 256, D ** -0.5, 0.0, None, "vec",
+                  s["out"], workspace)
 
 
 def latent_kv():

@@ -13,8 +13,9 @@ so vLLM's torch.compile sees one opaque call; a per-(token, head) row class (AHA
 
 allhere's block layout is the one vLLM's CPU kernel reads in its "vec" / "vec16" variants (x86 without AMX:
 keys transposed, then values; checked once per process by writing a few tokens both ways). Where the layer's
-kernel is one of those, the rows that read a plain window (AHA's local rows) are computed by vLLM's own windowed
-kernel over the same blocks, in place, and allhere's attention computes the rest (AHA's global rows).
+kernel is one of those, AHA's step runs mostly in vLLM's own kernel over the same blocks, in place: every row's
+window in its windowed kernel, a decode token's global rows in its full kernel, one request per (token, kv head)
+over that kv head's blocks (``vllm_global_decode``); allhere's attention computes the prefill tokens' global rows.
 An AHA layer on CUDA runs allhere's Triton paged kernel for all its rows instead (``allhere.serve.paged_kernel``;
 its keys stored untransposed).
 """
@@ -80,6 +81,65 @@ def vllm_window(q, cache, meta, window: int, scale: float, softcap: float, sinks
         seq_lens=meta.seq_lens[:reqs], scale=scale, causal=True, alibi_slopes=None,
         sliding_window=window + VLLM_WINDOW_OFFSET, block_table=meta.block_table, softcap=softcap,
         scheduler_metadata=sched, s_aux=sinks)
+
+
+def vllm_global_decode(q, cache, meta, glob, scale: float, softcap: float, isa: str, out) -> torch.Tensor:
+    """The global rows of the step's decode tokens (requests with one query) by vLLM's own CPU kernel, full causal
+    attention: each (decode token, kv head) with a global row is a request of its own over that kv head's blocks
+    alone (the cache [blocks, kv_heads, ...] read as [blocks x kv_heads, 1, ...], block b of kv head g being
+    b x kv_heads + g), with the query heads of that kv head as its heads. The heads of such a group that are
+    local are computed too and dropped: a kv head's keys are read once for all its heads, as vLLM's kernel
+    reads them. ``glob`` [tokens, heads] bool; writes those rows of ``out`` [tokens, heads, d]. Returns the
+    decode tokens [m] (all of whose global rows are now done). No learned sink logits (they are per head, and
+    a request here holds another subset of heads each)."""
+    nb, kv_heads, bs, _ = cache.shape
+    heads, d = q.shape[1], q.shape[2]
+    group = heads // kv_heads
+    starts = meta.query_start_loc.long()
+    req = ((starts[1:] - starts[:-1]) == 1).nonzero().squeeze(1)
+    tok = starts[:-1][req]
+    sel = glob[tok].view(-1, kv_heads, group)  # [decode tokens, kv heads, group]
+    ti, g = sel.any(-1).nonzero(as_tuple=True)
+    if ti.numel() == 0:
+        return tok
+    tiles = ti.numel()
+    kc, vc = cache.view(nb * kv_heads, 1, 2 * bs, d).chunk(2, dim=2)
+    table = (meta.block_table[req[ti]].long() * kv_heads + g[:, None]).to(torch.int32)
+    seq = meta.seq_lens[req[ti]].to(torch.int32)
+    starts_t = torch.arange(tiles + 1, dtype=torch.int32, device=q.device)
+    qt = q.view(-1, kv_heads, group, d)[tok[ti], g]  # [tiles, group, d] (a copy)
+    o = torch.empty_like(qt)
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=tiles, num_heads=group, num_kv_heads=1, head_dim=d, seq_lens=seq, dtype=q.dtype,
+        query_start_loc=starts_t, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+    ops.cpu_attention_with_kv_cache(
+        query=qt, key_cache=kc, value_cache=vc, output=o, query_start_loc=starts_t, seq_lens=seq, scale=scale,
+        causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=softcap,
+        scheduler_metadata=sched, s_aux=None)
+    ov = out.view(-1, kv_heads, group, d)
+    ov[tok[ti], g] = torch.where(sel[ti, g][..., None], o, ov[tok[ti], g])
+    return tok
+
+
+def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, window: int, scale: float, softcap: float,
+                  sinks, isa: str, out, workspace) -> None:
+    """AHA's step on vLLM's CPU backend where its kernel reads allhere's layout: every row's window by vLLM's
+    windowed kernel; the decode tokens' global rows by its full kernel per (token, kv head)
+    (``vllm_global_decode``; with learned sink logits, by allhere's attention); the other global rows (prefill
+    tokens) by allhere's attention (``paged_attention`` with the layer's ``reads``). ``row_class`` [tokens,
+    heads]: ``local`` for a local row. ``out`` [tokens, heads, d]: the first meta.num_actual_tokens rows."""
+    n = meta.num_actual_tokens
+    vllm_window(q, cache, meta, window, scale, softcap, sinks, isa, out)
+    glob = row_class[:n] != local
+    if sinks is None and bool(glob.any()):
+        glob[vllm_global_decode(q, cache, meta, glob, scale, softcap, isa, out)] = False
+    if not bool(glob.any()):
+        return
+    rest = torch.where(glob, row_class[:n], torch.full_like(row_class[:n], local))  # the rows done: local
+    paged_attention(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                    [[] if c == local else parts for c, parts in enumerate(reads)], scale, out, row_class=rest,
+                    sinks=None if sinks is None else sinks.float(), softcap=softcap, workspace=workspace)
 
 
 def host_softmax_terms(attn: Attention) -> tuple[float, torch.Tensor | None]:
@@ -180,15 +240,12 @@ class PagedAttention(nn.Module):
                       self.scale, out, getattr(meta, "max_seq_len", None), getattr(meta, "max_query_len", None))
             out[n:].zero_()
             return
-        sinks = self.sinks.float() if self.sinks is not None else None
-        reads = self.reads
         isa = getattr(self.owner, "isa", None)
         if c is not None and same_layout(isa, view.dtype):
-            vllm_window(q, self.owner.kv_cache, meta, window, self.scale, self.softcap, self.sinks, isa, out)
-            reads = [[] if i == c else parts for i, parts in enumerate(reads)]  # those rows are done
-            if row_class is not None and not bool((row_class[:n] != c).any()):
-                out[n:].zero_()
-                return
-        paged_attention(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table, reads, self.scale,
-                        out, row_class=row_class, sinks=sinks, softcap=self.softcap, workspace=WORKSPACE)
+            aha_over_vllm(q, self.owner.kv_cache, view, meta, self.reads, row_class, c, window, self.scale,
+                          self.softcap, self.sinks, isa, out, WORKSPACE)
+        else:
+            paged_attention(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table, self.reads,
+                            self.scale, out, row_class=row_class, softcap=self.softcap, workspace=WORKSPACE,
+                            sinks=self.sinks.float() if self.sinks is not None else None)
         out[n:].zero_()

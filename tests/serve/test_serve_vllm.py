@@ -345,6 +345,49 @@ def test_vllm_window_kernel_reads_allheres_layout():
         torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aha_step_over_vllms_kernels_equals_allheres_attention(dtype):
+    """AHA's whole step where vLLM's CPU kernel reads allhere's layout (``aha_over_vllm``): windows by its windowed
+    kernel, decode tokens' global rows by its full kernel per (token, kv head), prefill tokens' global rows by
+    allhere's attention; against allhere's own attention for every row. GQA (6 heads over 2 kv heads), three
+    decode requests (one with no global row, one with a whole kv head's group global) beside a prefill chunk;
+    with a soft cap, and with sink logits (then decode's global rows stay allhere's). In bfloat16 both sides
+    compute in float32 over bfloat16 inputs: equal within bfloat16's rounding of the output."""
+    from types import SimpleNamespace
+
+    from allhere.serve.paged import causal_read, paged_attention, paged_view, window_read, write
+    from allhere.serve.paged_chunks import Workspace
+    from allhere.serve.vllm_paged import aha_over_vllm, same_layout
+
+    if not same_layout("vec", dtype):
+        pytest.skip("this build's vLLM CPU kernel stores its blocks otherwise")
+    heads, kv_heads, d, bs, window = 6, 2, 64, 32, 40
+    gen = torch.Generator().manual_seed(0)
+    lens, q_lens = [100, 70, 130, 45], [60, 1, 1, 1]
+    cache = torch.zeros(20, kv_heads, bs, 2 * d, dtype=dtype)
+    view = paged_view(cache, bs, kv_heads, d)
+    table = torch.tensor([[7, 2, 5, 0, 0], [1, 8, 3, 0, 0], [4, 9, 10, 11, 12], [13, 6, 0, 0, 0]], dtype=torch.int32)
+    for r, n in enumerate(lens):
+        slots = torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(n)])
+        write(view, slots, torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen))
+    q = torch.randn(sum(q_lens), heads, d, generator=gen).to(dtype)
+    gate = torch.rand(q.shape[0], heads, generator=gen) < 0.3
+    gate[60] = False  # a decode token with no global row
+    gate[61] = torch.tensor([True, True, True, False, False, False])  # one kv head's whole group global
+    meta = SimpleNamespace(num_actual_tokens=q.shape[0],
+                           query_start_loc=torch.tensor([0, 60, 61, 62, 63], dtype=torch.int32),
+                           seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table)
+    reads = [[window_read(window)], [causal_read()]]
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for sinks, cap in ((None, 0.0), (None, 3.0), (torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5]), 0.0)):
+        theirs, ours = torch.zeros_like(q), torch.zeros_like(q)
+        aha_over_vllm(q, cache, view, meta, reads, gate, 0, window, d ** -0.5, cap, sinks, "vec", theirs, Workspace())
+        paged_attention(q, view, meta.query_start_loc, meta.seq_lens, table, reads, d ** -0.5, ours, row_class=gate,
+                        sinks=sinks, softcap=cap)
+        torch.testing.assert_close(theirs.float(), ours.float(), **tol)
+
+
 @pytest.mark.real
 def test_real_smollm2_aha_served_as_generated():
     """A real pretrained model with the routers it learned: the real-model job's fine-tuned SmolLM2-AHA (GQA, saved
