@@ -175,7 +175,8 @@ def main() -> None:
             runs[f"allhere {name}"] = (lambda reads=reads, routed=routed: paged_attention(
                 s["q"], s["view"], s["qs"], s["seq"], s["table"], reads, D ** -0.5, s["out"],
                 row_class=s["gate"] if routed else None, workspace=workspace))
-        runs["allhere aha, as served (local rows: vLLM's windowed kernel)"] = lambda: aha_served(s, workspace)
+        runs["allhere aha, as served (vLLM's kernels: windows, decode's global rows)"] = (
+            lambda: aha_served(s, workspace))
         runs["allhere dar, as served (far keys rebuilt from latents)"] = lambda: dar_served(s, kv, workspace)
         base = None
         for name, run in runs.items():

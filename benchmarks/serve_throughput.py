@@ -195,6 +195,8 @@ def workload(port: int, name: str, prompts: list, new: int, rounds: int, rounds1
     one_request(client, name, prompts[0], 2)  # warm-up
     out, fresh = {}, iter(prompts[1:])  # every request its own prompt: no prefix-cache hits
     for batch, n_rounds in ((1, rounds), (16, rounds16)):
+        if n_rounds == 0:
+            continue
         ttft, walls, tokens, decode_tokens, decode_time = [], [], 0, 0, 0.0
         poll = KVPoll(port) if batch == 1 else None
         for _ in range(n_rounds):
@@ -270,7 +272,7 @@ def main() -> None:
             server.close()
         print(f"# {name}: load average after {load()}", flush=True)
     def kv(r, pl=None):  # a request shorter than the polling interval leaves no reading
-        if not r["kv_per_token"] or (pl is not None and not pl["kv_per_token"]):
+        if not r.get("kv_per_token") or (pl is not None and not pl.get("kv_per_token")):
             return "n/a"
         return f"{r['kv_per_token']:.0f}" if pl is None else f"{r['kv_per_token'] / pl['kv_per_token']:.2f}x"
 
@@ -279,7 +281,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in folders:
         for n in a.prompts:
-            for batch in (1, 16):
+            for batch in (b for b in (1, 16) if b in results[name, n]):
                 pl, r = results["plain", n], results[name, n]
                 b, pb = r[batch], pl[batch]
                 print(f"| {name} | {n} | {batch} | {1e3 * b['ttft']:.0f} | {pb['ttft'] / b['ttft']:.2f}x | "
