@@ -51,17 +51,9 @@ def setup(requests: int, length: int, q_len: int, dtype: torch.dtype = torch.flo
 def vllm_attention(s, q, qs, seq, table, window, out):
     """vLLM's CPU kernel over the same blocks (allhere's layout is the kernel's "vec" layout), causal,
     ``window`` keys (-1: all)."""
-    from vllm import _custom_ops as ops
+    from allhere.serve.vllm_paged import vllm_attention as kernel
 
-    kv = s["cache"].view(s["nb"], KVH, BS * 2, D)
-    kc, vc = kv.chunk(2, dim=2)
-    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs=len(seq), num_heads=H, num_kv_heads=KVH, head_dim=D,
-                                               seq_lens=seq, dtype=q.dtype, query_start_loc=qs, causal=True,
-                                               sliding_window_size=window, isa="vec", enable_kv_split=False)
-    ops.cpu_attention_with_kv_cache(query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qs,
-                                    seq_lens=seq, scale=D ** -0.5, causal=True, alibi_slopes=None,
-                                    sliding_window=window, block_table=table, softcap=0.0,
-                                    scheduler_metadata=meta, s_aux=None)
+    kernel(q, s["cache"].view(s["nb"], KVH, BS * 2, D), out, qs, seq, table, window, D ** -0.5, 0.0, None, "vec")
 
 
 def vllm_aha(s):
@@ -95,8 +87,8 @@ def aha_served(s, workspace):
     meta = SimpleNamespace(num_actual_tokens=s["q"].shape[0], query_start_loc=s["qs"], seq_lens=s["seq"],
                            block_table=s["table"])
     reads = [[window_read(256, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]]
-    aha_over_vllm(s["q"], s["cache"], s["view"], meta, reads, s["gate"], 0, 256, D ** -0.5, 0.0, None, "vec",
-                  s["out"], workspace)
+    aha_over_vllm(s["q"], s["cache"], s["view"], meta, reads, s["gate"], 0, D ** -0.5, 0.0, None, "vec", s["out"],
+                  workspace)
 
 
 def latent_kv():

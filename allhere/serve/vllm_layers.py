@@ -9,8 +9,9 @@ hidden state (``allhere.mechanisms.aha.hidden_gate``), a pattern's mask predicat
   ``S = sigmoid(X W_router + b)`` on the block's input X (the weights allhere saved,
   ``...self_attn.allhere.router.{weight,bias}``) gives the gate per (token, query head) in a forward pre-hook.
   The host's softmax terms are kept: learned sink logits (gpt-oss) and soft-capped scores (Gemma-2). Where
-  vLLM's CPU kernel reads allhere's block layout, the local rows are its windowed kernel's (in place, over the
-  same blocks) and allhere's attention computes the global rows only.
+  vLLM's CPU kernel reads allhere's block layout, the local rows and a decode token's global rows are its kernel's
+  (in place, over the same blocks: ``allhere.serve.vllm_paged.aha_over_vllm``) and allhere's attention computes
+  the prefill tokens' global rows.
 - sinks, dilated, Longformer, BigBird and any other causal pattern (``install_masked``): one class reading what
   the pattern's predicate allows.
 - DAR: ``allhere.serve.vllm_dar``.

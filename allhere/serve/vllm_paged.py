@@ -69,18 +69,26 @@ def vllm_window(q, cache, meta, window: int, scale: float, softcap: float, sinks
     """vLLM's own CPU attention over ``cache`` (in allhere's layout, which is the kernel's), every query
     reading its ``window`` most recent keys: ``out`` [tokens, heads, d] for the first meta.num_actual_tokens."""
     nb, kv_heads, bs, _ = cache.shape
-    n, heads, d = meta.num_actual_tokens, q.shape[1], q.shape[2]
-    kc, vc = cache.view(nb, kv_heads, 2 * bs, d).chunk(2, dim=2)
+    n, d = meta.num_actual_tokens, q.shape[2]
     reqs = meta.query_start_loc.numel() - 1
+    vllm_attention(q[:n], cache.view(nb, kv_heads, 2 * bs, d), out[:n], meta.query_start_loc, meta.seq_lens[:reqs],
+                   meta.block_table, window + VLLM_WINDOW_OFFSET, scale, softcap, sinks, isa)
+
+
+def vllm_attention(q, kv, out, query_start, seq_lens, block_table, window: int, scale: float, softcap: float,
+                   sinks, isa: str) -> None:
+    """vLLM's CPU attention kernel, causal, over ``kv`` [blocks, kv_heads, 2 x block_size, d] (each block's keys
+    then its values, allhere's layout): q and out [tokens, heads, d]; ``window`` keys in vLLM's convention (-1:
+    every key)."""
+    kc, vc = kv.chunk(2, dim=2)
     sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=reqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, seq_lens=meta.seq_lens[:reqs],
-        dtype=q.dtype, query_start_loc=meta.query_start_loc, causal=True,
-        sliding_window_size=window + VLLM_WINDOW_OFFSET, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+        num_reqs=seq_lens.numel(), num_heads=q.shape[1], num_kv_heads=kv.shape[1], head_dim=q.shape[2],
+        seq_lens=seq_lens, dtype=q.dtype, query_start_loc=query_start, causal=True, sliding_window_size=window,
+        isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
     ops.cpu_attention_with_kv_cache(
-        query=q[:n], key_cache=kc, value_cache=vc, output=out[:n], query_start_loc=meta.query_start_loc,
-        seq_lens=meta.seq_lens[:reqs], scale=scale, causal=True, alibi_slopes=None,
-        sliding_window=window + VLLM_WINDOW_OFFSET, block_table=meta.block_table, softcap=softcap,
-        scheduler_metadata=sched, s_aux=sinks)
+        query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=query_start, seq_lens=seq_lens,
+        scale=scale, causal=True, alibi_slopes=None, sliding_window=window, block_table=block_table,
+        softcap=softcap, scheduler_metadata=sched, s_aux=sinks)
 
 
 def vllm_global_decode(q, cache, meta, glob, scale: float, softcap: float, isa: str, out) -> torch.Tensor:
@@ -102,35 +110,27 @@ def vllm_global_decode(q, cache, meta, glob, scale: float, softcap: float, isa: 
     ti, g = sel.any(-1).nonzero(as_tuple=True)
     if ti.numel() == 0:
         return tok
-    tiles = ti.numel()
-    kc, vc = cache.view(nb * kv_heads, 1, 2 * bs, d).chunk(2, dim=2)
     table = (meta.block_table[req[ti]].long() * kv_heads + g[:, None]).to(torch.int32)
-    seq = meta.seq_lens[req[ti]].to(torch.int32)
-    starts_t = torch.arange(tiles + 1, dtype=torch.int32, device=q.device)
+    starts_t = torch.arange(ti.numel() + 1, dtype=torch.int32, device=q.device)
     qt = q.view(-1, kv_heads, group, d)[tok[ti], g]  # [tiles, group, d] (a copy)
     o = torch.empty_like(qt)
-    sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=tiles, num_heads=group, num_kv_heads=1, head_dim=d, seq_lens=seq, dtype=q.dtype,
-        query_start_loc=starts_t, causal=True, sliding_window_size=-1, isa=isa,
-        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
-    ops.cpu_attention_with_kv_cache(
-        query=qt, key_cache=kc, value_cache=vc, output=o, query_start_loc=starts_t, seq_lens=seq, scale=scale,
-        causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=softcap,
-        scheduler_metadata=sched, s_aux=None)
+    vllm_attention(qt, cache.view(nb * kv_heads, 1, 2 * bs, d), o, starts_t, meta.seq_lens[req[ti]].to(torch.int32),
+                   table, -1, scale, softcap, None, isa)
     ov = out.view(-1, kv_heads, group, d)
     ov[tok[ti], g] = torch.where(sel[ti, g][..., None], o, ov[tok[ti], g])
     return tok
 
 
-def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, window: int, scale: float, softcap: float,
-                  sinks, isa: str, out, workspace) -> None:
+def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, scale: float, softcap: float, sinks,
+                  isa: str, out, workspace) -> None:
     """AHA's step on vLLM's CPU backend where its kernel reads allhere's layout: every row's window by vLLM's
     windowed kernel; the decode tokens' global rows by its full kernel per (token, kv head)
     (``vllm_global_decode``; with learned sink logits, by allhere's attention); the other global rows (prefill
     tokens) by allhere's attention (``paged_attention`` with the layer's ``reads``). ``row_class`` [tokens,
-    heads]: ``local`` for a local row. ``out`` [tokens, heads, d]: the first meta.num_actual_tokens rows."""
+    heads]: ``local`` for a local row, whose one read is a ``window_read``. ``out`` [tokens, heads, d]: the first
+    meta.num_actual_tokens rows."""
     n = meta.num_actual_tokens
-    vllm_window(q, cache, meta, window, scale, softcap, sinks, isa, out)
+    vllm_window(q, cache, meta, reads[local][0].window, scale, softcap, sinks, isa, out)
     glob = row_class[:n] != local
     if sinks is None and bool(glob.any()):
         glob[vllm_global_decode(q, cache, meta, glob, scale, softcap, isa, out)] = False
@@ -242,8 +242,8 @@ class PagedAttention(nn.Module):
             return
         isa = getattr(self.owner, "isa", None)
         if c is not None and same_layout(isa, view.dtype):
-            aha_over_vllm(q, self.owner.kv_cache, view, meta, self.reads, row_class, c, window, self.scale,
-                          self.softcap, self.sinks, isa, out, WORKSPACE)
+            aha_over_vllm(q, self.owner.kv_cache, view, meta, self.reads, row_class, c, self.scale, self.softcap,
+                          self.sinks, isa, out, WORKSPACE)
         else:
             paged_attention(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table, self.reads,
                             self.scale, out, row_class=row_class, softcap=self.softcap, workspace=WORKSPACE,

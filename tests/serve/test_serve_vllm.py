@@ -382,7 +382,7 @@ def test_aha_step_over_vllms_kernels_equals_allheres_attention(dtype):
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for sinks, cap in ((None, 0.0), (None, 3.0), (torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5]), 0.0)):
         theirs, ours = torch.zeros_like(q), torch.zeros_like(q)
-        aha_over_vllm(q, cache, view, meta, reads, gate, 0, window, d ** -0.5, cap, sinks, "vec", theirs, Workspace())
+        aha_over_vllm(q, cache, view, meta, reads, gate, 0, d ** -0.5, cap, sinks, "vec", theirs, Workspace())
         paged_attention(q, view, meta.query_start_loc, meta.seq_lens, table, reads, d ** -0.5, ours, row_class=gate,
                         sinks=sinks, softcap=cap)
         torch.testing.assert_close(theirs.float(), ours.float(), **tol)
