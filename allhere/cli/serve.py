@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..serve.serving import SERVE_BACKENDS
 from . import args as a
 
 
@@ -25,10 +26,15 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights and activations (default auto: the dtype config.json says the folder was saved in, "
                         "float32 where it says none; printed when the server is ready)")
+    p.add_argument("--backend", choices=SERVE_BACKENDS, default="auto",
+                   help="how the layers allhere computes run (default auto: on the CPU vLLM's own kernel where it "
+                        "reads allhere's cache layout, allhere's torch path for the rest; on CUDA allhere's Triton "
+                        "paged kernel for AHA). torch: never the Triton kernel; triton: AHA in the Triton kernel only; "
+                        "reference: every such layer by the dense float32 reference (slow: for checking)")
 
 
 def serve(args) -> None:
     from ..serve.launch import serve as run
 
     run(args.model, host=args.host, port=args.port, max_model_len=args.max_model_len, dtype=args.dtype,
-        kv_cache_gib=args.kv_cache_gib, verbose=args.verbose)
+        kv_cache_gib=args.kv_cache_gib, verbose=args.verbose, backend=args.backend)

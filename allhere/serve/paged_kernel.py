@@ -8,32 +8,28 @@ the others a window pass over every row, then a pass over the global rows, packe
 global row every key before it. Keys are stored untransposed in these layers (``paged.write(...,
 transposed=False)``). fp32 caches are computed with IEEE fp32 dots; fp16 / bf16 as the other kernels.
 
-Off CUDA the kernels run only under Triton's interpreter, slowly: a layer takes this path there only when
-``ALLHERE_SERVE_TRITON=1`` (and ``TRITON_INTERPRET=1`` before triton is imported), which the tests use to check
-the wiring inside vLLM's CPU backend.
+Off CUDA the kernels run only under Triton's interpreter, slowly: a layer takes this path there only when asked
+(``allhere serve --backend triton`` with ``TRITON_INTERPRET=1`` before triton is imported; backend "triton" of op
+family "paged", ``allhere.serve.paged_paths``), which the tests use to check the wiring inside vLLM's CPU backend.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from .paged import kernel_caches
 
-FORCE_ENV = "ALLHERE_SERVE_TRITON"  # "1": the kernel path off CUDA too (Triton's interpreter; tests)
-
 
 def kernel_refusal(head_dim: int, device: torch.device, softcap: float = 0.0,
                    sinks: torch.Tensor | None = None) -> str | None:
-    """None where a served AHA layer runs the Triton paged kernel, else why not (one line): triton, a CUDA cache
-    (or the interpreter, when asked), then the kernel's own rule (``allhere.kernels.aha_paged.refusal``)."""
+    """None where a served AHA layer can run the Triton paged kernel, else why not (one line): triton, a CUDA cache
+    (or Triton's interpreter), then the kernel's own rule (``allhere.kernels.aha_paged.refusal``)."""
     from .. import kernels
 
     if not kernels.triton_available():
         return "triton is not installed (pip install 'allhere[gpu]')"
-    if device.type != "cuda" and not (os.environ.get(FORCE_ENV) == "1" and kernels.interpreted()):
-        return f"the cache is on {device.type}, not CUDA (off CUDA: {FORCE_ENV}=1 under Triton's interpreter)"
+    if device.type != "cuda" and not kernels.interpreted():
+        return f"the cache is on {device.type}, not CUDA (off CUDA only under Triton's interpreter, TRITON_INTERPRET=1)"
     from ..kernels.aha_paged import refusal
 
     return refusal(head_dim, softcap, sinks is not None)

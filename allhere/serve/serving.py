@@ -11,6 +11,10 @@ from .. import registry
 from ..registry import Serving
 
 BACKENDS = {"cpu": "CPU", "cuda": "CUDA"}  # vLLM device type -> how the messages name its backend
+# the path of the layers allhere computes (op family "paged" of allhere.backend: allhere.serve.paged_paths), chosen
+# by ``allhere serve --backend`` and handed to the engine in this variable
+BACKEND_ENV = "ALLHERE_SERVE_BACKEND"
+SERVE_BACKENDS = ("auto", "torch", "triton", "reference")
 
 
 def spec(kind) -> Serving | None:

@@ -44,7 +44,7 @@ from vllm.model_executor.models.extract_hidden_states import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ..hosts import SUBMODULE
-from .paged import paged_attention, token_positions, window_read
+from .paged import token_positions, window_read
 from .paged_far import LatentKV, far_pieces, rotary_projection, write_latents
 from .vllm_layers import WINDOW_TILE, block_argument, rebuild_attention
 from .vllm_paged import VLLM_WINDOW_OFFSET, WORKSPACE, PagedAttention
@@ -146,9 +146,7 @@ class DARAttention(PagedAttention):
                                        token_positions(meta.query_start_loc, meta.seq_lens, n)[1])
         far = far_pieces(q[:n], latents, lmeta.query_start_loc, lmeta.seq_lens, lmeta.block_table, mech.window,
                          self._kv, self.scale, workspace=WORKSPACE)
-        paged_attention(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table, self.reads,
-                        self.scale, out, workspace=WORKSPACE, extra=far)
-        out[n:].zero_()
+        self.attend(q, view, meta, None, out, extra=far)
 
     def _latent_kv(self, x, k_host, positions) -> LatentKV:
         """The far keys' and values' maps from the latents; first checked: the same key path on the step's

@@ -22,6 +22,7 @@ its keys stored untransposed).
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -31,9 +32,11 @@ from vllm import envs
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
+from ..backend import OpPath, get_backend, select
 from .paged import Read, paged_attention, paged_view, write
 from .paged_chunks import Workspace
-from .paged_kernel import aha_paged, kernel_refusal
+from .paged_paths import OP, transposed_for
+from .serving import BACKEND_ENV
 
 PAGED_ATTR = "_allhere_paged"  # on the owner Attention: [its PagedAttention] (a list: no module cycle)
 VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
@@ -192,7 +195,8 @@ class PagedAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = owner.num_heads, owner.num_kv_heads, owner.head_size
         self.scale = float(owner.impl.scale)
         self.layer_name = owner.layer_name
-        self.kernel: bool | None = None  # AHA through the Triton paged kernel: decided at the first step with a cache
+        self.backend = os.environ.get(BACKEND_ENV) or get_backend()
+        self.path: OpPath | None = None  # of op family "paged": chosen at the first step with a cache, kept for life
         object.__setattr__(owner, PAGED_ATTR, [self])
 
     def forward(self, q, k, v, *args, **kwargs):
@@ -220,32 +224,36 @@ class PagedAttention(nn.Module):
             return None
         n = meta.num_actual_tokens
         k, v = (t.view(-1, self.kv_heads, self.head_dim)[:n] for t in (k, v))
-        if self.kernel is None:  # one layout for the layer's life
-            self.kernel = self.window_class is not None and kernel_refusal(
-                self.head_dim, cache.device, self.softcap, self.sinks) is None
         view = paged_view(cache, cache.shape[2], self.kv_heads, self.head_dim)  # blocks of block_size tokens
-        write(view, meta.slot_mapping[:n], k, v, transposed=not self.kernel)
-        return meta, view, q.view(-1, self.heads, self.head_dim), out
+        q = q.view(-1, self.heads, self.head_dim)
+        if self.path is None:  # one path, hence one cache layout, for the layer's life
+            self.path = select(OP, *self._args(q, view, meta, out), **self._options(None), backend=self.backend)
+        write(view, meta.slot_mapping[:n], k, v, transposed=transposed_for(self.path))
+        return meta, view, q, out
+
+    def _args(self, q, view, meta, out) -> tuple:
+        return q, view, meta.query_start_loc, meta.seq_lens, meta.block_table, self.reads, self.scale, out
+
+    def _options(self, row_class, extra=()) -> dict:
+        return dict(row_class=row_class, window_class=self.window_class, softcap=self.softcap, extra=extra,
+                    sinks=None if self.sinks is None else self.sinks.float(), workspace=WORKSPACE,
+                    transposed=transposed_for(self.path) if self.path is not None else True)
+
+    def attend(self, q, view, meta, row_class, out, extra=()) -> None:
+        """The layer's path (``allhere.serve.paged_paths``) on the step; ``out[n:]`` zeroed."""
+        self.path.fn(*self._args(q, view, meta, out), **self._options(row_class, extra),
+                     max_seq_len=getattr(meta, "max_seq_len", None), max_query_len=getattr(meta, "max_query_len", None))
+        out[meta.num_actual_tokens:].zero_()
 
     def compute(self, q, k, v, row_class, out) -> None:
         step = self.write_step(q, k, v, out)
         if step is None:
             return
         meta, view, q, out = step
-        n = meta.num_actual_tokens
-        c = self.window_class
-        window = None if c is None else self.reads[c][0].window
-        if self.kernel:  # AHA: the window for class c's rows, every earlier key for the others
-            aha_paged(q, view, meta.query_start_loc, meta.seq_lens, meta.block_table, row_class != c, window,
-                      self.scale, out, getattr(meta, "max_seq_len", None), getattr(meta, "max_query_len", None))
-            out[n:].zero_()
-            return
-        isa = getattr(self.owner, "isa", None)
-        if c is not None and same_layout(isa, view.dtype):
+        c, isa = self.window_class, getattr(self.owner, "isa", None)
+        if self.path.backend == "torch" and c is not None and same_layout(isa, view.dtype):
             aha_over_vllm(q, self.owner.kv_cache, view, meta, self.reads, row_class, c, self.scale, self.softcap,
                           self.sinks, isa, out, WORKSPACE)
+            out[meta.num_actual_tokens:].zero_()
         else:
-            paged_attention(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table, self.reads,
-                            self.scale, out, row_class=row_class, softcap=self.softcap, workspace=WORKSPACE,
-                            sinks=self.sinks.float() if self.sinks is not None else None)
-        out[n:].zero_()
+            self.attend(q, view, meta, row_class, out)

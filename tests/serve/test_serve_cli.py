@@ -135,3 +135,23 @@ def test_auto_serves_the_dtype_the_folder_was_saved_in():
     assert served_dtype("float16", {"dtype": "bfloat16"}) == "float16"
     with pytest.raises(ConfigError, match="float8_e4m3fn: give --dtype"):
         served_dtype("auto", {**LLAMA, "dtype": "float8_e4m3fn"})
+
+
+def test_backend_checked_before_vllm_starts(monkeypatch):
+    """``--backend triton`` serves AHA only, and off CUDA only under Triton's interpreter; the others take any
+    served model."""
+    from allhere.serve.launch import check_backend
+
+    aha = {**LLAMA, "allhere_mechanism": {"kind": "aha", "window": 64}}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for backend in ("auto", "torch", "reference"):
+        check_backend(backend, aha, cpu=True)
+    check_backend("triton", aha, cpu=False)
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        check_backend("triton", aha, cpu=True)
+    with pytest.raises(ConfigError, match="AHA models only, not sinks"):
+        check_backend("triton", {**LLAMA, "allhere_mechanism": {"kind": "sinks"}}, cpu=False)
+    with pytest.raises(ConfigError, match="--backend must be one of"):
+        check_backend("flex", aha, cpu=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_backend("triton", aha, cpu=True)

@@ -10,11 +10,12 @@ import torch
 
 import allhere as ah
 from allhere import registry
+from allhere.backend import dispatch, select
 from allhere.masks import causal, sliding_window
 from allhere.ops.aha import aha_attention_reference
 from allhere.ops.dar import dar_attention_reference
 from allhere.ops.full import pattern_attention_reference
-from allhere.serve import paged_chunks, paged_far
+from allhere.serve import paged_chunks, paged_far, paged_paths  # noqa: F401  (registers op family "paged")
 from allhere.serve.paged import (
     causal_read,
     paged_attention,
@@ -56,14 +57,15 @@ def _table(gen, bs):
     return table, n_blocks + 3
 
 
-def _serve(reads, gen, gate=None, q_tile=4, latent=None, d=D, kernel_window=None, **options):
+def _serve(reads, gen, gate=None, q_tile=4, latent=None, d=D, kernel_window=None, path="torch", **options):
     """Serve LENGTHS (+ the prefixed request) step by step as vLLM schedules them (STEPS), each step's K/V
     written first (with a padding slot), then attended (with a padding row after the real ones). Request 3
     starts with its first SHARED tokens already cached (request 0's blocks). ``latent``: (LatentKV, window, budget):
     also latents of D_DOWN per token in a cache of their own (blocks of BS_LATENT, another table), their far
     rows (``far_pieces``) joined. Returns per request its outputs [length, heads, d] (rows before SHARED of
     request 3: never computed) and [q, (k, v), gate [length, heads] or None, latents or None]. ``kernel_window``:
-    AHA with this window through the Triton paged kernel (``paged_kernel.aha_paged``) instead of ``reads``."""
+    AHA with this window through the Triton paged kernel (``paged_kernel.aha_paged``) instead of ``reads``;
+    ``path``: the backend of op family "paged" that computes the others (``allhere.serve.paged_paths``)."""
     lengths = LENGTHS + [PREFIXED]
     table, pool = _table(gen, BS)
     view = paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * d), BS, KV_HEADS, d)
@@ -111,8 +113,8 @@ def _serve(reads, gen, gate=None, q_tile=4, latent=None, d=D, kernel_window=None
             aha_paged(torch.cat([q, q[:1]]), view, torch.tensor(starts), torch.tensor(lens), used, row_class,
                       kernel_window, d ** -0.5, out)
         else:
-            paged_attention(torch.cat([q, q[:1]]), view, torch.tensor(starts), torch.tensor(lens), used, reads,
-                            d ** -0.5, out, row_class=row_class, q_tile=q_tile, extra=extra, **options)
+            dispatch("paged", torch.cat([q, q[:1]]), view, torch.tensor(starts), torch.tensor(lens), used, reads,
+                     d ** -0.5, out, row_class=row_class, q_tile=q_tile, extra=extra, backend=path, **options)
         assert bool((out[-1] == 7.0).all())  # the padding row is left alone
         for (r, a, b), s0, s1 in zip(rows, starts, starts[1:]):
             outs[r][a:b] = out[s0:s1]
@@ -140,11 +142,12 @@ PATTERNS = [ah.SinksConfig(window=5, n_sinks=2), ah.DilatedConfig(window=4, dila
             ah.BigBirdConfig(block=2, window_blocks=2, global_blocks=1, random_blocks=1)]
 
 
+@pytest.mark.parametrize("path", ["torch", "reference"])
 @pytest.mark.parametrize("cfg", PATTERNS, ids=lambda c: c.kind)
-def test_masked_patterns_equal_dense_reference(cfg):
+def test_masked_patterns_equal_dense_reference(cfg, path):
     gen = torch.Generator().manual_seed(0)
     pred = registry.from_dict(registry.to_dict(cfg)).mask_fn(None)
-    outs, data = _serve([[(pred, 0)]], gen, gate=False)
+    outs, data = _serve([[(pred, 0)]], gen, gate=False, path=path)
     _check(outs, data, lambda q, kv, g, c: pattern_attention_reference(_bhld(q), _bhld(kv[0]), _bhld(kv[1]), pred,
                                                             scale=SCALE)[0].transpose(0, 1))
 
@@ -196,11 +199,12 @@ def _dense_terms(sinks=None, cap=0.0):
     return attend
 
 
+@pytest.mark.parametrize("path", ["torch", "reference"])
 @pytest.mark.parametrize("terms", [{"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}, {"softcap": 0.7}],
                          ids=["sink-logits", "softcap"])
-def test_aha_with_host_softmax_terms(terms):
+def test_aha_with_host_softmax_terms(terms, path):
     gen = torch.Generator().manual_seed(2)
-    outs, data = _serve(AHA_READS, gen, **terms)
+    outs, data = _serve(AHA_READS, gen, path=path, **terms)
     attend = _dense_terms(terms.get("sinks"), terms.get("softcap", 0.0))
     _check(outs, data, lambda q, kv, g, c: aha_attention_reference(
         _bhld(q), _bhld(kv[0]), _bhld(kv[1]), g.T[None], 6, SCALE, attend=attend)[0].transpose(0, 1))
@@ -289,6 +293,45 @@ def test_dar_latents_equal_reference(window, bias, neox, norm, budget, scratch, 
                                        scale=SCALE)[0].transpose(0, 1)
 
     _check(outs, data, want)
+
+
+def test_dar_latents_on_the_reference_path():
+    """The reference path of op family "paged" with DAR's far pieces joined (``extra``): the same as the dense
+    reference of DAR."""
+    gen = torch.Generator().manual_seed(3)
+    kv, direct = _latent_kv(gen, True, True, False)
+    outs, data = _serve([[window_read(3)]], gen, gate=False, latent=(kv, 3, SMALL_BUDGET), path="reference")
+
+    def want(q, near, g, c):
+        k_far = direct(c, torch.arange(c.shape[0]))
+        v_far = torch.einsum("hdc,tc->thd", kv.v_weight, c) + kv.v_bias
+        return dar_attention_reference(_bhld(q), *(_bhld(t) for t in (*near, k_far, v_far)), 3,
+                                       scale=SCALE)[0].transpose(0, 1)
+
+    _check(outs, data, want)
+
+
+def test_paged_paths_as_the_backend_picks_them():
+    """Op family "paged" in ``allhere.backend``: "auto" takes the torch path on the CPU, ``use_backend`` reaches
+    it, the Triton path refuses what is not AHA's two classes, and the reference reads either key layout."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(6, HEADS, 16, generator=gen)
+    k, v = torch.randn(6, KV_HEADS, 16, generator=gen), torch.randn(6, KV_HEADS, 16, generator=gen)
+    gate = torch.rand(6, HEADS, generator=gen) < 0.5
+    args = (q, None, torch.tensor([0, 6]), torch.tensor([6]), torch.tensor([[2, 0]]), AHA_READS, SCALE, None)
+    assert select("paged", *args, row_class=gate, window_class=0).backend == "torch"
+    with ah.use_backend("reference"):
+        assert select("paged", *args, row_class=gate, window_class=0).backend == "reference"
+    with pytest.raises(ValueError, match="two row classes"):
+        select("paged", *args, backend="triton")
+    want = aha_attention_reference(_bhld(q), _bhld(k), _bhld(v), gate.T[None], 6, SCALE)[0].transpose(0, 1)
+    for transposed in (True, False):
+        view = paged_view(torch.zeros(3, KV_HEADS, BS, 2 * 16), BS, KV_HEADS, 16)
+        write(view, torch.tensor([8, 9, 10, 11, 0, 1]), k, v, transposed=transposed)
+        out = torch.empty(6, HEADS, 16)
+        dispatch("paged", q, view, *args[2:6], SCALE, out, row_class=gate, window_class=0, transposed=transposed,
+                 backend="reference")
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_dar_prefill_in_half_precision():

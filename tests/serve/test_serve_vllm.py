@@ -104,21 +104,22 @@ def _engines():
     _ENGINES.close()
 
 
-def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, kernel=False, max_model_len=512,
+def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, backend=None, max_model_len=512,
           module=None):
     """Greedy tokens served by vLLM (``allhere.serve.vllm_check``): the eager checks in the shared process,
-    ``compiled`` and ``kernel`` (AHA layers through allhere's Triton paged kernel, its path on CUDA, in Triton's
-    interpreter) each in a process of their own, since they change how the process compiles; so does a check
-    that first imports ``module`` from tests/ (a mechanism registered outside allhere)."""
+    ``compiled`` and ``backend`` (the served layers' backend of op family "paged", as ``allhere serve --backend``
+    sets it: "triton" is allhere's Triton paged kernel, AHA's path on CUDA, here in Triton's interpreter) each in
+    a process of their own, since they change how the process compiles; so does a check that first imports
+    ``module`` from tests/ (a mechanism registered outside allhere)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest's, for allhere's kernels
     env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     args = ([str(folder), "--prompts", json.dumps(prompts), "--max-tokens", str(NEW_TOKENS), "--forced", forced]
             + (["--again"] if again else []) + (["--compiled"] if compiled else [])
             + (["--held", str(held)] if held else []) + ["--max-model-len", str(max_model_len)])
-    if not (compiled or kernel or module):
+    if not (compiled or backend or module):
         return _ENGINES.run(args, env)
-    if kernel:
-        env.update(TRITON_INTERPRET="1", ALLHERE_SERVE_TRITON="1")
+    if backend:
+        env.update(ALLHERE_SERVE_BACKEND=backend, **({"TRITON_INTERPRET": "1"} if backend == "triton" else {}))
     cmd = ["-m", "allhere.serve.vllm_check"]
     if module:
         tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,12 +173,15 @@ def test_llama_aha_routed_forced_global_and_local(folders):
     assert routed["tokens"] != plain and served["false"]["tokens"] != plain  # the test can tell them apart
 
 
-def test_llama_aha_through_the_triton_paged_kernel(folders):
-    """The path of AHA layers on CUDA (allhere's Triton paged kernel, keys stored untransposed, every row in
-    the kernel), here in Triton's interpreter inside vLLM's CPU backend: the same tokens as allhere's generate."""
-    pytest.importorskip("triton")
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_llama_aha_on_other_paged_backends(folders, backend):
+    """"triton": the path of AHA layers on CUDA (allhere's Triton paged kernel, keys stored untransposed, every
+    row in the kernel), here in Triton's interpreter inside vLLM's CPU backend; "reference": every row by the
+    dense float32 reference over the paged cache. Both: the same tokens as allhere's generate."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     prompts = folders["prompts"]
-    routed = _vllm(folders["llama_aha"], prompts, kernel=True)["none"]
+    routed = _vllm(folders["llama_aha"], prompts, backend=backend)["none"]
     assert 0.1 < routed["routing"]["mu_f"] < 0.9, routed["routing"]
     assert routed["tokens"] == _allhere(folders["llama_aha"], prompts)
 
