@@ -34,7 +34,10 @@ rule's parts and over pieces of bounded memory, never over requests or heads):
    call and attended unmasked; the others under the predicate's mask, each (tile, block) in torch's fused
    flash attention for the CPU, which also returns each row's log-sum-exp;
 4. decode rows (one query in their request) take one tile per (token, kv head, class) that gathers all its
-   blocks at once and scores them by matmul from the transposed keys (``paged_decode``);
+   blocks at once and scores them by matmul from the transposed keys (``paged_decode``); where every row of
+   the layer reads one predicate (the masked patterns: no classes, no extra pieces, no sink logits), all the
+   step's decode tokens are computed at once and written straight to ``out``, with no merge
+   (``paged_decode.decode_direct``: at batch 1 a step's cost is its number of operations);
 5. all pieces a row read are merged by their log-sum-exp (one softmax over everything it reads), learned sink
    logits (gpt-oss) joining as one more term, folded as they come once they pass a memory budget
    (``paged_chunks.Merger``); the rows are written to ``out``.
@@ -50,7 +53,7 @@ import torch
 
 from .. import masks
 from .paged_chunks import Merger, Workspace, attend_part, tile_rows
-from .paged_decode import decode_rows
+from .paged_decode import decode_direct, decode_rows
 
 
 class Read(NamedTuple):
@@ -148,11 +151,17 @@ def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
     n = int(query_start[-1])
     if n == 0:
         return
+    one_read = len(reads) == 1 and len(reads[0]) == 1 and not extra and sinks is None and row_class is None
+    starts = query_start.long()
+    decode = (starts[1:] - starts[:-1]) == 1 if one_read else None
+    if decode is not None and bool(decode.all()):  # a decode step of a one-rule layer: no merge at all
+        _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, view, out)
+        return
     merger = Merger(n * heads, q.shape[2], q.device)
     for piece in extra:  # in turn, not interleaved: the pieces may share the workspace's buffers
         merger.add(piece)
     for piece in paged_pieces(q, view, query_start, seq_lens, block_table, reads, scale, row_class, softcap, q_tile,
-                              pack, workspace):
+                              pack, workspace, with_decode=decode is None):
         merger.add(piece)
     if sinks is not None:  # exp(sink logit) joins every row's denominator, with no value
         rows = torch.arange(n * heads, device=q.device)[:, None]
@@ -165,15 +174,26 @@ def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
         cls = torch.zeros(n, heads, dtype=torch.long, device=q.device) if row_class is None else row_class[:n].long()
         mine = ~torch.isin(cls, torch.tensor(empty, device=q.device))[..., None]
         out[:n] = torch.where(mine, merged, out[:n])
+    if decode is not None and bool(decode.any()):
+        _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, view, out)
+
+
+def _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, view, out) -> None:
+    """The decode tokens of a layer whose rows all read one predicate, straight into ``out``
+    (``paged_decode.decode_direct``)."""
+    req = decode.nonzero().squeeze(1)
+    decode_direct(q, starts[:-1][req], req, seq_lens[req].long() - 1, Read(*reads[0][0]).pred, view, block_table,
+                  scale, softcap, out)
 
 
 def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                  block_table: torch.Tensor, reads: Sequence[Sequence[Read]], scale: float,
                  row_class: torch.Tensor | None = None, softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
-                 workspace: Workspace | None = None):
+                 workspace: Workspace | None = None, with_decode: bool = True):
     """What ``paged_attention`` reads, before the merge: yields pieces (row ids ``token x heads + head`` [n, size],
     -1: padding; output [n, size, d]; log-sum-exp [n, size]) for ``paged_chunks.merge`` / ``Merger`` as they are
-    computed (a consumer that folds them holds no more than it chooses)."""
+    computed (a consumer that folds them holds no more than it chooses). ``with_decode`` False: none for the
+    decode tokens (requests with one query)."""
     heads = q.shape[1]
     n = int(query_start[-1])
     dev = q.device
@@ -188,7 +208,7 @@ def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor,
            else row_class[:n].reshape(-1).long())
     qflat = q[:n].reshape(n * heads, q.shape[2])  # by row id (one copy where q is a strided view)
     one = q_len == 1
-    if bool(one.any()):  # decode rows: one tile per (token, kv head, class)
+    if with_decode and bool(one.any()):  # decode rows: one tile per (token, kv head, class)
         t = starts[:-1][one]
         yield from decode_rows(qflat, t, req[t], pos[t], None if row_class is None else row_class[t], reads, view,
                              block_table, scale, softcap, heads, workspace)

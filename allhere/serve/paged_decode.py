@@ -90,3 +90,40 @@ def _attend_t(q, kt, v, allowed, scale: float, softcap: float):
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
     return torch.bmm(p, v.float()).to(q.dtype), lse
+
+
+def decode_direct(q, tok, req, pos, pred, view, block_table, scale: float, softcap: float, out) -> None:
+    """The decode tokens ``tok`` [m] (request ``req``, position ``pos``) of a layer whose rows all read one
+    predicate (the masked patterns), written straight into ``out`` [tokens, heads, d]: one softmax per row
+    over every key it reads, so no log-sum-exp and no merge. All tokens at once, in few operations (the cost
+    of a decode step at batch 1 is the number of operations, not the keys): each token's readable blocks
+    (``pred.tiles``, any head) gathered in one copy, scores by one matmul from the keys as the cache holds
+    them (transposed), the predicate's mask, softmax, one matmul with the values. Scores in float32."""
+    m, heads, d = tok.numel(), q.shape[1], q.shape[2]
+    kv_heads, bs = view.shape[1], view.shape[3]
+    group = heads // kv_heads
+    dev = q.device
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    h = torch.arange(heads, device=dev).view(1, kv_heads, group, 1)
+    p = pos.view(m, 1, 1, 1)
+    kl = torch.arange(int(pos.max()) // bs + 1, device=dev) * bs
+    ok = kl <= pos[:, None]  # [m, blocks]
+    test = getattr(pred, "tiles", None)
+    if test is not None:
+        ok = ok & test(zero, h, p, p, kl, kl + bs - 1).expand(m, kv_heads, group, kl.numel()).any(2).any(1)
+    count = ok.sum(1)
+    width = max(1, int(count.max()))
+    cols = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices[:, :width]  # readable blocks first
+    valid = torch.arange(width, device=dev) < count[:, None]
+    blocks = torch.where(valid, block_table[req].long().gather(1, cols), 0)
+    kv = view[blocks]  # [m, width, kv_heads, 2, bs, d]: one copy of what is read
+    kt = kv[:, :, :, 0].reshape(m, width, kv_heads, d, bs).permute(0, 2, 3, 1, 4).reshape(m, kv_heads, d, -1)
+    v = kv[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(m, kv_heads, -1, d)
+    s = torch.matmul(q[tok].view(m, kv_heads, group, d).float(), kt.float()) * scale  # [m, kv_heads, group, keys]
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    kpos = (cols[:, :, None] * bs + torch.arange(bs, device=dev)).view(m, 1, 1, -1)
+    allowed = pred(zero, h, p, kpos) & (kpos <= p) & valid.repeat_interleave(bs, 1).view(m, 1, 1, -1)
+    s.masked_fill_(~allowed, _NEG)
+    w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
+    out[tok] = torch.matmul(w, v.float()).view(m, heads, d).to(out.dtype)
