@@ -76,7 +76,8 @@ def configs():
             "dar": ah.DARConfig(window=256, d_down=64)}
 
 
-def build(root: Path, calibrate: int, mechanisms: list[str], max_len: int) -> tuple[dict[str, Path], float | None]:
+def build(root: Path, calibrate: int, mechanisms: list[str], max_len: int,
+          kv_heads: int = HEADS) -> tuple[dict[str, Path], float | None]:
     """The plain folder and one per mechanism; returns them and the AHA model's mu_f on a prompt."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -85,7 +86,7 @@ def build(root: Path, calibrate: int, mechanisms: list[str], max_len: int) -> tu
 
     tok = tokenizer()
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=max_len,
+                      num_attention_heads=HEADS, num_key_value_heads=kv_heads, max_position_embeddings=max_len,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
     torch.manual_seed(0)
     plain = LlamaForCausalLM(cfg).eval()
@@ -233,6 +234,8 @@ def main() -> None:
                         "the random model")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
                    help="served dtype (default float32; with --real auto: the dtype the folders were saved in)")
+    p.add_argument("--kv-heads", type=int, default=HEADS, choices=[h for h in range(1, HEADS + 1) if HEADS % h == 0],
+                   help=f"the random model's kv heads (default {HEADS}: multi-head; fewer: grouped-query)")
     a = p.parse_args()
     if a.quick:
         a.prompts, a.new, a.rounds, a.rounds16 = [256], 16, 2, 1
@@ -244,7 +247,8 @@ def main() -> None:
         dtype = a.dtype or "auto"
     else:
         root = Path(tempfile.mkdtemp(prefix="serve-bench-"))
-        folders, mu_f = build(root, min(max(a.prompts), 4096), list(dict.fromkeys(a.mechanisms)), max(max_len, 4096))
+        folders, mu_f = build(root, min(max(a.prompts), 4096), list(dict.fromkeys(a.mechanisms)), max(max_len, 4096),
+                              a.kv_heads)
         g = torch.Generator().manual_seed(2)
         prompts = {n: [" ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 4, (n - 1,), generator=g))
                        for _ in range(count)] for n in a.prompts}  # + BOS = n tokens each
@@ -252,6 +256,7 @@ def main() -> None:
     load = lambda: " ".join(f"{x:.2f}" for x in os.getloadavg())  # noqa: E731
     print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; prompts {a.prompts} tokens, "
           f"{a.new} new, batch 1 x {a.rounds}, batch 16 x {a.rounds16}; KV cache {a.kv_cache_gib} GiB; dtype {dtype}"
+          + (f"; {HEADS} heads over {a.kv_heads} kv heads" if a.real is None else "")
           + (f"; real model: {a.real}" if a.real is not None else "")
           + (f"; AHA mu_f on a prompt {100 * mu_f:.1f}%" if mu_f is not None else ""), flush=True)
     results = {}
