@@ -158,8 +158,8 @@ class DARLatentAttention(AttentionMechanism):
 
     def _calibrating(self, q, k, v, call, cache):
         """The host's own causal attention (every key near), summing each rotary pair's norms of q and k."""
-        if cache is not None:
-            raise RuntimeError("calibrate dar_latent layers with a forward without a cache")
+        if k.shape[2] != q.shape[2]:
+            raise RuntimeError("calibrate dar_latent layers with forwards that start from an empty cache (or none)")
         rot, stats = call.rope[0].shape[-1], self.calibration
         for name, x in (("q", q), ("k", k)):
             stats[name] = stats.get(name, 0) + pair_norms(x.detach(), rot)
