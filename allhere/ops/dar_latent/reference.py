@@ -32,16 +32,13 @@ def dar_latent_attention_reference(q, q_far, k_near, v_near, latent, k_rope, w_u
     attend; a query that may see no key gives 0. scale: None = 1 / sqrt(d). Returns q's dtype."""
     _, h, lq, d, _, lk = check_latent_call(q, q_far, k_near, v_near, latent, k_rope, w_uk, w_uv)
     scale = default_scale(d, scale)
-    causal_m = dense_mask(causal, lq, lk, q.device)
-    near_m = dense_mask(sliding_window(window), lq, lk, q.device) if window > 0 else torch.zeros_like(causal_m)
-    far_m = causal_m & ~near_m
-    if mask is not None:
-        near_m, far_m = near_m & mask, far_m & mask
-    k_far, v_far = far_kv(latent.float(), k_rope.float(), w_uk.float(), w_uv.float())
-    s_near = (q.float() @ repeat_kv(k_near, h).float().transpose(-1, -2) * scale).masked_fill(~near_m, float("-inf"))
-    s_far = (q_far.float() @ repeat_kv(k_far, h).transpose(-1, -2) * scale).masked_fill(~far_m, float("-inf"))
-    s = torch.cat([s_near, s_far], dim=-1)
-    seen = torch.isfinite(s).any(-1, keepdim=True)
-    p = torch.where(seen, torch.softmax(s.masked_fill(~seen, 0.0), dim=-1), 0.0)
-    v = torch.cat([repeat_kv(v_near, h).float(), repeat_kv(v_far, h)], dim=2)
-    return (p @ v).to(q.dtype)
+    allowed = dense_mask(causal, lq, lk, q.device) if mask is None else dense_mask(causal, lq, lk, q.device) & mask
+    near = dense_mask(sliding_window(window), lq, lk, q.device) if window > 0 else torch.zeros_like(allowed)
+    k_far, v_far = (repeat_kv(t, h) for t in far_kv(latent.float(), k_rope.float(), w_uk.float(), w_uv.float()))
+    logits = torch.where(near, q.float() @ repeat_kv(k_near, h).float().transpose(-1, -2),
+                         q_far.float() @ k_far.transpose(-1, -2)) * scale  # one grid: each key near or far
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    seen = allowed.any(-1, keepdim=True)
+    p = torch.where(seen, torch.softmax(logits.masked_fill(~seen, 0.0), dim=-1), 0.0)
+    out = (p * near) @ repeat_kv(v_near, h).float() + (p * ~near) @ v_far
+    return out.to(q.dtype)
