@@ -124,3 +124,19 @@ def test_hosts_without_plain_kv_projections_are_refused():
     with pytest.raises(ConfigError, match="k_proj / v_proj without bias; this layer's k_proj is biased"):
         init_from_host(model)
     assert family_config("qwen2").num_key_value_heads == KV
+
+
+def test_save_then_load_keeps_the_latent_weights_and_the_kept_channels(tmp_path):
+    from allhere.hf import load_pretrained, save_pretrained
+
+    base = build("llama")
+    ids = torch.randint(3, 97, (2, 20))
+    model = convert(sharpen(base), DARLatentConfig(window=3, d_down=12, rope_pairs=2))
+    init_from_host(model, lambda: model(ids, use_cache=False))
+    save_pretrained(model, tmp_path / "m")
+    again = load_pretrained(tmp_path / "m").eval()
+    first = again.model.layers[0].self_attn.allhere
+    assert torch.equal(first.channels, model.model.layers[0].self_attn.allhere.channels)
+    assert not torch.equal(first.channels, type(first)(first.cfg, first.dims).channels)  # calibrated, not the default
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
