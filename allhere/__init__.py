@@ -12,6 +12,7 @@ from .mechanisms import (
     AllAttentionConfig,
     BigBirdConfig,
     DARConfig,
+    DARLatentConfig,
     DilatedConfig,
     FullConfig,
     LongformerConfig,
@@ -30,7 +31,8 @@ from .validation import ConfigError
 __version__ = "0.1.0"
 
 __all__ = [
-    "AAMoEConfig", "AHAConfig", "AllAttentionConfig", "BigBirdConfig", "ConfigError", "DARConfig", "DilatedConfig",
+    "AAMoEConfig", "AHAConfig", "AllAttentionConfig", "BigBirdConfig", "ConfigError", "DARConfig", "DARLatentConfig",
+    "DilatedConfig",
     "LongformerConfig", "Serving", "SinksConfig", "bigbird_schedule", "dilation_schedule", "Decoder", "DecoderOutput",
     "FullConfig", "LayerRouting", "ModelConfig", "Routing", "SlidingConfig", "TrainConfig", "aha_attention",
     "aha_attention_reference", "register", "routed_layers", "set_forced_gate", "sliding_window_attention",

@@ -54,7 +54,7 @@ class Attention(nn.Module):
         call = AttentionCall(x=x, segment_starts=segment_starts, q_extra=q_extra, positions=positions,
                              project_kv=lambda h, positions=None, weights=None:
                                  self.project_kv(h, positions, cos, sin, weights),
-                             kv_weights=(self.k_proj.weight, self.v_proj.weight))
+                             kv_weights=(self.k_proj.weight, self.v_proj.weight), rope=(cos, sin))
         out, routing = self.mechanism(q, k, v, call, cache=cache)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.h * self.hd)), routing
 

@@ -13,6 +13,7 @@ from allhere import (
     AllAttentionConfig,
     BigBirdConfig,
     DARConfig,
+    DARLatentConfig,
     DilatedConfig,
     FullConfig,
     LongformerConfig,
@@ -28,6 +29,7 @@ EXAMPLES = {
     "sliding": SlidingConfig(window=8),
     "aha": AHAConfig(window=8, router_init="neutral"),  # about half the gates open
     "dar": DARConfig(window=8, d_down=8),
+    "dar_latent": DARLatentConfig(window=8, d_down=8, rope_pairs=1),
     "sinks": SinksConfig(window=8, n_sinks=2),
     "dilated": DilatedConfig(window=4, dilation=2),
     "longformer": LongformerConfig(window=8, global_first=2),
@@ -39,6 +41,9 @@ EXAMPLES = {
 # kind -> {contract item: (exception type, message pattern)} for what the kind refuses, with the error it
 # gives. Items: "cache" (KV-cache decoding), "packed" (segment_starts), "context_parallel".
 REFUSALS = {
+    "dar_latent": {
+        "context_parallel": (NotImplementedError, "read with the queries' unrotated part"),
+    },
     "aamoe": {
         "packed": (ValueError, "aamoe does not take segment_starts .* its budget is shared by the whole sequence"),
         "context_parallel": (NotImplementedError, "within a budget set over the whole sequence"),

@@ -214,7 +214,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     elif attention_mask is not None:
         raise NotImplementedError(f"allhere attention got a mask it did not build ({type(attention_mask).__name__})")
     call = AttentionCall(x=_hidden_states(args, call_kwargs), segment_starts=starts, scale=scaling, attend=attend,
-                         positions=SHARD_POSITIONS.get(), kv_len=kv_len,
+                         positions=SHARD_POSITIONS.get(), kv_len=kv_len, rope=_rope(call_kwargs),
                          project_kv=lambda h, positions=None: project_kv(module, args, call_kwargs, rotary, h,
                                                                          positions))
     cache = None
@@ -224,6 +224,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     out, routing = mech(query, key, value, call, cache=cache)
     mech.last_routing = routing
     return out.transpose(1, 2).contiguous(), None
+
+
+def _rope(call_kwargs):
+    """(cos, sin) of the call's queries where the module was handed them (``position_embeddings``, rotate-half
+    families: Llama, Qwen, Mistral, OLMo-2, GPT-NeoX's partial rotary), else None."""
+    rope = call_kwargs.get("position_embeddings")
+    return tuple(rope) if isinstance(rope, (tuple, list)) and len(rope) == 2 else None
 
 
 def static_length(host_cache, layer_idx: int, mech) -> torch.Tensor | None:

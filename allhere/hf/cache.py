@@ -203,7 +203,9 @@ class DARCall:
 
 
 # mechanism kind -> its own cache layer on Hugging Face models, made from the mechanism module
-OWN_LAYERS = {"dar": lambda mech: DARCacheLayer(mech.cfg.window)}
+# (dar_latent keeps the same: the window's K/V, and per token its latent + rotated key in the latent row)
+OWN_LAYERS = {"dar": lambda mech: DARCacheLayer(mech.cfg.window),
+              "dar_latent": lambda mech: DARCacheLayer(mech.cfg.window)}
 
 
 def has_own_layer(module, kind: str) -> bool:

@@ -6,6 +6,7 @@ from .allattention import AllAttention, AllAttentionConfig
 from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan, mechanism_layers
 from .bigbird import BigBirdAttention, BigBirdConfig, bigbird_schedule
 from .dar import DARAttention, DARConfig
+from .dar_latent import DARLatentAttention, DARLatentConfig
 from .dilated import DilatedAttention, DilatedConfig, dilation_schedule
 from .full import FullAttention, FullConfig
 from .longformer import LongformerAttention, LongformerConfig
@@ -14,6 +15,7 @@ from .sliding import SlidingAttention, SlidingConfig
 
 __all__ = ["AAMoEAttention", "AAMoEConfig", "AHAAttention", "AHAConfig", "AllAttention", "AllAttentionConfig",
            "AttentionCall", "AttentionDims", "AttentionMechanism", "BigBirdAttention",
-           "BigBirdConfig", "ContextParallelPlan", "DARAttention", "DARConfig", "DilatedAttention", "DilatedConfig",
+           "BigBirdConfig", "ContextParallelPlan", "DARAttention", "DARConfig", "DARLatentAttention", "DARLatentConfig",
+           "DilatedAttention", "DilatedConfig",
            "FullAttention", "FullConfig", "LongformerAttention", "LongformerConfig", "SinksAttention", "SinksConfig",
            "SlidingAttention", "SlidingConfig", "bigbird_schedule", "dilation_schedule", "mechanism_layers"]

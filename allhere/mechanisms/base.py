@@ -85,6 +85,10 @@ class AttentionCall:
     # int [b]: one decode query per sequence over keys in a longer buffer (a host's static cache), sequence i
     # holding its first kv_len[i]; only a mechanism with ``takes_kv_len`` is handed one.
     kv_len: torch.Tensor | None = None
+    # (cos, sin) [n, rot] or [b, n, rot]: the host's rotary embedding of the queries (rotate-half layout over the
+    # first ``rot`` <= head_dim channels, pair f = channels (f, f + rot/2); the rest unrotated), None where the
+    # host rotates otherwise. A mechanism that needs the queries' unrotated part (``dar_latent``) inverts it.
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass

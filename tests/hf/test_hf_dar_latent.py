@@ -1,0 +1,142 @@
+"""``dar_latent`` on Hugging Face models converted by ``allhere.hf.convert``, offline (tiny random configs of
+test_hf, plus Llama-3's scaled RoPE): initialised from the host at full rank it is the original model; its cache
+(the window's K/V, a latent + rotated key per token, inside transformers' Cache API) decodes as the full forward
+computes, chunked prefill and greedy generation included."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from allhere import DARLatentConfig  # noqa: E402
+from allhere.hf import convert, new_cache  # noqa: E402
+from allhere.hf.cache import DARCacheLayer, cache_kwargs  # noqa: E402
+from allhere.hf.convert import dims_of  # noqa: E402
+from allhere.mechanisms.dar_latent_init import init_from_host  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
+from test_hf import COMMON, build, family_config  # noqa: E402
+
+HD, KV = 16, 2  # head_dim and KV heads of test_hf's configs
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}  # short: the scaling changes most of a 16-channel head's frequencies
+
+
+def llama3(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(num_key_value_heads=KV, rope_theta=500000.0, rope_scaling=LLAMA3, **COMMON)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def model_of(name):
+    return llama3() if name == "llama3" else build(name)
+
+
+def sharpen(model):
+    """Peaked attention (q, k scaled up from the random init), as trained models have."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3", "mistral", "qwen3", "olmo2"])  # scaled RoPE; q/k norms
+def test_full_rank_from_the_host_is_the_original(name):
+    """Every pair kept and d_c = rank of W_V, initialised from the host (calibrated on the ids): the original
+    logits (k norms included: the kept channels are the host's keys as they are); fewer pairs, with the content
+    rank still full, change them."""
+    ids = torch.randint(3, 97, (2, 24))
+    hd = dims_of(model_of(name).config).head_dim  # Qwen3's is 128: W_V's rank is then d = 64
+    with torch.no_grad():
+        want = sharpen(model_of(name))(ids).logits
+        full = convert(sharpen(model_of(name)), DARLatentConfig(window=4, d_down=min(KV * hd, 64), rope_pairs=hd // 2))
+        init_from_host(full, lambda: full(ids))
+        assert rel_err(full(ids).logits, want) < 1e-5
+        if name in ("llama", "llama3"):
+            partial = convert(sharpen(model_of(name)), DARLatentConfig(window=4, d_down=64, rope_pairs=2))
+            init_from_host(partial)
+            assert rel_err(partial(ids).logits, want) > 1e-3
+
+
+@pytest.mark.parametrize("window", [0, 3, 30])
+def test_chunked_prefill_and_decoding_equal_the_full_forward(window):
+    model = convert(sharpen(llama3()), DARLatentConfig(window=window, d_down=12, rope_pairs=2))
+    init_from_host(model)
+    ids = torch.randint(3, 97, (2, 26))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = new_cache(model)
+        parts = [model(ids[:, a:b], **cache_kwargs(cache), use_cache=True).logits for a, b in ((0, 11), (11, 20))]
+        parts += [model(ids[:, t:t + 1], **cache_kwargs(cache), use_cache=True).logits for t in range(20, 26)]
+    assert rel_err(torch.cat(parts, 1), full) < 1e-5
+    layer = cache.layers[0]
+    assert isinstance(layer, DARCacheLayer) and layer.latent.shape == (2, 26, 12 + 2 * 2 * KV)
+    assert layer.keys.shape[2] == min(window, 26)
+
+
+def test_queries_unrotate_with_the_hosts_scaled_table():
+    """The content part of a query is the host's rotated query with Llama-3's scaled rotation undone: what the
+    query was before the rotary embedding, at every position."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from allhere.mechanisms.dar_latent import unrotate
+
+    model = llama3()
+    q = torch.randn(2, 4, 24, HD)
+    cos, sin = model.model.rotary_emb(q, torch.arange(24)[None].expand(2, 24))
+    rotated, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    assert rel_err(rotated, q) > 0.1 and rel_err(unrotate(rotated, cos, sin), q) < 1e-6
+
+
+GREEDY = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=2)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3"])
+def test_cached_greedy_generation_equals_uncached(name):
+    model = convert(sharpen(model_of(name)), DARLatentConfig(window=3, d_down=12, rope_pairs=2))
+    init_from_host(model)
+    prompt = torch.randint(3, 97, (2, 7))
+    with torch.no_grad():
+        uncached = model.generate(prompt, use_cache=False, **GREEDY)
+        out = model.generate(prompt, return_dict_in_generate=True, **GREEDY)
+    assert torch.equal(out.sequences, uncached)
+    assert all(isinstance(layer, DARCacheLayer) for layer in out.past_key_values.layers)
+
+
+def test_left_padded_batch_with_the_cache_equals_each_prompt_alone():
+    model = convert(sharpen(build("llama")), DARLatentConfig(window=3, d_down=12, rope_pairs=2))
+    init_from_host(model)
+    short, long = torch.randint(3, 97, (1, 5)), torch.randint(3, 97, (1, 9))
+    batch = torch.cat([torch.cat([torch.full((1, 4), 2), short], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        both = model.generate(batch, attention_mask=mask, **GREEDY)[:, 9:]
+        alone = [model.generate(p, **GREEDY)[:, p.shape[1]:] for p in (short, long)]
+    assert torch.equal(both[0], alone[0][0]) and torch.equal(both[1], alone[1][0])
+
+
+def test_hosts_without_plain_kv_projections_are_refused():
+    from allhere import ConfigError
+
+    model = convert(build("qwen2"), DARLatentConfig(window=3, d_down=12, rope_pairs=2))  # q/k/v biases
+    with pytest.raises(ConfigError, match="k_proj / v_proj without bias; this layer's k_proj is biased"):
+        init_from_host(model)
+    assert family_config("qwen2").num_key_value_heads == KV
+
+
+def test_save_then_load_keeps_the_latent_weights_and_the_kept_channels(tmp_path):
+    from allhere.hf import load_pretrained, save_pretrained
+
+    base = build("llama")
+    ids = torch.randint(3, 97, (2, 20))
+    model = convert(sharpen(base), DARLatentConfig(window=3, d_down=12, rope_pairs=2))
+    init_from_host(model, lambda: model(ids, use_cache=False))
+    save_pretrained(model, tmp_path / "m")
+    again = load_pretrained(tmp_path / "m").eval()
+    first = again.model.layers[0].self_attn.allhere
+    assert torch.equal(first.channels, model.model.layers[0].self_attn.allhere.channels)
+    assert not torch.equal(first.channels, type(first)(first.cfg, first.dims).channels)  # calibrated, not the default
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)

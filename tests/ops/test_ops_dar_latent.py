@@ -1,0 +1,90 @@
+"""Op family ``dar_latent`` (DAR with distant keys scored in the latent): the absorbed path (decoding) and the
+rebuilt path (prefill, training) against the dense fp32 reference, outputs and gradients, by relative error:
+< 1e-5 in float32, < 2e-2 in bfloat16 (the paths compute in the inputs' dtype, the reference in fp32)."""
+
+import pytest
+import torch
+
+from allhere import use_backend
+from allhere.ops.dar_latent import (
+    dar_latent_attention,
+    dar_latent_attention_absorbed,
+    dar_latent_attention_rebuilt,
+    dar_latent_attention_reference,
+)
+from allhere.ops.dar_latent.reference import far_kv
+
+from helpers import rel_err, segment_mask
+
+PATHS = {"absorbed": dar_latent_attention_absorbed, "rebuilt": dar_latent_attention_rebuilt}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def inputs(b=2, h=4, g=2, lq=9, lk=23, d=16, e_r=4, d_c=12, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    t = lambda *s: torch.randn(*s).to(dtype)  # noqa: E731
+    return dict(q=t(b, h, lq, d), q_far=t(b, h, lq, d), k_near=t(b, g, lk, d), v_near=t(b, g, lk, d),
+                latent=t(b, lk, d_c), k_rope=t(b, g, lk, e_r), w_uk=t(g, d - e_r, d_c) / d_c ** 0.5,
+                w_uv=t(g, d, d_c) / d_c ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [0, 1, 5, 40], ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("lq", [1, 3, 23], ids=lambda n: f"q{n}")
+@pytest.mark.parametrize("path", PATHS)
+def test_paths_equal_the_reference(path, lq, window, dtype):
+    x = inputs(lq=lq, dtype=dtype)
+    want = dar_latent_attention_reference(**x, window=window)
+    got = PATHS[path](**x, window=window, block=4)  # blocks that cut the window
+    assert got.dtype == dtype
+    assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("g", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("path", PATHS)
+def test_grouped_heads_padding_and_a_scale(path, g):
+    x = inputs(g=g, lq=23)
+    mask = segment_mask(2, 23, 23, [9], pad_left=[3, 0], pad_right=[0, 4])
+    want = dar_latent_attention_reference(**x, window=4, scale=0.3, mask=mask)
+    got = PATHS[path](**x, window=4, scale=0.3, mask=mask)
+    assert rel_err(got, want) < 1e-5
+    assert torch.all(got[0, :, :3] == 0)  # padding queries see nothing
+
+
+def test_reference_is_dar_with_the_far_keys_written_out():
+    """The reference equals DAR's own reference given the far keys / values the latent stands for, when the far
+    query is the near one (an oracle written independently of the latent form)."""
+    from allhere.ops.dar import dar_attention_reference
+
+    x = inputs()
+    x["q_far"] = x["q"]
+    k_far, v_far = far_kv(x["latent"], x["k_rope"], x["w_uk"], x["w_uv"])
+    want = dar_attention_reference(x["q"], x["k_near"], x["v_near"], k_far, v_far, 5)
+    assert rel_err(dar_latent_attention_reference(**x, window=5), want) < 1e-6
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gradients_equal_the_reference(path):
+    x = {k: v.requires_grad_() for k, v in inputs(lq=23).items()}
+    weights = torch.randn(2, 4, 23, 16)
+    grads = []
+    for fn in (dar_latent_attention_reference, PATHS[path]):
+        out = fn(**x, window=5)
+        grads.append(torch.autograd.grad((out * weights).sum(), list(x.values())))
+    for name, a, b in zip(x, *grads):
+        assert rel_err(b, a) < 1e-5, name
+
+
+def test_backends_pick_their_path():
+    x = inputs(lq=1)
+    want = dar_latent_attention_reference(**x, window=5)
+    for name in ("reference", "torch", "auto"):
+        with use_backend(name):
+            assert rel_err(dar_latent_attention(**x, window=5), want) < 1e-5, name
+
+
+def test_bad_shapes_are_named():
+    x = inputs()
+    x["w_uv"] = x["w_uv"][:, :3]
+    with pytest.raises(ValueError, match="w_uv must be"):
+        dar_latent_attention_reference(**x, window=5)
