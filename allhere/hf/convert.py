@@ -257,7 +257,8 @@ def conversion_notes(config, layers: str | Sequence[int] = "full") -> list[str]:
     return notes
 
 
-def convert(model, cfg, layers: str | Sequence[int] = "full", seed: int | None = None):
+def convert(model, cfg, layers: str | Sequence[int] = "full", seed: int | None = None,
+            calibration: torch.Tensor | None = None, host_init: bool = True):
     """Turn ``model`` (a transformers causal LM whose attention goes through transformers' attention
     interface) into its version with mechanism ``cfg`` (any registered config: ``AHAConfig``,
     ``DARConfig``, ...), in place; returns the model.
@@ -277,6 +278,14 @@ def convert(model, cfg, layers: str | Sequence[int] = "full", seed: int | None =
     ever); an int initialises layer i's mechanism from its own seed ``layer_seed(seed, i)`` alone
     (``init_mechanism``), whatever ran before: what a sharded load (``allhere.hf.sharded_load``) gives.
 
+    A mechanism that initialises from the host's pretrained weights (``has_host_init``: ``dar_latent``'s
+    latent, MHA2MLA's recipe) is then set from them (``host_init``, the default): with ``calibration``
+    (token ids [b, n], forwarded one row at a time without a cache) it chooses what it keeps from the host's
+    own activations, else it takes its documented data-free choice. A host layer it cannot read is refused
+    in one line before anything changes; so is a model on the meta device (no weights to read yet: convert
+    the loaded model). ``host_init=False`` keeps the mechanism's fresh initialisation (training from
+    scratch, or weights loaded afterwards).
+
     KV cache: transformers' own (every key kept; a sliding layer's rolling one) for mechanisms that decode
     with it; a mechanism with its own cache layer (``allhere.hf.cache.has_own_layer``: DAR's compressed
     cache) gets it inside transformers' Cache (``allhere.hf.cache``), ``generate`` included; ``use_cache`` is
@@ -288,6 +297,12 @@ def convert(model, cfg, layers: str | Sequence[int] = "full", seed: int | None =
         raise ValueError("this model is already converted (its attention modules hold allhere mechanisms)")
     chosen = check_convertible(model, cfg, layers)
     _check_window(model, cfg)
+    host_init = host_init and entry.module.has_host_init()
+    if host_init:
+        _check_host_init(model, entry.module, cfg, dict(found), chosen)
+    elif calibration is not None:
+        raise ValueError(f"calibration is for mechanisms initialised from the host; {type(cfg).__name__} is not"
+                         + (" (host_init=False)" if entry.module.has_host_init() else ""))
     dims = dims_of(model.config)
     built = {i: entry.module(cfg, dims) for i in chosen}
     if seed is not None:
@@ -322,7 +337,37 @@ def convert(model, cfg, layers: str | Sequence[int] = "full", seed: int | None =
     setattr(config, LAYERS_KEY, chosen)
     model.set_attn_implementation(ATTN_NAME)
     unwrap_generate_masks(model)
+    if host_init:
+        entry.module.init_from_host(model, None if calibration is None else partial(_calibrate, model, calibration))
     return model
+
+
+def _check_host_init(model, module, cfg, attns: dict, chosen: list[int]) -> None:
+    """ConfigError (one line) where ``module`` cannot initialise from the host: weights on the meta device, or a
+    host layer it cannot read."""
+    name = type(cfg).__name__
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError(f"{name} initialises from the host's pretrained weights, and this model is on the meta "
+                          "device (none loaded yet): convert the loaded model, or pass host_init=False and set the "
+                          "mechanism's weights afterwards")
+    for index in chosen:
+        refusal = module.host_init_refusal(attns[index])
+        if refusal:
+            raise ConfigError(f"layer {index}: {refusal}; convert with host_init=False to keep {name}'s fresh "
+                              "initialisation (training from scratch)")
+
+
+def _calibrate(model, ids: torch.Tensor) -> None:
+    """Forward ``ids`` [b, n] through ``model`` one row at a time, without a cache, in eval mode."""
+    if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"calibration must be integer token ids [b, n]; got {ids.dtype} {list(ids.shape)}")
+    device, training = next(model.parameters()).device, model.training
+    model.eval()
+    try:
+        for row in ids.split(1):
+            model(row.to(device), use_cache=False)
+    finally:
+        model.train(training)
 
 
 def layer_seed(seed: int, index: int) -> int:

@@ -69,7 +69,7 @@ def load_pretrained(path: str | Path, **kwargs):
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)  # SDPA where the family has it
     finally:
         hf_logging.set_verbosity(level)
-    convert(model, mech, layers=getattr(config, LAYERS_KEY, None) or "full")
+    convert(model, mech, layers=getattr(config, LAYERS_KEY, None) or "full", host_init=False)  # weights: the files'
     wanted = {k for k in model.state_dict() if f".{SUBMODULE}." in k}
     added: dict[str, torch.Tensor] = {}
     for f in weight_files(path):

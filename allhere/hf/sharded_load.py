@@ -14,7 +14,9 @@ ever holds the whole model.
    ``_init_weights``, checked to be all set;
 4. mechanism weights a plain checkpoint lacks (routers, bottlenecks) are initialised on the CPU as
    ``convert(..., seed=seed)`` initialises them (``init_mechanism``), each rank keeping its rows: the model
-   equals ``load_local`` + ``convert(model, mechanism, layers, seed=seed)`` on one process.
+   equals ``load_local`` + ``convert(model, mechanism, layers, seed=seed)`` on one process. A mechanism that
+   initialises from the host's pretrained weights (``has_host_init``: ``dar_latent``) is refused in one line
+   for a plain folder: no rank holds those weights whole here; convert on one process, save, and load that.
 
 Why safetensors slices rather than DCP's ``HuggingFaceStorageReader``: the reader wants a state dict of the
 checkpoint's names and dtypes, has no place for weights that are not in the files (mechanism weights of a
@@ -185,7 +187,7 @@ def _load(p: Path, mechanism, layers, dtype, device, seed, mesh):
         if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"dtype must be a torch dtype, its name or 'auto', got {name!r}")
     tokenizer = load_tokenizer(p, config)
-    model, saved = _converted_meta_model(config, mechanism, layers, dtype)
+    model, saved = _converted_meta_model(config, mechanism, layers, dtype, fresh=False)
     sources = _sources(p, model, from_files=saved is not None)
     buffers = _buffers(model)
     shard_model(model, str(device), mesh)
@@ -217,7 +219,7 @@ def assemble(model_path: str | Path, state_dict: dict[str, torch.Tensor], mechan
     converted (the folder's saved mechanism, else ``mechanism`` on ``layers``), the tensors assigned, the
     non-persistent buffers rebuilt, a tied head tied again. Every key must match the model's."""
     dtype = next(iter(state_dict.values())).dtype
-    model, _ = _converted_meta_model(check_causal_lm(model_path), mechanism, layers, dtype)
+    model, _ = _converted_meta_model(check_causal_lm(model_path), mechanism, layers, dtype, fresh=True)
     buffers = _buffers(model)
     model.load_state_dict(state_dict, strict=True, assign=True)
     for name, value in buffers.items():
@@ -231,15 +233,20 @@ def assemble(model_path: str | Path, state_dict: dict[str, torch.Tensor], mechan
     return model.eval()
 
 
-def _converted_meta_model(config, mechanism, layers, dtype):
+def _converted_meta_model(config, mechanism, layers, dtype, fresh: bool):
     """(the model of ``config`` on the meta device, converted to its saved mechanism or ``mechanism``; the
-    saved mechanism or None)."""
+    saved mechanism or None). ``fresh``: the mechanism weights come from elsewhere (a state dict); otherwise a
+    ``mechanism`` initialised from the host's weights is refused (ConfigError, one line)."""
     saved = saved_mechanism(config)
     model = meta_model(config, dtype)
     if saved is not None:
-        convert(model, saved, layers=getattr(config, LAYERS_KEY, None) or "full")
+        convert(model, saved, layers=getattr(config, LAYERS_KEY, None) or "full", host_init=False)
     elif mechanism is not None:
-        convert(model, mechanism, layers=layers)
+        if not fresh and registry.of(mechanism).module.has_host_init():
+            raise ConfigError(f"{type(mechanism).__name__} initialises from the host's pretrained weights, which no "
+                              "rank holds whole in a sharded load: convert on one process first (allhere.hf.convert "
+                              "and save_pretrained, or allhere convert --out FOLDER) and load that folder")
+        convert(model, mechanism, layers=layers, host_init=False)
     return model, saved
 
 

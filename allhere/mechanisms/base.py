@@ -172,6 +172,22 @@ class AttentionMechanism(nn.Module):
     def router_parameters(self) -> list[nn.Parameter]:
         return []
 
+    @classmethod
+    def init_from_host(cls, model: nn.Module, run: Callable[[], object] | None = None) -> None:
+        """After a conversion of pretrained ``model``: set the weights of every layer of this class from the host
+        layers' pretrained weights (``run``: forward passes over calibration text, or None). Nothing by default
+        (AHA's open routers and DAR's orthonormal bottleneck need no host weights); ``has_host_init`` tells."""
+
+    @classmethod
+    def host_init_refusal(cls, host: nn.Module) -> str | None:
+        """Why the host attention module ``host`` cannot give ``init_from_host`` its weights, or None."""
+        return None
+
+    @classmethod
+    def has_host_init(cls) -> bool:
+        """Whether ``init_from_host`` reads the host's weights (then it needs them materialised, not on meta)."""
+        return cls.init_from_host.__func__ is not AttentionMechanism.init_from_host.__func__
+
     def new_cache(self):
         from .caches import KVCache
 

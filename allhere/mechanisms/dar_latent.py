@@ -112,6 +112,20 @@ class DARLatentAttention(AttentionMechanism):
             nn.init.normal_(self.up_k.weight, std=0.02)
             nn.init.normal_(self.up_v.weight, std=0.02)
 
+    @classmethod
+    def init_from_host(cls, model: nn.Module, run=None) -> None:
+        """MHA2MLA's initialisation from the host (``dar_latent_init.init_from_host``): the 2-norm pair choice
+        when ``run`` gives calibration forwards, else evenly spaced pairs; then the truncated SVD."""
+        from .dar_latent_init import init_from_host
+
+        init_from_host(model, run)
+
+    @classmethod
+    def host_init_refusal(cls, host: nn.Module) -> str | None:
+        from .dar_latent_init import host_refusal
+
+        return host_refusal(host)
+
     def new_cache(self) -> DARCache:
         return DARCache(self.cfg.window)
 

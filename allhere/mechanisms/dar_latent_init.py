@@ -77,6 +77,18 @@ def init_layer(mech: DARLatentAttention, w_k: torch.Tensor, w_v: torch.Tensor, s
     return mech
 
 
+def host_refusal(host: nn.Module) -> str | None:
+    """Why ``host`` (an attention module) cannot initialise a ``dar_latent`` layer, or None: its K/V must be
+    plain linear ``k_proj`` / ``v_proj`` without bias."""
+    for name in ("k_proj", "v_proj"):
+        proj = getattr(host, name, None)
+        if not isinstance(proj, nn.Linear) or proj.bias is not None:
+            what = "missing" if proj is None else "biased" if isinstance(proj, nn.Linear) else type(proj).__name__
+            return (f"{type(host).__name__}: dar_latent initialises from plain linear k_proj / v_proj without bias; "
+                    f"this layer's {name} is {what}")
+    return None
+
+
 def init_from_host(model: nn.Module, run: Callable[[], object] | None = None) -> nn.Module:
     """Initialise every ``dar_latent`` layer of ``model`` from its host layer's ``k_proj`` / ``v_proj``, after
     ``calibrate(model, run)`` when ``run`` is given (the 2-norm pair choice), else with evenly spaced pairs.
@@ -85,12 +97,9 @@ def init_from_host(model: nn.Module, run: Callable[[], object] | None = None) ->
     if not layers:
         raise ValueError("this model has no dar_latent layers to initialise")
     for host, _ in layers:
-        for name in ("k_proj", "v_proj"):
-            proj = getattr(host, name, None)
-            if not isinstance(proj, nn.Linear) or proj.bias is not None:
-                what = "missing" if proj is None else "biased" if isinstance(proj, nn.Linear) else type(proj).__name__
-                raise ConfigError(f"{type(host).__name__}: dar_latent initialises from plain linear k_proj / v_proj "
-                                  f"without bias; this layer's {name} is {what}")
+        refusal = host_refusal(host)
+        if refusal:
+            raise ConfigError(refusal)
     stats = calibrate(model, run) if run is not None else [None] * len(layers)
     for (host, mech), s in zip(layers, stats):
         init_layer(mech, host.k_proj.weight, host.v_proj.weight, s)
