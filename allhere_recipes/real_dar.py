@@ -1,12 +1,21 @@
 """``allhere demo --model smollm2 --mechanism dar``: the DAR paper's comparison ("Dual Dimensionality for Local
 and Global Attention", arXiv:2606.18587, Tables 1 and 3) on a real pretrained model.
 
-From the pretrained model: DAR(w, d_down = d/4) and uniform reduction (every token through the bottleneck,
-w = 0) at the same KV budget, each fine-tuned in the paper's two stages (1: only W_down / W_up, at the
-paper's 3e-4; 2: everything at 3e-5), against the vanilla control fine-tuned for the same stage-2 steps.
-Held-out quality as the paper gives it (Rel. % = perplexity / the control's, smaller is better) and the KV
-bytes per token each model's cache holds after a held-out window (measured on the cache, batch 1). Writes
+From the pretrained model: DAR(w, d_down = d/4), ``dar_latent`` (w, d_c = d/4, r = head_dim / 16 rotary pairs
+per KV head: DAR whose distant keys are scored in the latent with partial RoPE, initialised from the host by
+``allhere.hf.convert`` with calibration text) and uniform reduction (every token through the bottleneck, w = 0)
+at DAR's KV budget, each fine-tuned in the paper's two stages (1: only the mechanism's weights, at the paper's
+3e-4; 2: everything at the model's rate), against the vanilla control fine-tuned for the same stage-2 steps.
+Held-out quality as the paper gives it (Rel. % = perplexity / the control's, smaller is better), ``dar_latent``'s
+against DAR's, the KV bytes per token each model's cache holds after a held-out window and after a long prompt
+(measured on the cache, batch 1), and the decode speed at that long prompt of the control, DAR and
+``dar_latent``, each through transformers' forward with its own cache (``real_probes.decode_speed``). Writes
 dar_report.md and dar_report.json into ``<out>/dar`` with every model as a transformers folder.
+
+``dar_latent``'s shape: d_c = d/4 is DAR's latent, so the two differ only in how distant keys get their
+position; r = head_dim / 16 is MHA2MLA's choice ("Towards Economical Inference: Enabling DeepSeek's Multi-Head
+Latent Attention in Any Transformer-based LLMs", arXiv:2502.14837). Per distant token and layer it keeps
+d_c + 2 r kv_heads numbers (SmolLM2-135M: 144 + 24 = 168 of plain's 384, 0.44x), within half of plain.
 
 The same KV budget: DAR's cache keeps every token's latent (d_down numbers per layer) and the full keys and
 values of the last w tokens (2 x kv_dim); uniform reduction keeps only latents, so at the held-out length L
@@ -25,30 +34,53 @@ import torch
 from allhere.hf import cache_nbytes, new_cache
 from allhere.hf.cache import cache_kwargs
 from allhere.hf.io import check_causal_lm, load_local
-from allhere.mechanisms import DARConfig
+from allhere.mechanisms import DARConfig, DARLatentConfig
 from allhere.runlock import run_lock
 
 from .job import Job
 from .real_data import token_data
 from .real_plan import RealPlan, preset_plan
-from .real_probes import heldout, long_prompt
+from .real_probes import decode_speed, heldout, long_prompt
 from .real_report import write_dar_report
-from .real_runs import fine_tune, plan_run, plan_work, resolve_model, stage, token_cost, train_config, work_bar
+from .real_runs import (
+    DECODE_TOKENS,
+    fine_tune,
+    plan_run,
+    plan_work,
+    resolve_model,
+    stage,
+    token_cost,
+    train_config,
+    work_bar,
+)
 from .rundir import check_out, claim
 
+CALIBRATION_WINDOWS = 8  # training windows dar_latent's 2-norm pair choice is measured on (never held-out text)
 
-def mechanisms(plan: RealPlan, config) -> dict[str, DARConfig]:
-    """DAR(w, d/4) and uniform reduction at its KV budget at ``plan.seq_len``."""
+
+def mechanisms(plan: RealPlan, config) -> dict[str, DARConfig | DARLatentConfig]:
+    """DAR(w, d/4), dar_latent(w, d/4, head_dim / 16 pairs) and uniform reduction at DAR's KV budget at
+    ``plan.seq_len``."""
     d = config.hidden_size
-    kv_dim = config.num_key_value_heads * getattr(config, "head_dim", d // config.num_attention_heads)
-    d_down = d // 4
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    kv_dim = config.num_key_value_heads * head_dim
+    d_down, pairs = d // 4, max(1, head_dim // 16)
     uniform = min(d, 8 * math.ceil((d_down + plan.window * 2 * kv_dim / plan.seq_len) / 8))
     return {f"DAR w={plan.window} d/4": DARConfig(window=plan.window, d_down=d_down),
+            f"DAR latent w={plan.window} d_c={d_down} r={pairs}":
+                DARLatentConfig(window=plan.window, d_down=d_down, rope_pairs=pairs),
             f"uniform reduction d={uniform}": DARConfig(window=0, d_down=uniform)}
 
 
-def folder_of(mech: DARConfig) -> str:
+def folder_of(mech: DARConfig | DARLatentConfig) -> str:
+    if isinstance(mech, DARLatentConfig):
+        return f"latent-w{mech.window}-d{mech.d_down}-r{mech.rope_pairs}"
     return f"w{mech.window}-d{mech.d_down}"
+
+
+def calibration_ids(data, seq_len: int, count: int = CALIBRATION_WINDOWS) -> torch.Tensor:
+    """[count, seq_len]: the first window of the first ``count`` training documents (calibration text)."""
+    return torch.stack([doc[:seq_len] for doc in data.train[:count]])
 
 
 def run_real_dar(model: str = "smollm2", out: str | Path = "runs/smollm2", preset: str | None = None,
@@ -79,7 +111,10 @@ def run_real_dar(model: str = "smollm2", out: str | Path = "runs/smollm2", prese
             plan_run(job, task / folder_of(mech) / "stage2", stage2, base, plan.seq_len)
         for name in ("pretrained", "control", *map(folder_of, mechs.values())):
             plan_work(job, task, name, plan.eval_sequences + 1, token_cost(base, plan.seq_len, plan.seq_len))
+        plan_work(job, task, "speed", len(SPEED_MODELS) + 1,
+                  token_cost(base, plan.speed_prompt + (plan.speed_tokens + 2) * DECODE_TOKENS, plan.speed_prompt))
         batches = data.batches(plan.batch_size, plan.seq_len)
+        calibration = calibration_ids(data, plan.seq_len)
 
         def measure(name: str, m) -> dict:
             return stage(task, name, lambda: _measure(job, task, name, m, data, device, plan.speed_prompt))
@@ -87,14 +122,20 @@ def run_real_dar(model: str = "smollm2", out: str | Path = "runs/smollm2", prese
         rows = {"vanilla (pretrained)": measure("pretrained", base)}
         control = fine_tune(task / "control", base, None, stage2, batches, tokenizer, job)
         rows["vanilla (+ stage-2 steps, control)"] = measure("control", control)
-        del control
+        timed = {"plain (control)": control}
         for label, mech in mechs.items():
             folder = task / folder_of(mech)
-            first = fine_tune(folder / "stage1", base, mech, stage1, batches, tokenizer, job, train_only=".allhere.")
+            calib = calibration if isinstance(mech, DARLatentConfig) else None
+            first = fine_tune(folder / "stage1", base, mech, stage1, batches, tokenizer, job, train_only=".allhere.",
+                              calibration=calib)
             second = fine_tune(folder / "stage2", base, mech, stage2, batches, tokenizer, job, start=first)
             rows[label] = measure(folder_of(mech), second)
+            if mech.window:  # DAR and dar_latent are timed; uniform reduction is not
+                timed[SPEED_MODELS[type(mech)]] = second
             del first, second
-        report = summarize(plan, rows, data.description, str(source))
+        speed = stage(task, "speed", lambda: _speed(job, task, timed, data, device, plan))
+        timed.clear()
+        report = summarize(plan, rows, speed, mechs, data.description, str(source))
         report["seconds_this_call"] = round(time.time() - t0, 1)
         write_dar_report(task, report)
     return report
@@ -131,19 +172,53 @@ def _measure(job: Job, task: Path, name: str, model, data, device: str, long: in
     return row
 
 
-def summarize(plan: RealPlan, rows: dict, data: str, source: str) -> dict:
+SPEED_MODELS = {DARConfig: "DAR", DARLatentConfig: "DAR latent"}  # besides the control: the models timed
+
+
+def _speed(job: Job, task: Path, models: dict, data, device: str, plan: RealPlan) -> dict:
+    """Decode at a ``plan.speed_prompt``-token held-out prompt, each model through transformers' forward with its
+    own cache (the control on transformers' DynamicCache and on allhere's in-place one), in one stage so that
+    all share the machine's load; ms per step is the median of ``plan.speed_tokens`` greedy steps."""
+    bar = work_bar(job, task, "speed", len(SPEED_MODELS) + 1)
+    ids = long_prompt(data.heldout_docs, plan.speed_prompt)
+    before = list(os.getloadavg())
+    rows = []
+    for name, model in models.items():
+        for row in decode_speed(model, ids, plan.speed_tokens, device):
+            rows.append({"model": name, **row})
+            bar.update(1)
+    bar.close()
+    plain = next(r["ms_per_step"] for r in rows if r["model"] == "plain (control)" and "DynamicCache" in r["cache"])
+    for r in rows:
+        r["speedup"] = plain / r["ms_per_step"]  # against the control on transformers' default cache
+    return {"rows": rows, "load_average_before": before, "load_average_after": list(os.getloadavg())}
+
+
+def summarize(plan: RealPlan, rows: dict, speed: dict, mechs: dict, data: str, source: str) -> dict:
     control = rows["vanilla (+ stage-2 steps, control)"]
     for r in rows.values():
         r["rel_percent"] = 100.0 * r["perplexity"] / control["perplexity"]
         r["retain_vs_control"] = 100.0 * control["loss"] / r["loss"]
         r["kv_vs_plain"] = r["kv_bytes_per_token"] / control["kv_bytes_per_token"]
         r["kv_vs_plain_long"] = r["kv_bytes_per_token_long"] / control["kv_bytes_per_token_long"]
-    dar = next(r for k, r in rows.items() if k.startswith("DAR"))
-    uniform = next(r for k, r in rows.items() if k.startswith("uniform"))
+    label = {("latent" if isinstance(m, DARLatentConfig) else "dar" if m.window else "uniform"): k
+             for k, m in mechs.items()}
+    dar, latent, uniform = (rows[label[k]] for k in ("dar", "latent", "uniform"))
+    latent["retain_vs_dar"] = 100.0 * dar["loss"] / latent["loss"]  # the quality DAR as the paper defines it keeps
+    latent["rel_vs_dar"] = 100.0 * latent["perplexity"] / dar["perplexity"]
+    ms = {r["model"]: r["ms_per_step"] for r in speed["rows"]}
+    plain_ms = next(r["ms_per_step"] for r in speed["rows"]
+                    if r["model"] == "plain (control)" and "DynamicCache" in r["cache"])
+    n = dar["long_tokens"]
     goals = {"DAR keeps >= 99% of the control's held-out quality (loss ratio)": dar["retain_vs_control"] >= 99.0,
              "uniform reduction at the same KV budget below DAR": uniform["loss"] > dar["loss"],
-             f"DAR's KV bytes per token at {dar['long_tokens']} tokens <= 0.5x the plain model's":
-                 dar["kv_vs_plain_long"] <= 0.5}
+             f"DAR's KV bytes per token at {n} tokens <= 0.5x the plain model's": dar["kv_vs_plain_long"] <= 0.5,
+             "dar_latent keeps >= 99% of DAR's held-out quality (loss ratio)": latent["retain_vs_dar"] >= 99.0,
+             f"dar_latent's KV bytes per token at {n} tokens <= 0.5x the plain model's":
+                 latent["kv_vs_plain_long"] <= 0.5,
+             f"dar_latent decodes faster than DAR at {plan.speed_prompt} tokens": ms["DAR latent"] < ms["DAR"],
+             f"dar_latent decodes at least as fast as the plain model (DynamicCache) at {plan.speed_prompt} tokens":
+                 ms["DAR latent"] <= plain_ms}
     return {"model": source, "plan": plan.to_dict(), "data": data, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "load_average_after": list(os.getloadavg()), "rows": rows,
-            "goals": goals}
+            "labels": label, "speed": speed, "goals": goals}

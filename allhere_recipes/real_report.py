@@ -88,8 +88,26 @@ def render_dar(report: dict) -> str:
                    f"{r['kv_bytes_per_token_long']:,.0f} | {r['kv_vs_plain_long']:.2f}x |")
     out += ["", "KV bytes per token: what each model's cache keeps after a held-out window (and after a longer "
                 "held-out prompt), divided by its tokens, float32 (DAR: every token's latent, the last w tokens' "
-                "keys and values, and its absorbed weights, a constant per layer).",
-            "", "## Goals", ""] + goal_lines(report["goals"])
+                "keys and values, and its absorbed weights, a constant per layer; DAR latent: every token's latent "
+                "and kept rotary pairs, the last w tokens' keys and values)."]
+    latent = report["rows"][report["labels"]["latent"]] if "labels" in report else None
+    if latent is not None:
+        out += ["", "## DAR latent against DAR", "",
+                f"{report['labels']['latent']} keeps {latent['retain_vs_dar']:.1f}% of the held-out quality of "
+                f"{report['labels']['dar']} (DAR as the paper defines it; loss ratio, higher is better); its "
+                f"perplexity is {latent['rel_vs_dar']:.2f}% of DAR's (smaller is better)."]
+    speed = report.get("speed")
+    if speed:
+        out += ["", f"## Decode speed at a {speed['rows'][0]['prompt_tokens']}-token prompt", "",
+                "| model | cache | prefill s | ms per step | tokens/s | x plain (DynamicCache) |",
+                "|---|---|---|---|---|---|"]
+        for r in speed["rows"]:
+            out.append(f"| {r['model']} | {r['cache']} | {r['prefill_s']:.2f} | {r['ms_per_step']:.1f} | "
+                       f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
+        load = ", ".join(f"{x:.2f}" for x in speed["load_average_before"])
+        out += ["", f"Median of {speed['rows'][0]['steps']} greedy steps after two untimed ones, each model through "
+                    f"transformers' forward with its own cache; load average before: {load}."]
+    out += ["", "## Goals", ""] + goal_lines(report["goals"])
     return "\n".join(out) + "\n"
 
 

@@ -77,11 +77,11 @@ def work_bar(job: Job, task: Path, name: str, units: int):
 
 
 def fine_tune(folder: Path, base, mechanism, cfg: TrainConfig, batches, tokenizer, job: Job,
-              train_only: str | None = None, start=None):
+              train_only: str | None = None, start=None, calibration: torch.Tensor | None = None):
     """``base`` (or ``start``, a model already converted) fine-tuned with ``cfg``: a copy converted to
-    ``mechanism`` (None: left plain), trained in ``folder`` (resumed from its checkpoint) and saved as
-    ``folder/model``; a finished run is read back from there. Returns the model in float32, with the saved
-    weights."""
+    ``mechanism`` (None: left plain; ``calibration``: token ids for a mechanism initialised from the host,
+    ``allhere.hf.convert``), trained in ``folder`` (resumed from its checkpoint) and saved as ``folder/model``;
+    a finished run is read back from there. Returns the model in float32, with the saved weights."""
     saved = folder / "model"
     if (saved / "config.json").exists():
         return load_local(saved, dtype=torch.float32)[1]
@@ -90,7 +90,7 @@ def fine_tune(folder: Path, base, mechanism, cfg: TrainConfig, batches, tokenize
     else:
         model = copy.deepcopy(base)
         if mechanism is not None:
-            convert(model, mechanism, seed=0)
+            convert(model, mechanism, seed=0, calibration=calibration)
     ckpt = folder / "checkpoint.safetensors"
     state = train(HFCausalLM(model), batches, cfg, ckpt, resume=True, progress=job.bar, train_only=train_only)
     write_json(folder / "history.json", state["history"], indent=None)  # loss, mu_f, lambda per step
