@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from allhere import DARLatentConfig  # noqa: E402
+from allhere import AHAConfig, DARLatentConfig  # noqa: E402
 from allhere.hf import convert, new_cache  # noqa: E402
 from allhere.hf.cache import DARCacheLayer, cache_kwargs  # noqa: E402
 from allhere.hf.convert import dims_of  # noqa: E402
@@ -120,10 +120,57 @@ def test_left_padded_batch_with_the_cache_equals_each_prompt_alone():
 def test_hosts_without_plain_kv_projections_are_refused():
     from allhere import ConfigError
 
-    model = convert(build("qwen2"), DARLatentConfig(window=3, d_down=12, rope_pairs=2))  # q/k/v biases
+    cfg = DARLatentConfig(window=3, d_down=12, rope_pairs=2)
+    host = build("qwen2")  # q/k/v biases
+    with pytest.raises(ConfigError, match="layer 0: .*this layer's k_proj is biased; convert with host_init=False"):
+        convert(host, cfg)
+    assert not any(".allhere." in k for k in host.state_dict())  # refused before anything changed
+    model = convert(host, cfg, host_init=False)  # fresh weights, for training from scratch
     with pytest.raises(ConfigError, match="k_proj / v_proj without bias; this layer's k_proj is biased"):
         init_from_host(model)
     assert family_config("qwen2").num_key_value_heads == KV
+
+
+def test_convert_initialises_from_the_host():
+    """``convert`` alone sets the latent from the host: with calibration ids at full rank it is the original
+    model; at reduced rank (d_c 32 of the 56-rank [W_K content ; W_V], 2 of 8 pairs) it differs, but its logits
+    are far nearer the original's than those of the fresh initialisation (``host_init=False``: about 0.1 against
+    0.55 relative error), and calibration picks other pairs than the data-free choice."""
+    ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = sharpen(build("llama"))(ids).logits
+        full = convert(sharpen(build("llama")), DARLatentConfig(window=4, d_down=KV * HD, rope_pairs=HD // 2),
+                       calibration=ids)
+        assert rel_err(full(ids).logits, want) < 1e-5
+        want = build("llama")(ids).logits
+        small = DARLatentConfig(window=4, d_down=32, rope_pairs=2)
+        errs = {}
+        for name, kwargs in (("calibrated", {"calibration": ids}), ("data-free", {}), ("fresh", {"host_init": False})):
+            model = convert(build("llama"), small, seed=0, **kwargs)
+            errs[name] = rel_err(model(ids).logits, want)
+            channels = model.model.layers[0].self_attn.allhere.channels
+            if name != "fresh":
+                errs[name + " channels"] = channels.clone()
+    assert 1e-3 < errs["calibrated"] < errs["fresh"] / 3 and errs["data-free"] < errs["fresh"] / 3, errs
+    assert not torch.equal(errs["calibrated channels"], errs["data-free channels"])
+
+
+def test_the_meta_device_and_a_sharded_load_are_refused_in_one_line():
+    from allhere import ConfigError
+    from allhere.hf.io import meta_model
+    from allhere.hf.sharded_load import _converted_meta_model
+
+    cfg = DARLatentConfig(window=4, d_down=16, rope_pairs=2)
+    with pytest.raises(ConfigError, match="on the meta device .*host_init=False") as e:
+        convert(meta_model(family_config("llama")), cfg)
+    assert "\n" not in str(e.value)
+    meta = convert(meta_model(family_config("llama")), cfg, host_init=False)
+    assert meta.model.layers[0].self_attn.allhere.down.weight.is_meta
+    with pytest.raises(ConfigError, match="no rank holds whole in a sharded load: convert on one process first"):
+        _converted_meta_model(family_config("llama"), cfg, "full", torch.float32, fresh=False)
+    _converted_meta_model(family_config("llama"), cfg, "full", torch.float32, fresh=True)  # assemble(): a state dict
+    with pytest.raises(ValueError, match="calibration is for mechanisms initialised from the host"):
+        convert(build("llama"), AHAConfig(window=4), calibration=torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_save_then_load_keeps_the_latent_weights_and_the_kept_channels(tmp_path):
