@@ -82,8 +82,23 @@ def test_tiny_dar_job(tiny, tmp_path):
     # d = 72: d/4 = 18; the same budget at 64 tokens: 18 + 8 * 2 * 24 / 64 = 24
     assert "uniform reduction d=24" in rows
     assert dar["kv_bytes_per_token"] < plain["kv_bytes_per_token"] and uniform["kv_bytes_per_token"] > 0
-    for folder in ("control", "w8-d18/stage1", "w8-d18/stage2", "w0-d24/stage2"):
+    # dar_latent: d_c = d/4 = 18, head_dim 8 -> one rotary pair per KV head; initialised from the host
+    latent = rows["DAR latent w=8 d_c=18 r=1"]
+    assert latent["retain_vs_dar"] == pytest.approx(100 * dar["loss"] / latent["loss"])
+    assert latent["kv_bytes_per_token_long"] < plain["kv_bytes_per_token_long"]
+    assert [(r["model"], r["cache"].split()[0]) for r in report["speed"]["rows"]] == [
+        ("plain (control)", "DynamicCache"), ("plain (control)", "in"), ("DAR", "in"), ("DAR latent", "in")]
+    assert report["speed"]["rows"][0]["speedup"] == 1.0 and report["speed"]["rows"][0]["prompt_tokens"] == 48
+    md = (out / "dar" / "dar_report.md").read_text()
+    assert "## DAR latent against DAR" in md and "## Decode speed at a 48-token prompt" in md
+    assert "dar_latent keeps >= 99% of DAR's held-out quality (loss ratio)" in report["goals"]
+    for folder in ("control", "w8-d18/stage1", "w8-d18/stage2", "w0-d24/stage2", "latent-w8-d18-r1/stage2"):
         assert (out / "dar" / folder / "model" / "config.json").exists()
+    from allhere.hf import load_pretrained
+
+    first = load_pretrained(out / "dar" / "latent-w8-d18-r1" / "stage1" / "model").model.layers[0].self_attn.allhere
+    stats = [first.up_k.weight.float().std(), first.up_v.weight.float().std()]
+    assert all(s > 0.05 for s in stats), stats  # the host's scale (its SVD), not the fresh init's 0.02
 
 
 @pytest.mark.parametrize("extra, message", [
