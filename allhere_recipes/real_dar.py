@@ -37,22 +37,13 @@ from allhere.hf.io import check_causal_lm, load_local
 from allhere.mechanisms import DARConfig, DARLatentConfig
 from allhere.runlock import run_lock
 
+from . import real_runs
 from .job import Job
 from .real_data import token_data
 from .real_plan import RealPlan, preset_plan
 from .real_probes import decode_speed, heldout, long_prompt
 from .real_report import write_dar_report
-from .real_runs import (
-    DECODE_TOKENS,
-    fine_tune,
-    plan_run,
-    plan_work,
-    resolve_model,
-    stage,
-    token_cost,
-    train_config,
-    work_bar,
-)
+from .real_runs import fine_tune, plan_run, plan_work, resolve_model, stage, token_cost, train_config, work_bar
 from .rundir import check_out, claim
 
 CALIBRATION_WINDOWS = 8  # training windows dar_latent's 2-norm pair choice is measured on (never held-out text)
@@ -111,8 +102,8 @@ def run_real_dar(model: str = "smollm2", out: str | Path = "runs/smollm2", prese
             plan_run(job, task / folder_of(mech) / "stage2", stage2, base, plan.seq_len)
         for name in ("pretrained", "control", *map(folder_of, mechs.values())):
             plan_work(job, task, name, plan.eval_sequences + 1, token_cost(base, plan.seq_len, plan.seq_len))
-        plan_work(job, task, "speed", len(SPEED_MODELS) + 1,
-                  token_cost(base, plan.speed_prompt + (plan.speed_tokens + 2) * DECODE_TOKENS, plan.speed_prompt))
+        long = plan.speed_prompt + (plan.speed_tokens + 2) * real_runs.DECODE_TOKENS
+        plan_work(job, task, "speed", len(SPEED_MODELS) + 1, token_cost(base, long, plan.speed_prompt))
         batches = data.batches(plan.batch_size, plan.seq_len)
         calibration = calibration_ids(data, plan.seq_len)
 
