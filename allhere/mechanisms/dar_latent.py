@@ -115,7 +115,7 @@ class DARLatentAttention(AttentionMechanism):
     @classmethod
     def init_from_host(cls, model: nn.Module, run=None) -> None:
         """MHA2MLA's initialisation from the host (``dar_latent_init.init_from_host``): the 2-norm pair choice
-        when ``run`` gives calibration forwards, else evenly spaced pairs; then the truncated SVD."""
+        when ``run`` gives calibration forwards, else the same score on the weights; then the truncated SVD."""
         from .dar_latent_init import init_from_host
 
         init_from_host(model, run)

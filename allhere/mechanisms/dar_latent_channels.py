@@ -23,6 +23,14 @@ def pair_norms(x: torch.Tensor, rot: int) -> torch.Tensor:
     return torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2).sum(dim=(0, 2))
 
 
+def weight_pair_norms(w: torch.Tensor, heads: int, rot: int) -> torch.Tensor:
+    """[heads * head_dim, d] projection -> [heads, rot/2]: each rotary pair's Frobenius norm of its two rows,
+    which is what ``pair_norms`` measures for inputs of identity covariance (a data-free stand-in)."""
+    w = w.detach().float().view(heads, -1, w.shape[-1])[:, :rot]
+    half = rot // 2
+    return torch.sqrt((w[:, :half] ** 2).sum(-1) + (w[:, half:] ** 2).sum(-1))
+
+
 def two_norm_scores(q_sums: torch.Tensor, k_sums: torch.Tensor, tokens: int) -> torch.Tensor:
     """MHA2MLA's 2-norm score per (KV head, pair): mean_t ||q_f|| x mean_t ||k_f||, summed over the query heads
     of the group. q_sums [heads, P], k_sums [kv_heads, P] from ``pair_norms``; returns [kv_heads, P]."""
@@ -32,7 +40,7 @@ def two_norm_scores(q_sums: torch.Tensor, k_sums: torch.Tensor, tokens: int) -> 
 
 
 def uniform_pairs(kv_heads: int, n_pairs: int, keep: int) -> torch.Tensor:
-    """The fallback without calibration data (MHA2MLA's uniform selection): ``keep`` pairs evenly spaced over
+    """The choice without calibration data nor a W_Q (MHA2MLA's uniform selection): ``keep`` pairs evenly spaced over
     the frequencies, highest first; the same for every KV head. int64 [kv_heads, keep]."""
     if keep == 0:
         return torch.zeros(kv_heads, 0, dtype=torch.long)

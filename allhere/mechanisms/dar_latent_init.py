@@ -4,8 +4,10 @@ Multi-Head Latent Attention in Any Transformer-based LLMs", arXiv:2502.14837).
 
 1. Which rotary pairs stay rotated, per KV head: with calibration text, the ``rope_pairs`` pairs of highest
    2-norm score (mean ||q_f|| x mean ||k_f|| over the calibration tokens, summed over the group's query heads),
-   measured while every layer computes the host's own attention; without, pairs evenly spaced over the
-   frequencies (MHA2MLA's uniform choice, its best data-free one).
+   measured while every layer computes the host's own attention. Without, the same score on the weights: a
+   pair's norm taken as the Frobenius norm of its two rows of W_Q and W_K (``weight_pair_norms``; our stand-in,
+   not MHA2MLA's: on SmolLM2-135M it starts far nearer the host than MHA2MLA's evenly spaced pairs, docs/dar.md);
+   evenly spaced pairs only where the host has no ``q_proj``.
 2. W_down, W_UK, W_UV: the truncated SVD of the host's [W_K content rows ; W_V] (``svd_init``).
 
 At full rank (every pair kept, d_down >= kv_heads x head_dim) the layer computes exactly what the host computes.
@@ -22,7 +24,14 @@ from torch import nn
 
 from ..validation import ConfigError
 from .dar_latent import DARLatentAttention
-from .dar_latent_channels import channel_order, svd_init, top_pairs, two_norm_scores, uniform_pairs
+from .dar_latent_channels import (
+    channel_order,
+    svd_init,
+    top_pairs,
+    two_norm_scores,
+    uniform_pairs,
+    weight_pair_norms,
+)
 
 
 def latent_layers(model: nn.Module) -> list[tuple[nn.Module, DARLatentAttention]]:
@@ -53,15 +62,21 @@ def calibrate(model: nn.Module, run: Callable[[], object]) -> list[dict]:
 
 
 def init_layer(mech: DARLatentAttention, w_k: torch.Tensor, w_v: torch.Tensor, stats: dict | None = None,
-               rot: int | None = None) -> DARLatentAttention:
+               rot: int | None = None, w_q: torch.Tensor | None = None) -> DARLatentAttention:
     """Set one layer from its host's W_K, W_V ([kv_heads * head_dim, d]): kept pairs by the 2-norm score of
-    ``stats`` (``calibrate``), else evenly spaced over a rotary width ``rot`` (default: the whole head), then the
-    truncated SVD. In place; returns ``mech``."""
+    ``stats`` (``calibrate``); else, with the host's W_Q ([heads * head_dim, d]), by the same score on the
+    weights' pair norms (``weight_pair_norms``); else evenly spaced; over a rotary width ``rot`` (default: the
+    whole head). Then the truncated SVD. In place; returns ``mech``."""
     g, d = mech.channels.shape
     keep = mech.cfg.rope_pairs
     if stats is not None:
         rot = stats["rot"]
         pairs = top_pairs(two_norm_scores(stats["q"], stats["k"], stats["tokens"]), keep)
+    elif w_q is not None:
+        rot = d if rot is None else rot
+        heads = w_q.shape[0] // d
+        pairs = top_pairs(two_norm_scores(weight_pair_norms(w_q, heads, rot), weight_pair_norms(w_k, g, rot), 1),
+                          keep)
     else:
         rot = d if rot is None else rot
         pairs = uniform_pairs(g, rot // 2, keep)
@@ -91,7 +106,7 @@ def host_refusal(host: nn.Module) -> str | None:
 
 def init_from_host(model: nn.Module, run: Callable[[], object] | None = None) -> nn.Module:
     """Initialise every ``dar_latent`` layer of ``model`` from its host layer's ``k_proj`` / ``v_proj``, after
-    ``calibrate(model, run)`` when ``run`` is given (the 2-norm pair choice), else with evenly spaced pairs.
+    ``calibrate(model, run)`` when ``run`` is given (the 2-norm pair choice), else by the weights' score.
     ConfigError where a host layer's K/V are not plain linear maps. In place; returns ``model``."""
     layers = latent_layers(model)
     if not layers:
@@ -102,5 +117,6 @@ def init_from_host(model: nn.Module, run: Callable[[], object] | None = None) ->
             raise ConfigError(refusal)
     stats = calibrate(model, run) if run is not None else [None] * len(layers)
     for (host, mech), s in zip(layers, stats):
-        init_layer(mech, host.k_proj.weight, host.v_proj.weight, s)
+        q = getattr(host, "q_proj", None)
+        init_layer(mech, host.k_proj.weight, host.v_proj.weight, s, w_q=q.weight if isinstance(q, nn.Linear) else None)
     return model

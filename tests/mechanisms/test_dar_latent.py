@@ -103,6 +103,24 @@ def test_calibration_runs_the_host_and_picks_pairs_by_their_2_norm():
     assert all(m.calibration is None for m in mechanism_layers(model))
 
 
+def test_without_calibration_the_pairs_come_from_the_weights():
+    """No calibration text: the 2-norm score on the weights' pair norms picks the pairs. A pair's norm is the
+    Frobenius norm of its two rows, what the squared pair norms sum to over an orthonormal basis of inputs."""
+    from allhere.mechanisms.dar_latent_channels import weight_pair_norms
+
+    w = torch.randn(HEADS * HD, D)
+    q = w.view(HEADS, HD, D).transpose(1, 2)  # [heads, D inputs (the identity's rows), HD]
+    squared = (q[..., :HD // 2] ** 2 + q[..., HD // 2:] ** 2).sum(1)
+    assert rel_err(weight_pair_norms(w, HEADS, HD) ** 2, squared) < 1e-5
+    base = host()
+    with torch.no_grad():
+        k = base.blocks[0].attn.k_proj.weight.view(KV, HD, D)
+        k[1, [2, 2 + HD // 2]] *= 20
+        k[0, [0, HD // 2]] *= 20
+    model = latent_model(DARLatentConfig(window=4, d_down=8, rope_pairs=1), base)
+    assert mechanism_layers(model)[0].channels[:, :2].tolist() == [[0, 4], [2, 6]]
+
+
 def test_decoding_keeps_latents_and_the_window_and_reads_them_absorbed(monkeypatch):
     """The cache holds, per token, d_c + 2 r kv_heads numbers and the window's full K/V only; decode steps run the
     absorbed path and never rebuild a far key; greedy generation equals greedy decoding without a cache."""
