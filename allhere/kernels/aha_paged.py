@@ -8,23 +8,25 @@ hard gate: global reads every key up to its position, local only the ``window`` 
 included). Two kernels share the call, the requests split between them on the GPU with nothing read
 back (the grids come from the shapes alone, so a call can be captured in a CUDA graph):
 
-- decode (requests with one query), grown from ``aha_decode``: the keys of every (request, head) are split
-  across programs, SPLIT keys each (flash decoding), so that a long global head is read by many thread
-  blocks at once; a local head's window fits in its first split(s) and its other programs return at once.
-  A head whose keys fit one split writes its output; the splits of a longer one are merged by their
-  log-sum-exp by the last of them to finish, reading only the splits that had keys.
-- prefill (requests with several queries), grown from ``aha_prefill``, in two passes of one kernel whose
-  program is a tile of BLOCK_M queries of one (request, head) sharing the keys they read through
-  ``tl.dot``. The window pass: consecutive queries, every one over its window (the tile visits only the
-  blocks its windows cover, about BLOCK_M + window keys, never the prefix). The global pass: the head's
-  global queries of the request packed in order (``aha_pack.pack_global``, on the device), every one over its whole
-  prefix, written over its window result (the wasted window work is a fraction mu of the local work). A
-  tile mixing both kinds would read the whole prefix for its local rows too, and at a few percent of
-  global (query, head) pairs nearly every tile of 64 has one; packed, only cdiv(global queries, BLOCK_M)
-  tiles per (request, head) read the prefix. In both passes the keys every row of the tile sees run
-  without mask work (``inner_blocks``). Tiles are numbered without a host sync as in vLLM's unified
-  attention: request r owns the tile numbers from (its pass's rows before it) // BLOCK_M + r on (at least
-  as many as it needs), and a program finds its request by a binary search over those starts.
+- decode (requests with one query), as ``aha_decode`` and from the same pieces (``blocks``): the keys of
+  every (request, head) are split across programs, SPLIT keys each (flash decoding), so that a long global
+  head is read by many thread blocks at once; a local head's window fits in its first split(s) and its
+  other programs return at once. A head whose keys fit one split writes its output; the splits of a
+  longer one are merged by their log-sum-exp by the last of them to finish, reading only the splits that
+  had keys.
+- prefill (requests with several queries), grown from ``aha_prefill`` (the edge masks and online softmax of
+  ``blocks``), in two passes of one kernel whose program is a tile of BLOCK_M queries of one
+  (request, head) sharing the keys they read through ``tl.dot``. The window pass: consecutive queries, every
+  one over its window (the tile visits only the blocks its windows cover, about BLOCK_M + window keys, never
+  the prefix). The global pass: the head's global queries of the request packed in order
+  (``aha_pack.pack_global``, on the device), every one over its whole prefix, written over its window result
+  (the wasted window work is a fraction mu of the local work). A tile mixing both kinds would read the whole
+  prefix for its local rows too, and at a few percent of global (query, head) pairs nearly every tile of 64
+  has one; packed, only cdiv(global queries, BLOCK_M) tiles per (request, head) read the prefix. In both
+  passes the keys every row of the tile sees run without mask work (``inner_blocks``). Tiles are numbered
+  without a host sync as in vLLM's unified attention: request r owns the tile numbers from (its pass's rows
+  before it) // BLOCK_M + r on (at least as many as it needs), and a program finds its request by a binary
+  search over those starts.
 
 Keys are gathered through the block table one key at a time (block ``block_table[r, p // BLOCK_SIZE]``,
 slot ``p % BLOCK_SIZE``), so a key tile need not match the cache's block size. Only table entries of keys
@@ -53,9 +55,19 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_decode import MERGE_CHUNK, arrived_counters, decode_step, finish_split, split_scratch
 from .aha_pack import pack_global
-from .aha_prefill import LOG2E, edge_mask, inner_blocks, online_step, strided
+from .blocks import (
+    LOG2E,
+    MERGE_CHUNK,
+    arrived_counters,
+    decode_step,
+    edge_mask,
+    finish_split,
+    inner_blocks,
+    online_step,
+    split_scratch,
+    strided,
+)
 from .tiles import default as default_tiles
 
 DECODE = "decode"  # the candidate lists (``tiles.SPACES``) the paged decode kernel is tuned over,
