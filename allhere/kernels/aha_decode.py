@@ -15,8 +15,9 @@ With ``kv_len`` on the device the launch does not depend on the lengths at all (
 buffer's t, the splits past a sequence's length return at once): one launch setting serves every step of
 a growing cache, as a captured CUDA graph replays it.
 
-The single-query online softmax and the merge (``blocks.finish_split``) are ``blocks``', shared with the
-paged decode (``aha_paged``); this file holds the kernel over a dense cache and its launch.
+The key range (``blocks.first_key``), the single-query online softmax and the merge (``blocks.finish_split``)
+are ``blocks``', shared with the paged decode (``aha_paged``); this file holds the kernel over a dense cache
+and its launch.
 """
 
 from __future__ import annotations
@@ -33,20 +34,11 @@ from .blocks import (
     choose,
     decode_step,
     finish_split,
+    first_key,
     split_scratch,
     strided,
 )
 from .tiles import default as default_tiles
-
-
-@triton.jit
-def _first_key(GATE, KV_START, bh, b, T, W, HAS_START: tl.constexpr):
-    """The first key (sequence, head) ``bh`` of a sequence of T keys reads: 0 for a global head, T - W for a
-    local one, never before the sequence's first real key."""
-    lo = tl.where(tl.load(GATE + bh) != 0, 0, tl.maximum(T - W, 0))
-    if HAS_START:
-        lo = tl.maximum(lo, tl.load(KV_START + b))  # keys before it are padding
-    return lo
 
 
 @triton.jit
@@ -65,7 +57,9 @@ def _decode_kernel(Q, K, V, GATE, KV_START, KV_LEN, OP, LSE, O, ARRIVED, sm_scal
     kh = h // G
     if HAS_LEN:
         T = tl.minimum(tl.load(KV_LEN + b), T)
-    first = _first_key(GATE, KV_START, bh, b, T, W, HAS_START)
+    first = first_key(T - 1, tl.load(GATE + bh) != 0, W)  # the query is the sequence's last position
+    if HAS_START:
+        first = tl.maximum(first, tl.load(KV_START + b))  # keys before it are padding
     live = tl.minimum(tl.cdiv(T - first, SPLIT), nsplit)  # splits with keys
     start = first + split * SPLIT
     end = tl.minimum(start + SPLIT, T)

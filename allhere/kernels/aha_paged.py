@@ -14,8 +14,8 @@ back (the grids come from the shapes alone, so a call can be captured in a CUDA 
   other programs return at once. A head whose keys fit one split writes its output; the splits of a
   longer one are merged by their log-sum-exp by the last of them to finish, reading only the splits that
   had keys.
-- prefill (requests with several queries), grown from ``aha_prefill`` (the edge masks and online softmax of
-  ``blocks``), in two passes of one kernel whose program is a tile of BLOCK_M queries of one
+- prefill (requests with several queries), grown from ``aha_prefill`` (the window rule, edge masks and online
+  softmax of ``blocks``), in two passes of one kernel whose program is a tile of BLOCK_M queries of one
   (request, head) sharing the keys they read through ``tl.dot``. The window pass: consecutive queries, every
   one over its window (the tile visits only the blocks its windows cover, about BLOCK_M + window keys, never
   the prefix). The global pass: the head's global queries of the request packed in order
@@ -63,6 +63,7 @@ from .blocks import (
     decode_step,
     edge_mask,
     finish_split,
+    first_key,
     inner_blocks,
     online_step,
     split_scratch,
@@ -172,10 +173,7 @@ def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, sc
     else:
         rows = idx.to(tl.int64)  # 64-bit: row * stride may pass 2**31
     pos = (n - qe + rows).to(tl.int32)  # the queries are the request's last positions
-    if GLOBAL:
-        first = tl.zeros_like(pos)
-    else:
-        first = tl.maximum(pos - W + 1, 0)
+    first = first_key(pos, GLOBAL, W)
     lo = (tl.min(tl.where(rmask, first, n), 0) // BLOCK_N) * BLOCK_N  # window pass: the windows' blocks only
     hi = tl.max(tl.where(rmask, pos, 0), 0) + 1
     offs_d = tl.arange(0, D)
@@ -205,7 +203,7 @@ def _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt):
     one = tl.load(QSTART + r + 1) - qs == 1
     n = tl.load(SEQLEN + r)
     glob = tl.load(GATE + qs.to(tl.int64) * sgt + h, mask=one, other=0) != 0
-    return qs.to(tl.int64), one, tl.where(glob, 0, tl.maximum(n - W, 0)), n
+    return qs.to(tl.int64), one, first_key(n - 1, glob, W), n  # the query is the request's last position
 
 
 @triton.jit

@@ -23,7 +23,7 @@ Layout: q [b, h, n, d], k/v [b, kv_heads, n, d] (queries and keys over the same 
 a power of two >= 16 (the op sends 16 to 128 here: at 256 the default tiles need more shared memory than
 a GPU gives a block). Online softmax in fp32 (base 2), output in q's dtype.
 
-The pieces the kernels share (the masks, the online softmax, key loads, the rows a program takes, the
+The pieces the kernels share (the window rule, the online softmax, key loads, the rows a program takes, the
 launch helpers) are ``blocks``'; this file holds the two prefill kernels and their launches
 (``sliding_forward``, ``global_forward``), which the training forward (``aha_train``) runs too.
 """

@@ -17,8 +17,8 @@ No work is done for the full attention of local rows: the op computes ``a_full``
 gradient separately, with dense SDPA and without autograd (a forward pass only).
 
 Layout as in ``aha_prefill``: q [b, h, n, d], k/v [b, kv_heads, n, d], head dim a power of two >= 16. The
-backward's kernels are built from ``blocks`` as the forward's are (the edge masks, the key loads, the rows a
-program takes).
+backward's kernels are built from ``blocks`` as the forward's are (the window rule, the edge masks, the key
+loads, the rows a program takes).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     lo = (n0 // BLOCK_M) * BLOCK_M
-    hi = tl.minimum(n0 + BLOCK_N + W - 1, N)
+    hi = tl.minimum(blocks.last_reader(n0 + BLOCK_N - 1, W) + 1, N)  # the local rows whose window reaches the block
     i = tl.arange(0, BLOCK_M)
     # No query at or after ``stop`` sees a key of this block (the end of the last key's segment).
     if SEGMENTS:
@@ -170,9 +170,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + offs_m, mmask)
             local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
             first = blocks.row_starts(START, b, N, offs_m, mmask, SEGMENTS)
-            diff = offs_m[:, None] - offs_n[None, :]
-            valid = (diff >= 0) & (diff < W) & local[:, None] & nmask[None, :] \
-                & (offs_n[None, :] >= first[:, None])
+            valid = blocks.edge_mask(offs_m, offs_n, first, local, N, W)  # local: a real row (padding loads as global)
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
         # This head's global queries (its packed list, BLOCK_M at a time) that reach the key block: from
         # the tile holding its first global query at or after n0 (the count before n0, divided by

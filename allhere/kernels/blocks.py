@@ -1,9 +1,11 @@
 """The building blocks the AHA kernels share (``aha_prefill``, ``aha_train``, ``aha_decode``, ``aha_paged``):
 each rule written once, here, and called by every kernel that needs it.
 
-- Masks: ``edge_mask`` (which keys of a [rows, keys] tile each row sees: causal, inside its window, inside
-  its segment) and ``inner_blocks`` (the key blocks every row of a tile sees entirely, where no mask is
-  needed).
+- The key range of a query (the window rule): ``window_start`` (the first key a local query at position
+  ``pos`` reads: its ``w`` most recent keys, itself included, ``pos - kv < w``), ``first_key`` (AHA's
+  routing on top of it: a global query reads from key 0), ``last_reader`` (the other side of the same rule:
+  the last query whose window holds a key), ``edge_mask`` (the rule as a mask of a [rows, keys] tile) and
+  ``inner_blocks`` (the key blocks every row of a tile sees entirely, where no mask is needed).
 - The online softmax in base 2: ``online_step`` folds a key tile into a tile of query rows (``tl.dot``),
   ``decode_step`` into a single query (decode).
 - The dense layout [b, heads, n, d] of the prefill and training kernels: the keys (``key_sources``,
@@ -33,13 +35,33 @@ from .tiles import default as default_tiles
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
-# --- masks ---
+# --- the key range of a query: the window rule ---
+
+
+@triton.jit
+def window_start(pos, W):
+    """The first key a local query at position ``pos`` reads: the first of its W most recent keys, itself
+    included (``pos - kv < W``), never before key 0."""
+    return tl.maximum(pos - W + 1, 0)
+
+
+@triton.jit
+def first_key(pos, glob, W):
+    """The first key a query at position ``pos`` reads under AHA's gate ``glob`` (True: global, the whole
+    prefix from key 0; False: its window, ``window_start``). It reads the keys up to itself."""
+    return tl.where(glob, 0, window_start(pos, W))
+
+
+@triton.jit
+def last_reader(key, W):
+    """The last query position whose window of W keys holds ``key`` (``window_start`` seen from the key)."""
+    return key + W - 1
 
 
 @triton.jit
 def edge_mask(rows, offs_n, first, rmask, N, W):
-    """[rows, keys] of a tile that may be seen: causal, inside the window W, from each row's first key on,
-    before the sequence end, real rows only."""
+    """[rows, keys] of a tile that may be seen: causal, inside the window W (``pos - kv < W``), from each
+    row's first key on, before the sequence end, real rows only."""
     diff = rows[:, None] - offs_n[None, :]
     return (diff >= 0) & (diff < W) & (offs_n[None, :] >= first[:, None]) & (offs_n[None, :] < N) & rmask[:, None]
 
@@ -51,7 +73,7 @@ def inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N: tl.constexpr):
     needed (lo aligned to BLOCK_N, hi the end of the range)."""
     latest = tl.max(tl.where(rmask, rows, 0), 0)
     earliest = tl.min(tl.where(rmask, rows, N), 0)
-    inner_lo = tl.maximum(tl.maximum(latest - W + 1, tl.max(tl.where(rmask, first, 0), 0)), 0)
+    inner_lo = tl.maximum(window_start(latest, W), tl.max(tl.where(rmask, first, 0), 0))
     inner_lo = tl.minimum(tl.maximum(tl.cdiv(inner_lo, BLOCK_N) * BLOCK_N, lo), hi)
     return inner_lo, tl.maximum(((earliest + 1) // BLOCK_N) * BLOCK_N, inner_lo)
 
@@ -129,7 +151,7 @@ def window_block(N, H, G, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
     h = bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    lo = (tl.maximum(pid_m * BLOCK_M - W + 1, 0) // BLOCK_N) * BLOCK_N
+    lo = (window_start(pid_m * BLOCK_M, W) // BLOCK_N) * BLOCK_N
     hi = tl.minimum((pid_m + 1) * BLOCK_M, N)
     return bh, b, h, h // G, offs_m, lo, hi
 
