@@ -15,9 +15,9 @@ With ``kv_len`` on the device the launch does not depend on the lengths at all (
 buffer's t, the splits past a sequence's length return at once): one launch setting serves every step of
 a growing cache, as a captured CUDA graph replays it.
 
-The key range (``blocks.first_key``), the single-query online softmax and the merge (``blocks.finish_split``)
-are ``blocks``', shared with the paged decode (``aha_paged``); this file holds the kernel over a dense cache
-and its launch.
+The key range (``blocks.first_key``), the split (``blocks.split_keys``), the single-query online softmax and
+the merge (``blocks.finish_split``) are ``blocks``', shared with the paged decode (``aha_paged``); this file
+holds the kernel over a dense cache and its launch.
 """
 
 from __future__ import annotations
@@ -32,13 +32,15 @@ from .blocks import (
     MERGE_CHUNK,
     arrived_counters,
     choose,
+    decode_state,
     decode_step,
     finish_split,
     first_key,
+    pinned_tiles,
+    split_keys,
     split_scratch,
     strided,
 )
-from .tiles import default as default_tiles
 
 
 @triton.jit
@@ -60,9 +62,7 @@ def _decode_kernel(Q, K, V, GATE, KV_START, KV_LEN, OP, LSE, O, ARRIVED, sm_scal
     first = first_key(T - 1, tl.load(GATE + bh) != 0, W)  # the query is the sequence's last position
     if HAS_START:
         first = tl.maximum(first, tl.load(KV_START + b))  # keys before it are padding
-    live = tl.minimum(tl.cdiv(T - first, SPLIT), nsplit)  # splits with keys
-    start = first + split * SPLIT
-    end = tl.minimum(start + SPLIT, T)
+    start, end, live = split_keys(first, T, split, nsplit, SPLIT)  # live: the splits with keys
     offs_d = tl.arange(0, D)
     if start >= end:  # past this head's keys
         if (split == 0) & (live <= 0):  # no key at all
@@ -70,17 +70,14 @@ def _decode_kernel(Q, K, V, GATE, KV_START, KV_LEN, OP, LSE, O, ARRIVED, sm_scal
         return
     q = tl.load(Q + b * sqb + h * sqh + offs_d).to(tl.float32)
     qk_scale = sm_scale * LOG2E
-    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)  # fp32 scalars carried by the loop
-    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
-    acc = tl.zeros([D], tl.float32)
+    m_i, l_i, acc = decode_state(BLOCK_N, D)
     for s0 in range(start, end, BLOCK_N):
         offs_n = s0 + tl.arange(0, BLOCK_N)
         kmask = offs_n < end
         kv = b * skb + kh * skh + offs_n[:, None] * skn + offs_d[None, :]
-        k = tl.load(K + kv, mask=kmask[:, None], other=0.0).to(tl.float32)
-        v = tl.load(V + kv, mask=kmask[:, None], other=0.0).to(tl.float32)
-        s = tl.where(kmask, tl.sum(k * q[None, :], 1) * qk_scale, float("-inf"))
-        m_i, l_i, acc = decode_step(m_i, l_i, acc, s, v)
+        k = tl.load(K + kv, mask=kmask[:, None], other=0.0)
+        v = tl.load(V + kv, mask=kmask[:, None], other=0.0)
+        m_i, l_i, acc = decode_step(m_i, l_i, acc, q, k, v, kmask, qk_scale)
     finish_split(acc, l_i, m_i, O + bh * D, OP, LSE, ARRIVED, bh, split, nsplit, live, D, CHUNK)
 
 
@@ -109,15 +106,14 @@ def aha_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: t
     arrived = arrived_counters(q.device, b * h)
 
     def launch(s: dict, lens: torch.Tensor = lens) -> None:
-        nsplit = triton.cdiv(t, s["SPLIT"])
-        partial, lse = split_scratch(b * h, nsplit, d, q.device)
+        nsplit, partial, lse = split_scratch(b * h, t, s["SPLIT"], d, q.device)
         _decode_kernel[(b * h, nsplit)](q, k, v, g, first, lens, partial, lse, out, arrived, scale, t, h,
                                         h // hkv, window, q.stride(0), q.stride(1), *k.stride()[:3], D=d,
                                         HAS_START=kv_start is not None, HAS_LEN=kv_len is not None,
                                         CHUNK=MERGE_CHUNK, **s)
 
     if tiles is not None:
-        launch({**default_tiles("decode"), **tiles})
+        launch(pinned_tiles("decode", tiles))
     elif kv_len is None:  # keyed also on the batch x heads bucket: with the length it sets how many programs run
         launch(choose("decode", q, k, launch, f"bh{autotune.length_bucket(b * h)}"))
     else:  # a class of its own, timed with the buffer full (the setting serves every length a graph replays)

@@ -60,16 +60,18 @@ from .blocks import (
     LOG2E,
     MERGE_CHUNK,
     arrived_counters,
+    decode_state,
     decode_step,
     edge_mask,
     finish_split,
     first_key,
     inner_blocks,
     online_step,
+    pinned_tiles,
+    split_keys,
     split_scratch,
     strided,
 )
-from .tiles import default as default_tiles
 
 DECODE = "decode"  # the candidate lists (``tiles.SPACES``) the paged decode kernel is tuned over,
 WINDOW = "sliding"  # the prefill's window pass (every query over its window)
@@ -221,24 +223,19 @@ def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, O, ARRIVED, sm_sc
     r = rh // H
     h = rh % H
     row, one, lo, n = _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt)
-    start = lo + split * SPLIT
-    end = tl.minimum(start + SPLIT, n)
+    start, end, live = split_keys(lo, n, split, nsplit, SPLIT)  # live >= 1 splits: a decode row sees its own key
     if (one == 0) | (start >= end):  # not a decode request, or past this head's keys
         return
-    live = tl.minimum(tl.cdiv(n - lo, SPLIT), nsplit)  # splits with keys (>= 1: a decode row sees its own key)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + row * sqt + h * sqh + offs_d).to(tl.float32)
     bt_row = r.to(tl.int64) * sbt
     kv_off = (h // G) * skh
     qk_scale = sm_scale * LOG2E
-    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)  # fp32 scalars carried by the loop
-    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
-    acc = tl.zeros([D], tl.float32)
+    m_i, l_i, acc = decode_state(BLOCK_N, D)
     for s0 in range(start, end, BLOCK_N):
         offs_n = s0 + tl.arange(0, BLOCK_N)
         k, v = _paged_keys(K, V, BT, bt_row, kv_off, offs_n, end, skb, sks, True, BLOCK_SIZE, D)
-        s = tl.where(offs_n < end, tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
-        m_i, l_i, acc = decode_step(m_i, l_i, acc, s, v.to(tl.float32))
+        m_i, l_i, acc = decode_step(m_i, l_i, acc, q, k, v, offs_n < end, qk_scale)
     finish_split(acc, l_i, m_i, O + row * sot + h * soh, OP, LSE, ARRIVED, rh.to(tl.int64), split, nsplit, live,
                  D, CHUNK)
 
@@ -276,8 +273,7 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     arrived = arrived_counters(q.device, reqs * heads)
 
     def decode(s: dict) -> None:
-        nsplit = triton.cdiv(max(bound, 1), s["SPLIT"])
-        partial, lse = split_scratch(reqs * heads, nsplit, d, q.device)
+        nsplit, partial, lse = split_scratch(reqs * heads, max(bound, 1), s["SPLIT"], d, q.device)
         _decode_kernel[(reqs * heads, nsplit)](*cache, g, partial, lse, out, arrived, scale, heads, group, window,
                                                *q_k, g.stride(0), out.stride(0), out.stride(1),
                                                BLOCK_SIZE=block_size, D=d, CHUNK=MERGE_CHUNK, **_only(s, "SPLIT"))
@@ -304,9 +300,8 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _setting(kernel: str, tiles: dict | None, key: tuple, q: torch.Tensor, launch, length: int) -> dict:
     """The launch setting of a paged kernel that borrows ``kernel``'s candidates: pinned by ``tiles``, else
     ``autotune.setting`` (tuned on the GPU under ``key``, the default in the interpreter)."""
-    if tiles is not None:
-        return {**default_tiles(kernel), **tiles}
-    return autotune.setting(kernel, key, q.device, launch, q.shape[-1], q.element_size(), length=length)
+    return pinned_tiles(kernel, tiles) or autotune.setting(kernel, key, q.device, launch, q.shape[-1],
+                                                          q.element_size(), length=length)
 
 
 def _only(setting: dict, tile: str) -> dict:

@@ -6,15 +6,15 @@ each rule written once, here, and called by every kernel that needs it.
   routing on top of it: a global query reads from key 0), ``last_reader`` (the other side of the same rule:
   the last query whose window holds a key), ``edge_mask`` (the rule as a mask of a [rows, keys] tile) and
   ``inner_blocks`` (the key blocks every row of a tile sees entirely, where no mask is needed).
-- The online softmax in base 2: ``online_step`` folds a key tile into a tile of query rows (``tl.dot``),
-  ``decode_step`` into a single query (decode).
+- The online softmax in base 2: ``online_step`` folds a key tile into a tile of query rows (``tl.dot``);
+  ``decode_state`` / ``decode_step`` do the same for a single query (decode).
 - The dense layout [b, heads, n, d] of the prefill and training kernels: the keys (``key_sources``,
   ``load_keys``: pointers or tensor descriptors) and the rows a program takes (``window_block``: a block of
   consecutive queries; ``packed_block`` / ``packed_keys``: a block of packed global queries; ``row_starts``:
   each row's segment start).
-- The split-KV decode (flash decoding) of ``aha_decode`` and ``aha_paged``: ``finish_split`` and
-  ``merge_splits`` (the last split to finish merges the partial outputs by their log-sum-exps), and on the
-  host the scratch and arrival counters they need.
+- The split-KV decode (flash decoding) of ``aha_decode`` and ``aha_paged``: ``split_keys`` (a program's
+  share of its head's key range), ``finish_split`` and ``merge_splits`` (the last split to finish merges the
+  partial outputs by their log-sum-exps), and on the host the scratch and arrival counters they need.
 - Host helpers that prepare a launch: ``strided`` (q, k, v read where they lie), the launch setting
   (``pinned_tiles``, ``choose``, ``tma_checked``), segments (``segment_start``, ``segment_args``) and
   ``built_for_interpreter``.
@@ -98,13 +98,23 @@ def online_step(m_i, l_i, acc, s, v, IEEE: tl.constexpr):
 
 
 @triton.jit
-def decode_step(m_i, l_i, acc, s, v):
-    """One key tile folded into a single query's online softmax: scores ``s`` [N] (base 2, masked keys -inf),
-    values ``v`` [N, D] fp32; returns the updated (max, sum, accumulator [D])."""
+def decode_state(BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """A single query's empty online softmax: (max -inf, sum 0: fp32 scalars a loop can carry, accumulator [D])."""
+    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+    return m_i, l_i, tl.zeros([D], tl.float32)
+
+
+@triton.jit
+def decode_step(m_i, l_i, acc, q, k, v, kmask, qk_scale):
+    """One key tile folded into a single query's online softmax: query ``q`` [D] fp32, keys ``k`` and values
+    ``v`` [N, D] (taken in fp32), ``kmask`` [N] the keys that count, ``qk_scale`` = scale * log2 e; returns
+    the updated (max, sum, accumulator [D])."""
+    s = tl.where(kmask, tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 0))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)
-    return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v, 0)
+    return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
 
 
 # --- the dense layout [b, heads, n, d] (prefill and training) ---
@@ -202,6 +212,14 @@ def packed_keys(START, b, N, pos, rmask, SEGMENTS: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
+def split_keys(first, last, split, nsplit, SPLIT: tl.constexpr):
+    """Split ``split`` of ``nsplit`` of a head's key range [first, last), SPLIT keys each: (its keys [start,
+    end) -- empty past the range --, how many splits have keys)."""
+    start = first + split * SPLIT
+    return start, tl.minimum(start + SPLIT, last), tl.minimum(tl.cdiv(last - first, SPLIT), nsplit)
+
+
+@triton.jit
 def merge_splits(OP, LSE, base, live, D: tl.constexpr, CHUNK: tl.constexpr):
     """(weighted sum [D], sum of the weights) of the partial outputs ``OP[base + s]`` [D] of the splits
     s < ``live``, each weighted by 2 ** (its log-sum-exp ``LSE[base + s]`` (base 2) - their max)."""
@@ -264,10 +282,13 @@ def arrived_counters(device: torch.device, count: int) -> torch.Tensor:
     return have
 
 
-def split_scratch(rows: int, nsplit: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The splits' partial outputs [rows * nsplit * d] and log-sum-exps [rows * nsplit], fp32, in one allocation."""
+def split_scratch(rows: int, keys: int, split: int, d: int,
+                  device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(nsplit, partial outputs [rows * nsplit * d], log-sum-exps [rows * nsplit]) for ``rows`` heads of up to
+    ``keys`` keys split ``split`` at a time: the splits' fp32 scratch, in one allocation."""
+    nsplit = triton.cdiv(keys, split)
     scratch = torch.empty(rows * nsplit * (d + 1), device=device, dtype=torch.float32)
-    return scratch[:rows * nsplit * d], scratch[rows * nsplit * d:]
+    return nsplit, scratch[:rows * nsplit * d], scratch[rows * nsplit * d:]
 
 
 # --- host helpers of a launch ---
