@@ -43,7 +43,7 @@ def _attend_read(qflat, tile_rows, heads_t, kv_head, req, pos, read, view, block
     n_blocks = int(pos.max()) // bs + 1
     kl = torch.arange(n_blocks, device=dev) * bs
     ok = kl[None] <= pos[:, None]  # [tiles, blocks]
-    test = getattr(read.pred, "tiles", None)
+    test = read.pred.tiles
     if test is not None:
         zero = torch.zeros((), dtype=torch.long, device=dev)
         p = pos[:, None, None]
