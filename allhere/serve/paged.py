@@ -170,8 +170,8 @@ def _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, vie
     """The decode tokens of a layer whose rows all read one predicate, straight into ``out``
     (``paged_decode.decode_direct``)."""
     req = decode.nonzero().squeeze(1)
-    decode_direct(q, starts[:-1][req], req, seq_lens[req].long() - 1, Read(*reads[0][0]).pred, view, block_table,
-                  scale, softcap, out)
+    decode_direct(q, starts[:-1][req], req, seq_lens[req].long() - 1, masks.as_mask(Read(*reads[0][0]).pred), view,
+                  block_table, scale, softcap, out)
 
 
 def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
