@@ -37,6 +37,7 @@ from patterns_speed import fastest_dense
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from allhere.masks import (
+    as_mask,
     bigbird,
     causal,
     dilated_window,
@@ -109,7 +110,8 @@ def cases(n: int, heads: int, kv_heads: int, device) -> dict:
 
 
 def same_tiles(mask: BlockMask, mask_mod) -> BlockMask:
-    """``mask``'s tile lists with another predicate."""
+    """``mask``'s tile lists with another predicate (a ``Mask``'s plain function, as ``flex_block_mask`` gives)."""
+    mask_mod = as_mask(mask_mod).pred
     lists = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
     try:
         return BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask_mod,
@@ -173,7 +175,7 @@ def main(argv=None) -> None:
         print("|---|---|---|---|---|---|---|")
         for name, (pred, others) in cases(n, h, hkv, dev).items():
             mask = flex_block_mask(pred, n, n, heads=h, device=dev, per_batch=False,
-                                   per_head=getattr(pred, "varies_by_head", False))
+                                   per_head=pred.per_head)
             partial, full = tiles_per_row(mask)
             variants = {"pattern": mask, **{k: same_tiles(mask, m) for k, m in others.items()},
                         "no mask": same_tiles(mask, keep_all)}

@@ -80,7 +80,7 @@ def flex_path(pred, q, k, v):
 
     def build():
         return flex_block_mask(pred, q.shape[2], k.shape[2], heads=q.shape[1], device=q.device, per_batch=False,
-                               per_head=getattr(pred, "varies_by_head", False))
+                               per_head=pred.per_head)
 
     build()
     mask, seconds = timed_call(build, q.device.type)
