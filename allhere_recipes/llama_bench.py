@@ -39,7 +39,7 @@ import time
 import torch
 
 from .gates import flop_limit
-from .timing import median_time
+from .timing import median_time, timed_call
 
 LLAMA_3_2_1B = dict(  # the published config.json of meta-llama/Llama-3.2-1B (sizes and structural flags)
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -279,14 +279,9 @@ def captured_steps(run, warmup: int, new_tokens: int, device: str) -> list[float
     token = torch.zeros(run.batch, dtype=torch.long, device=run.device)
     times = []
     for i in range(warmup + new_tokens - 1):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        token = run.step(token).argmax(-1)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        token, seconds = timed_call(lambda: run.step(token).argmax(-1), device)
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
     return times
 
 

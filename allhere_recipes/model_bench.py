@@ -12,13 +12,12 @@ falls on every column alike.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from allhere.mechanisms.base import mechanism_layers
 
 from .gates import tail_share
+from .timing import round_robin_times
 
 SHAPE = dict(vocab=256, d_model=256, layers=4, heads=4, window=256)
 BUSY, QUIET = 0.27, 0.02  # share of global tokens of the busy head (layers 0-2) and of every other head
@@ -126,16 +125,10 @@ def run_model_bench(lengths, repeats: int = 3, progress=print) -> list[dict]:
                 return call
 
             calls = {"dense": lambda: run(dense)(ids), "aha": aha(None), "local": aha(False)}
-            times = {k: [] for k in calls}
             with torch.inference_mode():
                 for c in calls.values():  # warm-up
                     c()
-                for r in range(repeats):
-                    keys = list(calls)[r % 3:] + list(calls)[:r % 3]
-                    for k in keys:
-                        t = time.perf_counter()
-                        calls[k]()
-                        times[k].append(time.perf_counter() - t)
+                times = round_robin_times(calls, repeats)
                 set_forced_gate(routed, None)
                 mu = _mu_f(routed, run, ids)
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}

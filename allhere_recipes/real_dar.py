@@ -33,18 +33,16 @@ import torch
 
 from allhere.hf import cache_nbytes, new_cache
 from allhere.hf.cache import cache_kwargs
-from allhere.hf.io import check_causal_lm, load_local
+from allhere.hf.io import check_causal_lm
 from allhere.mechanisms import DARConfig, DARLatentConfig
 from allhere.runlock import run_lock
 
-from . import real_runs
+from . import real_runs as runs
 from .job import Job
-from .real_data import token_data
 from .real_plan import RealPlan, preset_plan
 from .real_probes import decode_speed, heldout, long_prompt
 from .real_report import write_dar_report
-from .real_runs import fine_tune, plan_run, plan_work, resolve_model, stage, token_cost, train_config, work_bar
-from .rundir import check_out, claim
+from .rundir import check_out
 
 CALIBRATION_WINDOWS = 8  # training windows dar_latent's 2-norm pair choice is measured on (never held-out text)
 
@@ -78,7 +76,7 @@ def run_real_dar(model: str = "smollm2", out: str | Path = "runs/smollm2", prese
                  device: str = "cpu", data_path: str | None = None, progress: bool = True, log=print) -> dict:
     """Run (or continue) the DAR comparison in ``out/dar``; write its report there; return it."""
     plan = preset_plan(preset or ("gpu" if device.startswith("cuda") else "cpu"), device)
-    source = resolve_model(model)
+    source = runs.resolve_model(model)
     config = check_causal_lm(source)
     mechs = mechanisms(plan, config)
     for mech in mechs.values():
@@ -87,44 +85,39 @@ def run_real_dar(model: str = "smollm2", out: str | Path = "runs/smollm2", prese
     task = Path(out) / "dar"
     t0 = time.time()
     with run_lock(out):
-        tokenizer, base = load_local(source, convertible=True, dtype=torch.float32)
-        base.to(device)
-        data = token_data(tokenizer, plan.seq_len, plan.eval_sequences, data_path)
-        claim(task, {"job": "dar", "model": str(Path(source).resolve()), "plan": plan.to_dict(),
-                     "data_path": data_path, "data_sha256": data.fingerprint})
-        log(f"{source}: {data.description}")
-        stage1 = train_config(plan, plan.dar_steps, plan.dar_stage1_lr)
-        stage2 = train_config(plan, plan.dar_steps, plan.lr)
+        tokenizer, base, data = runs.load_and_claim(task, "dar", source, plan, device, data_path, log)
+        stage1 = runs.train_config(plan, plan.dar_steps, plan.dar_stage1_lr)
+        stage2 = runs.train_config(plan, plan.dar_steps, plan.lr)
         job = Job(progress)
-        plan_run(job, task / "control", stage2, base, plan.seq_len)
+        runs.plan_run(job, task / "control", stage2, base, plan.seq_len)
         for mech in mechs.values():
-            plan_run(job, task / folder_of(mech) / "stage1", stage1, base, plan.seq_len)
-            plan_run(job, task / folder_of(mech) / "stage2", stage2, base, plan.seq_len)
+            runs.plan_run(job, task / folder_of(mech) / "stage1", stage1, base, plan.seq_len)
+            runs.plan_run(job, task / folder_of(mech) / "stage2", stage2, base, plan.seq_len)
         for name in ("pretrained", "control", *map(folder_of, mechs.values())):
-            plan_work(job, task, name, plan.eval_sequences + 1, token_cost(base, plan.seq_len, plan.seq_len))
-        long = plan.speed_prompt + (plan.speed_tokens + 2) * real_runs.DECODE_TOKENS
-        plan_work(job, task, "speed", len(SPEED_MODELS) + 1, token_cost(base, long, plan.speed_prompt))
+            runs.plan_work(job, task, name, plan.eval_sequences + 1, runs.token_cost(base, plan.seq_len, plan.seq_len))
+        long = plan.speed_prompt + (plan.speed_tokens + 2) * runs.DECODE_TOKENS
+        runs.plan_work(job, task, "speed", len(SPEED_MODELS) + 1, runs.token_cost(base, long, plan.speed_prompt))
         batches = data.batches(plan.batch_size, plan.seq_len)
         calibration = calibration_ids(data, plan.seq_len)
 
         def measure(name: str, m) -> dict:
-            return stage(task, name, lambda: _measure(job, task, name, m, data, device, plan.speed_prompt))
+            return runs.stage(task, name, lambda: _measure(job, task, name, m, data, device, plan.speed_prompt))
 
         rows = {"vanilla (pretrained)": measure("pretrained", base)}
-        control = fine_tune(task / "control", base, None, stage2, batches, tokenizer, job)
+        control = runs.fine_tune(task / "control", base, None, stage2, batches, tokenizer, job)
         rows["vanilla (+ stage-2 steps, control)"] = measure("control", control)
         timed = {"plain (control)": control}
         for label, mech in mechs.items():
             folder = task / folder_of(mech)
             calib = calibration if isinstance(mech, DARLatentConfig) else None
-            first = fine_tune(folder / "stage1", base, mech, stage1, batches, tokenizer, job, train_only=".allhere.",
-                              calibration=calib)
-            second = fine_tune(folder / "stage2", base, mech, stage2, batches, tokenizer, job, start=first)
+            first = runs.fine_tune(folder / "stage1", base, mech, stage1, batches, tokenizer, job,
+                                   train_only=".allhere.", calibration=calib)
+            second = runs.fine_tune(folder / "stage2", base, mech, stage2, batches, tokenizer, job, start=first)
             rows[label] = measure(folder_of(mech), second)
             if mech.window:  # DAR and dar_latent are timed; uniform reduction is not
                 timed[SPEED_MODELS[type(mech)]] = second
             del first, second
-        speed = stage(task, "speed", lambda: _speed(job, task, timed, data, device, plan))
+        speed = runs.stage(task, "speed", lambda: _speed(job, task, timed, data, device, plan))
         timed.clear()
         report = summarize(plan, rows, speed, mechs, data.description, str(source))
         report["seconds_this_call"] = round(time.time() - t0, 1)
@@ -148,7 +141,7 @@ def kv_bytes_per_token(model, ids: torch.Tensor) -> float:
 def _measure(job: Job, task: Path, name: str, model, data, device: str, long: int) -> dict:
     """Held-out loss and perplexity; the KV bytes per token after a held-out window and after a ``long`` prompt
     (where the window's full keys and the absorbed weights weigh less)."""
-    bar = work_bar(job, task, name, len(data.heldout) + 1)
+    bar = runs.work_bar(job, task, name, len(data.heldout) + 1)
     losses = []
     for window in data.heldout.split(1):
         losses.append(heldout(model, window, device)["loss"])
@@ -170,7 +163,7 @@ def _speed(job: Job, task: Path, models: dict, data, device: str, plan: RealPlan
     """Decode at a ``plan.speed_prompt``-token held-out prompt, each model through transformers' forward with its
     own cache (the control on transformers' DynamicCache and on allhere's in-place one), in one stage so that
     all share the machine's load; ms per step is the median of ``plan.speed_tokens`` greedy steps."""
-    bar = work_bar(job, task, "speed", len(SPEED_MODELS) + 1)
+    bar = runs.work_bar(job, task, "speed", len(SPEED_MODELS) + 1)
     ids = long_prompt(data.heldout_docs, plan.speed_prompt)
     before = list(os.getloadavg())
     rows = []

@@ -25,19 +25,19 @@ import torch
 
 from allhere.data.chat import ensure_chat_template
 from allhere.eval.passkey import passkey_accuracy, passkey_prompts
-from allhere.hf.io import check_causal_lm, load_local
+from allhere.hf.io import check_causal_lm
 from allhere.mechanisms import AHAConfig
 from allhere.routing import set_forced_gate
 from allhere.runlock import run_lock
 
 from . import real_probes as probes
 from .job import Job
-from .real_data import token_data
 from .real_plan import RealPlan, preset_plan
 from .real_report import render_aha, write_aha_report
 from .real_runs import (
     DECODE_TOKENS,
     fine_tune,
+    load_and_claim,
     plan_run,
     plan_work,
     resolve_model,
@@ -46,7 +46,7 @@ from .real_runs import (
     train_config,
     work_bar,
 )
-from .rundir import check_out, claim
+from .rundir import check_out
 
 
 def aha_config(plan: RealPlan) -> AHAConfig:
@@ -63,13 +63,8 @@ def run_real_demo(model: str = "smollm2", out: str | Path = "runs/smollm2", pres
     task = Path(out) / "aha"
     t0 = time.time()
     with run_lock(out):
-        tokenizer, base = load_local(source, convertible=True, dtype=torch.float32)
-        base.to(device)
-        data = token_data(tokenizer, plan.seq_len, plan.eval_sequences, data_path, plan.window + 16)
+        tokenizer, base, data = load_and_claim(task, "aha", source, plan, device, data_path, log, plan.window + 16)
         ensure_chat_template(tokenizer)  # a model without one (a base model) chats through allhere's fallback
-        claim(task, {"job": "aha", "model": str(Path(source).resolve()), "plan": plan.to_dict(),
-                     "data_path": data_path, "data_sha256": data.fingerprint})
-        log(f"{source}: {data.description}")
         prompts = passkey_prompts(tokenizer, plan.passkey_prompts, plan.passkey_length, 2 * plan.window)
         job = plan_job(task, plan, base, progress)
         runs = {"aha": train_config(plan, plan.steps, plan.lr, plan.lam, plan.target_mu_f, plan.router_lr_mult),

@@ -26,7 +26,8 @@ from allhere.hf.io import load_local
 from allhere.train import train
 
 from .job import Job
-from .rundir import write_json
+from .real_data import TokenData, token_data
+from .rundir import claim, write_json
 
 SAVED_DTYPE = torch.bfloat16
 DECODE_TOKENS = 16  # a decode step's cost in forward tokens, for the time estimate (CPU, a 135M model)
@@ -40,6 +41,19 @@ def resolve_model(name_or_path: str) -> Path:
     from allhere.models_cache import model_path
 
     return model_path(name_or_path)
+
+
+def load_and_claim(task: Path, job: str, source: Path, plan, device: str, data_path: str | None, log,
+                   recall_distance: int = 0) -> tuple[object, object, TokenData]:
+    """(tokenizer, the pretrained model in float32 on ``device``, its ``token_data``) of a job, with ``task``
+    claimed for the job's settings (the plan, the model, the data's fingerprint) and the data logged."""
+    tokenizer, base = load_local(source, convertible=True, dtype=torch.float32)
+    base.to(device)
+    data = token_data(tokenizer, plan.seq_len, plan.eval_sequences, data_path, recall_distance)
+    claim(task, {"job": job, "model": str(Path(source).resolve()), "plan": plan.to_dict(),
+                 "data_path": data_path, "data_sha256": data.fingerprint})
+    log(f"{source}: {data.description}")
+    return tokenizer, base, data
 
 
 def stage(task: Path, name: str, run: Callable[[], dict]) -> dict:

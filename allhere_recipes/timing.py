@@ -1,4 +1,5 @@
-"""Median wall time of a callable, with CUDA events on a GPU and perf_counter on the CPU (for benchmarks)."""
+"""Timing for benchmarks: a callable's median or fastest time (CUDA events on a GPU, perf_counter on the
+CPU), one call's wall time, and configurations timed round-robin."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import time
 import torch
 
 
-def median_time(fn, repeats: int = 5, warmup: int = 1, device: str = "cpu") -> float:
-    """Seconds: the median of ``repeats`` calls after ``warmup`` calls (on CUDA, timed by events)."""
+def call_times(fn, repeats: int = 5, warmup: int = 1, device: str = "cpu") -> list[float]:
+    """Seconds of each of ``repeats`` calls after ``warmup`` calls (on CUDA, timed by events)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -26,7 +27,49 @@ def median_time(fn, repeats: int = 5, warmup: int = 1, device: str = "cpu") -> f
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn, repeats: int = 5, warmup: int = 1, device: str = "cpu") -> float:
+    """Seconds: the median of ``repeats`` calls after ``warmup`` calls (on CUDA, timed by events)."""
+    return statistics.median(call_times(fn, repeats, warmup, device))
+
+
+def best_time(fn, repeats: int = 5, warmup: int = 1, device: str = "cpu") -> float:
+    """Seconds: the fastest of ``repeats`` calls after ``warmup`` calls (on CUDA, timed by events)."""
+    return min(call_times(fn, repeats, warmup, device))
+
+
+def timed_call(fn, device: str = "cpu"):
+    """(what ``fn()`` returned, the call's wall seconds by perf_counter); on CUDA the device is synchronised
+    before and after the call, so that the time is the call's work, queued on the GPU included."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def round_robin(runs: dict, rounds: int, warmup: int = 0) -> dict:
+    """runs: name -> callable; every name called once per round, the order rotating one place each round
+    (round r starts at the r-th name), so that a slow spell of a shared machine falls on every name alike.
+    Returns name -> what its callable returned in each round after the first ``warmup`` rounds."""
+    names = list(runs)
+    results = {n: [] for n in names}
+    for r in range(warmup + rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            out = runs[n]()
+            if r >= warmup:
+                results[n].append(out)
+    return results
+
+
+def round_robin_times(calls: dict, rounds: int, warmup: int = 0) -> dict:
+    """name -> wall seconds (perf_counter, no synchronisation: for the CPU) of each of its calls in the timed
+    rounds of ``round_robin``."""
+    return round_robin({n: (lambda fn=fn: timed_call(fn)[1]) for n, fn in calls.items()}, rounds, warmup)
 
 
 def stream_time(fn, calls: int = 20, device: str = "cpu") -> tuple[float, float] | None:

@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import os
 import platform
-import time
 
 import torch
 
@@ -32,6 +31,7 @@ from allhere.model import Decoder
 from allhere.train import make_optimizer, model_lam
 from allhere_recipes.aamoe import models as experiment_models
 from allhere_recipes.aamoe import plan_for
+from allhere_recipes.timing import round_robin_times
 
 
 def build(plan, mech) -> Decoder:
@@ -100,14 +100,8 @@ def main(argv=None) -> None:
           f"B={plan.batch_size}, m={plan.chunk}, E={plan.experts}; load average {os.getloadavg()[0]:.2f} before")
     for _, _, step in runs:  # warm-up
         step()
-    times = [[] for _ in runs]
-    for r in range(a.repeats):
-        order = list(range(len(runs)))
-        for i in order[r % len(order):] + order[:r % len(order)]:
-            t = time.perf_counter()
-            runs[i][2]()
-            times[i].append(time.perf_counter() - t)
-    med = [sorted(t)[len(t) // 2] for t in times]
+    times = round_robin_times({i: step for i, (_, _, step) in enumerate(runs)}, a.repeats)
+    med = [sorted(t)[len(t) // 2] for t in times.values()]
     print("| T | model | step ms (median) | / dense |")
     print("|---|---|---|---|")
     for i, (name, length, _) in enumerate(runs):

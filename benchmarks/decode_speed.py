@@ -43,6 +43,7 @@ from allhere.mechanisms import mechanism_layers
 from allhere.mechanisms.caches import KVCache
 from allhere.model import DecoderCache
 from allhere_recipes.gates import byte_limit
+from allhere_recipes.timing import round_robin, round_robin_times, timed_call
 
 BUSY = [1, 2, 3, 2]  # busy heads per AHA layer in (b)
 
@@ -129,25 +130,10 @@ def step(model, cache, clock, batch, gen) -> tuple[float, float, float, torch.Te
     """One decode step: (seconds, of which cache updates, of which the mechanisms), and the gates."""
     ids = torch.randint(0, model.cfg.vocab_size, (batch, 1), generator=gen)
     clock.reset()
-    t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model(ids, cache=cache)
-    total = time.perf_counter() - t0
+        out, total = timed_call(lambda: model(ids, cache=cache))
     gates = None if out.routing is None else torch.stack([r.gates for r in out.routing.per_layer])
     return total, clock.update, clock.mechanism, gates
-
-
-def round_robin(runs: dict, rounds: int, warmup: int) -> dict:
-    """runs: name -> callable returning a tuple; every name once per round, the order rotating. Returns
-    name -> list of the timed results."""
-    names = list(runs)
-    results = {n: [] for n in names}
-    for r in range(warmup + rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            out = runs[n]()
-            if r >= warmup:
-                results[n].append(out)
-    return results
 
 
 def med(xs) -> float:
@@ -282,24 +268,18 @@ def part_c(a) -> None:
     fns = {"dense SDPA": lambda g: sdpa(q, k, v),
            "aha_attention": lambda g: aha_attention(q, k, v, g, w)}
     calls = {name: iter(gates) for name in fns}
-    runs = {name: (lambda name=name: (time_it(lambda: fns[name](next(calls[name]))),)) for name in fns}
+    runs = {name: (lambda name=name: fns[name](next(calls[name]))) for name in fns}
     with torch.inference_mode():
-        res = round_robin(runs, a.rounds, a.warmup)
+        res = round_robin_times(runs, a.rounds, a.warmup)
     pairs = statistics.mean(int(g.sum()) for g in gates)
     print(f"\n## (c) one layer's decode attention, B = {b}, {h} heads of {hd}, context {n}, w = {w}, "
           f"{pairs:.1f} global (batch, head) pairs of {b * h} on average (2 busy heads), median of {a.rounds} "
           f"rounds\n")
     print("| attention | ms | dense / this |")
     print("|---|---|---|")
-    dense_ms = med([x[0] for x in res["dense SDPA"]])
+    dense_ms = med(res["dense SDPA"])
     for name, r in res.items():
-        print(f"| {name} | {med([x[0] for x in r]):.2f} | {dense_ms / med([x[0] for x in r]):.2f}x |")
-
-
-def time_it(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+        print(f"| {name} | {med(r):.2f} | {dense_ms / med(r):.2f}x |")
 
 
 def main(argv=None) -> None:

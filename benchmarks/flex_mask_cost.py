@@ -33,10 +33,11 @@ import argparse
 import os
 
 import torch
-from patterns_speed import best, fastest_dense
+from patterns_speed import fastest_dense
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from allhere.masks import (
+    as_mask,
     bigbird,
     causal,
     dilated_window,
@@ -46,6 +47,7 @@ from allhere.masks import (
     sliding_with_sinks,
 )
 from allhere.ops.flex import flex_block_mask, flex_pattern_attention
+from allhere_recipes.timing import best_time
 
 
 def table_global(flags: torch.Tensor):
@@ -108,7 +110,8 @@ def cases(n: int, heads: int, kv_heads: int, device) -> dict:
 
 
 def same_tiles(mask: BlockMask, mask_mod) -> BlockMask:
-    """``mask``'s tile lists with another predicate."""
+    """``mask``'s tile lists with another predicate (a ``Mask``'s plain function, as ``flex_block_mask`` gives)."""
+    mask_mod = as_mask(mask_mod).pred
     lists = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
     try:
         return BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask_mod,
@@ -149,7 +152,7 @@ def main(argv=None) -> None:
     def timed(mask) -> float:
         if cuda:
             torch._dynamo.reset()  # one compilation per variant: never past dynamo's recompile limit
-        return best(lambda: attend(q, k, v, mask), args.repeats, cuda)
+        return best_time(lambda: attend(q, k, v, mask), args.repeats, device=args.device)
 
     print(f"# {'SMOKE TEST (CPU, unfused flex_attention): not a measurement; ' if not cuda else ''}n={n} heads={h} "
           f"kv_heads={hkv} dim={args.dim} device={torch.cuda.get_device_name(dev) if cuda else 'cpu'} "
@@ -161,7 +164,7 @@ def main(argv=None) -> None:
             dense_name = "SDPA (math)"
             dense_call = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
                 q, k, v, is_causal=True, enable_gqa=hkv != h)
-        dense = best(dense_call, args.repeats, cuda)
+        dense = best_time(dense_call, args.repeats, device=args.device)
         causal_mask = flex_block_mask(causal, n, n, heads=h, device=dev, per_batch=False, per_head=False)
         flex_causal = timed(causal_mask)
         causal_tiles = sum(tiles_per_row(causal_mask))
@@ -172,7 +175,7 @@ def main(argv=None) -> None:
         print("|---|---|---|---|---|---|---|")
         for name, (pred, others) in cases(n, h, hkv, dev).items():
             mask = flex_block_mask(pred, n, n, heads=h, device=dev, per_batch=False,
-                                   per_head=getattr(pred, "varies_by_head", False))
+                                   per_head=pred.per_head)
             partial, full = tiles_per_row(mask)
             variants = {"pattern": mask, **{k: same_tiles(mask, m) for k, m in others.items()},
                         "no mask": same_tiles(mask, keep_all)}

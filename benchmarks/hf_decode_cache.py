@@ -20,7 +20,6 @@ import copy
 import os
 import platform
 import statistics
-import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -29,6 +28,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from allhere import FullConfig
 from allhere.hf import convert, new_cache
 from allhere.hf.cache import cache_kwargs
+from allhere_recipes.timing import round_robin_times
 
 
 class ConcatLayer(DynamicLayer):
@@ -74,16 +74,11 @@ def main() -> None:
                 "unconverted": (plain, filled(DynamicCache(config=plain.config), plain, batch, context,
                                               args.rounds)),
             }
-            times = {k: [] for k in runs}
-            names = list(runs)
             token = torch.randint(0, 1000, (batch, 1))
+            calls = {name: (lambda model=model, cache=cache: model(token, use_cache=True, **cache_kwargs(cache)))
+                     for name, (model, cache) in runs.items()}
             with torch.inference_mode():
-                for r in range(args.rounds):
-                    for name in names[r % 3:] + names[:r % 3]:
-                        model, cache = runs[name]
-                        t0 = time.perf_counter()
-                        model(token, use_cache=True, **cache_kwargs(cache))
-                        times[name].append(time.perf_counter() - t0)
+                times = round_robin_times(calls, args.rounds)
             ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
             first = first or ms["in place"]
             print(f"| {batch} | {context} | {ms['in place']:.2f} ({ms['in place'] / first:.1f}x the first row) | "

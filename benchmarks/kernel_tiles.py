@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 
 import torch
 
@@ -34,7 +33,7 @@ from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton  # noqa: E402
 from allhere.ops.aha import aha_attention_reference  # noqa: E402
 from allhere_recipes.gates import long_tailed  # noqa: E402
-from allhere_recipes.timing import median_time  # noqa: E402
+from allhere_recipes.timing import median_time, timed_call  # noqa: E402
 
 
 def qkv(b, h, n, d, device, dtype, grad=False, seed=0):
@@ -111,12 +110,7 @@ def first_calls(calls, device):
         autotune.forget()
         for name, call, grad in calls:
             call = torch.enable_grad()(call) if grad else torch.no_grad()(call)
-            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-            sync()
-            start = time.perf_counter()
-            call()
-            sync()
-            first = time.perf_counter() - start
+            _, first = timed_call(call, device)
             print(f"| {name} | {first:.2f} | {1e3 * median_time(call, 3, device=device):.3f} |")
         print("\n| kernel, shape class | chosen | ms | timed | would not run | tuning s |\n|---|---|---|---|---|---|")
         for c in autotune.choices():

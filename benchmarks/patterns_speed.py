@@ -20,7 +20,6 @@ the whole n x n grid of every head) gets a row saying why, the others still run,
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
@@ -37,28 +36,10 @@ from allhere.ops.blocksparse import blocksparse_attention, plan_blocks
 from allhere.ops.common import repeat_kv
 from allhere.ops.dilated import dilated_window_attention
 from allhere.ops.sliding import sliding_window_attention
+from allhere_recipes.timing import best_time, timed_call
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-def best(fn, repeats: int, cuda: bool = False) -> float:
-    """Seconds: the fastest of ``repeats`` calls after one warm-up call (CUDA events on a GPU)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def scores(plan) -> int:
@@ -82,7 +63,7 @@ def fastest_dense(q, k, v, repeats: int):
                 with sdpa_kernel([backend]):
                     return F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=kk.shape[1] != h)
             try:
-                t = best(call, repeats, cuda=True)
+                t = best_time(call, repeats, device="cuda")
             except RuntimeError:  # this backend does not take this shape / dtype / layout
                 continue
             if found is None or t < found[0]:
@@ -99,16 +80,11 @@ def flex_path(pred, q, k, v):
 
     def build():
         return flex_block_mask(pred, q.shape[2], k.shape[2], heads=q.shape[1], device=q.device, per_batch=False,
-                               per_head=getattr(pred, "varies_by_head", False))
+                               per_head=pred.per_head)
 
     build()
-    if q.is_cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    mask = build()
-    if q.is_cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, lambda: flex_pattern_attention(q, k, v, mask)
+    mask, seconds = timed_call(build, q.device.type)
+    return seconds, lambda: flex_pattern_attention(q, k, v, mask)
 
 
 def main(argv=None) -> None:
@@ -161,13 +137,10 @@ def main(argv=None) -> None:
           f"{'ratio':>6} {'limit':>6}  >= limit/2")
     failed = 0
     with torch.no_grad():
-        dense = best(dense_call, args.repeats, cuda)
+        dense = best_time(dense_call, args.repeats, device=args.device)
         for name, (pred, fast) in patterns.items():
-            t0 = time.perf_counter()
-            plan = plan_blocks(pred, n, n, heads=h, kv_heads=hkv, block=args.block, device=dev)
-            if cuda:
-                torch.cuda.synchronize()
-            t_plan = time.perf_counter() - t0
+            plan, t_plan = timed_call(lambda: plan_blocks(pred, n, n, heads=h, kv_heads=hkv, block=args.block,
+                                                          device=dev), args.device)
             s = scores(plan) / h
             try:
                 if fast is None and blocked:
@@ -176,13 +149,13 @@ def main(argv=None) -> None:
                     del plan
                     torch._dynamo.reset()  # one compilation per pattern: never past dynamo's recompile limit
                     t_plan, fast = flex_path(pred, q, k, v)
-                t = best(fast, args.repeats, cuda)
+                t = best_time(fast, args.repeats, device=args.device)
             except Exception as e:  # noqa: BLE001  (one pattern's failure, e.g. out of memory, ends its row only)
                 failed += 1
                 print(f"{name:<28} {s / n ** 2:8.3%}  failed: "
                       f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}")
                 continue
-            td = min(dense, best(dense_call, 1, cuda))
+            td = min(dense, best_time(dense_call, 1, device=args.device))
             ratio, limit = td / t, dense_scores / s
             print(f"{name:<28} {s / n ** 2:8.3%} {1e3 * t_plan:9.1f} {1e3 * t:9.3f} {1e3 * td:9.3f} "
                   f"{ratio:6.2f} {limit:6.2f}  {'yes' if ratio >= limit / 2 else 'no'}")

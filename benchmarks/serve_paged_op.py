@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
+
+from allhere_recipes.timing import median_time
 
 H, KVH, D, BS = 4, 4, 64, 128
 D_DOWN, WINDOW = 64, 256  # DAR's latents; the window of every mechanism
@@ -174,13 +174,7 @@ def main() -> None:
         for name, run in runs.items():
             if a.only and name != "vLLM full" and not any(w in name for w in a.only):
                 continue
-            run()
-            times = []
-            for _ in range(a.reps):
-                t0 = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - t0)
-            ms = 1e3 * statistics.median(times)
+            ms = 1e3 * median_time(run, a.reps)
             base = base or ms
             print(f"| {scenario} | {name} | {ms:.1f} | {base / ms:.2f}x | {os.getloadavg()[0]:.2f} |", flush=True)
 

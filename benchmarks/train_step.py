@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import time
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ from torch import nn
 import allhere as ah
 from allhere.losses import training_loss
 from allhere.model import apply_rope, rope_cos_sin
+from allhere_recipes.timing import round_robin_times, timed_call
 
 
 class PlainBlock(nn.Module):
@@ -124,18 +124,11 @@ def main(argv=None) -> None:
           f"threads; B={a.batch}, T={a.seq}, d={a.d_model}, {a.layers} layers, {a.heads} heads; load average "
           f"{os.getloadavg()[0]:.2f} before")
     for name, step in steps.items():  # warm-up (and compilation)
-        t = time.perf_counter()
-        step()
-        step()
+        _, first = timed_call(lambda step=step: (step(), step()))
         if a.compile:
-            print(f"# {name}: first two steps {time.perf_counter() - t:.1f} s")
-    times = {name: [] for name in steps}
+            print(f"# {name}: first two steps {first:.1f} s")
+    times = round_robin_times(steps, a.repeats)
     names = list(steps)
-    for r in range(a.repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - t)
     ref = sorted(times[names[0]])[a.repeats // 2]
     print("| model | parameters | step ms (median) | / plain PyTorch |")
     print("|---|---|---|---|")

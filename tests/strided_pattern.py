@@ -6,7 +6,7 @@ use it, not at collection: the registry is the process's."""
 from dataclasses import dataclass, field
 
 from allhere import Serving, register
-from allhere.masks import causal
+from allhere.masks import Mask, causal
 from allhere.mechanisms.masked_base import PatternAttention
 
 
@@ -24,9 +24,8 @@ class StridedConfig:
         def pred(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & ((q_idx - kv_idx < window) | (kv_idx % stride == 0))
 
-        pred.__name__ = f"strided_{window}_{stride}"
-        pred.tiles = causal.tiles  # a superset: any causal rectangle may hold a strided key
-        return pred
+        # tiles: a superset, any causal rectangle may hold a strided key
+        return Mask(pred, tiles=causal.tiles, name=f"strided_{window}_{stride}")
 
 
 @register(StridedConfig, summary="a window plus every stride-th key (a test mechanism)", serving=Serving("masked"))

@@ -246,6 +246,28 @@ def progress_flag(p: argparse.ArgumentParser) -> None:
                    help="no progress reports (default: a bar on a terminal, else a line every 5%%)")
 
 
+def data_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", type=data_path, default=None, help=DATA_HELP)
+
+
+DEVICE_HELPS = {"auto": DEVICE_HELP, "cpu": "cpu (default), cuda[:N] or auto"}
+
+
+def device_flag(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    p.add_argument("--device", type=device, default=default, help=DEVICE_HELPS[default])
+
+
+def repeats_flag(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--repeats", type=positive, default=default,
+                   help=f"timed calls per measurement, median (default {default})")
+
+
+def model_flag(p: argparse.ArgumentParser) -> None:
+    """--model of the commands that convert a model (convert, sft)."""
+    p.add_argument("--model", type=model_folder, required=True,
+                   help=f"folder of a saved transformers causal LM, {GGUF_HELP} (required)")
+
+
 def conversion_flags(p: argparse.ArgumentParser, kinds: tuple[str, ...]) -> None:
     p.add_argument("--mechanism", default="aha", choices=kinds, help=f"{' or '.join(kinds)} (default aha)")
     p.add_argument("--window", type=positive_or_zero, required=True,

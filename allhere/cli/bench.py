@@ -39,7 +39,7 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=a.positive, default=16, help="attention heads (default 16)")
     p.add_argument("--dim", type=a.positive, default=128, help="head dimension (default 128)")
     p.add_argument("--window", type=a.positive, default=256, help="AHA window w (default 256)")
-    p.add_argument("--repeats", type=a.positive, default=10, help="timed calls per measurement, median (default 10)")
+    a.repeats_flag(p, 10)
     p.add_argument("--pin-tiles", action="store_true",
                    help="launch the Triton kernels with fixed settings (each kernel's first candidate this GPU runs) "
                         "instead of those autotuned on this GPU, for runs to compare over time (default: autotuned; "

@@ -42,7 +42,7 @@ def patterns_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes per cached value (default bfloat16)")
     p.add_argument("--time-n", type=a.positive_or_zero, default=4096,
                    help="sequence length of the timing, 0 to skip it (default 4096)")
-    p.add_argument("--repeats", type=a.positive, default=5, help="timed calls per measurement, median (default 5)")
+    a.repeats_flag(p, 5)
     p.add_argument("--encoder", action="store_true",
                    help="also the bidirectional (encoder) version of every pattern (default: decoder only)")
     p.add_argument("--device", type=a.device, default="cpu", help="device of the timing: cpu (default) or cuda[:N]")
@@ -75,8 +75,8 @@ def compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=a.positive_or_zero, nargs="+", default=[0, 1, 2],
                    help="fine-tune every mechanism with each of these seeds (its batches, BigBird's random "
                         "blocks; one pretrained model for all); finished runs are reused (default 0 1 2)")
-    p.add_argument("--data", type=a.data_path, default=None, help=a.DATA_HELP)
-    p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
+    a.data_flag(p)
+    a.device_flag(p)
     a.progress_flag(p)
 
 

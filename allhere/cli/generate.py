@@ -40,7 +40,7 @@ def generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode over transformers' StaticCache (a transformers model folder, plain or AHA); on a GPU "
                         "transformers then compiles the decode step (torch.compile, CUDA graphs), paying the "
                         "compilation on the first call (default: allhere's in-place cache, eager)")
-    p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
+    a.device_flag(p)
 
 
 def _report(reply) -> None:

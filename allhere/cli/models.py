@@ -65,14 +65,14 @@ def perplexity_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--model", type=a.model_folder,
                        help="a Hugging Face causal LM folder (plain, or saved by allhere convert / sft), "
                             f"{a.GGUF_HELP}; this or --checkpoint")
-    p.add_argument("--data", type=a.data_path, default=None, help=a.DATA_HELP)
+    a.data_flag(p)
     p.add_argument("--seq-len", type=a.positive, default=256, help="window length (default 256)")
     p.add_argument("--stride", type=a.positive, default=None, help="window advance (default seq-len / 2)")
     p.add_argument("--min-len", type=a.positive_or_zero, default=0,
                    help="skip documents shorter than this, e.g. the AHA window (default 0: none skipped)")
     p.add_argument("--max-docs", type=a.positive, default=None,
                    help="only the first N validation documents (default: all)")
-    p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
+    a.device_flag(p)
     a.progress_flag(p)
 
 
@@ -112,7 +112,7 @@ def eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="only the first N documents of each task (default: all)")
     p.add_argument("--num-fewshot", type=a.positive_or_zero, default=None,
                    help="few-shot examples per prompt (default: each task's own setting)")
-    p.add_argument("--device", type=a.device, default="cpu", help="cpu (default), cuda[:N] or auto")
+    a.device_flag(p, "cpu")
     p.add_argument("--batch-size", type=a.positive, default=16,
                    help="requests per forward pass or generation batch, longest first (default 16)")
     a.progress_flag(p)
@@ -139,8 +139,7 @@ def _print_notes(config, layers: str) -> None:
 
 
 def convert_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=a.model_folder, required=True,
-                   help=f"folder of a saved transformers causal LM, {a.GGUF_HELP} (required)")
+    a.model_flag(p)
     p.add_argument("--out", type=a.out_folder, required=True,
                    help="a new or empty folder to save the converted model into (required)")
     a.conversion_flags(p, _hf_kinds())
@@ -180,8 +179,7 @@ def convert(args) -> None:
 
 
 def sft_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=a.model_folder, required=True,
-                   help=f"folder of a saved transformers causal LM, {a.GGUF_HELP} (required)")
+    a.model_flag(p)
     p.add_argument("--data", type=a.data_path, required=True,
                    help="chat data: .jsonl/.json/.parquet with a 'messages' column, or a folder of them (required)")
     p.add_argument("--out", type=a.out_folder, required=True,
@@ -202,7 +200,7 @@ def sft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-mu-f", type=a.fraction, default=None,
                    help="AHA: train lambda too, towards this share of full attention, 0 < x < 1 "
                         "(default: none, lambda fixed at --lam)")
-    p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
+    a.device_flag(p)
     p.add_argument("--context-parallel", type=a.positive, default=1, metavar="N",
                    help="under torchrun: split each sequence over N ranks, attention through the ring (the "
                         "processes form a (processes / N) data-parallel x N context-parallel mesh; default 1)")

@@ -21,8 +21,8 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
                         "with --mechanism dar the DAR comparison on it (default: the embedded model)")
     a.preset_flag(p, PRESETS)
     a.task_flag(p, "run", TASKS)
-    p.add_argument("--data", type=a.data_path, default=None, help=a.DATA_HELP)
-    p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
+    a.data_flag(p)
+    a.device_flag(p)
     p.add_argument("--window", type=a.positive, default=None,
                    help="AHA / sliding window w (default: the preset's; tiny 8, else 32 for stdlib and 16 for recall)")
     p.add_argument("--lam", type=a.nonnegative, default=None,
@@ -146,8 +146,8 @@ def sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lam-window", type=a.positive, default=None,
                    help="window of the lambda sweep (default: the preset's AHA window of each task)")
     a.task_flag(p, "sweep", TASKS)
-    p.add_argument("--data", type=a.data_path, default=None, help=a.DATA_HELP)
-    p.add_argument("--device", type=a.device, default="auto", help=a.DEVICE_HELP)
+    a.data_flag(p)
+    a.device_flag(p)
     a.progress_flag(p)
 
 
@@ -184,7 +184,7 @@ def aamoe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report-only", action="store_true",
                    help="train nothing; report on the runs of the folder that have finished (default: train "
                         "the chosen runs first)")
-    p.add_argument("--device", type=a.device, default="cpu", help="cpu (default), cuda[:N] or auto")
+    a.device_flag(p, "cpu")
     p.add_argument("--steps", type=a.positive, default=None,
                    help="training steps of every model (default: the preset's; cpu 300, cpu-long 10000, tiny 3)")
     p.add_argument("--budgets", type=a.positive_number, nargs="+", default=None,

@@ -86,13 +86,24 @@ class RingPlan:
             for j, ck in enumerate(theirs):
                 k0, k1 = ck * c, (ck + 1) * c
                 if spec.narrow is None:
-                    if spec.wide.block_kept(q0, q1, k0, k1):
+                    if self._kept("wide", q0, q1, k0, k1):
                         blocks.append(Block(i, j, "all"))
-                elif spec.narrow.block_kept(q0, q1, k0, k1):
+                elif self._kept("narrow", q0, q1, k0, k1):
                     blocks.append(Block(i, j, "all"))
-                elif self.wide_rows[r][i] > 0 and spec.wide.block_kept(q0, q1, k0, k1):
+                elif self.wide_rows[r][i] > 0 and self._kept("wide", q0, q1, k0, k1):
                     blocks.append(Block(i, j, "wide"))
         return blocks
+
+    def _kept(self, which: str, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """Whether the block holds a kept score of ``spec.wide`` / ``spec.narrow``: read off the pattern's map
+        of every block (``Pattern.kept_map``, made on first use), or asked of the pattern block by block."""
+        pattern = getattr(self.spec, which)
+        if which not in self._memo:
+            self._memo[which] = pattern.kept_map(self.world * chunks_per_rank(self.layout), self.chunk)
+        kept = self._memo[which]
+        if kept is None:
+            return pattern.block_kept(q0, q1, k0, k1)
+        return kept[q0 // self.chunk][k0 // self.chunk]
 
 
 def make_plan(spec: RingSpec, n: int, world: int, layout: str,

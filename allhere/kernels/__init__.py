@@ -1,6 +1,7 @@
 """Triton kernels for AHA on the GPU: prefill, decode and training (forward + backward), and attention over a
 paged KV cache as a server keeps it (``aha_paged``: a served AHA layer's path on CUDA, through
-``allhere.serve.paged_kernel``).
+``allhere.serve.paged_kernel``). What the kernels share -- the window rule, the online softmax, the split-KV
+merge, the launch helpers -- is written once, in ``blocks``.
 
 Needs the ``gpu`` extra (``pip install 'allhere[gpu]'``, i.e. triton). ``allhere.ops.aha.aha_attention``
 takes them with backend "triton", and with "auto" on CUDA where they take the call (``allhere.backend``;
@@ -27,6 +28,6 @@ def triton_available() -> bool:
 def interpreted() -> bool:
     """Whether the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when triton was
     first imported), so that they run on CPU tensors. Imports the kernels; asked once."""
-    from .aha_prefill import built_for_interpreter
+    from .blocks import built_for_interpreter
 
     return built_for_interpreter()

@@ -8,23 +8,25 @@ hard gate: global reads every key up to its position, local only the ``window`` 
 included). Two kernels share the call, the requests split between them on the GPU with nothing read
 back (the grids come from the shapes alone, so a call can be captured in a CUDA graph):
 
-- decode (requests with one query), grown from ``aha_decode``: the keys of every (request, head) are split
-  across programs, SPLIT keys each (flash decoding), so that a long global head is read by many thread
-  blocks at once; a local head's window fits in its first split(s) and its other programs return at once.
-  A head whose keys fit one split writes its output; the splits of a longer one are merged by their
-  log-sum-exp by the last of them to finish, reading only the splits that had keys.
-- prefill (requests with several queries), grown from ``aha_prefill``, in two passes of one kernel whose
-  program is a tile of BLOCK_M queries of one (request, head) sharing the keys they read through
-  ``tl.dot``. The window pass: consecutive queries, every one over its window (the tile visits only the
-  blocks its windows cover, about BLOCK_M + window keys, never the prefix). The global pass: the head's
-  global queries of the request packed in order (``aha_pack.pack_global``, on the device), every one over its whole
-  prefix, written over its window result (the wasted window work is a fraction mu of the local work). A
-  tile mixing both kinds would read the whole prefix for its local rows too, and at a few percent of
-  global (query, head) pairs nearly every tile of 64 has one; packed, only cdiv(global queries, BLOCK_M)
-  tiles per (request, head) read the prefix. In both passes the keys every row of the tile sees run
-  without mask work (``inner_blocks``). Tiles are numbered without a host sync as in vLLM's unified
-  attention: request r owns the tile numbers from (its pass's rows before it) // BLOCK_M + r on (at least
-  as many as it needs), and a program finds its request by a binary search over those starts.
+- decode (requests with one query), as ``aha_decode`` and from the same pieces (``blocks``): the keys of
+  every (request, head) are split across programs, SPLIT keys each (flash decoding), so that a long global
+  head is read by many thread blocks at once; a local head's window fits in its first split(s) and its
+  other programs return at once. A head whose keys fit one split writes its output; the splits of a
+  longer one are merged by their log-sum-exp by the last of them to finish, reading only the splits that
+  had keys.
+- prefill (requests with several queries), grown from ``aha_prefill`` (the window rule, edge masks and online
+  softmax of ``blocks``), in two passes of one kernel whose program is a tile of BLOCK_M queries of one
+  (request, head) sharing the keys they read through ``tl.dot``. The window pass: consecutive queries, every
+  one over its window (the tile visits only the blocks its windows cover, about BLOCK_M + window keys, never
+  the prefix). The global pass: the head's global queries of the request packed in order
+  (``aha_pack.pack_global``, on the device), every one over its whole prefix, written over its window result
+  (the wasted window work is a fraction mu of the local work). A tile mixing both kinds would read the whole
+  prefix for its local rows too, and at a few percent of global (query, head) pairs nearly every tile of 64
+  has one; packed, only cdiv(global queries, BLOCK_M) tiles per (request, head) read the prefix. In both
+  passes the keys every row of the tile sees run without mask work (``inner_blocks``). Tiles are numbered
+  without a host sync as in vLLM's unified attention: request r owns the tile numbers from (its pass's rows
+  before it) // BLOCK_M + r on (at least as many as it needs), and a program finds its request by a binary
+  search over those starts.
 
 Keys are gathered through the block table one key at a time (block ``block_table[r, p // BLOCK_SIZE]``,
 slot ``p % BLOCK_SIZE``), so a key tile need not match the cache's block size. Only table entries of keys
@@ -53,10 +55,23 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_decode import MERGE_CHUNK, arrived_counters, decode_step, finish_split, split_scratch
 from .aha_pack import pack_global
-from .aha_prefill import LOG2E, edge_mask, inner_blocks, online_step, strided
-from .tiles import default as default_tiles
+from .blocks import (
+    LOG2E,
+    MERGE_CHUNK,
+    arrived_counters,
+    decode_state,
+    decode_step,
+    edge_mask,
+    finish_split,
+    first_key,
+    inner_blocks,
+    online_step,
+    pinned_tiles,
+    split_keys,
+    split_scratch,
+    strided,
+)
 
 DECODE = "decode"  # the candidate lists (``tiles.SPACES``) the paged decode kernel is tuned over,
 WINDOW = "sliding"  # the prefill's window pass (every query over its window)
@@ -160,10 +175,7 @@ def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, sc
     else:
         rows = idx.to(tl.int64)  # 64-bit: row * stride may pass 2**31
     pos = (n - qe + rows).to(tl.int32)  # the queries are the request's last positions
-    if GLOBAL:
-        first = tl.zeros_like(pos)
-    else:
-        first = tl.maximum(pos - W + 1, 0)
+    first = first_key(pos, GLOBAL, W)
     lo = (tl.min(tl.where(rmask, first, n), 0) // BLOCK_N) * BLOCK_N  # window pass: the windows' blocks only
     hi = tl.max(tl.where(rmask, pos, 0), 0) + 1
     offs_d = tl.arange(0, D)
@@ -193,7 +205,7 @@ def _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt):
     one = tl.load(QSTART + r + 1) - qs == 1
     n = tl.load(SEQLEN + r)
     glob = tl.load(GATE + qs.to(tl.int64) * sgt + h, mask=one, other=0) != 0
-    return qs.to(tl.int64), one, tl.where(glob, 0, tl.maximum(n - W, 0)), n
+    return qs.to(tl.int64), one, first_key(n - 1, glob, W), n  # the query is the request's last position
 
 
 @triton.jit
@@ -211,24 +223,19 @@ def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, O, ARRIVED, sm_sc
     r = rh // H
     h = rh % H
     row, one, lo, n = _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt)
-    start = lo + split * SPLIT
-    end = tl.minimum(start + SPLIT, n)
+    start, end, live = split_keys(lo, n, split, nsplit, SPLIT)  # live >= 1 splits: a decode row sees its own key
     if (one == 0) | (start >= end):  # not a decode request, or past this head's keys
         return
-    live = tl.minimum(tl.cdiv(n - lo, SPLIT), nsplit)  # splits with keys (>= 1: a decode row sees its own key)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + row * sqt + h * sqh + offs_d).to(tl.float32)
     bt_row = r.to(tl.int64) * sbt
     kv_off = (h // G) * skh
     qk_scale = sm_scale * LOG2E
-    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)  # fp32 scalars carried by the loop
-    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
-    acc = tl.zeros([D], tl.float32)
+    m_i, l_i, acc = decode_state(BLOCK_N, D)
     for s0 in range(start, end, BLOCK_N):
         offs_n = s0 + tl.arange(0, BLOCK_N)
         k, v = _paged_keys(K, V, BT, bt_row, kv_off, offs_n, end, skb, sks, True, BLOCK_SIZE, D)
-        s = tl.where(offs_n < end, tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
-        m_i, l_i, acc = decode_step(m_i, l_i, acc, s, v.to(tl.float32))
+        m_i, l_i, acc = decode_step(m_i, l_i, acc, q, k, v, offs_n < end, qk_scale)
     finish_split(acc, l_i, m_i, O + row * sot + h * soh, OP, LSE, ARRIVED, rh.to(tl.int64), split, nsplit, live,
                  D, CHUNK)
 
@@ -266,8 +273,7 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     arrived = arrived_counters(q.device, reqs * heads)
 
     def decode(s: dict) -> None:
-        nsplit = triton.cdiv(max(bound, 1), s["SPLIT"])
-        partial, lse = split_scratch(reqs * heads, nsplit, d, q.device)
+        nsplit, partial, lse = split_scratch(reqs * heads, max(bound, 1), s["SPLIT"], d, q.device)
         _decode_kernel[(reqs * heads, nsplit)](*cache, g, partial, lse, out, arrived, scale, heads, group, window,
                                                *q_k, g.stride(0), out.stride(0), out.stride(1),
                                                BLOCK_SIZE=block_size, D=d, CHUNK=MERGE_CHUNK, **_only(s, "SPLIT"))
@@ -294,9 +300,8 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _setting(kernel: str, tiles: dict | None, key: tuple, q: torch.Tensor, launch, length: int) -> dict:
     """The launch setting of a paged kernel that borrows ``kernel``'s candidates: pinned by ``tiles``, else
     ``autotune.setting`` (tuned on the GPU under ``key``, the default in the interpreter)."""
-    if tiles is not None:
-        return {**default_tiles(kernel), **tiles}
-    return autotune.setting(kernel, key, q.device, launch, q.shape[-1], q.element_size(), length=length)
+    return pinned_tiles(kernel, tiles) or autotune.setting(kernel, key, q.device, launch, q.shape[-1],
+                                                          q.element_size(), length=length)
 
 
 def _only(setting: dict, tile: str) -> dict:

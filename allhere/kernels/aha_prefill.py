@@ -22,6 +22,10 @@ start on; all segments run in the same launch.
 Layout: q [b, h, n, d], k/v [b, kv_heads, n, d] (queries and keys over the same n positions), head dim
 a power of two >= 16 (the op sends 16 to 128 here: at 256 the default tiles need more shared memory than
 a GPU gives a block). Online softmax in fp32 (base 2), output in q's dtype.
+
+The pieces the kernels share (the window rule, the online softmax, key loads, the rows a program takes, the
+launch helpers) are ``blocks``'; this file holds the two prefill kernels and their launches
+(``sliding_forward``, ``global_forward``), which the training forward (``aha_train``) runs too.
 """
 
 from __future__ import annotations
@@ -30,80 +34,26 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune
 from .aha_pack import pack_global, work_order
-from .tiles import default as default_tiles
-
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def edge_mask(rows, offs_n, first, rmask, N, W):
-    """[rows, keys] of a tile that may be seen: causal, inside the window W, from each row's first key on,
-    before the sequence end, real rows only."""
-    diff = rows[:, None] - offs_n[None, :]
-    return (diff >= 0) & (diff < W) & (offs_n[None, :] >= first[:, None]) & (offs_n[None, :] < N) & rmask[:, None]
-
-
-@triton.jit
-def inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N: tl.constexpr):
-    """(inner_lo, inner_hi): the key blocks of [lo, hi) that every real row of ``rows`` sees entirely --
-    inside the latest row's window, past every row's first key, up to the earliest row -- where no mask is
-    needed (lo aligned to BLOCK_N, hi the end of the range)."""
-    latest = tl.max(tl.where(rmask, rows, 0), 0)
-    earliest = tl.min(tl.where(rmask, rows, N), 0)
-    inner_lo = tl.maximum(tl.maximum(latest - W + 1, tl.max(tl.where(rmask, first, 0), 0)), 0)
-    inner_lo = tl.minimum(tl.maximum(tl.cdiv(inner_lo, BLOCK_N) * BLOCK_N, lo), hi)
-    return inner_lo, tl.maximum(((earliest + 1) // BLOCK_N) * BLOCK_N, inner_lo)
-
-
-@triton.jit
-def key_sources(K, V, B, HKV, N, skb, skh, skn, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
-    """K and V as ``load_keys`` reads them: with TMA, tensor descriptors over [B, HKV, N, D] (the copy
-    engine fetches a block of BLOCK_N keys and fills what lies past N with zeros); else the pointers."""
-    if TMA:
-        return (tl.make_tensor_descriptor(K, [B, HKV, N, D], [skb, skh, skn, 1], [1, 1, BLOCK_N, D]),
-                tl.make_tensor_descriptor(V, [B, HKV, N, D], [skb, skh, skn, 1], [1, 1, BLOCK_N, D]))
-    else:
-        return K, V
-
-
-@triton.jit
-def load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-              TMA: tl.constexpr):
-    """(positions, k, v) of the key block at ``start`` of batch row ``kb``, kv head ``kh`` (``kbase``: their
-    offset); MASKED: keys past the sequence end N load as zeros, else every key of the block must exist.
-    With TMA, K and V are ``key_sources``' descriptors (past N: zeros either way)."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    if TMA:  # one return at the end: the compiler does not take a return inside a constexpr branch
-        k = K.load([kb, kh, start, 0]).reshape(BLOCK_N, D)
-        v = V.load([kb, kh, start, 0]).reshape(BLOCK_N, D)
-    else:
-        ptrs = kbase + offs_n[:, None] * skn + tl.arange(0, D)[None, :]
-        if MASKED:
-            k = tl.load(K + ptrs, mask=offs_n[:, None] < N, other=0.0)
-            v = tl.load(V + ptrs, mask=offs_n[:, None] < N, other=0.0)
-        else:
-            k = tl.load(K + ptrs)
-            v = tl.load(V + ptrs)
-    return offs_n, k, v
-
-
-@triton.jit
-def online_step(m_i, l_i, acc, s, v, IEEE: tl.constexpr):
-    """One key tile folded into the online softmax of a query tile: scores ``s`` [M, N] (base 2, masked keys
-    -inf), values ``v`` [N, D]; returns the updated (max m, sum l, accumulator acc). IEEE: p @ v in full fp32
-    (for fp32 values; a GPU's default for an fp32 ``tl.dot`` is TF32)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    if IEEE:
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+from .blocks import (
+    LN2,
+    LOG2E,
+    choose,
+    edge_mask,
+    inner_blocks,
+    key_sources,
+    load_keys,
+    online_step,
+    packed_block,
+    packed_keys,
+    pinned_tiles,
+    row_starts,
+    segment_args,
+    segment_start,
+    strided,
+    tma_checked,
+    window_block,
+)
 
 
 @triton.jit
@@ -143,30 +93,6 @@ def _attend_rows(q, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, 
 
 
 @triton.jit
-def window_block(N, H, G, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's query block (program ids: block, batch * heads + head): (b * h + h, b, h, kv head,
-    row offsets, and the key range [lo, hi) its windows reach, lo aligned to BLOCK_N)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
-    h = bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    lo = (tl.maximum(pid_m * BLOCK_M - W + 1, 0) // BLOCK_N) * BLOCK_N
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, N)
-    return bh, b, h, h // G, offs_m, lo, hi
-
-
-@triton.jit
-def row_starts(START, b, N, rows, rmask, SEGMENTS: tl.constexpr):
-    """The first key each of ``rows`` may see: its segment's start (N: none at all) from START [b, N],
-    or 0 when there are no segments."""
-    if SEGMENTS:
-        return tl.load(START + b * N + rows, mask=rmask, other=N)
-    else:
-        return tl.zeros_like(rows)
-
-
-@triton.jit
 def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, B, N, H, G, W,
                     sqb, sqh, sqn, skb, skh, skn, sob, soh, son,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STORE_LSE: tl.constexpr,
@@ -183,38 +109,6 @@ def _sliding_kernel(Q, K, V, O, LSE, START, sm_scale, B, N, H, G, W,
              mask=rmask[:, None])
     if STORE_LSE:
         tl.store(LSE + bh * N + offs_m, lse, mask=rmask)
-
-
-@triton.jit
-def packed_block(ROWS, CUM, ORDER, B, N, H, G, BLOCK_M: tl.constexpr, ORDERED: tl.constexpr):
-    """This program's block of global queries: the work item (batch * heads + head) * blocks per head + block
-    of that head, ORDER[program id] where ORDERED (``aha_pack.longest_first``), else the fixed order (every
-    head's last block, then the blocks before them, ...). Returns (rows in it -- 0 or less when the head has
-    fewer blocks --, b * h + h, b, h, kv head, row mask, positions)."""
-    per_head = tl.cdiv(N, BLOCK_M)
-    if ORDERED:
-        item = tl.load(ORDER + tl.program_id(0)).to(tl.int32)  # int64 indices of a sort: as int32
-    else:
-        bhs = B * H
-        item = (tl.program_id(0) % bhs) * per_head + per_head - 1 - tl.program_id(0) // bhs
-    bh = item // per_head
-    blk = item % per_head
-    count = tl.load(CUM + bh * N + N - 1) - blk * BLOCK_M
-    b = (bh // H).to(tl.int64)  # 64-bit: b * stride may pass 2**31
-    h = bh % H
-    i = tl.arange(0, BLOCK_M)
-    rmask = i < count
-    pos = tl.load(ROWS + bh * (N + 1) + blk * BLOCK_M + i, mask=rmask, other=0)
-    return count, bh, b, h, h // G, rmask, pos
-
-
-@triton.jit
-def packed_keys(START, b, N, pos, rmask, SEGMENTS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The keys a packed block reads: (each row's first key, the first key block's start, the last key):
-    from its earliest row's segment start (0 without segments) to its last row."""
-    first = row_starts(START, b, N, pos, rmask, SEGMENTS)
-    lo = (tl.min(tl.where(rmask, first, N), 0) // BLOCK_N) * BLOCK_N
-    return first, lo, tl.max(tl.where(rmask, pos, 0), 0)
 
 
 @triton.jit
@@ -267,57 +161,6 @@ def causal_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out
 
 
-def strided(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v as the kernels read them: in place, any strides but a unit-stride last dimension (a view of
-    a larger cache buffer, a transposed projection); k and v with one layout. Only what breaks that is
-    copied: a last dimension with a stride, or k and v laid out differently."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if k.stride() != v.stride():
-        k, v = k.contiguous(), v.contiguous()
-    return q, k, v
-
-
-def pinned_tiles(kernel: str, tiles: dict | None) -> dict | None:
-    """None (the kernel chooses) or ``tiles`` completed from ``kernel``'s default setting."""
-    return None if tiles is None else {**default_tiles(kernel), **tiles}
-
-
-def choose(kernel: str, q: torch.Tensor, k: torch.Tensor, launch, *key: str) -> dict:
-    """``kernel``'s launch setting for a call like (q, k) (``autotune.setting``): keyed on head dim, dtype,
-    grouped-query group and the length bucket of the keys, plus ``key``."""
-    d, n = q.shape[-1], k.shape[2]
-    shape = (f"d{d}", str(q.dtype).removeprefix("torch."), f"g{q.shape[1] // k.shape[1]}",
-             f"n{autotune.length_bucket(n)}", *key)
-    return autotune.setting(kernel, shape, q.device, launch, d, q.element_size(), length=n)
-
-
-def tma_checked(setting: dict, k: torch.Tensor) -> dict:
-    """``setting``, its TMA (tensor descriptors for the keys and values) kept only where k and v allow it:
-    base and strides in multiples of 16 bytes (else the pointer path, same tiles). Descriptors built in a
-    kernel need scratch memory: Triton's allocator is set for this thread's context (autograd may run a
-    backward on another thread, so at every launch that uses them)."""
-    if not setting.get("TMA"):
-        return setting
-    elem = k.element_size()
-    if k.data_ptr() % 16 or any(s * elem % 16 for s in k.stride()[:3]):
-        return {**setting, "TMA": False}
-    device = k.device
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-    return setting
-
-
-def segment_start(row_start: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    """The kernels' START [b, n] int32 from ``row_start`` (-1, sees nothing, becomes n)."""
-    if row_start is None:
-        return None
-    return torch.where(row_start < 0, n, row_start).to(torch.int32).contiguous()
-
-
-def segment_args(start: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(START, SEGMENTS) for a kernel call: without segments a placeholder pointer that is never read."""
-    return (dummy, False) if start is None else (start, True)
-
-
 def sliding_forward(q, k, v, out, lse, start, window, scale, tiles: dict | None) -> None:
     """The sliding-window kernel: writes every query's local output into ``out`` and, unless ``lse`` is
     None, its log-sum-exp (natural log of the scaled scores) into ``lse`` [b * h, n] fp32. ``start``:
@@ -349,10 +192,3 @@ def global_forward(q, k, v, out, lse, start, packed, scale, tiles: dict | None) 
             D=d, STORE_LSE=lse is not None, SEGMENTS=segments, ORDERED=order is not None, **tma_checked(t, k))
 
     launch(tiles or choose("global", q, k, launch))
-
-
-def built_for_interpreter() -> bool:
-    """Whether this module's kernels were built for Triton's interpreter (CPU tensors)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_sliding_kernel, InterpretedFunction)

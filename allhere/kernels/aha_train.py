@@ -16,7 +16,9 @@ only into the output that was used, so each row is differentiated through its ow
 No work is done for the full attention of local rows: the op computes ``a_full`` for the router's
 gradient separately, with dense SDPA and without autograd (a forward pass only).
 
-Layout as in ``aha_prefill``: q [b, h, n, d], k/v [b, kv_heads, n, d], head dim a power of two >= 16.
+Layout as in ``aha_prefill``: q [b, h, n, d], k/v [b, kv_heads, n, d], head dim a power of two >= 16. The
+backward's kernels are built from ``blocks`` as the forward's are (the window rule, the edge masks, the key
+loads, the rows a program takes).
 """
 
 from __future__ import annotations
@@ -27,26 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune
+from . import autotune, blocks
 from .aha_pack import pack_global, work_order
-from .aha_prefill import (
-    choose,
-    edge_mask,
-    global_forward,
-    inner_blocks,
-    key_sources,
-    load_keys,
-    packed_block,
-    packed_keys,
-    pinned_tiles,
-    row_starts,
-    segment_args,
-    segment_start,
-    sliding_forward,
-    strided,
-    tma_checked,
-    window_block,
-)
+from .aha_prefill import global_forward, sliding_forward
 
 
 @triton.jit
@@ -65,9 +50,9 @@ def _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, 
                MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """``dq`` (unscaled) plus the key blocks [lo, hi) of ``rows``; MASKED as in ``aha_prefill._attend``."""
     for start in range(lo, hi, BLOCK_N):
-        offs_n, k, v = load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED, BLOCK_N, D, TMA)
+        offs_n, k, v = blocks.load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED, BLOCK_N, D, TMA)
         if MASKED:
-            valid = edge_mask(rows, offs_n, first, rmask, N, W)
+            valid = blocks.edge_mask(rows, offs_n, first, rmask, N, W)
         else:
             valid = rmask  # not read
         p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale, MASKED)
@@ -79,7 +64,7 @@ def _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, 
 def _dq_rows(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """dQ (unscaled, fp32) of ``rows`` over the key blocks [lo, hi), masked on the edges only."""
-    inner_lo, inner_hi = inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
+    inner_lo, inner_hi = blocks.inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     dq = _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, inner_lo, dq,
                     sm_scale, True, BLOCK_N, D, TMA)
@@ -114,14 +99,14 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, B, N, H, G, W
                      sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
                      TMA: tl.constexpr = False):
-    bh, b, h, kh, offs_m, lo, hi = window_block(N, H, G, W, BLOCK_M, BLOCK_N)
-    K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
+    bh, b, h, kh, offs_m, lo, hi = blocks.window_block(N, H, G, W, BLOCK_M, BLOCK_N)
+    K, V = blocks.key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     mmask = offs_m < N
     qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
     doo = b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :]  # dO and dQ share a layout
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + offs_m, mmask)
-    first = row_starts(START, b, N, offs_m, mmask, SEGMENTS)
+    first = blocks.row_starts(START, b, N, offs_m, mmask, SEGMENTS)
     # Every row, global ones too (no gate test per pair): the global dQ kernel overwrites those rows.
     dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, offs_m, first, mmask, N, W,
                   lo, hi, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
@@ -133,15 +118,15 @@ def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, ORDER, START, sm_s
                       sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
                       ORDERED: tl.constexpr, TMA: tl.constexpr = False):
-    count, bh, b, h, kh, rmask, pos = packed_block(ROWS, CUM, ORDER, B, N, H, G, BLOCK_M, ORDERED)
+    count, bh, b, h, kh, rmask, pos = blocks.packed_block(ROWS, CUM, ORDER, B, N, H, G, BLOCK_M, ORDERED)
     if count <= 0:
         return
-    K, V = key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
+    K, V = blocks.key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
     doo = b * sdb + h * sdh + pos[:, None] * sdn + offs_d[None, :]
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + pos, rmask)
-    first, lo, last = packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
+    first, lo, last = blocks.packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
     dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, pos, first, rmask, N, N, lo,
                   last + 1, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
     tl.store(DQ + doo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
@@ -166,7 +151,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     lo = (n0 // BLOCK_M) * BLOCK_M
-    hi = tl.minimum(n0 + BLOCK_N + W - 1, N)
+    hi = tl.minimum(blocks.last_reader(n0 + BLOCK_N - 1, W) + 1, N)  # the local rows whose window reaches the block
     i = tl.arange(0, BLOCK_M)
     # No query at or after ``stop`` sees a key of this block (the end of the last key's segment).
     if SEGMENTS:
@@ -184,10 +169,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             doo = b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :]
             q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + offs_m, mmask)
             local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
-            first = row_starts(START, b, N, offs_m, mmask, SEGMENTS)
-            diff = offs_m[:, None] - offs_n[None, :]
-            valid = (diff >= 0) & (diff < W) & local[:, None] & nmask[None, :] \
-                & (offs_n[None, :] >= first[:, None])
+            first = blocks.row_starts(START, b, N, offs_m, mmask, SEGMENTS)
+            valid = blocks.edge_mask(offs_m, offs_n, first, local, N, W)  # local: a real row (padding loads as global)
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
         # This head's global queries (its packed list, BLOCK_M at a time) that reach the key block: from
         # the tile holding its first global query at or after n0 (the count before n0, divided by
@@ -200,7 +183,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
             doo = b * sdb + h * sdh + pos[:, None] * sdn + offs_d[None, :]
             q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + pos, rmask)
-            first = row_starts(START, b, N, pos, rmask, SEGMENTS)
+            first = blocks.row_starts(START, b, N, pos, rmask, SEGMENTS)
             valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= first[:, None]) & rmask[:, None] \
                 & nmask[None, :]
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
@@ -213,13 +196,13 @@ class _AHATrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, hard, window, scale, tiles, dkdv, start):
         b, h, n, _ = q.shape
-        q, k, v = strided(q, k, v)
+        q, k, v = blocks.strided(q, k, v)
         a_local = torch.empty_like(q)
         lse = torch.empty(b * h, n, device=q.device, dtype=torch.float32)
-        sliding_forward(q, k, v, a_local, lse, start, window, scale, pinned_tiles("sliding", tiles))
+        sliding_forward(q, k, v, a_local, lse, start, window, scale, blocks.pinned_tiles("sliding", tiles))
         out = a_local.clone()
         packed = pack_global(hard)
-        global_forward(q, k, v, out, lse, start, packed, scale, pinned_tiles("global", tiles))
+        global_forward(q, k, v, out, lse, start, packed, scale, blocks.pinned_tiles("global", tiles))
         ctx.save_for_backward(q, k, v, out, lse, hard, start, *packed)
         ctx.config = (window, scale, tiles, dkdv, autotune.pins())  # the backward may run on another thread
         ctx.mark_non_differentiable(a_local)
@@ -238,19 +221,19 @@ class _AHATrain(torch.autograd.Function):
         hard8 = hard.reshape(b * h, n).to(torch.int8)
         strides = (*q.stride()[:3], *k.stride()[:3], *dq.stride()[:3])
         seg_end = cum if start is None else segment_end(start)
-        start, segments = segment_args(start, cum)
+        start, segments = blocks.segment_args(start, cum)
         common = dict(D=d, SEGMENTS=segments)
 
         def local_dq(t: dict) -> None:
             _local_dq_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](q, k, v, dout, lse, delta, dq, start, scale, b, n,
                                                                     h, h // hkv, window, *strides, **common,
-                                                                    **tma_checked(t, k))
+                                                                    **blocks.tma_checked(t, k))
 
         def global_dq(t: dict) -> None:
             order, programs = work_order(rows, cum, t["BLOCK_M"])
             _global_dq_kernel[(programs,)](q, k, v, dout, lse, delta, dq, rows, cum, cum if order is None else order,
                                            start, scale, b, n, h, h // hkv, *strides, **common,
-                                           ORDERED=order is not None, **tma_checked(t, k))
+                                           ORDERED=order is not None, **blocks.tma_checked(t, k))
 
         def dkdv_grads(t: dict) -> None:
             _dkdv_kernel[(triton.cdiv(n, t["BLOCK_N"]), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum,
@@ -260,7 +243,7 @@ class _AHATrain(torch.autograd.Function):
         with contextlib.nullcontext() if pins is None else autotune.pinned(pins):
             for name, launch, pinned in (("local_dq", local_dq, tiles), ("global_dq", global_dq, tiles),
                                          ("dkdv", dkdv_grads, dkdv)):
-                launch(pinned_tiles(name, pinned) or choose(name, q, k, launch))
+                launch(blocks.pinned_tiles(name, pinned) or blocks.choose(name, q, k, launch))
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -282,8 +265,8 @@ def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: to
     """(out, a_local): ``out`` is AHA's output under the hard gate [b, h, n] (True = global),
     differentiable in q, k, v through the used path only; ``a_local`` is every query's sliding-window
     output, without gradient (for the straight-through term). q, k, v are read where they lie
-    (``aha_prefill.strided``). tiles: None, each kernel's setting from ``allhere.kernels.autotune``; or one
+    (``blocks.strided``). tiles: None, each kernel's setting from ``allhere.kernels.autotune``; or one
     pinned for the forward and dQ kernels, as in ``aha_prefill_triton``; dkdv: the same for the dK / dV
     kernel (BLOCK_M: query rows at a time, BLOCK_N: keys per program). ``row_start``: segments, as in
     ``aha_prefill_triton``."""
-    return _AHATrain.apply(q, k, v, hard, window, scale, tiles, dkdv, segment_start(row_start, q.shape[2]))
+    return _AHATrain.apply(q, k, v, hard, window, scale, tiles, dkdv, blocks.segment_start(row_start, q.shape[2]))

@@ -1,4 +1,4 @@
-"""Attention masks as predicates ``(b, h, q_idx, kv_idx) -> bool`` (True = may attend).
+"""Attention masks: predicates ``(b, h, q_idx, kv_idx) -> bool`` (True = may attend) with their block tests.
 
 The same predicate feeds the dense references (``dense_mask``), FlexAttention and any plot of the
 pattern. Indices are absolute token positions. Predicates work on broadcastable integer tensors, so
@@ -12,22 +12,31 @@ Every factory of the sparse family (sinks, dilated windows, global tokens, Longf
 ``causal`` (default True). With ``causal=False`` (an encoder) a window of ``w`` reaches ``w - 1`` keys on
 each side (``|q - k| < w``) and global tokens see / are seen by every position.
 
-Besides being a predicate, each factory's result carries a block test
-``tiles(b, h, q_lo, q_hi, k_lo, k_hi)``: for rectangles of positions (inclusive bounds, broadcastable
-integer tensors) whether the rectangle may hold an allowed entry. It may say True for an empty rectangle
-(a superset), never False for a non-empty one; the block-sparse op (``allhere.ops.blocksparse``) and the
-ring use it to find the blocks to compute without evaluating the predicate on all n x n positions.
+Every factory returns a ``Mask`` (``mask``), the one home of a pattern's block information: its
+predicate, called like it, together with
 
-A predicate that reads tables (per-head dilations, global-token flags, BigBird's random blocks) has
-``prepare(heads, length, device)``: it fills its tables for that many heads and positions and copies them
-to ``device`` before the predicate is traced (FlexAttention's ``create_block_mask`` vmaps it and its
-compiled kernels read captured tensors on their own device only). One whose pattern differs between heads
-says ``varies_by_head = True``. ``and_masks`` / ``or_masks`` pass ``tiles``, ``prepare`` and
-``varies_by_head`` on.
+- ``tiles(b, h, q_lo, q_hi, k_lo, k_hi)``: for rectangles of positions (inclusive bounds, broadcastable
+  integer tensors) whether the rectangle may hold an allowed entry. A superset: it may say True for an
+  empty rectangle, never False for a non-empty one. The block-sparse op (``allhere.ops.blocksparse``), the
+  ring and the paged serving op use it to find the blocks to compute without evaluating the predicate on
+  all n x n positions;
+- ``dense(...)``: whether every entry of the rectangle is allowed. A subset: it may say False for a whole
+  rectangle, never True for one with a masked entry (the paged serving op reads such blocks unmasked).
+  Exact for ``causal`` and ``sliding_window``;
+- ``per_head``: the pattern differs between heads;
+- ``prepare(heads, length, device)`` for a mask that reads tables (per-head dilations, global-token flags,
+  BigBird's random blocks): it fills them for that many heads and positions and copies them to ``device``
+  before the predicate is traced (FlexAttention's ``create_block_mask`` vmaps it and its compiled kernels
+  read captured tensors on their own device only).
+
+A test a mask does not have is None, and its consumers evaluate the predicate instead. ``and_masks`` /
+``or_masks`` combine all of it (see there); ``as_mask`` turns a plain predicate function into a ``Mask``
+without block tests, and every consumer takes either.
 
 The package, by what each file holds:
 
-- ``predicates``: ``MaskFn``, ``causal``, ``and_masks`` / ``or_masks``, ``dense_mask``;
+- ``mask``: ``Mask``, ``as_mask``, ``MaskFn`` (a plain predicate's type);
+- ``predicates``: ``causal``, ``and_masks`` / ``or_masks``, ``dense_mask``;
 - ``segments``: sequence boundaries (``segment_starts``, ``starts_from``, ``within_segments``);
 - ``windows``: ``sliding_window``, ``dilated_window``, ``sinks``, ``sliding_with_sinks``;
 - ``global_positions``: global-token flags (``global_first``, ``global_at``, ``global_from_ids``),
@@ -41,13 +50,14 @@ Import the names from ``allhere.masks`` itself; the file a name lives in may cha
 
 from .bigbird_blocks import BigBirdRandom, bigbird, bigbird_global, bigbird_random, bigbird_window
 from .global_positions import global_at, global_first, global_from_ids, global_tokens, longformer
-from .predicates import MaskFn, and_masks, causal, dense_mask, or_masks
+from .mask import Mask, MaskFn, as_mask
+from .predicates import and_masks, causal, dense_mask, or_masks
 from .segments import segment_starts, starts_from, within_segments
 from .windows import dilated_window, sinks, sliding_window, sliding_with_sinks
 
 __all__ = [
-    "BigBirdRandom", "MaskFn", "and_masks", "bigbird", "bigbird_global", "bigbird_random", "bigbird_window",
-    "causal", "dense_mask", "dilated_window", "global_at", "global_first", "global_from_ids", "global_tokens",
-    "longformer", "or_masks", "segment_starts", "sinks", "sliding_window", "sliding_with_sinks", "starts_from",
-    "within_segments",
+    "BigBirdRandom", "Mask", "MaskFn", "and_masks", "as_mask", "bigbird", "bigbird_global", "bigbird_random",
+    "bigbird_window", "causal", "dense_mask", "dilated_window", "global_at", "global_first", "global_from_ids",
+    "global_tokens", "longformer", "or_masks", "segment_starts", "sinks", "sliding_window", "sliding_with_sinks",
+    "starts_from", "within_segments",
 ]

@@ -1,34 +1,36 @@
 """BigBird's block-sparse pattern ("Big Bird: Transformers for Longer Sequences", arXiv:2007.14062) as
-predicates: the block window, the global blocks, the seeded random blocks, and the three OR-ed."""
+masks: the block window, the global blocks, the seeded random blocks, and the three OR-ed."""
 
 from __future__ import annotations
 
 import torch
 
-from .predicates import MaskFn, check_count, or_masks, with_tiles
+from .mask import Mask
+from .predicates import check_count, or_masks
 from .tables import DeviceTables, is_tracing
 from .windows import sliding_window
 
 
-def bigbird_window(block: int, window_blocks: int, causal: bool = True) -> MaskFn:
+def bigbird_window(block: int, window_blocks: int, causal: bool = True) -> Mask:
     """BigBird's block window (arXiv:2007.14062): query block i sees key blocks j with 0 <= i - j <
     ``window_blocks`` (|i - j| < window_blocks for an encoder: BigBird's 3-block window is 2), and, if causal,
     only keys at or before the query."""
     check_count("block", block, 1)
     inner = sliding_window(check_count("window_blocks", window_blocks, 1), causal=causal)
+    in_window, window_tiles = inner.pred, inner.tiles  # over block indices
 
     def pred(b, h, q_idx, kv_idx):
-        out = inner(b, h, q_idx // block, kv_idx // block)
+        out = in_window(b, h, q_idx // block, kv_idx // block)
         return out & (kv_idx <= q_idx) if causal else out
 
     def tiles(b, h, ql, qh, kl, kh):
-        out = inner.tiles(b, h, ql // block, qh // block, kl // block, kh // block)
+        out = window_tiles(b, h, ql // block, qh // block, kl // block, kh // block)
         return out & (kl <= qh) if causal else out
 
-    return with_tiles(pred, f"bigbird_window_{block}x{window_blocks}" + ("" if causal else "_bidir"), tiles)
+    return Mask(pred, tiles, name=f"bigbird_window_{block}x{window_blocks}" + ("" if causal else "_bidir"))
 
 
-def bigbird_global(block: int, global_blocks: int, causal: bool = True) -> MaskFn:
+def bigbird_global(block: int, global_blocks: int, causal: bool = True) -> Mask:
     """BigBird's global blocks (arXiv:2007.14062): the first ``global_blocks`` blocks see every key and are
     seen by every query (keys at or before the query if causal)."""
     check_count("block", block, 1)
@@ -42,12 +44,13 @@ def bigbird_global(block: int, global_blocks: int, causal: bool = True) -> MaskF
         out = (ql < edge) | (kl < edge)
         return out & (kl <= qh) if causal else out
 
-    return with_tiles(pred, f"bigbird_global_{block}x{global_blocks}" + ("" if causal else "_bidir"), tiles)
+    return Mask(pred, tiles, name=f"bigbird_global_{block}x{global_blocks}" + ("" if causal else "_bidir"))
 
 
 class BigBirdRandom:
-    """BigBird's random blocks (arXiv:2007.14062) as a predicate: each (head, query block i) sees
-    ``random_blocks`` key blocks drawn among those the window and the global blocks do not cover.
+    """BigBird's random blocks (arXiv:2007.14062): the predicate, block test and ``prepare`` behind
+    ``bigbird_random``'s ``Mask``. Each (head, query block i) sees ``random_blocks`` key blocks drawn among
+    those the window and the global blocks do not cover.
 
     Causal: drawn among blocks g <= j <= i - window_blocks, from a generator seeded by (seed, layer, head,
     i) alone, so a prefix of a sequence has the pattern of the whole sequence (cached decoding equals the
@@ -74,8 +77,6 @@ class BigBirdRandom:
         self.seed, self.layer, self.causal = check_count("seed", seed, 0), check_count("layer", layer, 0), causal
         self.length = None if length is None else check_count("length", length, 1)
         self.heads_per_draw = check_count("heads_per_draw", heads_per_draw, 1)
-        self.__name__ = f"bigbird_random_{block}x{random_blocks}" + ("" if causal else "_bidir")
-        self.varies_by_head = random_blocks > 0  # a draw per head (group)
         self._table = torch.zeros(0, 0, 0, dtype=torch.bool)
         self._n_blocks = None  # encoder: the number of key blocks the table was drawn for
         self._tables = DeviceTables()  # the table and its 2-D prefix sums (for tiles), per device
@@ -161,17 +162,20 @@ class BigBirdRandom:
 
 def bigbird_random(block: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int = 0,
                    layer: int = 0, causal: bool = True, length: int | None = None,
-                   heads_per_draw: int = 1) -> BigBirdRandom:
-    """The random component of ``bigbird`` alone (``BigBirdRandom``)."""
-    return BigBirdRandom(block, window_blocks, global_blocks, random_blocks, seed, layer, causal, length,
+                   heads_per_draw: int = 1) -> Mask:
+    """The random component of ``bigbird`` alone (a ``BigBirdRandom`` as a ``Mask``; it varies by head: a
+    draw per head, or per ``heads_per_draw`` heads)."""
+    rand = BigBirdRandom(block, window_blocks, global_blocks, random_blocks, seed, layer, causal, length,
                          heads_per_draw)
+    return Mask(rand, rand.tiles, per_head=random_blocks > 0, prepare=rand.prepare,
+                name=f"bigbird_random_{block}x{random_blocks}" + ("" if causal else "_bidir"))
 
 
 def bigbird(block: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int = 0,
-            layer: int = 0, causal: bool = True, length: int | None = None, heads_per_draw: int = 1) -> MaskFn:
+            layer: int = 0, causal: bool = True, length: int | None = None, heads_per_draw: int = 1) -> Mask:
     """BigBird's block-sparse pattern ("Big Bird: Transformers for Longer Sequences", arXiv:2007.14062), in
     blocks of ``block`` positions: ``bigbird_window`` OR ``bigbird_global`` OR ``bigbird_random``."""
     rand = bigbird_random(block, window_blocks, global_blocks, random_blocks, seed, layer, causal, length,
                           heads_per_draw)
-    pred = or_masks(bigbird_window(block, window_blocks, causal), bigbird_global(block, global_blocks, causal), rand)
-    return with_tiles(pred, f"bigbird_{block}" + ("" if causal else "_bidir"))
+    mask = or_masks(bigbird_window(block, window_blocks, causal), bigbird_global(block, global_blocks, causal), rand)
+    return mask.named(f"bigbird_{block}" + ("" if causal else "_bidir"))

@@ -15,7 +15,8 @@ from typing import Iterable
 
 import torch
 
-from .predicates import MaskFn, or_masks, with_tiles
+from .mask import Mask
+from .predicates import or_masks
 from .tables import DeviceTables
 from .windows import dilated_window
 
@@ -91,7 +92,7 @@ def _in_runs(runs: list[tuple[int, int]]):
     return at
 
 
-def global_tokens(is_global: torch.Tensor, causal: bool = True) -> MaskFn:
+def global_tokens(is_global: torch.Tensor, causal: bool = True) -> Mask:
     """Global tokens (Longformer, arXiv:2004.05150): ``is_global`` bool [n] or [batch, n] over absolute
     positions (positions past its end are not global). A global query sees every key, every query sees
     every global key; with ``causal`` only keys at or before the query.
@@ -117,11 +118,10 @@ def global_tokens(is_global: torch.Tensor, causal: bool = True) -> MaskFn:
         # a global query q in [max(ql, kl), qh] sees key kl; a global key k in [kl, min(kh, qh)] is seen by qh
         return any_in(b, torch.maximum(ql, kl), qh) | any_in(b, kl, torch.minimum(kh, qh))
 
-    pred.prepare = prepare
-    return with_tiles(pred, "global_tokens" + ("" if causal else "_bidir"), tiles)
+    return Mask(pred, tiles, prepare=prepare, name="global_tokens" + ("" if causal else "_bidir"))
 
 
-def longformer(window: int, is_global: torch.Tensor, dilation=1, causal: bool = True) -> MaskFn:
+def longformer(window: int, is_global: torch.Tensor, dilation=1, causal: bool = True) -> Mask:
     """Longformer's pattern (arXiv:2004.05150): a (dilated) window OR global tokens."""
-    pred = or_masks(dilated_window(window, dilation, causal=causal), global_tokens(is_global, causal=causal))
-    return with_tiles(pred, f"longformer_{window}" + ("" if causal else "_bidir"))
+    mask = or_masks(dilated_window(window, dilation, causal=causal), global_tokens(is_global, causal=causal))
+    return mask.named(f"longformer_{window}" + ("" if causal else "_bidir"))

@@ -1,80 +1,82 @@
-"""The mask predicate itself: its type ``MaskFn``, the causal predicate, the ``and`` / ``or`` combinators
-(which also combine the ``tiles`` block tests and the ``prepare`` hooks of their parts), and ``dense_mask``,
-which evaluates any predicate on a grid of positions."""
+"""The causal mask, the ``and`` / ``or`` combinators (which combine every piece of block information of
+their parts), and ``dense_mask``, which evaluates any predicate on a grid of positions."""
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-MaskFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from .mask import Mask, MaskFn, as_mask
 
 
-def causal(b, h, q_idx, kv_idx):
+def _causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
-causal.tiles = lambda b, h, ql, qh, kl, kh: kl <= qh  # noqa: E731  (exact: the rectangle's corner (qh, kl))
+causal = Mask(
+    _causal,
+    tiles=lambda b, h, ql, qh, kl, kh: kl <= qh,  # exact: the rectangle's corner (qh, kl)
+    dense=lambda b, h, ql, qh, kl, kh: kh <= ql,  # exact: its corner (ql, kh)
+    name="causal")
 
 
-def and_masks(*preds: MaskFn) -> MaskFn:
+def and_masks(*masks: MaskFn | Mask) -> Mask:
+    """The entries every part allows. ``tiles``: the AND of the parts' (a superset still: the parts may
+    allow different entries of a rectangle); ``dense``: the AND of the parts' (exact where theirs are:
+    a rectangle is whole under the AND iff it is under every part)."""
+    parts = [as_mask(m) for m in masks]
+    fns = tuple(p.pred for p in parts)
+
     def pred(b, h, q_idx, kv_idx):
-        out = preds[0](b, h, q_idx, kv_idx)
-        for p in preds[1:]:
-            out = out & p(b, h, q_idx, kv_idx)
+        out = fns[0](b, h, q_idx, kv_idx)
+        for f in fns[1:]:
+            out = out & f(b, h, q_idx, kv_idx)
         return out
 
-    return _combined(pred, preds, torch.logical_and)  # tiles: a superset, both parts may hit different entries
+    return _combined(pred, parts, torch.logical_and, "and")
 
 
-def or_masks(*preds: MaskFn) -> MaskFn:
+def or_masks(*masks: MaskFn | Mask) -> Mask:
+    """The entries some part allows. ``tiles``: the OR of the parts' (exact where theirs are); ``dense``:
+    the OR of the parts' (a subset: a rectangle may be covered by several parts together)."""
+    parts = [as_mask(m) for m in masks]
+    fns = tuple(p.pred for p in parts)
+
     def pred(b, h, q_idx, kv_idx):
-        out = preds[0](b, h, q_idx, kv_idx)
-        for p in preds[1:]:
-            out = out | p(b, h, q_idx, kv_idx)
+        out = fns[0](b, h, q_idx, kv_idx)
+        for f in fns[1:]:
+            out = out | f(b, h, q_idx, kv_idx)
         return out
 
-    return _combined(pred, preds, torch.logical_or)
+    return _combined(pred, parts, torch.logical_or, "or")
 
 
-def _combined(pred: MaskFn, preds, combine) -> MaskFn:
-    """``pred`` with the ``tiles`` rule and the ``prepare`` of its parts."""
-    tiles = _tiles_of(preds, combine)
-    if tiles is not None:
-        pred.tiles = tiles
-    prepares = [p.prepare for p in preds if hasattr(p, "prepare")]
-    if prepares:
-        def prepare(heads: int, length: int, device=None) -> None:
-            for f in prepares:
-                f(heads, length, device)
+def _combined(pred: MaskFn, parts: list[Mask], combine, word: str) -> Mask:
+    """``pred`` with its parts' block tests combined by ``combine`` (None where a part has none: an OR's
+    ``dense`` then stays None too, since one that ignores a part would hide the whole blocks a consumer
+    finds exactly by evaluating the predicate), their ``prepare`` hooks all run, and ``per_head`` if any
+    part varies by head."""
+    prepares = [p.prepare for p in parts if p.prepare is not None]
 
-        pred.prepare = prepare
-    if any(getattr(p, "varies_by_head", False) for p in preds):
-        pred.varies_by_head = True
-    return pred
+    def prepare(heads: int, length: int, device=None) -> None:
+        for f in prepares:
+            f(heads, length, device)
+
+    return Mask(pred, tiles=_block_test([p.tiles for p in parts], combine),
+                dense=_block_test([p.dense for p in parts], combine), per_head=any(p.per_head for p in parts),
+                prepare=prepare if prepares else None, name=f"{word}({', '.join(p.name for p in parts)})")
 
 
-def _tiles_of(preds, combine):
-    parts = [getattr(p, "tiles", None) for p in preds]
-    if any(t is None for t in parts):
+def _block_test(tests, combine):
+    if any(t is None for t in tests):
         return None
 
-    def tiles(b, h, ql, qh, kl, kh):
-        out = parts[0](b, h, ql, qh, kl, kh)
-        for t in parts[1:]:
+    def test(b, h, ql, qh, kl, kh):
+        out = tests[0](b, h, ql, qh, kl, kh)
+        for t in tests[1:]:
             out = combine(out, t(b, h, ql, qh, kl, kh))
         return out
 
-    return tiles
-
-
-def with_tiles(pred: MaskFn, name: str, tiles=None) -> MaskFn:
-    """``pred`` named ``name``, with its block test ``tiles`` (see the package docstring) when given."""
-    pred.__name__ = name
-    if tiles is not None:
-        pred.tiles = tiles
-    return pred
+    return test
 
 
 def check_count(name: str, value, minimum: int) -> int:
@@ -84,7 +86,7 @@ def check_count(name: str, value, minimum: int) -> int:
     return value
 
 
-def dense_mask(pred: MaskFn, q_len: int, kv_len: int, device=None, q_offset: int | None = None,
+def dense_mask(pred: MaskFn | Mask, q_len: int, kv_len: int, device=None, q_offset: int | None = None,
                batch: int = 1, heads: int = 1, key_offset: int = 0) -> torch.Tensor:
     """Evaluate ``pred`` on a grid: bool tensor [batch, heads, q_len, kv_len].
 

@@ -1,12 +1,12 @@
 """Sequence boundaries (padding, packed documents) as segment starts: read off a dense mask built by
 others (``segment_starts``), built from what a collator knows (``starts_from``), and turned into a
-predicate (``within_segments``)."""
+mask (``within_segments``)."""
 
 from __future__ import annotations
 
 import torch
 
-from .predicates import MaskFn
+from .mask import Mask
 
 
 def segment_starts(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor | None:
@@ -63,12 +63,12 @@ def starts_from(padding_mask: torch.Tensor | None = None,
     return torch.where(real, torch.maximum(starts, run_start), -1)
 
 
-def within_segments(starts: torch.Tensor, q_offset: int = 0) -> MaskFn:
-    """Predicate of segment starts [batch, q_len] (``starts_from``): query i sees key j iff
-    starts[b, i] <= j, and nothing when starts is -1. AND it with a causal pattern."""
+def within_segments(starts: torch.Tensor, q_offset: int = 0) -> Mask:
+    """Mask of segment starts [batch, q_len] (``starts_from``): query i sees key j iff starts[b, i] <= j, and
+    nothing when starts is -1 (no block tests). AND it with a causal pattern."""
 
     def pred(b, h, q_idx, kv_idx):
         s = starts[b, q_idx - q_offset]
         return (s >= 0) & (kv_idx >= s)
 
-    return pred
+    return Mask(pred, name="within_segments")

@@ -1,17 +1,19 @@
-"""Window predicates: the sliding window (the project's one window definition), the dilated window, and
+"""Window masks: the sliding window (the project's one window definition), the dilated window, and
 attention sinks with the window they go with (StreamingLLM)."""
 
 from __future__ import annotations
 
 import torch
 
-from .predicates import MaskFn, check_count, or_masks, with_tiles
+from .mask import Mask
+from .predicates import check_count, or_masks
 from .tables import DeviceTables
 
 
-def sliding_window(window: int, causal: bool = True) -> MaskFn:
+def sliding_window(window: int, causal: bool = True) -> Mask:
     """Causal window of ``window`` keys, the current one included; with ``causal=False`` (an encoder)
-    ``window - 1`` keys on each side: ``|q - k| < window``."""
+    ``window - 1`` keys on each side: ``|q - k| < window``. Its block tests are exact: a rectangle's
+    differences q - k fill [ql - kh, qh - kl]."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
 
@@ -23,12 +25,15 @@ def sliding_window(window: int, causal: bool = True) -> MaskFn:
             d = q_idx - kv_idx
             return (d < window) & (d > -window)
 
-    def tiles(b, h, ql, qh, kl, kh):  # exact: every difference in [ql - kh, qh - kl] occurs
-        return (qh - kl >= (0 if causal else 1 - window)) & (ql - kh < window)
+    lowest = 0 if causal else 1 - window  # the smallest difference allowed
 
-    pred.__name__ = f"sliding_window_{window}" + ("" if causal else "_bidir")
-    pred.tiles = tiles
-    return pred
+    def tiles(b, h, ql, qh, kl, kh):  # some difference in range
+        return (qh - kl >= lowest) & (ql - kh < window)
+
+    def dense(b, h, ql, qh, kl, kh):  # every difference in range
+        return (ql - kh >= lowest) & (qh - kl < window)
+
+    return Mask(pred, tiles, dense, name=f"sliding_window_{window}" + ("" if causal else "_bidir"))
 
 
 def _range_hits(diff_lo, diff_hi, step, count):
@@ -38,7 +43,7 @@ def _range_hits(diff_lo, diff_hi, step, count):
     return (diff_hi >= lo) & (m < count) & (m * step <= diff_hi)
 
 
-def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
+def dilated_window(window: int, dilation=1, causal: bool = True) -> Mask:
     """``window`` keys at stride ``dilation``: q - k in {0, d, 2d, ..., (window-1) d} (span (window-1) d + 1),
     or |q - k| in that set when ``causal=False``. ``dilation``: an int, or a tuple of one int per query head
     (indexed by the predicate's ``h``: Longformer's per-head dilation, "Longformer: The Long-Document
@@ -74,12 +79,10 @@ def dilated_window(window: int, dilation=1, causal: bool = True) -> MaskFn:
         return ahead if causal else ahead | _range_hits(-hi, -lo, d, window)
 
     name = f"dilated_window_{window}_{'x'.join(map(str, dils))}" + ("" if causal else "_bidir")
-    if per_head:
-        pred.prepare, pred.varies_by_head = table.prepare, True
-    return with_tiles(pred, name, tiles)
+    return Mask(pred, tiles, per_head=per_head, prepare=table.prepare if per_head else None, name=name)
 
 
-def sinks(n_sinks: int, causal: bool = True) -> MaskFn:
+def sinks(n_sinks: int, causal: bool = True) -> Mask:
     """Attention sinks: every query sees the keys at positions < ``n_sinks`` (earlier ones if causal), as in
     StreamingLLM ("Efficient Streaming Language Models with Attention Sinks", arXiv:2309.17453). A
     component: ``sliding_with_sinks`` ORs it with a window."""
@@ -93,10 +96,10 @@ def sinks(n_sinks: int, causal: bool = True) -> MaskFn:
         out = kl < n_sinks
         return out & (kl <= qh) if causal else out
 
-    return with_tiles(pred, f"sinks_{n_sinks}" + ("" if causal else "_bidir"), tiles)
+    return Mask(pred, tiles, name=f"sinks_{n_sinks}" + ("" if causal else "_bidir"))
 
 
-def sliding_with_sinks(window: int, n_sinks: int, causal: bool = True) -> MaskFn:
+def sliding_with_sinks(window: int, n_sinks: int, causal: bool = True) -> Mask:
     """StreamingLLM's pattern (arXiv:2309.17453): the window of ``window`` keys OR the first ``n_sinks`` keys."""
-    pred = or_masks(sliding_window(window, causal=causal), sinks(n_sinks, causal=causal))
-    return with_tiles(pred, f"sliding_{window}_sinks_{n_sinks}" + ("" if causal else "_bidir"))
+    mask = or_masks(sliding_window(window, causal=causal), sinks(n_sinks, causal=causal))
+    return mask.named(f"sliding_{window}_sinks_{n_sinks}" + ("" if causal else "_bidir"))

@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..masks import MaskFn
+from ..masks import Mask, MaskFn
 
 
 @dataclass
@@ -101,11 +101,11 @@ class ContextParallelPlan:
     block's softmax attention (output and log-sum-exp) is merged exactly by log-sum-exp, forward and backward.
     """
 
-    # (b, h, q_idx, kv_idx) -> bool on absolute positions (``allhere.masks``): the keys a query reads (with a
-    # gate: where the gate is set). A ``tiles`` test on the predicate lets the ring skip blocks cheaply;
-    # without one it evaluates the predicate over each block once.
-    reads: MaskFn
-    local: MaskFn | None = None  # with a gate: the keys read where the gate is not set (a subset of ``reads``)
+    # (b, h, q_idx, kv_idx) -> bool on absolute positions (an ``allhere.masks.Mask``, or a plain predicate): the
+    # keys a query reads (with a gate: where the gate is set). A mask's ``tiles`` test lets the ring skip blocks
+    # cheaply; without one it evaluates the predicate over each block once.
+    reads: Mask | MaskFn
+    local: Mask | MaskFn | None = None  # with a gate: the keys read where the gate is not set (a subset of ``reads``)
     # [b, h, n / world]: per (token, head) of this rank's shard, 1 = ``reads``, 0 = ``local``; a bool gate, or
     # a 0/1 float gate whose gradient is the straight-through one of ``allhere.ops.ste``.
     gate: torch.Tensor | None = None
@@ -141,7 +141,7 @@ class FarKV:
     expand: Callable
     # (b, h, q_idx, kv_idx) -> bool on absolute positions: the keys of ``reads`` read through the host's own
     # (full-dimensional) K/V, e.g. the window; None: none, every key read is expanded.
-    near: MaskFn | None = None
+    near: Mask | MaskFn | None = None
 
 
 class AttentionMechanism(nn.Module):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..masks import MaskFn, bigbird
+from ..masks import Mask, bigbird
 from ..registry import Serving, register
 from ..validation import check, check_int
 from .caches import KVCache
@@ -49,7 +49,7 @@ class BigBirdConfig:
         check_int(c, "heads_per_draw", self.heads_per_draw, 1)
         check(isinstance(self.causal, bool), c, "causal", self.causal, "True or False")
 
-    def mask_fn(self, n: int | None = None, layer: int | None = None) -> MaskFn:
+    def mask_fn(self, n: int | None = None, layer: int | None = None) -> Mask:
         """The predicate for sequences of length ``n`` (only an encoder's random blocks depend on it) at
         ``layer`` (default: the config's)."""
         return bigbird(self.block, self.window_blocks, self.global_blocks, self.random_blocks, self.seed,

@@ -69,9 +69,9 @@ class DARConfig:
             raise ConfigError(f"DARConfig.d_down = {self.d_down} is invalid: expected <= d_model = {d_model}")
 
 
-def far_keys(window: int) -> masks.MaskFn:
-    """DAR's far-key map as a mask predicate: query i reads key j through the bottleneck when i - j >= window
-    (the causal keys outside ``masks.sliding_window(window)``, which are read full-dimensional); with its exact
+def far_keys(window: int) -> masks.Mask:
+    """DAR's far-key map as a mask: query i reads key j through the bottleneck when i - j >= window (the
+    causal keys outside ``masks.sliding_window(window)``, which are read full-dimensional); with its exact
     block tests: ``tiles`` (some entry of the rectangle is far) and ``dense`` (every entry is). A pure piece a
     host reads a cache of rebuilt keys with (vLLM serving)."""
     check_int("far_keys", "window", window, 0)
@@ -79,10 +79,13 @@ def far_keys(window: int) -> masks.MaskFn:
     def pred(b, h, q_idx, kv_idx):
         return q_idx - kv_idx >= window
 
-    pred.__name__ = f"dar_far_{window}"
-    pred.tiles = lambda b, h, ql, qh, kl, kh: qh - kl >= window  # noqa: E731  (the rectangle's corner (qh, kl))
-    pred.dense = lambda b, h, ql, qh, kl, kh: ql - kh >= window  # noqa: E731  (its corner (ql, kh))
-    return pred
+    def tiles(b, h, ql, qh, kl, kh):  # the rectangle's corner (qh, kl)
+        return qh - kl >= window
+
+    def dense(b, h, ql, qh, kl, kh):  # its corner (ql, kh)
+        return ql - kh >= window
+
+    return masks.Mask(pred, tiles, dense, name=f"dar_far_{window}")
 
 
 class DARCache:

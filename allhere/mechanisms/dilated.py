@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..masks import MaskFn, dilated_window
+from ..masks import Mask, dilated_window
 from ..ops.dilated import dilated_window_attention
 from ..registry import Serving, register
 from ..validation import check, check_int
@@ -38,7 +38,7 @@ class DilatedConfig:
         dmax = max(self.dilation) if isinstance(self.dilation, tuple) else self.dilation
         return (self.window - 1) * dmax + 1
 
-    def mask_fn(self, n: int | None = None, layer: int | None = None) -> MaskFn:
+    def mask_fn(self, n: int | None = None, layer: int | None = None) -> Mask:
         """The predicate of this pattern (the same for every length and layer)."""
         return dilated_window(self.window, self.dilation, causal=self.causal)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..masks import MaskFn, global_at, global_first, longformer
+from ..masks import Mask, global_at, global_first, longformer
 from ..registry import Serving, register
 from ..validation import check, check_int
 from .caches import PatternKVCache
@@ -64,7 +64,7 @@ class LongformerConfig:
         n = self.last_global + 1 if n is None else n
         return global_first(n, self.global_first) | global_at(n, self.global_positions)
 
-    def mask_fn(self, n: int | None = None, layer: int | None = None) -> MaskFn:
+    def mask_fn(self, n: int | None = None, layer: int | None = None) -> Mask:
         """The predicate of this pattern (the same for every length and layer)."""
         return longformer(self.window, self.is_global(max(1, self.last_global + 1)), self.dilation, causal=self.causal)
 

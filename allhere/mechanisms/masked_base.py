@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import dispatch, register_path
-from ..masks import MaskFn, and_masks, within_segments
+from ..masks import Mask, and_masks, as_mask, within_segments
 from ..ops.blocksparse import BlockPlan, blocksparse_attention, plan_blocks
 from ..ops.full import full_attention_reference, masked_attention
 from ..validation import ConfigError, check, check_int
@@ -82,15 +82,15 @@ class PatternAttention(AttentionMechanism):
                               f"query head ({dims.n_heads})")
         self._preds: dict = {}
 
-    def mask_fn(self, n: int | None = None) -> MaskFn:
-        """The config's predicate (``cfg.mask_fn(n)``), built once per length (once for a causal pattern:
-        its predicate does not depend on the length)."""
+    def mask_fn(self, n: int | None = None) -> Mask:
+        """The config's mask (``cfg.mask_fn(n)``; a plain predicate becomes a ``Mask`` without block tests),
+        built once per length (once for a causal pattern: its predicate does not depend on the length)."""
         key = None if getattr(self.cfg, "causal", True) else n
         pred = self._preds.get(key)
         if pred is None:
             if len(self._preds) >= self._max_plans:
                 self._preds.clear()
-            pred = self._preds[key] = self.cfg.mask_fn(n)
+            pred = self._preds[key] = as_mask(self.cfg.mask_fn(n))
         return pred
 
     def context_parallel_plan(self, call: AttentionCall, n: int) -> ContextParallelPlan:
@@ -147,7 +147,7 @@ class PatternAttention(AttentionMechanism):
         key = ("flex", self._pattern_key(key_offset + lk), b, h, lq, lk, key_offset, q.device)
         mask = self._blocks.get(key, lambda: flex_block_mask(
             pred, lq, lk, heads=h, batch=b, key_offset=key_offset, device=q.device, per_batch=starts is not None,
-            per_head=getattr(pred, "varies_by_head", False)), starts)
+            per_head=pred.per_head), starts)
         return flex_pattern_attention(q, k, v, mask, scale)
 
     @property

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..masks import MaskFn, sliding_with_sinks
+from ..masks import Mask, sliding_with_sinks
 from ..registry import Serving, register
 from ..validation import check, check_int
 from .caches import PatternKVCache
@@ -29,7 +29,7 @@ class SinksConfig:
         check_int("SinksConfig", "n_sinks", self.n_sinks, 0)
         check(isinstance(self.causal, bool), "SinksConfig", "causal", self.causal, "True or False")
 
-    def mask_fn(self, n: int | None = None, layer: int | None = None) -> MaskFn:
+    def mask_fn(self, n: int | None = None, layer: int | None = None) -> Mask:
         """The predicate of this pattern (the same for every length and layer)."""
         return sliding_with_sinks(self.window, self.n_sinks, causal=self.causal)
 

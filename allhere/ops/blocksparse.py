@@ -4,13 +4,13 @@ dtype, differentiable).
 Two steps, as FlexAttention's ``create_block_mask`` / ``flex_attention``:
 
 1. ``plan_blocks(pred, ...)`` cuts queries and keys into tiles of ``block`` positions and finds the
-   (query tile, key tile) pairs that may hold an allowed entry. A predicate of ``allhere.masks`` says
-   so itself for whole rectangles (its ``tiles`` method: interval arithmetic, prefix sums), so this costs
-   O(tiles), never n x n; any other predicate is evaluated on the full grid, a chunk of query tiles at a
-   time. For each query tile it then gathers the kept key tiles and evaluates the predicate exactly on
-   that gather only: the element mask, O(kept scores). Query tiles are bucketed by how many key tiles
-   they keep (rounded up to 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, ...), so one long row (a global token) does
-   not pad every other row to its length.
+   (query tile, key tile) pairs that may hold an allowed entry. A ``Mask`` of ``allhere.masks`` says
+   so itself for whole rectangles (its ``tiles`` test: interval arithmetic, prefix sums), so this costs
+   O(tiles), never n x n; a mask without one (a plain predicate) is evaluated on the full grid, a chunk of
+   query tiles at a time. For each query tile it then gathers the kept key tiles and evaluates the
+   predicate exactly on that gather only: the element mask, O(kept scores). Query tiles are bucketed by
+   how many key tiles they keep (rounded up to 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, ...), so one long row (a
+   global token) does not pad every other row to its length.
 2. ``blocksparse_attention(q, k, v, plan)`` runs, per bucket, one batched SDPA of each query tile
    against its gathered keys under the element mask. Grouped-query heads that share a kv head are
    stacked as extra query rows of the same tile, so keys are gathered once per kv head, never copied per
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..masks import MaskFn
+from ..masks import Mask, MaskFn, as_mask
 from .common import check_qkv, default_scale
 
 
@@ -86,10 +86,9 @@ class BlockPlan:
         return self.kept_tiles / max(1, self.total_tiles)
 
 
-def _tile_map(pred: MaskFn, bb, hh, ql, qh, kl, kh, lq, lk, q_off, key_offset, block, device):
-    tiles = getattr(pred, "tiles", None)
-    if tiles is not None:
-        return tiles(bb, hh, ql, qh, kl, kh)
+def _tile_map(pred: Mask, bb, hh, ql, qh, kl, kh, lq, lk, q_off, key_offset, block, device):
+    if pred.tiles is not None:
+        return pred.tiles(bb, hh, ql, qh, kl, kh)
     # No rectangle rule: evaluate the predicate, a few query tiles at a time.
     nq, nk = ql.shape[-2], kl.shape[-1]
     k = (torch.arange(nk * block, device=device) + key_offset).clamp_max(key_offset + lk - 1)
@@ -103,12 +102,13 @@ def _tile_map(pred: MaskFn, bb, hh, ql, qh, kl, kh, lq, lk, q_off, key_offset, b
     return torch.cat(out, -2)
 
 
-def plan_blocks(pred: MaskFn, q_len: int, kv_len: int, *, heads: int = 1, kv_heads: int | None = None,
+def plan_blocks(pred: MaskFn | Mask, q_len: int, kv_len: int, *, heads: int = 1, kv_heads: int | None = None,
                 batch: int = 1, block: int = 64, key_offset: int = 0, q_offset: int | None = None,
                 device=None) -> BlockPlan:
     """The tiles ``pred`` keeps for queries at ``q_offset`` .. (default: the last ``q_len`` of the keys) and
     keys at ``key_offset`` .. ``key_offset + kv_len - 1`` (absolute positions), for ``heads`` query heads
     sharing ``kv_heads`` kv heads and ``batch`` rows (the predicate may depend on both)."""
+    pred = as_mask(pred)
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
@@ -126,7 +126,7 @@ def plan_blocks(pred: MaskFn, q_len: int, kv_len: int, *, heads: int = 1, kv_hea
     kh = torch.clamp(kl + bk - 1, max=key_offset + kv_len - 1)
     bb = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     hh = torch.arange(heads, device=device).view(1, -1, 1, 1)
-    if getattr(pred, "tiles", None) is None and bq != bk:
+    if pred.tiles is None and bq != bk:
         bq = bk = min(bq, bk)  # the chunked evaluation cuts square tiles
         return plan_blocks(pred, q_len, kv_len, heads=heads, kv_heads=kv_heads, batch=batch, block=bq,
                            key_offset=key_offset, q_offset=q_offset, device=device)
@@ -257,8 +257,8 @@ def _inverse(order: list[torch.Tensor], total: int) -> torch.Tensor:
     return inv
 
 
-def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pred: MaskFn, scale: float | None = None,
-                      block: int = 64, key_offset: int = 0) -> torch.Tensor:
+def pattern_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pred: MaskFn | Mask,
+                      scale: float | None = None, block: int = 64, key_offset: int = 0) -> torch.Tensor:
     """One-shot ``plan_blocks`` + ``blocksparse_attention`` (queries: the last q_len of the keys)."""
     b, h, lq, _, hkv, lk = check_qkv(q, k, v)
     plan = plan_blocks(pred, lq, lk, heads=h, kv_heads=hkv, batch=b, block=block, key_offset=key_offset,

@@ -18,20 +18,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..masks import and_masks, sliding_window
+from ..masks import Mask, and_masks, sliding_window
 from .blocksparse import pattern_attention
 from .common import check_qkv
 from .sliding.blocked import sliding_window_attention_torch
 
 
-def _valid_keys(n: int, dilation: int):
+def _valid_keys(n: int, dilation: int) -> Mask:
     """In class coordinates (batch row b' = batch * d + class): key index j is a real position (< n)."""
 
     def pred(b, h, q_idx, kv_idx):
         return kv_idx * dilation + b % dilation < n
 
-    pred.tiles = lambda b, h, ql, qh, kl, kh: kl * dilation + b % dilation < n  # noqa: E731
-    return pred
+    def tiles(b, h, ql, qh, kl, kh):  # exact: the rectangle's first key
+        return kl * dilation + b % dilation < n
+
+    def dense(b, h, ql, qh, kl, kh):  # exact: its last key
+        return kh * dilation + b % dilation < n
+
+    return Mask(pred, tiles, dense, name=f"valid_keys_{n}_{dilation}")
 
 
 def _one_dilation(q, k, v, window: int, dilation: int, causal: bool, scale, block: int):

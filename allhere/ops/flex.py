@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import MaskFn
+from ..masks import Mask, MaskFn, as_mask
 from .common import check_qkv, default_scale
 
 COMPILED_MASK_FROM = 1 << 26  # batch x heads x q x kv from which eager create_block_mask's int64 grids are too big
@@ -29,16 +29,17 @@ def _compile(name: str):
     return _compiled[name]
 
 
-def flex_block_mask(pred: MaskFn, q_len: int, kv_len: int, *, heads: int = 1, batch: int = 1,
+def flex_block_mask(pred: MaskFn | Mask, q_len: int, kv_len: int, *, heads: int = 1, batch: int = 1,
                     key_offset: int = 0, block: int = 128, device=None, per_batch: bool = True,
                     per_head: bool = True):
     """FlexAttention's BlockMask of ``pred`` (queries: the last q_len of the keys at ``key_offset`` ..).
     ``per_batch`` / ``per_head`` False: the pattern is the same for every batch row / head (one mask)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    prepare = getattr(pred, "prepare", None)
-    if prepare is not None:  # its tables complete and on the device before vmap / the kernel trace it
-        prepare(heads, key_offset + kv_len, device or "cpu")
+    mask = as_mask(pred)
+    if mask.prepare is not None:  # its tables complete and on the device before vmap / the kernel trace it
+        mask.prepare(heads, key_offset + kv_len, device or "cpu")
+    pred = mask.pred  # the plain function: FlexAttention lifts the tensors its closures capture
     q_off = key_offset + kv_len - q_len
 
     def mask_mod(b, h, q_idx, kv_idx):

@@ -15,12 +15,12 @@ rows: ``allhere.serve.vllm_paged``). A layer served by the Triton paged kernel i
 ``allhere.serve.paged_kernel``) stores its keys untransposed, ``[block_size, head_dim]`` like its values
 (``write(..., transposed=False)``, read through ``kernel_caches``); a layer keeps one layout for its life.
 
-The rule. A mechanism gives, per *row class*, what a row of that class reads: mask predicates over
-positions (``Read``, with an optional query tile size), each the same function allhere trains and generates
-with (``allhere.masks``; its ``tiles`` block test says which rectangles may hold an allowed entry; an
-optional ``dense`` test, which ones are allowed entirely). A row is one (query token, query head);
-``row_class`` [tokens, heads] says which class each is in (AHA: 0 local, 1 global, from the router; one class
-otherwise). Causality is always added.
+The rule. A mechanism gives, per *row class*, what a row of that class reads: masks over positions (``Read``,
+with an optional query tile size), each the same one allhere trains and generates with (an
+``allhere.masks.Mask``: its ``tiles`` block test says which rectangles may hold an allowed entry; its
+``dense`` test, if it has one, which ones are allowed entirely; a plain predicate has neither). A row is one
+(query token, query head); ``row_class`` [tokens, heads] says which class each is in (AHA: 0 local, 1 global,
+from the router; one class otherwise). Causality is always added.
 
 The work (``paged_attention``), batched tensor operations throughout (the only Python loops run over the
 rule's parts and over pieces of bounded memory, never over requests or heads):
@@ -59,7 +59,7 @@ from .paged_decode import decode_direct, decode_rows
 class Read(NamedTuple):
     """One part of what a row class reads."""
 
-    pred: masks.MaskFn  # (b, h, q_idx, kv_idx) -> allowed, with its ``tiles`` (and optional ``dense``) test
+    pred: masks.Mask  # (b, h, q_idx, kv_idx) -> allowed, with its block tests (a plain predicate: none)
     q_tile: int | None = None  # rows per query tile for this part (None: paged_attention's q_tile)
     window: int | None = None  # ``window_read``'s: pred reads exactly the ``window`` most recent keys
 
@@ -97,25 +97,13 @@ def kernel_caches(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def window_read(window: int, q_tile: int | None = None) -> Read:
-    """The ``window`` most recent keys, the query's own included (``masks.sliding_window``), with its dense test."""
-    inner = masks.sliding_window(window)
-
-    def pred(b, h, q_idx, kv_idx):
-        return inner(b, h, q_idx, kv_idx)
-
-    pred.tiles = inner.tiles
-    pred.dense = lambda b, h, ql, qh, kl, kh: (kh <= ql) & (qh - kl < window)  # noqa: E731
-    return Read(pred, q_tile, window)
+    """The ``window`` most recent keys, the query's own included (``masks.sliding_window``, block tests and all)."""
+    return Read(masks.sliding_window(window), q_tile, window)
 
 
 def causal_read(q_tile: int | None = None) -> Read:
-    """Every key at or before the query (``masks.causal``), with its dense test."""
-    def pred(b, h, q_idx, kv_idx):
-        return masks.causal(b, h, q_idx, kv_idx)
-
-    pred.tiles = masks.causal.tiles
-    pred.dense = lambda b, h, ql, qh, kl, kh: kh <= ql  # noqa: E731
-    return Read(pred, q_tile)
+    """Every key at or before the query (``masks.causal``, block tests and all)."""
+    return Read(masks.causal, q_tile)
 
 
 def token_positions(query_start: torch.Tensor, seq_lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,8 +170,8 @@ def _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, vie
     """The decode tokens of a layer whose rows all read one predicate, straight into ``out``
     (``paged_decode.decode_direct``)."""
     req = decode.nonzero().squeeze(1)
-    decode_direct(q, starts[:-1][req], req, seq_lens[req].long() - 1, Read(*reads[0][0]).pred, view, block_table,
-                  scale, softcap, out)
+    decode_direct(q, starts[:-1][req], req, seq_lens[req].long() - 1, masks.as_mask(Read(*reads[0][0]).pred), view,
+                  block_table, scale, softcap, out)
 
 
 def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
@@ -198,7 +186,7 @@ def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor,
     n = int(query_start[-1])
     dev = q.device
     workspace = workspace or Workspace()
-    reads = [[Read(*r) for r in parts] for parts in reads]
+    reads = [[Read(masks.as_mask(r[0]), *r[1:]) for r in parts] for parts in reads]
     starts = query_start.long()
     q_len = starts[1:] - starts[:-1]
     req, pos = token_positions(query_start, seq_lens, n)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..masks import Mask
+
 MAX_GATHER_BYTES = 32 << 20  # keys and values gathered for one call (a longer batch runs in pieces)
 MAX_MASK_ELEMENTS = 4 << 20  # (row, key) pairs of the predicate evaluated at once
 MERGE_BUDGET = 64 << 20  # bytes of pieces (outputs, log-sum-exps, row ids) held before they are merged
@@ -94,14 +96,14 @@ def tile_rows(tok, head, req, pos, q: torch.Tensor, heads: int, kv_heads: int, q
     return out
 
 
-def candidates(tiles: Tiles, pred, kt: int) -> tuple[torch.Tensor, torch.Tensor]:
+def candidates(tiles: Tiles, pred: Mask, kt: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tile, block index) of every key block (``kt`` positions) a tile may read under ``pred``, sorted by tile:
     at or before the tile's last position and not excluded by the predicate's ``tiles`` test for any query
     head of the tile's kv head."""
     lo, hi = tiles.lo, tiles.hi
     kl = torch.arange(int(hi.max()) // kt + 1, device=lo.device) * kt
     ok = kl[None] <= hi[:, None]
-    test = getattr(pred, "tiles", None)
+    test = pred.tiles
     if test is not None:
         zero = torch.zeros((), dtype=torch.long, device=lo.device)
         every = torch.arange(tiles.count, device=lo.device)
@@ -111,7 +113,7 @@ def candidates(tiles: Tiles, pred, kt: int) -> tuple[torch.Tensor, torch.Tensor]
     return ok.nonzero(as_tuple=True)
 
 
-def _allowed(tiles: Tiles, tile, chunk, pred, kt: int) -> torch.Tensor:
+def _allowed(tiles: Tiles, tile, chunk, pred: Mask, kt: int) -> torch.Tensor:
     """bool [chunks, size, kt]: which (row, key) of each (tile, chunk) the predicate allows (and causality)."""
     i32 = torch.int32  # positions and heads as int32: half the memory traffic of int64 for every comparison
     kpos = (chunk.to(i32) * kt)[:, None, None] + torch.arange(kt, dtype=i32, device=tile.device)
@@ -138,7 +140,7 @@ def gather(view: torch.Tensor, base: torch.Tensor, workspace: Workspace,
     return k.view(*base.shape, bs, d), both[n:].view(*base.shape, bs, d)
 
 
-def attend_part(tiles: Tiles, pred, view, block_table, scale: float, softcap: float, pack: int,
+def attend_part(tiles: Tiles, pred: Mask, view, block_table, scale: float, softcap: float, pack: int,
                 workspace: Workspace):
     """The tiles against the keys of ``view`` that ``pred`` allows them: yields (tile [n], output [n, size, d],
     log-sum-exp [n, size] float32, -inf where a row reads none of those keys), a call's worth at a time."""
@@ -147,7 +149,7 @@ def attend_part(tiles: Tiles, pred, view, block_table, scale: float, softcap: fl
     if tile.numel() == 0:
         return
     per_mask = tiles.size * kt
-    dense_test = getattr(pred, "dense", None)
+    dense_test = pred.dense
     if dense_test is not None:
         zero = torch.zeros((), dtype=torch.long, device=tile.device)
         kl = chunk * kt

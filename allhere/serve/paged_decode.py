@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..masks import Mask
 from .paged_chunks import MAX_GATHER_BYTES, Workspace, gather
 
 _NEG = float("-inf")
@@ -43,7 +44,7 @@ def _attend_read(qflat, tile_rows, heads_t, kv_head, req, pos, read, view, block
     n_blocks = int(pos.max()) // bs + 1
     kl = torch.arange(n_blocks, device=dev) * bs
     ok = kl[None] <= pos[:, None]  # [tiles, blocks]
-    test = getattr(read.pred, "tiles", None)
+    test = read.pred.tiles
     if test is not None:
         zero = torch.zeros((), dtype=torch.long, device=dev)
         p = pos[:, None, None]
@@ -92,7 +93,7 @@ def _attend_t(q, kt, v, allowed, scale: float, softcap: float):
     return torch.bmm(p, v.float()).to(q.dtype), lse
 
 
-def decode_direct(q, tok, req, pos, pred, view, block_table, scale: float, softcap: float, out) -> None:
+def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float, softcap: float, out) -> None:
     """The decode tokens ``tok`` [m] (request ``req``, position ``pos``) of a layer whose rows all read one
     predicate (the masked patterns), written straight into ``out`` [tokens, heads, d]: one softmax per row
     over every key it reads, so no log-sum-exp and no merge. All tokens at once, in few operations (the cost
@@ -108,7 +109,7 @@ def decode_direct(q, tok, req, pos, pred, view, block_table, scale: float, softc
     p = pos.view(m, 1, 1, 1)
     kl = torch.arange(int(pos.max()) // bs + 1, device=dev) * bs
     ok = kl <= pos[:, None]  # [m, blocks]
-    test = getattr(pred, "tiles", None)
+    test = pred.tiles
     if test is not None:
         ok = ok & test(zero, h, p, p, kl, kl + bs - 1).expand(m, kv_heads, group, kl.numel()).any(2).any(1)
     count = ok.sum(1)

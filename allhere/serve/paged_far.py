@@ -27,6 +27,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..masks import Mask, and_masks
 from ..mechanisms.dar import far_keys
 from .paged import Read, paged_pieces, paged_view, write
 from .paged_chunks import Workspace
@@ -211,13 +212,16 @@ def _prefill(q, view, start: int, q_len: int, length: int, blocks, window: int, 
             yield torch.where(rows >= 0, rows + start * heads, -1), o, lse
 
 
-def _far_range(window: int, lo: int, hi: int):
-    """``far_keys(window)`` restricted to keys ``lo <= j < hi``, with its block tests."""
-    far = far_keys(window)
+def _far_range(window: int, lo: int, hi: int) -> Mask:
+    """``far_keys(window)`` restricted to keys ``lo <= j < hi``, block tests and all."""
 
     def pred(b, h, q_idx, kv_idx):
-        return far(b, h, q_idx, kv_idx) & (kv_idx >= lo) & (kv_idx < hi)
+        return (kv_idx >= lo) & (kv_idx < hi)
 
-    pred.tiles = lambda b, h, ql, qh, kl, kh: far.tiles(b, h, ql, qh, kl, kh) & (kh >= lo) & (kl < hi)  # noqa: E731
-    pred.dense = lambda b, h, ql, qh, kl, kh: far.dense(b, h, ql, qh, kl, kh) & (kl >= lo) & (kh < hi)  # noqa: E731
-    return pred
+    def tiles(b, h, ql, qh, kl, kh):  # exact: some key of [kl, kh] in range
+        return (kh >= lo) & (kl < hi)
+
+    def dense(b, h, ql, qh, kl, kh):  # exact: every key in range
+        return (kl >= lo) & (kh < hi)
+
+    return and_masks(far_keys(window), Mask(pred, tiles, dense, name=f"keys_{lo}_{hi}"))
