@@ -96,7 +96,7 @@ def run_real_dar(model: str = "smollm2", out: str | Path = "runs/smollm2", prese
         for name in ("pretrained", "control", *map(folder_of, mechs.values())):
             runs.plan_work(job, task, name, plan.eval_sequences + 1, runs.token_cost(base, plan.seq_len, plan.seq_len))
         long = plan.speed_prompt + (plan.speed_tokens + 2) * runs.DECODE_TOKENS
-        runs.plan_work(job, task, "speed", len(SPEED_MODELS) + 1, runs.token_cost(base, long, plan.speed_prompt))
+        runs.plan_work(job, task, "speed", SPEED_ROWS, runs.token_cost(base, long, plan.speed_prompt))
         batches = data.batches(plan.batch_size, plan.seq_len)
         calibration = calibration_ids(data, plan.seq_len)
 
@@ -157,13 +157,14 @@ def _measure(job: Job, task: Path, name: str, model, data, device: str, long: in
 
 
 SPEED_MODELS = {DARConfig: "DAR", DARLatentConfig: "DAR latent"}  # besides the control: the models timed
+SPEED_ROWS = len(SPEED_MODELS) + 2  # the control on two caches, each of the others on its own
 
 
 def _speed(job: Job, task: Path, models: dict, data, device: str, plan: RealPlan) -> dict:
     """Decode at a ``plan.speed_prompt``-token held-out prompt, each model through transformers' forward with its
     own cache (the control on transformers' DynamicCache and on allhere's in-place one), in one stage so that
     all share the machine's load; ms per step is the median of ``plan.speed_tokens`` greedy steps."""
-    bar = runs.work_bar(job, task, "speed", len(SPEED_MODELS) + 1)
+    bar = runs.work_bar(job, task, "speed", SPEED_ROWS)
     ids = long_prompt(data.heldout_docs, plan.speed_prompt)
     before = list(os.getloadavg())
     rows = []
