@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from ..validation import ConfigError
-from .dar_latent import DARLatentAttention
 from .dar_latent_channels import (
     channel_order,
     svd_init,
@@ -34,10 +33,11 @@ from .dar_latent_channels import (
 )
 
 
-def latent_layers(model: nn.Module) -> list[tuple[nn.Module, DARLatentAttention]]:
-    """(host attention module, its ``dar_latent`` mechanism) of every such layer, in layer order."""
+def latent_layers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(host attention module, its ``dar_latent`` mechanism) of every such layer, in layer order (found by the
+    kind of its config: the mechanism's module imports this one, so this one does not import it back)."""
     return [(host, child) for host in model.modules() for child in host.children()
-            if isinstance(child, DARLatentAttention)]
+            if getattr(getattr(child, "cfg", None), "kind", None) == "dar_latent"]
 
 
 def calibrate(model: nn.Module, run: Callable[[], object]) -> list[dict]:
@@ -61,8 +61,8 @@ def calibrate(model: nn.Module, run: Callable[[], object]) -> list[dict]:
     return stats
 
 
-def init_layer(mech: DARLatentAttention, w_k: torch.Tensor, w_v: torch.Tensor, stats: dict | None = None,
-               rot: int | None = None, w_q: torch.Tensor | None = None) -> DARLatentAttention:
+def init_layer(mech: nn.Module, w_k: torch.Tensor, w_v: torch.Tensor, stats: dict | None = None,
+               rot: int | None = None, w_q: torch.Tensor | None = None) -> nn.Module:
     """Set one layer from its host's W_K, W_V ([kv_heads * head_dim, d]): kept pairs by the 2-norm score of
     ``stats`` (``calibrate``); else, with the host's W_Q ([heads * head_dim, d]), by the same score on the
     weights' pair norms (``weight_pair_norms``); else evenly spaced; over a rotary width ``rot`` (default: the
