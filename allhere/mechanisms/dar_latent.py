@@ -31,6 +31,7 @@ from torch import nn
 
 from ..ops.common import segment_mask
 from ..ops.dar_latent import dar_latent_attention
+from ..ops.dar_latent.check import pack_rows
 from ..registry import register
 from ..validation import ConfigError, check_int
 from .base import AttentionCall, AttentionDims, AttentionMechanism
@@ -149,24 +150,19 @@ class DARLatentAttention(AttentionMechanism):
                                "layers of allhere.hf.new_cache), not with every key cached by the host")
         if self.calibration is not None:
             return self._calibrating(q, k, v, call, cache), None
-        b, g, d_c = q.shape[0], k.shape[1], self.cfg.d_down
-        latent = self.down(call.x)  # [b, n, d_c]
+        g, d_c = k.shape[1], self.cfg.d_down
         k_rope = self._gather(k[:, :, -n:])[..., :r2]  # the new tokens' rotated keys at the kept pairs
+        rows = pack_rows(self.down(call.x), k_rope)  # [b, n, d_c + g x r2]: c = h W_down, then k^R
         if cache is None:
             k_near, v_near = k, v
-        else:
-            payload = torch.cat([latent, k_rope.transpose(1, 2).reshape(b, n, g * r2).to(latent.dtype)], dim=-1)
-            k_near, v_near, payloads = cache.update(k, v, payload)
-            latent, k_rope = payloads.split([d_c, g * r2], dim=-1)
-            k_rope = k_rope.view(b, -1, g, r2).transpose(1, 2)
-            pad = latent.shape[1] - k_near.shape[2]  # positions whose full K/V are gone: never near for these queries
-            k_near, v_near = (torch.nn.functional.pad(t, (0, 0, pad, 0)) for t in (k_near, v_near))
+        else:  # the window's K/V, and every cached row (this call's included)
+            k_near, v_near, rows = cache.update(k, v, rows)
         q_far = torch.cat([self._gather(q)[..., :r2], self._gather(unrotate(q, *call.rope))[..., r2:]], dim=-1)
         d = q.shape[-1]
         w_uk = self.up_k.weight.view(g, d - r2, d_c)
         w_uv = self.up_v.weight.view(g, d, d_c)
-        mask = None if call.segment_starts is None else segment_mask(call.segment_starts, n, latent.shape[1])
-        out = dar_latent_attention(q, q_far, k_near, v_near, latent, k_rope.to(q.dtype), w_uk, w_uv, self.cfg.window,
+        mask = None if call.segment_starts is None else segment_mask(call.segment_starts, n, rows.shape[1])
+        out = dar_latent_attention(q, q_far, k_near, v_near, rows.to(q.dtype), w_uk, w_uv, self.cfg.window,
                                    call.scale, mask)
         return out, None
 
@@ -181,6 +177,6 @@ class DARLatentAttention(AttentionMechanism):
         stats["rot"] = rot
         mask = None if call.segment_starts is None else segment_mask(call.segment_starts, q.shape[2], k.shape[2])
         d_c, g, d = self.cfg.d_down, k.shape[1], q.shape[-1]
-        zeros = q.new_zeros(q.shape[0], k.shape[2], d_c)
-        return dar_latent_attention(q, q, k, v, zeros, k.new_zeros(*k.shape[:3], 0), q.new_zeros(g, d, d_c),
-                                    q.new_zeros(g, d, d_c), k.shape[2] + 1, call.scale, mask)
+        rows = q.new_zeros(q.shape[0], k.shape[2], d_c)  # no rotated pair: every key is near anyway
+        return dar_latent_attention(q, q, k, v, rows, q.new_zeros(g, d, d_c), q.new_zeros(g, d, d_c), k.shape[2] + 1,
+                                    call.scale, mask)

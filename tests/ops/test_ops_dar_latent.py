@@ -12,6 +12,7 @@ from allhere.ops.dar_latent import (
     dar_latent_attention_rebuilt,
     dar_latent_attention_reference,
 )
+from allhere.ops.dar_latent.check import pack_rows, split_rows
 from allhere.ops.dar_latent.reference import far_kv
 
 from helpers import rel_err, segment_mask
@@ -24,7 +25,7 @@ def inputs(b=2, h=4, g=2, lq=9, lk=23, d=16, e_r=4, d_c=12, dtype=torch.float32,
     torch.manual_seed(seed)
     t = lambda *s: torch.randn(*s).to(dtype)  # noqa: E731
     return dict(q=t(b, h, lq, d), q_far=t(b, h, lq, d), k_near=t(b, g, lk, d), v_near=t(b, g, lk, d),
-                latent=t(b, lk, d_c), k_rope=t(b, g, lk, e_r), w_uk=t(g, d - e_r, d_c) / d_c ** 0.5,
+                rows=pack_rows(t(b, lk, d_c), t(b, g, lk, e_r)), w_uk=t(g, d - e_r, d_c) / d_c ** 0.5,
                 w_uv=t(g, d, d_c) / d_c ** 0.5)
 
 
@@ -38,6 +39,20 @@ def test_paths_equal_the_reference(path, lq, window, dtype):
     got = PATHS[path](**x, window=window, block=4)  # blocks that cut the window
     assert got.dtype == dtype
     assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("lq", [1, 3], ids=lambda n: f"q{n}")
+@pytest.mark.parametrize("path", [*PATHS, "reference"])
+def test_near_keys_of_the_window_only(path, lq):
+    """A cache keeps the host's K/V for the window only: k_near / v_near covering the last lq + w - 1 positions
+    give what the full-length ones give; fewer are refused."""
+    x = inputs(lq=lq)
+    want = dar_latent_attention_reference(**x, window=5)
+    fn = PATHS.get(path, dar_latent_attention_reference)
+    short = {**x, "k_near": x["k_near"][:, :, -(lq + 4):], "v_near": x["v_near"][:, :, -(lq + 4):]}
+    assert rel_err(fn(**short, window=5), want) < 1e-6
+    with pytest.raises(ValueError, match="must cover the last"):
+        fn(**{**short, "k_near": short["k_near"][:, :, 1:], "v_near": short["v_near"][:, :, 1:]}, window=5)
 
 
 @pytest.mark.parametrize("g", [4, 2, 1], ids=["mha", "gqa", "mqa"])
@@ -58,7 +73,7 @@ def test_reference_is_dar_with_the_far_keys_written_out():
 
     x = inputs()
     x["q_far"] = x["q"]
-    k_far, v_far = far_kv(x["latent"], x["k_rope"], x["w_uk"], x["w_uv"])
+    k_far, v_far = far_kv(*split_rows(x["rows"], 2, 12), x["w_uk"], x["w_uv"])
     want = dar_attention_reference(x["q"], x["k_near"], x["v_near"], k_far, v_far, 5)
     assert rel_err(dar_latent_attention_reference(**x, window=5), want) < 1e-6
 

@@ -17,23 +17,24 @@ from .reference import dar_latent_attention_reference
 ABSORB_MAX_QUERIES = 16
 
 
-def dar_latent_attention_torch(q, q_far, k_near, v_near, latent, k_rope, w_uk, w_uv, window: int,
+def dar_latent_attention_torch(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int,
                                scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The PyTorch path: absorbed for calls of at most ``ABSORB_MAX_QUERIES`` queries, rebuilt otherwise."""
     path = dar_latent_attention_absorbed if q.shape[2] <= ABSORB_MAX_QUERIES else dar_latent_attention_rebuilt
-    return path(q, q_far, k_near, v_near, latent, k_rope, w_uk, w_uv, window, scale, mask)
+    return path(q, q_far, k_near, v_near, rows, w_uk, w_uv, window, scale, mask)
 
 
 register_path("dar_latent", "reference", dar_latent_attention_reference)
 register_path("dar_latent", "torch", dar_latent_attention_torch)
 
 
-def dar_latent_attention(q, q_far, k_near, v_near, latent, k_rope, w_uk, w_uv, window: int,
+def dar_latent_attention(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int,
                          scale: float | None = None, mask: torch.Tensor | None = None,
                          backend: str | None = None) -> torch.Tensor:
     """DAR with distant keys scored in the latent (decoupled RoPE): query i reads key j from (k_near, v_near) when
-    i - j < window, else as the latent form [k_rope_j ; c_j W_UK_g^T] / c_j W_UV_g^T with its far query q_far,
+    i - j < window, else as the latent form [k_rope_j ; c_j W_UK_g^T] / c_j W_UV_g^T of its cache row
+    rows_j = [c_j ; k_rope_j of every KV head], with its far query q_far,
     one softmax over both. Shapes as ``dar_latent_attention_reference``. backend: as ``allhere.backend``; None =
     the innermost ``use_backend`` block. Returns q's dtype."""
-    return dispatch("dar_latent", q, q_far, k_near, v_near, latent, k_rope, w_uk, w_uv, window, scale, mask,
+    return dispatch("dar_latent", q, q_far, k_near, v_near, rows, w_uk, w_uv, window, scale, mask,
                     backend=backend)
