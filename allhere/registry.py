@@ -28,7 +28,7 @@ from typing import Any
 
 from .validation import ConfigError
 
-INSTALLERS = ("aha", "sliding", "sinks", "dar", "masked")  # what ``allhere.serve`` can put on a vLLM layer
+INSTALLERS = ("aha", "sliding", "sinks", "dar", "dar_latent", "masked")  # what ``allhere.serve`` can put on a vLLM layer
 DEVICES = ("cpu", "cuda")  # vLLM device types
 
 
@@ -38,7 +38,8 @@ class Serving:
 
     installer: what goes on each converted vLLM layer: "aha" (the router and allhere's attention over the paged
     cache), "sliding" (vLLM's own sliding-window layer), "sinks" (a cache group keeping the sink and window
-    blocks), "dar" (the window's cache and a latent cache), "masked" (allhere's attention over the paged cache
+    blocks), "dar" (the window's cache and a latent cache), "dar_latent" (the window's cache and a cache of
+    latent rows read absorbed), "masked" (allhere's attention over the paged cache
     under ``cfg.mask_fn``: any causal pattern). devices: the vLLM device types it runs on. own_cache_group:
     None, or why it keeps a KV cache group of its own (then vLLM's hybrid KV cache manager must be on).
     transformers_backend: served on the families vLLM runs through its Transformers backend. softmax_terms:

@@ -32,7 +32,7 @@ from torch import nn
 from ..ops.common import segment_mask
 from ..ops.dar_latent import dar_latent_attention
 from ..ops.dar_latent.check import pack_rows
-from ..registry import register
+from ..registry import Serving, register
 from ..validation import ConfigError, check_int
 from .base import AttentionCall, AttentionDims, AttentionMechanism
 from .dar import DARCache
@@ -82,8 +82,12 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
 
 
+# served (allhere.serve, vLLM's CPU backend, vLLM's own model classes: it reads the block's input and inverts
+# its rotary embedding): the window's K/V and every token's row [c ; k^R] in caches of their own
 @register(DARLatentConfig, summary="DAR whose distant keys are scored in the latent (decoupled RoPE): no key "
-                                   "rebuilt while decoding")
+                                   "rebuilt while decoding",
+          serving=Serving("dar_latent", own_cache_group="it keeps the window's K/V and every token's latent row in "
+                          "caches of their own", transformers_backend=False))
 class DARLatentAttention(AttentionMechanism):
     """Needs the host's rotary embedding of the queries (``call.rope``: rotate-half hosts). Decodes with a cache
     offering ``DARCache``'s ``update(k, v, latent)``: a ``DARCache``, or on Hugging Face models a call's view of

@@ -46,6 +46,9 @@ class LatentKV(NamedTuple):
     v_weight: torch.Tensor  # [kv_heads, d, d_down]: a far value is v_weight @ c (+ v_bias)
     v_bias: torch.Tensor | None = None  # [kv_heads, d]
     q_order: torch.Tensor | None = None  # [d]: the keys' head dimension is the queries' in this order (None: same)
+    # (w_uk [kv_heads, e_c, d_c], e_r): a decode row reads the latent rows [c ; k^R of every KV head] absorbed
+    # (``dar_latent``: its query [q^R ; q^C] folded into a row, nothing rebuilt), not through ``keys``
+    absorbed: tuple[torch.Tensor, int] | None = None
 
 
 def rotary_projection(weight: torch.Tensor, bias: torch.Tensor | None, kv_heads: int,
@@ -123,14 +126,19 @@ def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, s
                             chunk, workspace)
 
 
-def _rebuild(view, blocks, first: int, count: int, kv: LatentKV):
-    """Latents [n, count, d_down] and their keys [n, count, kv_heads, d] of tokens ``first .. first + count``
-    of the requests whose blocks are ``blocks`` [n, >= their last block + 1]."""
+def _latents(view, blocks, first: int, count: int) -> torch.Tensor:
+    """Latents [n, count, d_down] of tokens ``first .. first + count`` of the requests whose blocks are ``blocks``
+    [n, >= their last block + 1]."""
     bs = view.shape[1]
     b0, b1 = first // bs, -(-(first + count) // bs)
     n = blocks.shape[0]
     c = view.index_select(0, blocks[:, b0:b1].reshape(-1).long()).view(n, -1, view.shape[2])  # [n, blocks x bs, dd]
-    c = c[:, first - b0 * bs: first - b0 * bs + count]
+    return c[:, first - b0 * bs: first - b0 * bs + count]
+
+
+def _rebuild(view, blocks, first: int, count: int, kv: LatentKV):
+    """``_latents`` and their keys [n, count, kv_heads, d]."""
+    c = _latents(view, blocks, first, count)
     return c, kv.keys(c, torch.arange(first, first + count, device=c.device))
 
 
@@ -140,15 +148,33 @@ def _attend(q, k, c, allowed, kv: LatentKV, scale: float):
     [n, kv_heads, m])."""
     q = q.float()  # per kv head: its keys read where they lie, a transposed operand (no copy)
     s = torch.stack([torch.matmul(q[:, h], k[:, :, h].transpose(1, 2)) for h in range(k.shape[2])], 1).mul_(scale)
+    return _weigh(s, c.float(), allowed, kv)
+
+
+def _attend_absorbed(q, c, allowed, kv: LatentKV, scale: float):
+    """``_attend`` for latent rows c [n, keys, d_c + kv_heads x e_r] (``LatentKV.absorbed``): a head's query
+    becomes a row, [q^C W_UK_g ; q^R in its KV head's slot, zeros elsewhere], read against the rows in their dtype
+    (one matmul, rows @ q^T: torch's CPU matmul copies a transposed bf16 operand); scores normalised in fp32."""
+    w_uk, e_r = kv.absorbed
+    n, g, m, _ = q.shape
+    q_lat = torch.einsum("ngme,gec->ngmc", q[..., e_r:].float(), w_uk.float())
+    q_rope = torch.einsum("ngme,gs->ngmse", q[..., :e_r].float(), torch.eye(g, device=q.device)).flatten(-2)
+    q_row = torch.cat([q_lat, q_rope], -1).to(c.dtype).view(n, g * m, -1)
+    s = torch.bmm(c, q_row.transpose(1, 2)).transpose(1, 2).float().mul_(scale).view(n, g, m, -1)
+    return _weigh(s, c, allowed, kv)
+
+
+def _weigh(s, c, allowed, kv: LatentKV):
+    """Scores s [n, kv_heads, m, keys] (fp32, scaled) -> (output [n, kv_heads, m, d] fp32, log-sum-exp): the
+    probabilities weight the latents c [n, keys, width] in their dtype, then one [d, width] map per KV head."""
     if allowed is not None:
         s.masked_fill_(~allowed, _NEG)
     lse = torch.logsumexp(s, -1)
     p = s.sub_(lse.clamp_min(torch.finfo(torch.float32).min)[..., None]).exp_()
     n, g, m, keys = p.shape
-    c = c.float()
     if allowed is not None:
         c = c.masked_fill(~allowed.any(2)[:, 0, :, None], 0)  # 0 x a stale inf in an unread slot is NaN
-    pc = torch.bmm(p.view(n, g * m, keys), c).view(n, g, m, -1)  # the probabilities weight the latents
+    pc = torch.bmm(p.to(c.dtype).view(n, g * m, keys), c).view(n, g, m, -1).float()  # weighted latents
     o = torch.matmul(pc, kv.v_weight.float().transpose(1, 2))  # [n, kv_heads, m, d]
     if kv.v_bias is not None:
         o = o + kv.v_bias.float()[:, None, :]  # where a row reads nothing its lse is -inf: merge gives it no weight
@@ -173,11 +199,14 @@ def _decode(q, view, starts, far, block_table, reqs, kv: LatentKV, scale: float,
         qr = q[starts[idx]].view(n, kv_heads, heads // kv_heads, d)
         for first in range(0, width, chunk):  # one request wider than a piece: its keys in chunks
             count = min(chunk, width - first)
-            c, k = _rebuild(view, block_table[idx], first, count, kv)
             allowed = None  # every request of the piece reads all these keys
             if narrowest < first + count:
                 allowed = (torch.arange(first, first + count, device=q.device) < far[idx, None])[:, None, None]
-            o, lse = _attend(qr, k, c, allowed, kv, scale)
+            if kv.absorbed is None:
+                c, k = _rebuild(view, block_table[idx], first, count, kv)
+                o, lse = _attend(qr, k, c, allowed, kv, scale)
+            else:
+                o, lse = _attend_absorbed(qr, _latents(view, block_table[idx], first, count), allowed, kv, scale)
             found.append((rows, o.reshape(n, heads, d), lse.reshape(n, heads)))
     return found
 

@@ -187,15 +187,20 @@ def _rotation_table(cos_sin: torch.Tensor) -> torch.Tensor:
     return _TABLES[key]
 
 
+def plain_rotary(rotary: nn.Module) -> bool:
+    """Whether ``rotary`` is vLLM's plain ``RotaryEmbedding`` (its forward unchanged by the subclass), which
+    rotates by its ``cos_sin_cache`` table alone (Llama-3's and YaRN's scaled tables included)."""
+    return isinstance(rotary, RotaryEmbedding) and all(
+        getattr(type(rotary), f) is getattr(RotaryEmbedding, f) for f in ("forward_native", "forward_static"))
+
+
 def _key_path(block: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, kv_heads: int):
     """(keys, order) as ``allhere.serve.paged_far.rotary_projection`` gives them, through ``block``'s own
     ``k_norm`` and ``rotary_emb``: the rotation read from its cos/sin table where it is vLLM's plain
     ``RotaryEmbedding`` (its forward unchanged by the subclass: Llama-3's and YaRN's scaled tables included),
     the module itself otherwise (slower: its own elementwise passes)."""
     k_norm, rotary = getattr(block, "k_norm", None), getattr(block, "rotary_emb", None)
-    plain = rotary is None or (isinstance(rotary, RotaryEmbedding) and all(
-        getattr(type(rotary), f) is getattr(RotaryEmbedding, f) for f in ("forward_native", "forward_static")))
-    if plain:
+    if rotary is None or plain_rotary(rotary):
         table = None if rotary is None else (_rotation_table(rotary.cos_sin_cache), bool(rotary.is_neox_style))
         return rotary_projection(weight, bias, kv_heads, table, k_norm)
     projected, _ = rotary_projection(weight, bias, kv_heads, None, k_norm)
@@ -209,16 +214,22 @@ def _key_path(block: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
     return keys, None
 
 
-def _keep_input(block, args, kwargs):
+def keep_input(block, args, kwargs):
     where, key = block_argument(block, args, kwargs, "hidden_states")
     getattr(block, SUBMODULE).x = where[key]
 
 
-def install_dar(block: nn.Module, attn: Attention, cfg, d_model: int) -> None:
+def check_own_block(block: nn.Module, kind: str) -> None:
+    """DAR's variants read the block's input: vLLM's own attention block is needed."""
     params = inspect.signature(type(block).forward).parameters
     if not {"positions", "hidden_states"} <= set(params):
-        raise NotImplementedError(f"allhere vLLM serving: DAR needs vLLM's own attention block (taking positions and "
-                                  f"hidden_states); {type(block).__name__} runs through vLLM's Transformers backend")
+        raise NotImplementedError(f"allhere vLLM serving: {kind} needs vLLM's own attention block (taking positions "
+                                  f"and hidden_states); {type(block).__name__} runs through vLLM's Transformers "
+                                  f"backend")
+
+
+def install_dar(block: nn.Module, attn: Attention, cfg, d_model: int) -> None:
+    check_own_block(block, "DAR")
     missing = [a for a in ("qkv_proj", "q_size", "kv_size") if not hasattr(block, a)]
     if missing:
         raise NotImplementedError(f"allhere vLLM serving: DAR rebuilds distant keys through the block's qkv_proj; "
@@ -227,4 +238,4 @@ def install_dar(block: nn.Module, attn: Attention, cfg, d_model: int) -> None:
     mech = DARServe(d_model, cfg.d_down, cfg.window, near.layer_name.rpartition(".")[0], block)
     block.add_module(SUBMODULE, mech)
     block.attn = DARAttention(near, mech, block)
-    block.register_forward_pre_hook(_keep_input, with_kwargs=True)
+    block.register_forward_pre_hook(keep_input, with_kwargs=True)

@@ -14,6 +14,7 @@ never by ``import allhere``.
 - "sinks": the ``Attention`` rebuilt to report a KV cache group of its own (``allhere.serve.vllm_kv``: the sink
   blocks and the window's), read as a masked pattern;
 - "dar": the window's cache and a latent cache (``allhere.serve.vllm_dar``);
+- "dar_latent": the window's cache and a cache of latent rows (``allhere.serve.vllm_dar_latent``);
 - "masked": allhere's attention over the layer's paged cache under the config's ``mask_fn`` (any causal pattern:
   a new one needs no change here).
 """
@@ -35,6 +36,7 @@ from ..hosts import CONFIG_KEY, LAYERS_KEY
 from . import serving
 from .paged_kernel import kernel_refusal
 from .vllm_dar import install_dar
+from .vllm_dar_latent import install_dar_latent
 from .vllm_kv import SinkAttention
 from .vllm_layers import install_aha, install_masked, rebuild_attention
 from .vllm_paged import VLLM_WINDOW_OFFSET, host_softmax_terms, refuse_softmax_terms
@@ -71,11 +73,16 @@ def _dar(block, attn, cfg, at: Site) -> None:
     install_dar(block, attn, cfg, at.config.hidden_size)
 
 
+def _dar_latent(block, attn, cfg, at: Site) -> None:
+    install_dar_latent(block, attn, cfg, at.config.hidden_size)
+
+
 def _masked(block, attn, cfg, at: Site) -> None:
     install_masked(block, attn, cfg)
 
 
-INSTALLERS = {"aha": _aha, "sliding": _sliding, "sinks": _sinks, "dar": _dar, "masked": _masked}
+INSTALLERS = {"aha": _aha, "sliding": _sliding, "sinks": _sinks, "dar": _dar, "dar_latent": _dar_latent,
+              "masked": _masked}
 
 
 def attention_blocks(model: nn.Module) -> dict[int, tuple[nn.Module, Attention]]:

@@ -225,7 +225,9 @@ def sharp(tmp_path_factory, folders):
         out[family] = write_model(name, root / family, init_std=0.1, **sizes)
     mechs = {"llama_sinks": ah.SinksConfig(window=WINDOW, n_sinks=4),
              "llama_dar": ah.DARConfig(window=WINDOW, d_down=64),
+             "llama_dar_latent": ah.DARLatentConfig(window=WINDOW, d_down=48, rope_pairs=4),
              "llama_sliding": ah.SlidingConfig(window=WINDOW), "qwen3_dar": ah.DARConfig(window=WINDOW, d_down=48),
+             "qwen3_dar_latent": ah.DARLatentConfig(window=WINDOW, d_down=48, rope_pairs=2),
              "qwen2_bigbird": ah.BigBirdConfig(block=4, window_blocks=2, global_blocks=1, random_blocks=1,
                                                heads_per_draw=1),
              "gemma3_dilated": ah.DilatedConfig(window=6, dilation=(1, 3)),
@@ -237,9 +239,9 @@ def sharp(tmp_path_factory, folders):
     return out
 
 
-@pytest.mark.parametrize("kind", ["sinks", "dar"])
+@pytest.mark.parametrize("kind", ["sinks", "dar", "dar_latent"])
 def test_llama_paged_mechanisms(sharp, kind):
-    """Sinks and DAR on Llama: vLLM = allhere's generate, token for token, also when the prompts come
+    """Sinks, DAR and dar_latent on Llama (Llama-3's scaled rotary table, which dar_latent inverts): vLLM = allhere's generate, token for token, also when the prompts come
     again through vLLM's prefix cache; and the test tells them from the plain model and a plain window."""
     prompts = sharp["prompts"]
     served = _vllm(sharp[f"llama_{kind}"], prompts, again=True)["none"]
@@ -273,9 +275,9 @@ def test_kv_blocks(sharp):
         assert served["held_tokens"][:len(ours)] == ours and len(ours) > 64, kind
 
 
-@pytest.mark.parametrize("key", ["qwen3_dar", "qwen2_bigbird", "gemma3_dilated", "olmo2_sinks"])
+@pytest.mark.parametrize("key", ["qwen3_dar", "qwen3_dar_latent", "qwen2_bigbird", "gemma3_dilated", "olmo2_sinks"])
 def test_paged_families(sharp, key):
-    """DAR through Qwen3's q/k norms; BigBird's per-head random blocks over Qwen2's biased q/k/v; a per-head
+    """DAR and dar_latent through Qwen3's q/k norms; BigBird's per-head random blocks over Qwen2's biased q/k/v; a per-head
     dilated window on Gemma-3's full layers, beside vLLM's own sliding ones; sinks on OLMo-2 through vLLM's
     Transformers backend."""
     prompts = sharp["prompts"]
@@ -305,7 +307,7 @@ def _margins(folder, prompts, served):
     return margins, rounding
 
 
-@pytest.mark.parametrize("key", ["llama_aha", "llama_sinks", "llama_dar", "gemma3_dilated"])
+@pytest.mark.parametrize("key", ["llama_aha", "llama_sinks", "llama_dar", "llama_dar_latent", "gemma3_dilated"])
 def test_served_in_bfloat16_within_rounding(folders, sharp, key):
     """Served in bfloat16, greedy: each served token is the float32 model's choice given the served prefix, up to
     bfloat16 rounding. The served token's float32 logit lies at most twice allhere's own bfloat16 rounding

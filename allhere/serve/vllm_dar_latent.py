@@ -1,0 +1,113 @@
+"""``dar_latent`` (DAR whose distant keys are scored in the latent: ``allhere.mechanisms.dar_latent``) served by
+vLLM. Imported by ``allhere.serve.vllm_install``, never by ``import allhere``.
+
+Two caches per converted layer, both vLLM's, as for DAR (``allhere.serve.vllm_dar``): the block's ``Attention``
+rebuilt as a sliding-window layer of the window (the host's exact K/V of the last ``window`` tokens), and a
+``LatentCache`` of one row per token, [c ; k^R of every KV head]: the latent c = h W_down (d_down numbers) and the
+host's rotated key at the ``rope_pairs`` rotary pairs kept per KV head (the ``channels`` buffer allhere saved).
+
+A step writes its rows, then every query reads its window from the near cache and its distant keys from the rows
+with its far query [q^R ; q^C]: its rotated channels at the kept pairs, and its other channels unrotated (vLLM's
+rotary table inverted at the query's position). A decode row reads the rows absorbed (its content query folded
+into the latent: ``allhere.serve.paged_far``, ``LatentKV.absorbed``), nothing rebuilt; a prefill's far keys are
+rebuilt per chunk from the rows, as DAR's. One softmax: the pieces are merged by log-sum-exp with the window's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.attention import get_attention_context
+
+from ..hosts import SUBMODULE
+from ..mechanisms.dar_latent import unrotate
+from .paged import token_positions
+from .paged_far import LatentKV, far_pieces, write_latents
+from .vllm_dar import DARAttention, LatentCache, check_own_block, keep_input, plain_rotary
+from .vllm_layers import rebuild_attention
+from .vllm_paged import VLLM_WINDOW_OFFSET, WORKSPACE
+
+
+class DARLatentServe(nn.Module):
+    """The weights allhere saved (``...self_attn.allhere.{down,up_k,up_v}.weight`` and the ``channels`` buffer),
+    the row cache, the block's rotary embedding, and the block's input of this step (``x``, set by its pre-hook)."""
+
+    def __init__(self, d_model: int, cfg, kv_heads: int, head_dim: int, prefix: str, rotary: nn.Module) -> None:
+        super().__init__()
+        g, d, r2 = kv_heads, head_dim, 2 * cfg.rope_pairs
+        self.window, self.d_down, self.r2 = cfg.window, cfg.d_down, r2
+        self.down = nn.Linear(d_model, cfg.d_down, bias=False)
+        self.up_k = nn.Linear(cfg.d_down, g * (d - r2), bias=False)
+        self.up_v = nn.Linear(cfg.d_down, g * d, bias=False)
+        self.register_buffer("channels", torch.zeros(g, d, dtype=torch.long))
+        self.latent = LatentCache(cfg.d_down + g * r2, f"{prefix}.{SUBMODULE}.latent")
+        self.x: torch.Tensor | None = None
+        self._rotary = [rotary]  # a plain reference (registered under the block)
+        self._kv: LatentKV | None = None
+
+    def rows(self, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """x [n, d_model], k [n, kv_heads, d] (rotated) -> the rows [n, d_down + kv_heads x r2]."""
+        kept = k.gather(-1, self.channels[None, :, :self.r2].expand(k.shape[0], -1, -1))
+        return torch.cat([F.linear(x, self.down.weight), kept.flatten(1).to(x.dtype)], dim=-1)
+
+    def far_queries(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """q [n, heads, d] (rotated, at ``positions`` [n]) -> [n, heads, d]: the kept pairs' channels as they are,
+        then the other channels unrotated, each head in its KV head's channel order."""
+        n, heads, d = q.shape
+        rot = self._rotary[0]
+        cos, sin = rot.cos_sin_cache.index_select(0, positions.long()).float().chunk(2, dim=-1)  # [n, rot / 2]
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # rotate-half layout, as the HF host's
+        plain = unrotate(q.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
+        index = self.channels.repeat_interleave(heads // self.channels.shape[0], dim=0)[None].expand(n, -1, -1)
+        return torch.cat([q.gather(-1, index)[..., :self.r2], plain.gather(-1, index)[..., self.r2:]], dim=-1)
+
+    def latent_kv(self) -> LatentKV:
+        """How the far keys and values come from the rows (built once, from the loaded weights)."""
+        if self._kv is None:
+            g, d = self.channels.shape
+            w_uk = self.up_k.weight.view(g, d - self.r2, self.d_down)
+            w_uv = F.pad(self.up_v.weight.view(g, d, self.d_down), (0, g * self.r2))  # the rows' k^R part: no value
+
+            def keys(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # a prefill's far keys
+                n, t, _ = rows.shape
+                content = torch.einsum("ntc,gec->ntge", rows[..., :self.d_down].float(), w_uk.float())
+                return torch.cat([rows[..., self.d_down:].float().view(n, t, g, self.r2), content], dim=-1)
+
+            self._kv = LatentKV(keys, w_uv, absorbed=(w_uk, self.r2))
+        return self._kv
+
+
+class DARLatentAttention(DARAttention):
+    """Stands where the block's ``attn`` stood: the window from the near (sliding) cache, the distant keys from
+    the rows, one softmax."""
+
+    def compute(self, q, k, v, x, out) -> None:
+        step = self.write_step(q, k, v, out)
+        if step is None:
+            return
+        meta, view, q, out = step
+        mech, n = self._parts[0], meta.num_actual_tokens
+        x = x.reshape(-1, x.shape[-1])[:n]
+        lmeta, _, lcache, _ = get_attention_context(mech.latent.layer_name)
+        rows = lcache[:, 0]  # [blocks, block_size, width]
+        write_latents(rows, lmeta.slot_mapping[:n], mech.rows(x, k.view(-1, self.kv_heads, self.head_dim)[:n]))
+        q_far = mech.far_queries(q[:n], token_positions(meta.query_start_loc, meta.seq_lens, n)[1])
+        far = far_pieces(q_far, rows, lmeta.query_start_loc, lmeta.seq_lens, lmeta.block_table, mech.window,
+                         mech.latent_kv(), self.scale, workspace=WORKSPACE)
+        self.attend(q, view, meta, None, out, extra=far)
+
+
+def install_dar_latent(block: nn.Module, attn: Attention, cfg, d_model: int) -> None:
+    check_own_block(block, "dar_latent")
+    rotary = getattr(block, "rotary_emb", None)
+    if rotary is None or not plain_rotary(rotary) or not rotary.is_neox_style:
+        raise NotImplementedError(f"allhere vLLM serving: dar_latent inverts the rotary embedding of the queries, "
+                                  f"which it does for vLLM's plain rotate-half RotaryEmbedding only; "
+                                  f"{type(block).__name__}'s is {type(rotary).__name__}")
+    near = rebuild_attention(block, attn, per_layer_sliding_window=max(cfg.window, 1) + VLLM_WINDOW_OFFSET)
+    mech = DARLatentServe(d_model, cfg, near.num_kv_heads, near.head_size, near.layer_name.rpartition(".")[0], rotary)
+    block.add_module(SUBMODULE, mech)
+    block.attn = DARLatentAttention(near, mech, block)
+    block.register_forward_pre_hook(keep_input, with_kwargs=True)
