@@ -28,7 +28,8 @@ from typing import Any
 
 from .validation import ConfigError
 
-INSTALLERS = ("aha", "sliding", "sinks", "dar", "dar_latent", "masked")  # what ``allhere.serve`` can put on a vLLM layer
+# what ``allhere.serve`` can put on a vLLM layer
+INSTALLERS = ("aha", "sliding", "sinks", "dar", "dar_latent", "masked")
 DEVICES = ("cpu", "cuda")  # vLLM device types
 
 

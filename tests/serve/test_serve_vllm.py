@@ -241,7 +241,8 @@ def sharp(tmp_path_factory, folders):
 
 @pytest.mark.parametrize("kind", ["sinks", "dar", "dar_latent"])
 def test_llama_paged_mechanisms(sharp, kind):
-    """Sinks, DAR and dar_latent on Llama (Llama-3's scaled rotary table, which dar_latent inverts): vLLM = allhere's generate, token for token, also when the prompts come
+    """Sinks, DAR and dar_latent on Llama (Llama-3's scaled rotary table, which dar_latent inverts): vLLM =
+    allhere's generate, token for token, also when the prompts come
     again through vLLM's prefix cache; and the test tells them from the plain model and a plain window."""
     prompts = sharp["prompts"]
     served = _vllm(sharp[f"llama_{kind}"], prompts, again=True)["none"]
@@ -277,8 +278,8 @@ def test_kv_blocks(sharp):
 
 @pytest.mark.parametrize("key", ["qwen3_dar", "qwen3_dar_latent", "qwen2_bigbird", "gemma3_dilated", "olmo2_sinks"])
 def test_paged_families(sharp, key):
-    """DAR and dar_latent through Qwen3's q/k norms; BigBird's per-head random blocks over Qwen2's biased q/k/v; a per-head
-    dilated window on Gemma-3's full layers, beside vLLM's own sliding ones; sinks on OLMo-2 through vLLM's
+    """DAR and dar_latent through Qwen3's q/k norms; BigBird's per-head random blocks over Qwen2's biased q/k/v; a
+    per-head dilated window on Gemma-3's full layers, beside vLLM's own sliding ones; sinks on OLMo-2 through vLLM's
     Transformers backend."""
     prompts = sharp["prompts"]
     ours = _allhere(sharp[key], prompts)
