@@ -6,12 +6,14 @@ plugin), one server after the other, in one run and one table.
     .venv-serve/bin/python benchmarks/serve_throughput.py --mechanisms aha sinks --prompts 8192
     .venv-serve/bin/python benchmarks/serve_throughput.py --quick               # prompts of 256, 16 new tokens
     .venv-serve/bin/python benchmarks/serve_throughput.py --real runs/smollm2/aha --prompts 8000 --new 64
+    .venv-serve/bin/python benchmarks/serve_throughput.py --real runs/smollm2/dar \
+        runs/smollm2/dar/latent-w128-d144-r4/stage2/model --prompts 8000 --new 64
 
-``--real RUN``: instead of the random model, a finished real-model job (``allhere demo --model smollm2``): its
-control (``RUN/control/model``, full attention, fine-tuned) served by vLLM's own attention against its fine-tuned
-AHA model (``RUN/aha/model``, the routers it learned), both in the dtype they were saved in (bfloat16; ``--dtype``
-to override), with SmolLM2's grouped-query attention; every prompt a different stretch of the standard library's
-held-out files in the model's tokens, sent as token ids.
+``--real RUN [MODEL]``: instead of the random model, a finished real-model job (``allhere demo --model smollm2``):
+its control (``RUN/control/model``, full attention, fine-tuned) served by vLLM's own attention against its fine-tuned
+AHA model (``RUN/aha/model``, the routers it learned) or the converted folder MODEL (the DAR job's dar_latent),
+both in the dtype they were saved in (bfloat16; ``--dtype`` to override), with SmolLM2's grouped-query attention;
+every prompt a different stretch of the standard library's held-out files in the model's tokens, sent as token ids.
 
 (needs the serving environment: bash scripts/install_serve.sh). Model: a random-weight Llama of 4 layers, d = 256,
 4 heads of 64 (fp32) and a word-level tokenizer of 1024 words, saved with transformers. Its versions: AHA (w = 256,
@@ -19,7 +21,8 @@ routers set as ``allhere bench``'s whole-model table sets them: one head global 
 layers, every other head for 2%: mu_f about 7%, measured on a prompt and while serving, both printed), a sliding
 window of 256 (vLLM's own sliding-window layers), attention sinks (252 + 4), a per-head dilated window (128 keys
 at strides 1, 2, 3, 4), Longformer (window 256, the first 4 tokens global), BigBird (blocks of 64: 3 window
-blocks, 1 global, 1 random) and DAR (w = 256, d_down = 64).
+blocks, 1 global, 1 random), DAR (w = 256, d_down = 64) and dar_latent (w = 256, d_down = 64, 4 rotary pairs per kv
+head, initialised from the random model's weights as ``allhere convert`` does).
 
 Workload, per prompt length (--prompts): every request its own prompt of random words (vLLM's prefix cache never
 hits), --new greedy tokens (ignore_eos), streamed; batch 1: --rounds requests one after another; batch 16: 16
@@ -35,6 +38,7 @@ after each server: the machine may be shared, so read the ratios.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
@@ -73,7 +77,8 @@ def configs():
             "dilated": ah.DilatedConfig(window=128, dilation=(1, 2, 3, 4)),
             "longformer": ah.LongformerConfig(window=256, global_first=4),
             "bigbird": ah.BigBirdConfig(block=64, window_blocks=3, global_blocks=1, random_blocks=1),
-            "dar": ah.DARConfig(window=256, d_down=64)}
+            "dar": ah.DARConfig(window=256, d_down=64),
+            "dar_latent": ah.DARLatentConfig(window=256, d_down=64, rope_pairs=4)}
 
 
 def build(root: Path, calibrate: int, mechanisms: list[str], max_len: int,
@@ -229,9 +234,9 @@ def main() -> None:
     names = list(configs())
     p.add_argument("--mechanisms", nargs="+", choices=names, default=names,
                    help="converted models to serve against the plain one (default: all)")
-    p.add_argument("--real", type=Path, default=None,
-                   help="a finished real-model job's folder (RUN/control/model against RUN/aha/model) instead of "
-                        "the random model")
+    p.add_argument("--real", type=Path, nargs="+", default=None, metavar=("RUN", "MODEL"),
+                   help="a finished real-model job's folder (RUN/control/model against RUN/aha/model, or against "
+                        "MODEL) instead of the random model")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
                    help="served dtype (default float32; with --real auto: the dtype the folders were saved in)")
     p.add_argument("--kv-heads", type=int, default=HEADS, choices=[h for h in range(1, HEADS + 1) if HEADS % h == 0],
@@ -242,7 +247,11 @@ def main() -> None:
     max_len = max(a.prompts) + a.new + 64
     count = 1 + a.rounds + 16 * a.rounds16
     if a.real is not None:
-        folders, mu_f = {"plain": a.real / "control" / "model", "aha": a.real / "aha" / "model"}, None
+        if len(a.real) > 2:
+            p.error("--real takes a run folder and at most one converted model")
+        run, model = a.real[0], (a.real[1] if len(a.real) == 2 else a.real[0] / "aha" / "model")
+        kind = json.loads((model / "config.json").read_text()).get("allhere_mechanism", {}).get("kind", "converted")
+        folders, mu_f = {"plain": run / "control" / "model", kind: model}, None
         prompts = real_prompts(folders["plain"], a.prompts, count)
         dtype = a.dtype or "auto"
     else:
@@ -257,7 +266,7 @@ def main() -> None:
     print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; prompts {a.prompts} tokens, "
           f"{a.new} new, batch 1 x {a.rounds}, batch 16 x {a.rounds16}; KV cache {a.kv_cache_gib} GiB; dtype {dtype}"
           + (f"; {HEADS} heads over {a.kv_heads} kv heads" if a.real is None else "")
-          + (f"; real model: {a.real}" if a.real is not None else "")
+          + (f"; real model: {' against '.join(map(str, a.real))}" if a.real is not None else "")
           + (f"; AHA mu_f on a prompt {100 * mu_f:.1f}%" if mu_f is not None else ""), flush=True)
     results = {}
     kv_bytes = a.kv_cache_gib * 2 ** 30

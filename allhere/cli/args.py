@@ -279,4 +279,7 @@ def conversion_flags(p: argparse.ArgumentParser, kinds: tuple[str, ...]) -> None
                         "layers stay as they are (default); all: on every layer (Mistral-7B-v0.1: replacing "
                         "the window all its layers share)")
     p.add_argument("--d-down", type=positive, default=None,
-                   help="DAR bottleneck width (required with dar; no default)")
+                   help="DAR bottleneck width (required with dar and dar_latent; no default)")
+    p.add_argument("--rope-pairs", type=positive_or_zero, default=None,
+                   help="dar_latent: rotary frequency pairs per kv head kept rotated for distant keys (default 4; "
+                        "MHA2MLA's head_dim / 16)")

@@ -18,7 +18,8 @@ def _mechanism(args):
 
     cls = registry.get(args.mechanism).config
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    given = {k: getattr(args, k) for k in ("window", "tau", "lam", "d_down") if getattr(args, k) is not None}
+    flags = ("window", "tau", "lam", "d_down", "rope_pairs")
+    given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     foreign = sorted(set(given) - fields)
     if foreign:
         flags = ", ".join("--" + k.replace("_", "-") for k in foreign)

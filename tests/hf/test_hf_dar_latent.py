@@ -190,8 +190,8 @@ def test_save_then_load_keeps_the_latent_weights_and_the_kept_channels(tmp_path)
 
 
 def test_allhere_convert_gives_the_host_initialised_model(tmp_path):
-    """``allhere convert --mechanism dar_latent`` (no flag of its own: the library's convert initialises) saves the
-    model ``convert`` gives from the host without calibration text (evenly spaced pairs, then the SVD)."""
+    """``allhere convert --mechanism dar_latent --rope-pairs r`` saves the model ``convert`` gives from the host
+    without calibration text (evenly spaced pairs, then the SVD); --rope-pairs on another mechanism is refused."""
     from allhere.cli import main
     from allhere.hf import load_pretrained
     from allhere.hf.io import load_local
@@ -200,8 +200,12 @@ def test_allhere_convert_gives_the_host_initialised_model(tmp_path):
 
     folder = write_model("SmolLM2-135M", tmp_path / "m", init_std=0.1)
     assert main(["convert", "--model", str(folder), "--out", str(tmp_path / "o"), "--mechanism", "dar_latent",
-                 "--window", "4", "--d-down", "18"]) == 0
+                 "--window", "4", "--d-down", "18", "--rope-pairs", "3"]) == 0
     saved = load_pretrained(tmp_path / "o")
-    want = convert(load_local(folder)[1], DARLatentConfig(window=4, d_down=18))
+    want = convert(load_local(folder)[1], DARLatentConfig(window=4, d_down=18, rope_pairs=3))
     got, ref = (m.model.layers[1].self_attn.allhere for m in (saved, want))
+    assert got.cfg.rope_pairs == 3
     assert rel_err(got.up_v.weight, ref.up_v.weight) < 1e-6 and torch.equal(got.channels, ref.channels)
+    assert main(["convert", "--model", str(folder), "--out", str(tmp_path / "a"), "--window", "4",
+                 "--rope-pairs", "3"]) == 2  # not a setting of AHA: refused, nothing written
+    assert not (tmp_path / "a").exists()
