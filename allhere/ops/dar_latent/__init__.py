@@ -1,6 +1,8 @@
 """DAR with distant keys scored in the latent (op family ``"dar_latent"``): ``dar_latent_attention`` is the entry;
 the paths are ``dar_latent_attention_reference`` (dense fp32), ``dar_latent_attention_absorbed`` (queries folded
-into the latent: decoding) and ``dar_latent_attention_rebuilt`` (far keys rebuilt once per call: prefill)."""
+into the latent: decoding) and ``dar_latent_attention_rebuilt`` (far keys rebuilt once per call: prefill);
+backend "triton" runs the absorbed decode as a Triton kernel (``allhere.kernels.dar_latent_decode``;
+``dispatch.triton_refusal`` says which calls)."""
 
 from .absorbed import dar_latent_attention_absorbed
 from .dispatch import dar_latent_attention, dar_latent_attention_torch

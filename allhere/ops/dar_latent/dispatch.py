@@ -1,12 +1,15 @@
 """``dar_latent_attention``: the entry of op family ``"dar_latent"``, routed by backend (``allhere.backend``):
 "reference" builds the far keys densely in fp32 (``reference``); "torch" (every other backend) folds the
 queries into the latent (``absorbed``) while a call has few queries -- decoding -- and rebuilds the far keys
-once per call (``rebuilt``) for longer ones (prefill, training)."""
+once per call (``rebuilt``) for longer ones (prefill, training); "triton" runs the absorbed decode as one Triton
+kernel (``allhere.kernels.dar_latent_decode``) on the calls ``triton_refusal`` lets through, and "auto" takes it
+on CUDA where it does (else the PyTorch path)."""
 
 from __future__ import annotations
 
 import torch
 
+from ... import kernels
 from ...backend import dispatch, register_path
 from .absorbed import dar_latent_attention_absorbed
 from .rebuilt import dar_latent_attention_rebuilt
@@ -24,8 +27,44 @@ def dar_latent_attention_torch(q, q_far, k_near, v_near, rows, w_uk, w_uv, windo
     return path(q, q_far, k_near, v_near, rows, w_uk, w_uv, window, scale, mask)
 
 
+def triton_refusal(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int, scale: float | None = None,
+                   mask: torch.Tensor | None = None) -> str | None:
+    """None where the decode kernel takes the call, else why not: triton installed; CUDA tensors (any device
+    under Triton's interpreter); at most ``ABSORB_MAX_QUERIES`` queries; q, q_far, k_near, v_near and rows of
+    one dtype, float16 or bfloat16 (float32 too under the interpreter, as the AHA kernels); no gradients."""
+    if not kernels.triton_available():
+        return "triton is not installed (pip install 'allhere[gpu]')"
+    cuda = q.is_cuda
+    if not cuda and not kernels.interpreted():
+        return (f"the tensors are on {q.device.type}, not CUDA (off CUDA the kernel runs only under Triton's "
+                f"interpreter: TRITON_INTERPRET=1 before triton is imported)")
+    if q.shape[2] > ABSORB_MAX_QUERIES:
+        return f"q_len={q.shape[2]}: the decode kernel takes at most {ABSORB_MAX_QUERIES} queries per call"
+    dtypes = (torch.float16, torch.bfloat16) if cuda else (torch.float16, torch.bfloat16, torch.float32)
+    if q.dtype not in dtypes or any(t.dtype != q.dtype for t in (q_far, k_near, v_near, rows)):
+        return (f"dtype {q.dtype} (q_far {q_far.dtype}, k_near {k_near.dtype}, v_near {v_near.dtype}, rows "
+                f"{rows.dtype}): the kernel takes float16 or bfloat16 (float32 would be rounded to tf32 by "
+                f"Triton's dots on a GPU), one for all five")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, q_far, k_near, v_near, rows, w_uk, w_uv)):
+        return "a call that needs gradients: the decode kernel has no backward"
+    return None
+
+
+def dar_latent_attention_triton(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int,
+                                scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton decode kernel (imported on first use: triton may be missing)."""
+    from ...kernels.dar_latent_decode import dar_latent_decode_triton
+
+    return dar_latent_decode_triton(q, q_far, k_near, v_near, rows, w_uk, w_uv, window, scale, mask)
+
+
+def _on_cuda(q, *args, **kwargs) -> bool:
+    return q.is_cuda
+
+
 register_path("dar_latent", "reference", dar_latent_attention_reference)
 register_path("dar_latent", "torch", dar_latent_attention_torch)
+register_path("dar_latent", "triton", dar_latent_attention_triton, takes=triton_refusal, auto=_on_cuda)
 
 
 def dar_latent_attention(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int,
