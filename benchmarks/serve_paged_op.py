@@ -3,8 +3,9 @@
 over the same blocks, and AHA computed with vLLM's kernel on the subsets (the windowed kernel for every token, the
 full kernel again for the tokens with a global head, joined per head), and AHA as served (vLLM's windowed kernel for
 every row's window, its full kernel per (token, kv head) for the decode tokens' global rows, allhere's attention
-for the prefill tokens' global rows), and DAR as served (the window from the paged K/V, the far keys rebuilt from
-a paged cache of d_down = 64 latents).
+for the prefill tokens' global rows), DAR as served (the window from the paged K/V, the far keys rebuilt from
+a paged cache of d_down = 64 latents), and dar_latent's decode as served (the far keys read absorbed from paged rows
+of 64 latent + 4 x 8 rotated numbers).
 
     .venv-serve/bin/python benchmarks/serve_paged_op.py             # decode 16 x 8k, decode 1 x 8k, a prefill chunk
     .venv-serve/bin/python benchmarks/serve_paged_op.py --threads 1
@@ -29,6 +30,7 @@ from allhere_recipes.timing import median_time
 
 H, KVH, D, BS = 4, 4, 64, 128
 D_DOWN, WINDOW = 64, 256  # DAR's latents; the window of every mechanism
+ROPE = 8  # dar_latent: rotated channels kept per kv head (4 pairs); its rows hold D_DOWN + KVH x ROPE numbers
 SCENARIOS = {"decode16": (16, 8192, 1), "decode1": (1, 8192, 1), "prefill": (1, 8192, 2048),
              "prefill2k": (1, 2048, 2048)}
 
@@ -42,6 +44,7 @@ def setup(requests: int, length: int, q_len: int, dtype: torch.dtype = torch.flo
     table = torch.randperm(nb)[: requests * (length // BS)].view(requests, length // BS).int()
     return dict(nb=nb, cache=cache, view=paged_view(cache, BS, KVH, D), table=table,
                 latents=(torch.randn(nb, BS, D_DOWN) * 0.5).to(dtype),
+                rows=(torch.randn(nb, BS, D_DOWN + KVH * ROPE) * 0.5).to(dtype),
                 seq=torch.full((requests,), length, dtype=torch.int32),
                 qs=torch.arange(requests + 1, dtype=torch.int32) * q_len,
                 q=torch.randn(requests * q_len, H, D).to(dtype), out=torch.zeros(requests * q_len, H, D, dtype=dtype),
@@ -105,14 +108,25 @@ def latent_kv():
     return LatentKV(keys, torch.randn(KVH, D, D_DOWN, generator=g) * D_DOWN ** -0.5, None, order)
 
 
-def dar_served(s, kv, workspace):
+def latent_rows_kv():
+    """dar_latent's far keys: rows [c ; k^R of every kv head] read absorbed (W_UK [kv heads, D - ROPE, D_DOWN]),
+    far values through W_UV (zero for the rows' k^R part)."""
+    from allhere.serve.paged_far import LatentKV
+
+    g = torch.Generator().manual_seed(1)
+    w_uk = torch.randn(KVH, D - ROPE, D_DOWN, generator=g) * D_DOWN ** -0.5
+    w_uv = torch.nn.functional.pad(torch.randn(KVH, D, D_DOWN, generator=g) * D_DOWN ** -0.5, (0, KVH * ROPE))
+    return LatentKV(None, w_uv, absorbed=(w_uk, ROPE))
+
+
+def dar_served(s, kv, workspace, latents="latents"):
     """DAR as ``allhere serve`` computes it: the window from the paged K/V, the far keys rebuilt from the paged
     latents (the same block table here), one softmax."""
     from allhere.serve.paged import paged_attention, window_read
     from allhere.serve.paged_far import far_pieces
     from allhere.serve.vllm_layers import WINDOW_TILE
 
-    far = far_pieces(s["q"], s["latents"], s["qs"], s["seq"], s["table"], WINDOW, kv, D ** -0.5, workspace=workspace)
+    far = far_pieces(s["q"], s[latents], s["qs"], s["seq"], s["table"], WINDOW, kv, D ** -0.5, workspace=workspace)
     paged_attention(s["q"], s["view"], s["qs"], s["seq"], s["table"], [[window_read(WINDOW, q_tile=WINDOW_TILE)]],
                     D ** -0.5, s["out"], workspace=workspace, extra=far)
 
@@ -153,7 +167,7 @@ def main() -> None:
     from allhere.serve.paged_chunks import Workspace
 
     workspace = Workspace()
-    kv = latent_kv()
+    kv, rows_kv = latent_kv(), latent_rows_kv()
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, {a.dtype}, "
           f"{H} heads over {KVH} kv heads of {D}")
     print("| scenario | attention | ms | vs vLLM full | load |")
@@ -170,6 +184,9 @@ def main() -> None:
         runs["allhere aha, as served (vLLM's kernels: windows, decode's global rows)"] = (
             lambda: aha_served(s, workspace))
         runs["allhere dar, as served (far keys rebuilt from latents)"] = lambda: dar_served(s, kv, workspace)
+        if SCENARIOS[scenario][2] == 1:  # dar_latent's decode (a prefill rebuilds its far keys, as DAR does)
+            runs["allhere dar_latent, as served (latent rows read absorbed)"] = (
+                lambda: dar_served(s, rows_kv, workspace, "rows"))
         base = None
         for name, run in runs.items():
             if a.only and name != "vLLM full" and not any(w in name for w in a.only):

@@ -10,8 +10,8 @@ Two caches per converted layer, both vLLM's (it sizes them, assigns their blocks
   token, never read), so vLLM keeps only the window's blocks per request, as for its own sliding layers;
 - latent: ``LatentCache``, a cache-only layer (vLLM's pattern for cached hidden states) reporting a full-
   attention KV spec of one head of d_down numbers and no values: its own KV cache group, every token kept.
-  vLLM gives all groups pages of one size, so the latent group's blocks hold more tokens (or its pages are
-  padded where d_down does not divide 2 x kv_heads x head_dim).
+  vLLM gives all groups pages of one size, so the latent group's blocks hold more tokens: as many latents as fit
+  the window cache's page (``LatentCache``).
 
 KV bytes per token of context fall from 2 x kv_heads x head_dim numbers per layer to d_down (plus the window,
 a constant per request). The price is compute: each step rebuilds the distant keys of every row it reads,
@@ -27,6 +27,7 @@ served wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -73,15 +74,27 @@ class LatentBackend(CacheOnlyAttentionBackend):
 
 
 class LatentCache(CacheOnlyAttentionLayer):
-    """A paged cache of d_down numbers per token: vLLM's view [blocks, 1, block_size, d_down]."""
+    """A paged cache of ``width`` numbers per token: vLLM's view [blocks, 1, block_size, width]. vLLM gives every
+    cache group pages of one size, the window cache's (``near_numbers`` per token of ``block_size``): where
+    ``width`` divides that page, vLLM itself makes the blocks longer; elsewhere its fallback would pad a page of
+    ``block_size`` rows to the whole page (no saving at all), so the spec asks for ``block_size`` x
+    (near_numbers // width) rows a page, the rest padding. Rows per block stay a multiple of ``block_size``: vLLM
+    hits its prefix cache only with block sizes that divide one another (73 rows a block, say, never hit)."""
 
-    def __init__(self, d_down: int, prefix: str) -> None:
-        super().__init__(num_heads=1, head_size=d_down, prefix=prefix)
+    def __init__(self, width: int, prefix: str, near_numbers: int) -> None:
+        super().__init__(num_heads=1, head_size=width, prefix=prefix)
         self.attn_backend = LatentBackend
+        self.near_numbers = near_numbers
 
     def get_kv_cache_spec(self, vllm_config) -> FullAttentionSpec:
-        return FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=1,
-                                 head_size=self.head_size, head_size_v=0, dtype=self.kv_cache_torch_dtype)
+        block = vllm_config.cache_config.block_size
+        spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=self.head_size, head_size_v=0,
+                                 dtype=self.kv_cache_torch_dtype)
+        page = block * self.near_numbers * self.kv_cache_torch_dtype.itemsize
+        per_slot = self.near_numbers // self.head_size
+        if per_slot == 0 or page % spec.page_size_bytes == 0:  # wider than the window's K/V, or vLLM's own ratio
+            return spec
+        return dataclasses.replace(spec, block_size=block * per_slot, page_size_padded=page)
 
 
 class DARServe(nn.Module):
@@ -94,7 +107,7 @@ class DARServe(nn.Module):
         self.window = window
         self.down = nn.Linear(d_model, d_down, bias=False)
         self.up = nn.Linear(d_down, d_model, bias=False)
-        self.latent = LatentCache(d_down, f"{prefix}.{SUBMODULE}.latent")
+        self.latent = LatentCache(d_down, f"{prefix}.{SUBMODULE}.latent", 2 * block.kv_size)
         self.x: torch.Tensor | None = None
         self._block = [block]  # a plain reference (the block holds this module)
         self.weights: dict[str, torch.Tensor | None] = {}

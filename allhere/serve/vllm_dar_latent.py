@@ -42,7 +42,7 @@ class DARLatentServe(nn.Module):
         self.up_k = nn.Linear(cfg.d_down, g * (d - r2), bias=False)
         self.up_v = nn.Linear(cfg.d_down, g * d, bias=False)
         self.register_buffer("channels", torch.zeros(g, d, dtype=torch.long))
-        self.latent = LatentCache(cfg.d_down + g * r2, f"{prefix}.{SUBMODULE}.latent")
+        self.latent = LatentCache(cfg.d_down + g * r2, f"{prefix}.{SUBMODULE}.latent", 2 * g * d)
         self.x: torch.Tensor | None = None
         self._rotary = [rotary]  # a plain reference (registered under the block)
         self._kv: LatentKV | None = None
