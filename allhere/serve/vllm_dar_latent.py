@@ -63,19 +63,25 @@ class DARLatentServe(nn.Module):
         index = self.channels.repeat_interleave(heads // self.channels.shape[0], dim=0)[None].expand(n, -1, -1)
         return torch.cat([q.gather(-1, index)[..., :self.r2], plain.gather(-1, index)[..., self.r2:]], dim=-1)
 
-    def latent_kv(self) -> LatentKV:
-        """How the far keys and values come from the rows (built once, from the loaded weights)."""
-        if self._kv is None:
-            g, d = self.channels.shape
-            w_uk = self.up_k.weight.view(g, d - self.r2, self.d_down)
-            w_uv = F.pad(self.up_v.weight.view(g, d, self.d_down), (0, g * self.r2))  # the rows' k^R part: no value
+    def maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [kv_heads, d - r2, d_down], W_UV [kv_heads, d, d_down]): views of the loaded weights."""
+        g, d = self.channels.shape
+        return self.up_k.weight.view(g, d - self.r2, self.d_down), self.up_v.weight.view(g, d, self.d_down)
 
-            def keys(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # a prefill's far keys
+    def latent_kv(self) -> LatentKV:
+        """How the far keys and values come from the rows, for ``paged_far`` (built once, from the loaded
+        weights): decode rows read them absorbed, a prefill's far keys are rebuilt."""
+        if self._kv is None:
+            g = self.channels.shape[0]
+            w_uk, w_uv = self.maps()
+
+            def keys(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [n, t, g, d]
                 n, t, _ = rows.shape
                 content = torch.einsum("ntc,gec->ntge", rows[..., :self.d_down].float(), w_uk.float())
                 return torch.cat([rows[..., self.d_down:].float().view(n, t, g, self.r2), content], dim=-1)
 
-            self._kv = LatentKV(keys, w_uv, absorbed=(w_uk, self.r2))
+            # the rows' k^R part has no value: zero columns of W_UV
+            self._kv = LatentKV(keys, torch.nn.functional.pad(w_uv, (0, g * self.r2)), absorbed=(w_uk, self.r2))
         return self._kv
 
 

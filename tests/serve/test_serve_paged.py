@@ -358,3 +358,49 @@ def test_dar_prefill_in_half_precision():
 def test_view_refuses_partial_blocks():
     with pytest.raises(ValueError, match="whole blocks"):
         paged_view(torch.zeros(10), BS, KV_HEADS, D)
+
+
+@pytest.mark.parametrize("window", [0, 1, 3, 6, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dar_latent_decode_step(window, dtype):
+    """dar_latent's decode step as served, both ways: all requests at once into ``out`` (``paged_latent``), and
+    the window through op family "paged" with the far rows read absorbed as pieces (``far_pieces``,
+    ``LatentKV.absorbed``), each = ``dar_latent_attention_reference`` per request (window from the paged K/V,
+    far keys from the paged rows [c ; k^R], other blocks and another block size)."""
+    from allhere.ops.dar_latent import dar_latent_attention_reference
+    from allhere.serve.paged_latent import decode_latent
+
+    gen = torch.Generator().manual_seed(5)
+    d_c, e_r = 5, 2
+    width = d_c + KV_HEADS * e_r
+    lengths = LENGTHS
+    (table, pool), (rows_table, rows_pool) = _table(gen, BS), _table(gen, BS_LATENT)
+    table, rows_table = table.clamp_min(0), rows_table.clamp_min(0)  # past a request's blocks: 0, as vLLM's
+    view = paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * D, dtype=dtype), BS, KV_HEADS, D)
+    rows = torch.full((rows_pool, BS_LATENT, width), float("inf"), dtype=dtype)  # unwritten slots: never read
+    w_uk, w_uv = torch.randn(KV_HEADS, D - e_r, d_c, generator=gen), torch.randn(KV_HEADS, D, d_c, generator=gen)
+    data = []
+    for r, n in enumerate(lengths):
+        k, v = (torch.randn(n, KV_HEADS, D, generator=gen).to(dtype) for _ in range(2))
+        c = torch.randn(n, width, generator=gen).to(dtype)
+        write(view, torch.tensor([int(table[r, p // BS]) * BS + p % BS for p in range(n)]), k, v)
+        write_latents(rows, torch.tensor([int(rows_table[r, p // BS_LATENT]) * BS_LATENT + p % BS_LATENT
+                                          for p in range(n)]), c)
+        data.append((k, v, c))
+    q, q_far = (torch.randn(len(lengths), HEADS, D, generator=gen).to(dtype) for _ in range(2))
+    want = torch.cat([dar_latent_attention_reference(q[r][None, :, None], q_far[r][None, :, None], _bhld(k), _bhld(v),
+                                                     c[None], w_uk, w_uv, window, SCALE)[0, :, 0][None]
+                      for r, (k, v, c) in enumerate(data)]).float()
+    pos = torch.tensor(lengths) - 1
+    m = len(lengths)
+    direct = torch.full((m, HEADS, D), 7.0, dtype=dtype)
+    decode_latent(q, q_far, pos, view, table[:m], rows, rows_table[:m], window, w_uk, w_uv, e_r, SCALE, direct)
+    kv = LatentKV(None, torch.nn.functional.pad(w_uv, (0, KV_HEADS * e_r)), absorbed=(w_uk, e_r))
+    starts, lens = torch.arange(m + 1), torch.tensor(lengths)
+    pieces = far_pieces(q_far, rows, starts, lens, rows_table[:m], window, kv, SCALE)
+    merged = torch.full((m, HEADS, D), 7.0, dtype=dtype)
+    dispatch("paged", q, view, starts, lens, table[:m], [[window_read(window)] if window else []], SCALE, merged,
+             extra=pieces, backend="torch")
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for got in (direct, merged):
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

@@ -1,0 +1,59 @@
+"""dar_latent's decode step over its two paged caches, all at once (``allhere.serve.vllm_dar_latent``): when every
+request of a step has one query, each query's window (the host's K/V, from the sliding-window cache) and its far
+keys (the latent rows [c ; k^R of every KV head], from the latent cache) are read in one softmax and written
+straight to ``out``: no log-sum-exp, no merge, few operations (at batch 1 a step's cost is its number of
+operations, not its keys). Plain torch, no vLLM import.
+
+Far keys are read absorbed, as ``paged_far._attend_absorbed`` reads them: a head's query becomes a row [q^C W_UK_g ;
+q^R in its KV head's slot, zeros elsewhere], scored against the rows as they are gathered (one matmul per step);
+the probabilities weight the rows, and W_UV_g maps the weighted latent once per head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG = float("-inf")
+
+
+def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int, w_uk, w_uv, e_r: int,
+                  scale: float, out) -> None:
+    """q, q_far [m, heads, d]: one query per request (request i's at ``pos[i]``), the host's rotated query and the
+    far query [q^R ; q^C]; near: the window cache ``paged.paged_view`` [blocks, kv_heads, 2, bs, d] (keys
+    transposed) with ``near_table`` [m, >=]; rows: the latent cache [blocks, bs_l, d_c + kv_heads x e_r] with
+    ``rows_table`` [m, >=]; w_uk [kv_heads, d - e_r, d_c], w_uv [kv_heads, d, d_c]. Writes ``out`` [m, heads, d]."""
+    m, heads, d = q.shape
+    kv_heads, bs = near.shape[1], near.shape[3]
+    group, dev = heads // kv_heads, q.device
+    p = pos.long().view(m, 1)
+    # the window: the blocks of positions pos - window + 1 .. pos
+    nw = (window - 1) // bs + 2 if window > 0 else 0
+    cols = (p - window + 1).clamp_min(0) // bs + torch.arange(nw, device=dev)  # [m, nw]
+    kpos = (cols[:, :, None] * bs + torch.arange(bs, device=dev)).view(m, nw * bs)
+    near_ok = (kpos <= p) & (p - kpos < window)
+    cols = cols.clamp_max(near_table.shape[1] - 1)
+    kv = near[torch.where(near_ok.view(m, nw, bs).any(-1), near_table.long().gather(1, cols), 0)]
+    kt = kv[:, :, :, 0].reshape(m, nw, kv_heads, d, bs).permute(0, 2, 3, 1, 4).reshape(m, kv_heads, d, nw * bs)
+    v = kv[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(m, kv_heads, nw * bs, d)
+    s_near = torch.matmul(q.view(m, kv_heads, group, d).float(), kt.float())  # [m, kv_heads, group, nw x bs]
+    # the far keys: every row of positions 0 .. pos - window
+    bl = rows.shape[1]
+    far = (p[:, 0] - window + 1).clamp_min(0)  # keys read far
+    nf = max(1, -(-int(far.max()) // bl))
+    fcols = torch.arange(nf, device=dev).expand(m, nf)
+    c = rows[torch.where(fcols * bl < far[:, None], rows_table.long()[:, :nf], 0)].view(m, nf * bl, -1)
+    far_ok = torch.arange(nf * bl, device=dev) < far[:, None]
+    qf = q_far.view(m, kv_heads, group, d).float()
+    q_lat = torch.einsum("mgne,gec->mgnc", qf[..., e_r:], w_uk.float())
+    q_rope = torch.einsum("mgne,gs->mgnse", qf[..., :e_r], torch.eye(kv_heads, device=dev)).flatten(-2)
+    q_row = torch.cat([q_lat, q_rope], -1).to(c.dtype).view(m, heads, -1)
+    s_far = torch.bmm(c, q_row.transpose(1, 2)).transpose(1, 2).float().view(m, kv_heads, group, -1)
+    s = torch.cat([s_near, s_far], -1).mul_(scale)
+    s.masked_fill_(~torch.cat([near_ok, far_ok], -1).view(m, 1, 1, -1), _NEG)
+    w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
+    w_near, w_far = w.split([s_near.shape[-1], s_far.shape[-1]], -1)
+    c = c.masked_fill(~far_ok[..., None], 0)  # 0 x a stale inf in an unread slot is NaN
+    summed = torch.bmm(w_far.reshape(m, heads, -1).to(c.dtype), c)[..., :w_uk.shape[2]].float()  # [m, heads, d_c]
+    o = torch.matmul(w_near, v.float()) + torch.einsum("mgnc,gdc->mgnd", summed.view(m, kv_heads, group, -1),
+                                                       w_uv.float())
+    out.copy_(o.view(m, heads, d))
