@@ -13,16 +13,25 @@ from __future__ import annotations
 
 import torch
 
+from .paged_chunks import Workspace
+
 _NEG = float("-inf")
+PIECE_BYTES = 4 << 20  # gathered rows per piece of requests: read twice, from the CPU's caches the second time
 
 
 def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int, w_uk, w_uv, e_r: int,
-                  scale: float, out) -> None:
+                  scale: float, out, workspace: Workspace | None = None) -> None:
     """q, q_far [m, heads, d]: one query per request (request i's at ``pos[i]``), the host's rotated query and the
     far query [q^R ; q^C]; near: the window cache ``paged.paged_view`` [blocks, kv_heads, 2, bs, d] (keys
     transposed) with ``near_table`` [m, >=]; rows: the latent cache [blocks, bs_l, d_c + kv_heads x e_r] with
-    ``rows_table`` [m, >=]; w_uk [kv_heads, d - e_r, d_c], w_uv [kv_heads, d, d_c]. Writes ``out`` [m, heads, d]."""
+    ``rows_table`` [m, >=]; w_uk [kv_heads, d - e_r, d_c], w_uv [kv_heads, d, d_c]. Writes ``out`` [m, heads, d].
+    ``workspace``: where the gathered rows go (``paged_chunks.Workspace``: reused, not page-faulted anew).
+
+    The slots a row does not read (past its far keys in a gathered block, blocks past its own) get weight 0 but
+    are multiplied all the same: they must hold finite numbers, which vLLM's caches do (zeroed when allocated,
+    then written with keys, values and rows). Masking them instead would copy every gathered row once more."""
     m, heads, d = q.shape
+    workspace = workspace or Workspace()
     kv_heads, bs = near.shape[1], near.shape[3]
     group, dev = heads // kv_heads, q.device
     p = pos.long().view(m, 1)
@@ -32,28 +41,38 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
     kpos = (cols[:, :, None] * bs + torch.arange(bs, device=dev)).view(m, nw * bs)
     near_ok = (kpos <= p) & (p - kpos < window)
     cols = cols.clamp_max(near_table.shape[1] - 1)
-    kv = near[torch.where(near_ok.view(m, nw, bs).any(-1), near_table.long().gather(1, cols), 0)]
+    ids = torch.where(near_ok.view(m, nw, bs).any(-1), near_table.long().gather(1, cols), 0).flatten()
+    kv = torch.index_select(near, 0, ids, out=workspace.take("near", (m * nw, *near.shape[1:]), near))
+    kv = kv.view(m, nw, *near.shape[1:])
     kt = kv[:, :, :, 0].reshape(m, nw, kv_heads, d, bs).permute(0, 2, 3, 1, 4).reshape(m, kv_heads, d, nw * bs)
     v = kv[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(m, kv_heads, nw * bs, d)
     s_near = torch.matmul(q.view(m, kv_heads, group, d).float(), kt.float())  # [m, kv_heads, group, nw x bs]
-    # the far keys: every row of positions 0 .. pos - window
-    bl = rows.shape[1]
+    # the far keys: every row of positions 0 .. pos - window, read by pieces of requests whose gathered rows stay
+    # in the CPU's caches between the two products that read them
+    bl, width = rows.shape[1], rows.shape[2]
     far = (p[:, 0] - window + 1).clamp_min(0)  # keys read far
-    nf = max(1, -(-int(far.max()) // bl))
-    fcols = torch.arange(nf, device=dev).expand(m, nf)
-    c = rows[torch.where(fcols * bl < far[:, None], rows_table.long()[:, :nf], 0)].view(m, nf * bl, -1)
-    far_ok = torch.arange(nf * bl, device=dev) < far[:, None]
+    blocks = (far + bl - 1) // bl
     qf = q_far.view(m, kv_heads, group, d).float()
     q_lat = torch.einsum("mgne,gec->mgnc", qf[..., e_r:], w_uk.float())
     q_rope = torch.einsum("mgne,gs->mgnse", qf[..., :e_r], torch.eye(kv_heads, device=dev)).flatten(-2)
-    q_row = torch.cat([q_lat, q_rope], -1).to(c.dtype).view(m, heads, -1)
-    s_far = torch.bmm(c, q_row.transpose(1, 2)).transpose(1, 2).float().view(m, kv_heads, group, -1)
-    s = torch.cat([s_near, s_far], -1).mul_(scale)
-    s.masked_fill_(~torch.cat([near_ok, far_ok], -1).view(m, 1, 1, -1), _NEG)
-    w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
-    w_near, w_far = w.split([s_near.shape[-1], s_far.shape[-1]], -1)
-    c = c.masked_fill(~far_ok[..., None], 0)  # 0 x a stale inf in an unread slot is NaN
-    summed = torch.bmm(w_far.reshape(m, heads, -1).to(c.dtype), c)[..., :w_uk.shape[2]].float()  # [m, heads, d_c]
-    o = torch.matmul(w_near, v.float()) + torch.einsum("mgnc,gdc->mgnd", summed.view(m, kv_heads, group, -1),
-                                                       w_uv.float())
+    q_row = torch.cat([q_lat, q_rope], -1).to(rows.dtype).view(m, heads, width)
+    summed = torch.empty(m, heads, w_uk.shape[2], device=dev)
+    o = torch.empty(m, kv_heads, group, d, device=dev)
+    per_request = max(1, int(blocks.max())) * bl * width * rows.element_size()
+    step = max(1, PIECE_BYTES // per_request)
+    for a in range(0, m, step):
+        b = min(m, a + step)
+        nf = max(1, int(blocks[a:b].max()))
+        ids = torch.where(torch.arange(nf, device=dev) < blocks[a:b, None], rows_table[a:b, :nf].long(), 0)
+        c = torch.index_select(rows, 0, ids.flatten(), out=workspace.take("rows", ((b - a) * nf, bl, width), rows))
+        c = c.view(b - a, nf * bl, width)
+        s_far = torch.bmm(q_row[a:b], c.transpose(1, 2)).float().view(b - a, kv_heads, group, -1)
+        far_ok = torch.arange(nf * bl, device=dev) < far[a:b, None]
+        s = torch.cat([s_near[a:b], s_far], -1).mul_(scale)
+        s.masked_fill_(~torch.cat([near_ok[a:b], far_ok], -1).view(b - a, 1, 1, -1), _NEG)
+        w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
+        w_near, w_far = w.split([s_near.shape[-1], nf * bl], -1)
+        summed[a:b] = torch.bmm(w_far.reshape(b - a, heads, -1).to(c.dtype), c)[..., :w_uk.shape[2]]
+        o[a:b] = torch.matmul(w_near, v[a:b].float())
+    o += torch.einsum("mgnc,gdc->mgnd", summed.view(m, kv_heads, group, -1), w_uv.float())
     out.copy_(o.view(m, heads, d))

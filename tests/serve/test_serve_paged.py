@@ -362,14 +362,17 @@ def test_view_refuses_partial_blocks():
 
 @pytest.mark.parametrize("window", [0, 1, 3, 6, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_dar_latent_decode_step(window, dtype):
-    """dar_latent's decode step as served, both ways: all requests at once into ``out`` (``paged_latent``), and
+@pytest.mark.parametrize("piece", [4 << 20, 1], ids=["one_piece", "a_request_a_piece"])
+def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
+    """dar_latent's decode step as served, both ways: all requests at once into ``out`` (``paged_latent``: the
+    far rows gathered for all requests in one piece, or request by request), and
     the window through op family "paged" with the far rows read absorbed as pieces (``far_pieces``,
     ``LatentKV.absorbed``), each = ``dar_latent_attention_reference`` per request (window from the paged K/V,
     far keys from the paged rows [c ; k^R], other blocks and another block size)."""
     from allhere.ops.dar_latent import dar_latent_attention_reference
-    from allhere.serve.paged_latent import decode_latent
+    from allhere.serve import paged_latent
 
+    monkeypatch.setattr(paged_latent, "PIECE_BYTES", piece)
     gen = torch.Generator().manual_seed(5)
     d_c, e_r = 5, 2
     width = d_c + KV_HEADS * e_r
@@ -377,7 +380,7 @@ def test_dar_latent_decode_step(window, dtype):
     (table, pool), (rows_table, rows_pool) = _table(gen, BS), _table(gen, BS_LATENT)
     table, rows_table = table.clamp_min(0), rows_table.clamp_min(0)  # past a request's blocks: 0, as vLLM's
     view = paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * D, dtype=dtype), BS, KV_HEADS, D)
-    rows = torch.full((rows_pool, BS_LATENT, width), float("inf"), dtype=dtype)  # unwritten slots: never read
+    rows = torch.full((rows_pool, BS_LATENT, width), 1e4, dtype=dtype)  # unwritten slots: weight 0 (finite)
     w_uk, w_uv = torch.randn(KV_HEADS, D - e_r, d_c, generator=gen), torch.randn(KV_HEADS, D, d_c, generator=gen)
     data = []
     for r, n in enumerate(lengths):
@@ -394,7 +397,8 @@ def test_dar_latent_decode_step(window, dtype):
     pos = torch.tensor(lengths) - 1
     m = len(lengths)
     direct = torch.full((m, HEADS, D), 7.0, dtype=dtype)
-    decode_latent(q, q_far, pos, view, table[:m], rows, rows_table[:m], window, w_uk, w_uv, e_r, SCALE, direct)
+    paged_latent.decode_latent(q, q_far, pos, view, table[:m], rows, rows_table[:m], window, w_uk, w_uv, e_r, SCALE,
+                               direct)
     kv = LatentKV(None, torch.nn.functional.pad(w_uv, (0, KV_HEADS * e_r)), absorbed=(w_uk, e_r))
     starts, lens = torch.arange(m + 1), torch.tensor(lengths)
     pieces = far_pieces(q_far, rows, starts, lens, rows_table[:m], window, kv, SCALE)
