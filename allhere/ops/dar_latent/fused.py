@@ -7,6 +7,8 @@ keys their window spans. Each part comes with its log-sum-exp; the two are merge
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -27,30 +29,28 @@ def fused_applies(q, mask, *tensors) -> bool:
 def _attend(q, k, v, scale: float, causal: bool = False, bias=None):
     """softmax(q k^T x scale + bias) v and its log-sum-exp, fused: q [B, h, m, e], k [B, g, n, e], v [B, g, n, d]
     (query head i reads KV head i // (h / g)); causal: query i reads keys 0..i; bias: float, broadcastable to
-    [B, h, m, n]. Returns ([B, h, m, d] fp32, [B, h, m] fp32)."""
+    [B, h, m, n]. Returns ([B, h, m, d] in q's dtype, [B, h, m] fp32)."""
     e, d = q.shape[-1], v.shape[-1]
     if e != d:  # the kernel takes one head size: zero columns add nothing to a score; the extra outputs are cut
         q, k = (F.pad(t, (0, max(e, d) - e)) for t in (q, k))
         v = F.pad(v, (0, max(e, d) - d))
     out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
-    return out[..., :d].float(), lse
+    return out[..., :d], lse
 
 
-def _merge(parts):
-    """One softmax over the keys of several parts [(out [..., m, d], lse [..., m])] -> (out, lse), fp32."""
-    lse = torch.stack([p[1] for p in parts]).logsumexp(0)
-    out = sum(o * (l_ - lse).exp().unsqueeze(-1) for o, l_ in parts)
-    return out, lse
+def _merge(a, b):
+    """One softmax over the keys of two parts (out [..., m, d], lse [..., m]) -> (out fp32, lse)."""
+    lse = torch.logaddexp(a[1], b[1])
+    out = a[0] * (a[1] - lse).exp().unsqueeze(-1)  # promoted to fp32
+    return out.addcmul_(b[0], (b[1] - lse).exp().unsqueeze(-1)), lse
 
 
 def _tail_causal(q, k, v, scale: float):
     """Queries [B, h, m, e] at the last m of n key positions, query i reading keys 0..n - m + i: the keys before
     the queries unmasked, the rest causal. Needs n >= m. Returns (out, lse) as ``_attend``."""
     m, n = q.shape[2], k.shape[2]
-    parts = [_attend(q, k[:, :, n - m:], v[:, :, n - m:], scale, causal=True)]
-    if n > m:
-        parts.append(_attend(q, k[:, :, :n - m], v[:, :, :n - m], scale))
-    return _merge(parts)
+    last = _attend(q, k[:, :, n - m:], v[:, :, n - m:], scale, causal=True)
+    return _merge(last, _attend(q, k[:, :, :n - m], v[:, :, :n - m], scale)) if n > m else last
 
 
 def _band(q, k, v, window: int, scale: float, block: int):
@@ -66,15 +66,22 @@ def _band(q, k, v, window: int, scale: float, block: int):
     kp, vp = (F.pad(t[:, :, max(0, first):], (0, 0, left, max(0, right))) for t in (k, v))
     kb, vb = (t.unfold(2, span, block).permute(0, 2, 1, 4, 3).reshape(b * nb, g, span, d) for t in (kp, vp))
     qb = F.pad(q, (0, 0, 0, nb * block - lq)).view(b, h, nb, block, d).transpose(1, 2).reshape(b * nb, h, block, d)
-    r = torch.arange(block).view(1, -1, 1)
-    c = torch.arange(span).view(1, 1, -1)
-    slot = torch.arange(nb).view(-1, 1, 1) * block + c
-    allowed = (c >= r) & (c < r + window) & (slot >= left)  # [nb, block, span]; a query always sees itself
-    bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
-    bias = bias.unsqueeze(1).expand(b, nb, 1, block, span).reshape(b * nb, 1, block, span)
+    bias = _band_bias(nb, block, window, left, q.dtype).expand(b, nb, 1, block, span).reshape(b * nb, 1, block, span)
     out, lse = _attend(qb, kb, vb, scale, bias=bias)
     out = out.view(b, nb, h, block, d).transpose(1, 2).reshape(b, h, nb * block, d)[:, :, :lq]
     return out, lse.view(b, nb, h, block).transpose(1, 2).reshape(b, h, nb * block)[:, :, :lq]
+
+
+@lru_cache(maxsize=8)  # every layer of a model's prefill asks for the same one
+def _band_bias(nb: int, block: int, window: int, left: int, dtype: torch.dtype) -> torch.Tensor:
+    """The band of ``_band``: [nb, 1, block, block + window - 1], 0 where query r of block n may read key slot
+    n x block + c (r <= c < r + window, past the ``left`` padded slots), -inf elsewhere. Never written to."""
+    r = torch.arange(block).view(1, -1, 1)
+    c = torch.arange(block + window - 1).view(1, 1, -1)
+    slot = torch.arange(nb).view(-1, 1, 1) * block + c
+    allowed = (c >= r) & (c < r + window) & (slot >= left)  # a query always sees itself
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
 def dar_latent_attention_fused(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int,
@@ -95,11 +102,8 @@ def dar_latent_attention_fused(q, q_far, k_near, v_near, rows, w_uk, w_uv, windo
     if first_far < lq:  # far: query i reads far keys 0..i + lk - lq - window of the lk - window there are
         k_far, v_far = far_kv(*split_rows(rows[:, :lk - window], g, w_uk.shape[2]), w_uk, w_uv)
         parts["far"] = _tail_causal(q_far[:, :, first_far:], k_far.to(q.dtype), v_far.to(q.dtype), scale)
-    if "far" not in parts:
-        return parts["near"][0].to(q.dtype)
-    if "near" not in parts:
-        return parts["far"][0].to(q.dtype)
+    if len(parts) == 1:
+        return next(iter(parts.values()))[0].to(q.dtype)
     (o_n, l_n), far = parts["near"], parts["far"]
-    out = o_n.clone()
-    out[:, :, first_far:] = _merge([(o_n[:, :, first_far:], l_n[:, :, first_far:]), far])[0]
-    return out.to(q.dtype)
+    merged = _merge((o_n[:, :, first_far:], l_n[:, :, first_far:]), far)[0].to(q.dtype)
+    return torch.cat([o_n[:, :, :first_far], merged], dim=2) if first_far else merged
