@@ -47,7 +47,7 @@ def _merge(a, b):
 
 def _tail_causal(q, k, v, scale: float):
     """Queries [B, h, m, e] at the last m of n key positions, query i reading keys 0..n - m + i: the keys before
-    the queries unmasked, the rest causal. Needs n >= m. Returns (out, lse) as ``_attend``."""
+    the queries unmasked, the rest causal. Needs n >= m. Returns (out [B, h, m, d], lse [B, h, m] fp32)."""
     m, n = q.shape[2], k.shape[2]
     last = _attend(q, k[:, :, n - m:], v[:, :, n - m:], scale, causal=True)
     return _merge(last, _attend(q, k[:, :, :n - m], v[:, :, :n - m], scale)) if n > m else last
@@ -56,7 +56,7 @@ def _tail_causal(q, k, v, scale: float):
 def _band(q, k, v, window: int, scale: float, block: int):
     """Queries [b, h, lq, d] at the last lq of the ln positions of k, v [b, g, ln, d], query i reading the keys of
     positions (ln - lq + i - window, ln - lq + i]: blocks of ``block`` queries, each with the block + window - 1
-    keys it spans, in one fused call with a band bias. Returns (out, lse) as ``_attend``."""
+    keys it spans, in one fused call with a band bias. Returns (out [b, h, lq, d], lse [b, h, lq] fp32)."""
     b, h, lq, d = q.shape
     g, ln = k.shape[1], k.shape[2]
     nb, span = -(-lq // block), block + window - 1
