@@ -25,6 +25,7 @@ from ..hosts import SUBMODULE
 from ..mechanisms.dar_latent import unrotate
 from .paged import token_positions
 from .paged_far import LatentKV, far_pieces, write_latents
+from .paged_latent import decode_latent
 from .vllm_dar import DARAttention, LatentCache, check_own_block, keep_input, plain_rotary
 from .vllm_layers import rebuild_attention
 from .vllm_paged import VLLM_WINDOW_OFFSET, WORKSPACE
@@ -99,7 +100,14 @@ class DARLatentAttention(DARAttention):
         lmeta, _, lcache, _ = get_attention_context(mech.latent.layer_name)
         rows = lcache[:, 0]  # [blocks, block_size, width]
         write_latents(rows, lmeta.slot_mapping[:n], mech.rows(x, k.view(-1, self.kv_heads, self.head_dim)[:n]))
-        q_far = mech.far_queries(q[:n], token_positions(meta.query_start_loc, meta.seq_lens, n)[1])
+        req, positions = token_positions(meta.query_start_loc, meta.seq_lens, n)
+        q_far = mech.far_queries(q[:n], positions)
+        starts = meta.query_start_loc
+        if bool((starts[1:] - starts[:-1] <= 1).all()):  # every request decodes: the whole step at once, no merge
+            decode_latent(q[:n], q_far, positions, view, meta.block_table[req], rows, lmeta.block_table[req],
+                          mech.window, *mech.maps(), mech.r2, self.scale, out[:n], WORKSPACE)
+            out[n:].zero_()
+            return
         far = far_pieces(q_far, rows, lmeta.query_start_loc, lmeta.seq_lens, lmeta.block_table, mech.window,
                          mech.latent_kv(), self.scale, workspace=WORKSPACE)
         self.attend(q, view, meta, None, out, extra=far)

@@ -10,7 +10,7 @@ from allhere import ConfigError, DARLatentConfig, Decoder, FullConfig, ModelConf
 from allhere.config import TrainConfig
 from allhere.mechanisms.base import AttentionDims, mechanism_layers
 from allhere.mechanisms.dar_latent_init import calibrate, init_from_host
-from allhere.ops.dar_latent import absorbed, rebuilt
+from allhere.ops.dar_latent import absorbed, dispatch, rebuilt
 from allhere.train import train
 
 from helpers import rel_err
@@ -123,7 +123,8 @@ def test_without_calibration_the_pairs_come_from_the_weights():
 
 def test_decoding_keeps_latents_and_the_window_and_reads_them_absorbed(monkeypatch):
     """The cache holds, per token, d_c + 2 r kv_heads numbers and the window's full K/V only; decode steps run the
-    absorbed path and never rebuild a far key; greedy generation equals greedy decoding without a cache."""
+    absorbed path and never rebuild a far key (the prompt, without gradients, runs the fused path); greedy
+    generation equals greedy decoding without a cache."""
     cfg = DARLatentConfig(window=4, d_down=8, rope_pairs=1)
     model = latent_model(cfg)
     prompt = torch.randint(0, VOCAB, (2, 20))
@@ -131,8 +132,10 @@ def test_decoding_keeps_latents_and_the_window_and_reads_them_absorbed(monkeypat
     monkeypatch.setattr(absorbed, "attend_in_blocks", lambda *a, **k: calls.append("absorbed") or
                         absorbed_blocks(*a, **k))
     monkeypatch.setattr(rebuilt, "attend_in_blocks", lambda *a, **k: calls.append("rebuilt") or rebuilt_blocks(*a, **k))
+    monkeypatch.setattr(dispatch, "dar_latent_attention_fused", lambda *a, **k: calls.append("fused") or
+                        fused_path(*a, **k))
     out = model.generate(prompt, max_new_tokens=6)
-    assert calls == ["rebuilt"] * 2 + ["absorbed"] * 12  # the prompt, then 6 steps, in 2 layers
+    assert calls == ["fused"] * 2 + ["absorbed"] * 12  # the prompt, then 6 steps, in 2 layers
     ids = prompt
     with torch.no_grad():
         for _ in range(6):
@@ -147,6 +150,7 @@ def test_decoding_keeps_latents_and_the_window_and_reads_them_absorbed(monkeypat
 
 
 absorbed_blocks, rebuilt_blocks = absorbed.attend_in_blocks, rebuilt.attend_in_blocks
+fused_path = dispatch.dar_latent_attention_fused
 
 
 def test_two_stages_train_the_latent_then_everything(tmp_path):

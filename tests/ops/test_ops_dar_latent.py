@@ -1,5 +1,6 @@
 """Op family ``dar_latent`` (DAR with distant keys scored in the latent): the absorbed path (decoding) and the
-rebuilt path (prefill, training) against the dense fp32 reference, outputs and gradients, by relative error:
+rebuilt path (prefill, training) and the fused one (inference prefill on the CPU) against the dense fp32 reference,
+outputs and gradients, by relative error:
 < 1e-5 in float32, < 2e-2 in bfloat16 (the paths compute in the inputs' dtype, the reference in fp32)."""
 
 import pytest
@@ -9,6 +10,7 @@ from allhere import use_backend
 from allhere.ops.dar_latent import (
     dar_latent_attention,
     dar_latent_attention_absorbed,
+    dar_latent_attention_fused,
     dar_latent_attention_rebuilt,
     dar_latent_attention_reference,
 )
@@ -64,6 +66,58 @@ def test_grouped_heads_padding_and_a_scale(path, g):
     got = PATHS[path](**x, window=4, scale=0.3, mask=mask)
     assert rel_err(got, want) < 1e-5
     assert torch.all(got[0, :, :3] == 0)  # padding queries see nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("g", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("window", [0, 1, 5, 40], ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("lq", [1, 3, 23], ids=lambda n: f"q{n}")
+def test_fused_equals_the_reference(lq, window, g, dtype):
+    """The fused path over key lengths from lq (no key before the queries) to past the window, with full-length
+    near keys and with those of the windows only, and near blocks that cut the window or hold every query."""
+    for lk in sorted({lq, 23, 30}):
+        x = inputs(g=g, lq=lq, lk=lk, dtype=dtype)
+        want = dar_latent_attention_reference(**x, window=window)
+        n = min(lk, lq + max(window, 1) - 1)  # the fewest the check takes
+        short = {**x, "k_near": x["k_near"][:, :, lk - n:], "v_near": x["v_near"][:, :, lk - n:]}
+        for y in (x, short):
+            for block in (4, 64):
+                got = dar_latent_attention_fused(**y, window=window, block=block)
+                assert got.dtype == dtype
+                assert rel_err(got, want) < TOL[dtype], (lk, y["k_near"].shape[2], block)
+
+
+@pytest.mark.parametrize("e_c", [6, 20])
+def test_fused_far_keys_of_another_size(e_c):
+    """Far queries / keys narrower or wider than the values (d = 16): the fused kernel takes one head size."""
+    x = inputs(lq=23, lk=30)
+    x["q_far"] = torch.randn(2, 4, 23, 4 + e_c)
+    x["w_uk"] = torch.randn(2, e_c, 12) / 12 ** 0.5
+    want = dar_latent_attention_reference(**x, window=5, scale=0.3)
+    assert rel_err(dar_latent_attention_fused(**x, window=5, scale=0.3), want) < 1e-5
+
+
+def test_the_torch_path_fuses_only_unmasked_inference(monkeypatch):
+    """dar_latent_attention routes a long unmasked call without gradients to the fused path; with gradients or a
+    mask to the rebuilt one (the fused path refuses masks and has no backward)."""
+    from allhere.ops.dar_latent import dispatch
+
+    calls = []
+    monkeypatch.setattr(dispatch, "dar_latent_attention_fused",
+                        lambda *a, **k: calls.append(1) or dar_latent_attention_fused(*a, **k))
+    x = inputs(lq=23)
+    want = dar_latent_attention_reference(**x, window=5)
+    with use_backend("torch"):
+        with torch.no_grad():
+            assert rel_err(dar_latent_attention(**x, window=5), want) < 1e-5 and calls == [1]
+        assert rel_err(dar_latent_attention(**x, window=5), want) < 1e-5 and calls == [1, 1]  # nothing needs grad
+        x["q"].requires_grad_()
+        assert dar_latent_attention(**x, window=5).grad_fn is not None and calls == [1, 1]
+        with torch.no_grad():
+            dar_latent_attention(**x, window=5, mask=torch.ones(1, 1, 23, 23, dtype=torch.bool))
+    assert calls == [1, 1]
+    with pytest.raises(ValueError, match="no mask"):
+        dar_latent_attention_fused(**x, window=5, mask=torch.ones(1, 1, 23, 23, dtype=torch.bool))
 
 
 def test_reference_is_dar_with_the_far_keys_written_out():

@@ -1,9 +1,10 @@
 """``dar_latent_attention``: the entry of op family ``"dar_latent"``, routed by backend (``allhere.backend``):
 "reference" builds the far keys densely in fp32 (``reference``); "torch" (every other backend) folds the
 queries into the latent (``absorbed``) while a call has few queries -- decoding -- and rebuilds the far keys
-once per call (``rebuilt``) for longer ones (prefill, training); "triton" runs the absorbed decode as one Triton
-kernel (``allhere.kernels.dar_latent_decode``) on the calls ``triton_refusal`` lets through, and "auto" takes it
-on CUDA where it does (else the PyTorch path)."""
+once per call for longer ones: attending through torch's fused CPU kernel (``fused``) for an unmasked inference
+prefill on the CPU, by query blocks (``rebuilt``) otherwise (training, masks, other devices). "triton" runs the
+absorbed decode as one Triton kernel (``allhere.kernels.dar_latent_decode``) on the calls ``triton_refusal`` lets
+through, and "auto" takes it on CUDA where it does (else the PyTorch path)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from ... import kernels
 from ...backend import dispatch, register_path
 from .absorbed import dar_latent_attention_absorbed
+from .fused import dar_latent_attention_fused, fused_applies
 from .rebuilt import dar_latent_attention_rebuilt
 from .reference import dar_latent_attention_reference
 
@@ -22,8 +24,14 @@ ABSORB_MAX_QUERIES = 16
 
 def dar_latent_attention_torch(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int,
                                scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The PyTorch path: absorbed for calls of at most ``ABSORB_MAX_QUERIES`` queries, rebuilt otherwise."""
-    path = dar_latent_attention_absorbed if q.shape[2] <= ABSORB_MAX_QUERIES else dar_latent_attention_rebuilt
+    """The PyTorch path: absorbed for calls of at most ``ABSORB_MAX_QUERIES`` queries; else fused where
+    ``fused_applies``, rebuilt otherwise."""
+    if q.shape[2] <= ABSORB_MAX_QUERIES:
+        path = dar_latent_attention_absorbed
+    elif fused_applies(q, mask, q_far, k_near, v_near, rows, w_uk, w_uv):
+        path = dar_latent_attention_fused
+    else:
+        path = dar_latent_attention_rebuilt
     return path(q, q_far, k_near, v_near, rows, w_uk, w_uv, window, scale, mask)
 
 
