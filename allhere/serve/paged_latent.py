@@ -46,7 +46,8 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
     kv = kv.view(m, nw, *near.shape[1:])
     kt = kv[:, :, :, 0].reshape(m, nw, kv_heads, d, bs).permute(0, 2, 3, 1, 4).reshape(m, kv_heads, d, nw * bs)
     v = kv[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(m, kv_heads, nw * bs, d)
-    s_near = torch.matmul(q.view(m, kv_heads, group, d).float(), kt.float())  # [m, kv_heads, group, nw x bs]
+    # [m, kv_heads, group, nw x bs], in the cache's dtype as the far scores (fp32 accumulation), softmax in fp32
+    s_near = torch.matmul(q.view(m, kv_heads, group, d).to(kt.dtype), kt).float()
     # the far keys: every row of positions 0 .. pos - window, read by pieces of requests whose gathered rows stay
     # in the CPU's caches between the two products that read them
     bl, width = rows.shape[1], rows.shape[2]
@@ -73,6 +74,6 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
         w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
         w_near, w_far = w.split([s_near.shape[-1], nf * bl], -1)
         summed[a:b] = torch.bmm(w_far.reshape(b - a, heads, -1).to(c.dtype), c)[..., :w_uk.shape[2]]
-        o[a:b] = torch.matmul(w_near, v[a:b].float())
+        o[a:b] = torch.matmul(w_near.to(v.dtype), v[a:b]).float()
     o += torch.einsum("mgnc,gdc->mgnd", summed.view(m, kv_heads, group, -1), w_uv.float())
     out.copy_(o.view(m, heads, d))
