@@ -144,19 +144,30 @@ class DARAttention(PagedAttention):
             raise RuntimeError(f"allhere: {self.layer_name} called without the block's input")
         return x
 
-    def compute(self, q, k, v, x, out) -> None:
+    def begin(self, q, k, v, x, out, rows_of):
+        """The step's K/V written to the window's cache, and ``rows_of(x, k)`` (x [n, d_model], k [n, kv_heads, d])
+        to the latent cache. Returns (metadata, the window cache's view, q, out, the latent cache's metadata and
+        view [blocks, block_size, width], x, k), or None in vLLM's warm-up (no cache yet)."""
         step = self.write_step(q, k, v, out)
         if step is None:
-            return
+            return None
         meta, view, q, out = step
-        mech, n = self._parts[0], meta.num_actual_tokens
-        x = x.reshape(-1, x.shape[-1])[:n]
-        lmeta, _, lcache, _ = get_attention_context(mech.latent.layer_name)
-        latents = lcache[:, 0]  # [blocks, block_size, d_down]
-        write_latents(latents, lmeta.slot_mapping[:n], F.linear(x, mech.down.weight))
+        n = meta.num_actual_tokens
+        x, k = x.reshape(-1, x.shape[-1])[:n], k.view(-1, self.kv_heads, self.head_dim)[:n]
+        lmeta, _, lcache, _ = get_attention_context(self._parts[0].latent.layer_name)
+        latents = lcache[:, 0]
+        write_latents(latents, lmeta.slot_mapping[:n], rows_of(x, k))
+        return meta, view, q, out, lmeta, latents, x, k
+
+    def compute(self, q, k, v, x, out) -> None:
+        mech = self._parts[0]
+        step = self.begin(q, k, v, x, out, lambda x, k: F.linear(x, mech.down.weight))
+        if step is None:
+            return
+        meta, view, q, out, lmeta, latents, x, k = step
+        n = meta.num_actual_tokens
         if self._kv is None:
-            self._kv = self._latent_kv(x, k.view(-1, self.kv_heads, self.head_dim)[:n],
-                                       token_positions(meta.query_start_loc, meta.seq_lens, n)[1])
+            self._kv = self._latent_kv(x, k, token_positions(meta.query_start_loc, meta.seq_lens, n)[1])
         far = far_pieces(q[:n], latents, lmeta.query_start_loc, lmeta.seq_lens, lmeta.block_table, mech.window,
                          self._kv, self.scale, workspace=WORKSPACE)
         self.attend(q, view, meta, None, out, extra=far)

@@ -19,12 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.attention.attention import get_attention_context
 
 from ..hosts import SUBMODULE
 from ..mechanisms.dar_latent import unrotate
 from .paged import token_positions
-from .paged_far import LatentKV, far_pieces, write_latents
+from .paged_far import LatentKV, far_pieces
 from .paged_latent import decode_latent
 from .vllm_dar import DARAttention, LatentCache, check_own_block, keep_input, plain_rotary
 from .vllm_layers import rebuild_attention
@@ -91,15 +90,12 @@ class DARLatentAttention(DARAttention):
     the rows, one softmax."""
 
     def compute(self, q, k, v, x, out) -> None:
-        step = self.write_step(q, k, v, out)
+        mech = self._parts[0]
+        step = self.begin(q, k, v, x, out, mech.rows)
         if step is None:
             return
-        meta, view, q, out = step
-        mech, n = self._parts[0], meta.num_actual_tokens
-        x = x.reshape(-1, x.shape[-1])[:n]
-        lmeta, _, lcache, _ = get_attention_context(mech.latent.layer_name)
-        rows = lcache[:, 0]  # [blocks, block_size, width]
-        write_latents(rows, lmeta.slot_mapping[:n], mech.rows(x, k.view(-1, self.kv_heads, self.head_dim)[:n]))
+        meta, view, q, out, lmeta, rows, _, _ = step
+        n = meta.num_actual_tokens
         req, positions = token_positions(meta.query_start_loc, meta.seq_lens, n)
         q_far = mech.far_queries(q[:n], positions)
         starts = meta.query_start_loc

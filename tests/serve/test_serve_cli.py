@@ -54,10 +54,11 @@ def test_head_size_without_a_cpu_kernel(tmp_path, capfd):
     assert "head_dim 16 is not supported by vLLM's CPU attention" in err
 
 
-@pytest.mark.parametrize("mech", [{"kind": "dar", "window": 4, "d_down": 8}, {"kind": "sinks", "window": 4}, AHA],
-                         ids=["dar", "sinks", "aha"])
+@pytest.mark.parametrize("mech", [{"kind": "dar", "window": 4, "d_down": 8}, {"kind": "sinks", "window": 4}, AHA,
+                                  {"kind": "dar_latent", "window": 4, "d_down": 8, "rope_pairs": 2}],
+                         ids=["dar", "sinks", "aha", "dar_latent"])
 def test_paged_mechanisms_on_the_cpu_and_aha_on_a_gpu(tmp_path, mech):
-    """Sinks, the other masked patterns and DAR run allhere's own torch attention over vLLM's paged cache,
+    """Sinks, the other masked patterns, DAR and dar_latent run allhere's own torch attention over vLLM's paged cache,
     tested on vLLM's CPU backend only: refused on a GPU rather than served untested. AHA has a GPU path (the
     Triton paged kernel)."""
     from allhere.serve.launch import check_servable
