@@ -32,3 +32,22 @@ def interpreted() -> bool:
     from .blocks import built_for_interpreter
 
     return built_for_interpreter()
+
+
+def device_refusal(device, what: str = "the tensors are") -> str | None:
+    """Why the kernels cannot run on ``device`` (a torch.device), or None: triton must be installed, and the device
+    CUDA unless the kernels were built for Triton's interpreter. ``what`` names the inputs in the message."""
+    if not triton_available():
+        return "triton is not installed (pip install 'allhere[gpu]')"
+    if device.type != "cuda" and not interpreted():
+        return (f"{what} on {device.type}, not CUDA (off CUDA the kernels run only under Triton's interpreter: "
+                f"TRITON_INTERPRET=1 before triton is imported)")
+    return None
+
+
+def kernel_dtypes(cuda: bool) -> tuple:
+    """The dtypes the kernels take: float16 and bfloat16; float32 too under Triton's interpreter (on a GPU,
+    Triton's dots would round it to tf32)."""
+    import torch
+
+    return (torch.float16, torch.bfloat16) if cuda else (torch.float16, torch.bfloat16, torch.float32)

@@ -26,10 +26,9 @@ def kernel_refusal(head_dim: int, device: torch.device, softcap: float = 0.0,
     (or Triton's interpreter), then the kernel's own rule (``allhere.kernels.aha_paged.refusal``)."""
     from .. import kernels
 
-    if not kernels.triton_available():
-        return "triton is not installed (pip install 'allhere[gpu]')"
-    if device.type != "cuda" and not kernels.interpreted():
-        return f"the cache is on {device.type}, not CUDA (off CUDA only under Triton's interpreter, TRITON_INTERPRET=1)"
+    why = kernels.device_refusal(device, "the cache is")
+    if why:
+        return why
     from ..kernels.aha_paged import refusal
 
     return refusal(head_dim, softcap, sinks is not None)

@@ -31,14 +31,10 @@ def needs_grad(q, k, v, gate) -> bool:
 
 def triton_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor) -> str | None:
     """None where the kernels take this call (see the module docstring), else why not."""
-    if not kernels.triton_available():
-        return "triton is not installed (pip install 'allhere[gpu]')"
-    cuda = q.is_cuda
-    if not cuda and not kernels.interpreted():
-        return (f"the tensors are on {q.device.type}, not CUDA (off CUDA the kernels run only under Triton's "
-                f"interpreter: TRITON_INTERPRET=1 before triton is imported)")
-    dtypes = (torch.float16, torch.bfloat16) if cuda else (torch.float16, torch.bfloat16, torch.float32)
-    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+    refusal = kernels.device_refusal(q.device)
+    if refusal:
+        return refusal
+    if q.dtype not in kernels.kernel_dtypes(q.is_cuda) or k.dtype != q.dtype or v.dtype != q.dtype:
         return (f"dtype {q.dtype} (k {k.dtype}, v {v.dtype}): the kernels take float16 or bfloat16 (float32 "
                 f"would be rounded to tf32 by Triton's dots on a GPU), the same for q, k and v")
     d, lq, lk = q.shape[-1], q.shape[2], k.shape[2]

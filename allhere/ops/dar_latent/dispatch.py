@@ -40,16 +40,13 @@ def triton_refusal(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int, scal
     """None where the decode kernel takes the call, else why not: triton installed; CUDA tensors (any device
     under Triton's interpreter); at most ``ABSORB_MAX_QUERIES`` queries; q, q_far, k_near, v_near and rows of
     one dtype, float16 or bfloat16 (float32 too under the interpreter, as the AHA kernels); no gradients."""
-    if not kernels.triton_available():
-        return "triton is not installed (pip install 'allhere[gpu]')"
-    cuda = q.is_cuda
-    if not cuda and not kernels.interpreted():
-        return (f"the tensors are on {q.device.type}, not CUDA (off CUDA the kernel runs only under Triton's "
-                f"interpreter: TRITON_INTERPRET=1 before triton is imported)")
+    refusal = kernels.device_refusal(q.device)
+    if refusal:
+        return refusal
     if q.shape[2] > ABSORB_MAX_QUERIES:
         return f"q_len={q.shape[2]}: the decode kernel takes at most {ABSORB_MAX_QUERIES} queries per call"
-    dtypes = (torch.float16, torch.bfloat16) if cuda else (torch.float16, torch.bfloat16, torch.float32)
-    if q.dtype not in dtypes or any(t.dtype != q.dtype for t in (q_far, k_near, v_near, rows)):
+    others = (q_far, k_near, v_near, rows)
+    if q.dtype not in kernels.kernel_dtypes(q.is_cuda) or any(t.dtype != q.dtype for t in others):
         return (f"dtype {q.dtype} (q_far {q_far.dtype}, k_near {k_near.dtype}, v_near {v_near.dtype}, rows "
                 f"{rows.dtype}): the kernel takes float16 or bfloat16 (float32 would be rounded to tf32 by "
                 f"Triton's dots on a GPU), one for all five")
