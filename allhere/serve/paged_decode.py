@@ -93,6 +93,18 @@ def _attend_t(q, kt, v, allowed, scale: float, softcap: float):
     return torch.bmm(p, v.float()).to(q.dtype), lse
 
 
+def block_kv(view, blocks: torch.Tensor, workspace: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V of blocks ``blocks`` [m, w] of ``view`` (``paged.paged_view``), gathered in one copy
+    (``paged_chunks.gather``), each row's blocks side by side: keys as the cache holds them, transposed,
+    [m, kv_heads, d, w x bs], and values [m, kv_heads, w x bs, d]."""
+    m, w = blocks.shape
+    kv_heads, bs, d = view.shape[1], view.shape[3], view.shape[4]
+    tiles = blocks[..., None] * kv_heads + torch.arange(kv_heads, device=blocks.device)
+    kt, v = gather(view, tiles, workspace, transposed=True)  # [m, w, kv_heads, d, bs], [m, w, kv_heads, bs, d]
+    return (kt.permute(0, 2, 3, 1, 4).reshape(m, kv_heads, d, w * bs),
+            v.permute(0, 2, 1, 3, 4).reshape(m, kv_heads, w * bs, d))
+
+
 def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float, softcap: float, out) -> None:
     """The decode tokens ``tok`` [m] (request ``req``, position ``pos``) of a layer whose rows all read one
     predicate (the masked patterns), written straight into ``out`` [tokens, heads, d]: one softmax per row
@@ -117,9 +129,7 @@ def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float,
     cols = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices[:, :width]  # readable blocks first
     valid = torch.arange(width, device=dev) < count[:, None]
     blocks = torch.where(valid, block_table[req].long().gather(1, cols), 0)
-    kv = view[blocks]  # [m, width, kv_heads, 2, bs, d]: one copy of what is read
-    kt = kv[:, :, :, 0].reshape(m, width, kv_heads, d, bs).permute(0, 2, 3, 1, 4).reshape(m, kv_heads, d, -1)
-    v = kv[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(m, kv_heads, -1, d)
+    kt, v = block_kv(view, blocks, Workspace())
     s = torch.matmul(q[tok].view(m, kv_heads, group, d).float(), kt.float()) * scale  # [m, kv_heads, group, keys]
     if softcap:
         s = torch.tanh(s / softcap) * softcap

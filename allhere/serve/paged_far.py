@@ -29,6 +29,7 @@ import torch
 
 from ..masks import Mask, and_masks
 from ..mechanisms.dar import far_keys
+from ..ops.dar_latent.check import query_rows
 from .paged import Read, paged_pieces, paged_view, write
 from .paged_chunks import Workspace
 
@@ -155,11 +156,8 @@ def _attend_absorbed(q, c, allowed, kv: LatentKV, scale: float):
     """``_attend`` for latent rows c [n, keys, d_c + kv_heads x e_r] (``LatentKV.absorbed``): a head's query
     becomes a row, [q^C W_UK_g ; q^R in its KV head's slot, zeros elsewhere], read against the rows in their dtype
     (one matmul, rows @ q^T: torch's CPU matmul copies a transposed bf16 operand); scores normalised in fp32."""
-    w_uk, e_r = kv.absorbed
     n, g, m, _ = q.shape
-    q_lat = torch.einsum("ngme,gec->ngmc", q[..., e_r:].float(), w_uk.float())
-    q_rope = torch.einsum("ngme,gs->ngmse", q[..., :e_r].float(), torch.eye(g, device=q.device)).flatten(-2)
-    q_row = torch.cat([q_lat, q_rope], -1).to(c.dtype).view(n, g * m, -1)
+    q_row = query_rows(q, *kv.absorbed, c.dtype).view(n, g * m, -1)
     s = torch.bmm(c, q_row.transpose(1, 2)).transpose(1, 2).float().mul_(scale).view(n, g, m, -1)
     return _weigh(s, c, allowed, kv)
 

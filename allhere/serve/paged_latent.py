@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.dar_latent.check import query_rows
 from .paged_chunks import Workspace
+from .paged_decode import block_kv
 
 _NEG = float("-inf")
 PIECE_BYTES = 4 << 20  # gathered rows per piece of requests: read twice, from the CPU's caches the second time
@@ -41,11 +43,8 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
     kpos = (cols[:, :, None] * bs + torch.arange(bs, device=dev)).view(m, nw * bs)
     near_ok = (kpos <= p) & (p - kpos < window)
     cols = cols.clamp_max(near_table.shape[1] - 1)
-    ids = torch.where(near_ok.view(m, nw, bs).any(-1), near_table.long().gather(1, cols), 0).flatten()
-    kv = torch.index_select(near, 0, ids, out=workspace.take("near", (m * nw, *near.shape[1:]), near))
-    kv = kv.view(m, nw, *near.shape[1:])
-    kt = kv[:, :, :, 0].reshape(m, nw, kv_heads, d, bs).permute(0, 2, 3, 1, 4).reshape(m, kv_heads, d, nw * bs)
-    v = kv[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(m, kv_heads, nw * bs, d)
+    kt, v = block_kv(near, torch.where(near_ok.view(m, nw, bs).any(-1), near_table.long().gather(1, cols), 0),
+                     workspace)
     # [m, kv_heads, group, nw x bs], in the cache's dtype as the far scores (fp32 accumulation), softmax in fp32
     s_near = torch.matmul(q.view(m, kv_heads, group, d).to(kt.dtype), kt).float()
     # the far keys: every row of positions 0 .. pos - window, read by pieces of requests whose gathered rows stay
@@ -53,10 +52,7 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
     bl, width = rows.shape[1], rows.shape[2]
     far = (p[:, 0] - window + 1).clamp_min(0)  # keys read far
     blocks = (far + bl - 1) // bl
-    qf = q_far.view(m, kv_heads, group, d).float()
-    q_lat = torch.einsum("mgne,gec->mgnc", qf[..., e_r:], w_uk.float())
-    q_rope = torch.einsum("mgne,gs->mgnse", qf[..., :e_r], torch.eye(kv_heads, device=dev)).flatten(-2)
-    q_row = torch.cat([q_lat, q_rope], -1).to(rows.dtype).view(m, heads, width)
+    q_row = query_rows(q_far.view(m, kv_heads, group, d), w_uk, e_r, rows.dtype).view(m, heads, width)
     summed = torch.empty(m, heads, w_uk.shape[2], device=dev)
     o = torch.empty(m, kv_heads, group, d, device=dev)
     per_request = max(1, int(blocks.max())) * bl * width * rows.element_size()

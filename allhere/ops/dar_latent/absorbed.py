@@ -12,7 +12,7 @@ import torch
 
 from ..common import default_scale
 from .blocks import attend_in_blocks
-from .check import check_latent_call
+from .check import check_latent_call, query_rows
 
 
 def dar_latent_attention_absorbed(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int,
@@ -22,11 +22,7 @@ def dar_latent_attention_absorbed(q, q_far, k_near, v_near, rows, w_uk, w_uv, wi
     b, h, lq, d, g, lk = check_latent_call(q, q_far, k_near, v_near, rows, w_uk, w_uv, window)
     n, (e_c, d_c) = h // g, w_uk.shape[1:]
     e_r = q_far.shape[-1] - e_c
-    qf = q_far.view(b, g, n, lq, -1)
-    q_lat = torch.einsum("bgnqe,gec->bgnqc", qf[..., e_r:], w_uk.to(q.dtype))  # [b, g, group, lq, d_c]
-    slots = torch.eye(g, dtype=q.dtype, device=q.device)  # KV head g's rotated part goes to slot g of the row
-    q_rope = torch.einsum("bgnqe,gs->bgnqse", qf[..., :e_r], slots).flatten(-2)
-    q_row = torch.cat([q_lat, q_rope], dim=-1).to(rows.dtype)  # [b, g, group, lq, d_c + g x e_r]
+    q_row = query_rows(q_far.view(b, g, n * lq, -1), w_uk, e_r, rows.dtype).view(b, g, n, lq, -1)
 
     def far_logits(s, e, far1):
         m = n * (e - s)

@@ -39,3 +39,14 @@ def split_rows(rows: torch.Tensor, kv_heads: int, d_c: int) -> tuple[torch.Tenso
     """The cache rows [b, n, d_c + kv_heads x e_r] -> (latent [b, n, d_c], k_rope [b, kv_heads, n, e_r]), views."""
     latent, k_rope = rows.split([d_c, rows.shape[-1] - d_c], dim=-1)
     return latent, k_rope.unflatten(-1, (kv_heads, -1)).transpose(1, 2)
+
+
+def query_rows(q_far: torch.Tensor, w_uk: torch.Tensor, e_r: int, dtype: torch.dtype) -> torch.Tensor:
+    """The far queries q_far [..., kv_heads, m, e_r + e_c] (each KV head's m query rows) laid out as cache rows
+    [..., kv_heads, m, d_c + kv_heads x e_r]: [q^C W_UK_g ; q^R in its KV head's slot g, zeros in the others], so
+    one product with the rows scores every far key (absorbed). Computed in fp32, returned in ``dtype``."""
+    g = w_uk.shape[0]
+    q = q_far.float()
+    latent = torch.einsum("...gme,gec->...gmc", q[..., e_r:], w_uk.float())
+    slots = torch.einsum("...gme,gs->...gmse", q[..., :e_r], torch.eye(g, device=q.device)).flatten(-2)
+    return torch.cat([latent, slots], dim=-1).to(dtype)
