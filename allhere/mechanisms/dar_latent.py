@@ -82,6 +82,23 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
 
 
+def in_channel_order(x: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, n, d] -> its channels in ``channels`` [kv_heads, d] order (each head by its KV head's row)."""
+    b, heads, n, _ = x.shape
+    index = channels.repeat_interleave(heads // channels.shape[0], dim=0)
+    return x.gather(-1, index[None, :, None].expand(b, heads, n, -1))
+
+
+def far_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, channels: torch.Tensor,
+                r2: int) -> torch.Tensor:
+    """The queries of the far keys, [q^R ; q^C]: q [b, heads, n, d] as the host rotated it (cos, sin: its
+    rotary table at the queries' positions, as ``unrotate`` takes them) -> [b, heads, n, d] in ``channels``
+    order, the first ``r2`` channels (the kept pairs) as they are, the others unrotated. The mechanism and its
+    served layer (``allhere.serve.vllm_dar_latent``) both read far keys with these."""
+    return torch.cat([in_channel_order(q, channels)[..., :r2], in_channel_order(unrotate(q, cos, sin),
+                                                                                channels)[..., r2:]], dim=-1)
+
+
 # served (allhere.serve, vLLM's CPU backend, vLLM's own model classes: it reads the block's input and inverts
 # its rotary embedding): the window's K/V and every token's row [c ; k^R] in caches of their own
 @register(DARLatentConfig, summary="DAR whose distant keys are scored in the latent (decoupled RoPE): no key "
@@ -138,12 +155,6 @@ class DARLatentAttention(AttentionMechanism):
         return ("its distant keys are read with the queries' unrotated part, which the ring's far-key plan (a key "
                 "per KV head for every query) does not carry")
 
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        """x [b, heads, n, d] -> its channels in ``channels`` order (each head by its KV head's row)."""
-        heads = x.shape[1]
-        index = self.channels.repeat_interleave(heads // self.channels.shape[0], dim=0)
-        return x.gather(-1, index[None, :, None].expand(x.shape[0], heads, x.shape[2], -1))
-
     def forward(self, q, k, v, call: AttentionCall, cache=None):
         if call.rope is None:
             raise ValueError("dar_latent needs the host's rotary embedding of the queries (AttentionCall.rope): "
@@ -155,13 +166,13 @@ class DARLatentAttention(AttentionMechanism):
         if self.calibration is not None:
             return self._calibrating(q, k, v, call, cache), None
         g, d_c = k.shape[1], self.cfg.d_down
-        k_rope = self._gather(k[:, :, -n:])[..., :r2]  # the new tokens' rotated keys at the kept pairs
+        k_rope = in_channel_order(k[:, :, -n:], self.channels)[..., :r2]  # the new tokens' keys at the kept pairs
         rows = pack_rows(self.down(call.x), k_rope)  # [b, n, d_c + g x r2]: c = h W_down, then k^R
         if cache is None:
             k_near, v_near = k, v
         else:  # the window's K/V, and every cached row (this call's included)
             k_near, v_near, rows = cache.update(k, v, rows)
-        q_far = torch.cat([self._gather(q)[..., :r2], self._gather(unrotate(q, *call.rope))[..., r2:]], dim=-1)
+        q_far = far_queries(q, *call.rope, self.channels, r2)
         d = q.shape[-1]
         w_uk = self.up_k.weight.view(g, d - r2, d_c)
         w_uv = self.up_v.weight.view(g, d, d_c)

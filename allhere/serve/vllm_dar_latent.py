@@ -21,7 +21,9 @@ from torch import nn
 from vllm.model_executor.layers.attention import Attention
 
 from ..hosts import SUBMODULE
-from ..mechanisms.dar_latent import unrotate
+from ..mechanisms.dar_latent import far_queries
+from ..ops.dar_latent.check import split_rows
+from ..ops.dar_latent.reference import far_keys
 from .paged import token_positions
 from .paged_far import LatentKV, far_pieces
 from .paged_latent import decode_latent
@@ -53,15 +55,11 @@ class DARLatentServe(nn.Module):
         return torch.cat([F.linear(x, self.down.weight), kept.flatten(1).to(x.dtype)], dim=-1)
 
     def far_queries(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """q [n, heads, d] (rotated, at ``positions`` [n]) -> [n, heads, d]: the kept pairs' channels as they are,
-        then the other channels unrotated, each head in its KV head's channel order."""
-        n, heads, d = q.shape
-        rot = self._rotary[0]
-        cos, sin = rot.cos_sin_cache.index_select(0, positions.long()).float().chunk(2, dim=-1)  # [n, rot / 2]
+        """``mechanisms.dar_latent.far_queries`` in vLLM's layout: q [n, heads, d] (rotated, at ``positions`` [n])
+        -> [n, heads, d], the rotation undone with vLLM's own table."""
+        cos, sin = self._rotary[0].cos_sin_cache.index_select(0, positions.long()).float().chunk(2, dim=-1)
         cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # rotate-half layout, as the HF host's
-        plain = unrotate(q.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
-        index = self.channels.repeat_interleave(heads // self.channels.shape[0], dim=0)[None].expand(n, -1, -1)
-        return torch.cat([q.gather(-1, index)[..., :self.r2], plain.gather(-1, index)[..., self.r2:]], dim=-1)
+        return far_queries(q.transpose(0, 1)[None], cos, sin, self.channels, self.r2)[0].transpose(0, 1)
 
     def maps(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [kv_heads, d - r2, d_down], W_UV [kv_heads, d, d_down]): views of the loaded weights."""
@@ -75,10 +73,8 @@ class DARLatentServe(nn.Module):
             g = self.channels.shape[0]
             w_uk, w_uv = self.maps()
 
-            def keys(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [n, t, g, d]
-                n, t, _ = rows.shape
-                content = torch.einsum("ntc,gec->ntge", rows[..., :self.d_down].float(), w_uk.float())
-                return torch.cat([rows[..., self.d_down:].float().view(n, t, g, self.r2), content], dim=-1)
+            def keys(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [n, t, g, d], fp32
+                return far_keys(*split_rows(rows.float(), g, self.d_down), w_uk.float()).transpose(1, 2)
 
             # the rows' k^R part has no value: zero columns of W_UV
             self._kv = LatentKV(keys, torch.nn.functional.pad(w_uv, (0, g * self.r2)), absorbed=(w_uk, self.r2))

@@ -11,12 +11,17 @@ from ..common import default_scale, repeat_kv
 from .check import check_latent_call, split_rows
 
 
-def far_kv(latent: torch.Tensor, k_rope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
-    """The far keys and values the latent form stands for: key [k_rope ; c W_UK_g^T] and value c W_UV_g^T of
-    KV head g, each [b, kv_heads, lk, .], in the latent's dtype (fp32 for fp32 inputs)."""
+def far_keys(latent: torch.Tensor, k_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """The far keys the latent form stands for: [k_rope ; c W_UK_g^T] of KV head g, [b, kv_heads, lk, e_r + e_c],
+    in the latent's dtype."""
     k_c = torch.einsum("blc,gec->bgle", latent, w_uk.to(latent.dtype))
-    v = torch.einsum("blc,gdc->bgld", latent, w_uv.to(latent.dtype))
-    return torch.cat([k_rope.to(latent.dtype), k_c], dim=-1), v
+    return torch.cat([k_rope.to(latent.dtype), k_c], dim=-1)
+
+
+def far_kv(latent: torch.Tensor, k_rope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
+    """The far keys (``far_keys``) and values c W_UV_g^T of KV head g, each [b, kv_heads, lk, .], in the latent's
+    dtype (fp32 for fp32 inputs)."""
+    return far_keys(latent, k_rope, w_uk), torch.einsum("blc,gdc->bgld", latent, w_uv.to(latent.dtype))
 
 
 def dar_latent_attention_reference(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int,
