@@ -29,10 +29,12 @@ hits), --new greedy tokens (ignore_eos), streamed; batch 1: --rounds requests on
 concurrent requests, --rounds16 times. Columns: time to first token (TTFT, median over requests); decode tokens/s
 (batch x new tokens after the first / time from first to last token, summed over the requests: the rate a
 request's tokens come at, times the batch; at batch 16 the steps also carry other requests' prefill chunks, as
-vLLM schedules them); output tokens/s (every new token over the batch's wall time); KV bytes per token of context
-(vLLM's kv_cache_usage_perc, polled during the batch-1 requests, at its highest, times the cache's bytes, over
-prompt + new tokens). Ratios are against the plain model in the same run. The load average is printed before and
-after each server: the machine may be shared, so read the ratios.
+vLLM schedules them); all decoding (batch 16 only): tokens/s from the last request's first token to the first
+request's last, the steps where all 16 decode and none prefills (n/a when --new is too short for such steps;
+vLLM's per-chunk usage counts the tokens); output tokens/s (every new token over the batch's wall time); KV bytes
+per token of context (vLLM's kv_cache_usage_perc, polled during the batch-1 requests, at its highest, times the
+cache's bytes, over prompt + new tokens). Ratios are against the plain model in the same run. The load average is
+printed before and after each server: the machine may be shared, so read the ratios.
 """
 
 from __future__ import annotations
@@ -175,14 +177,15 @@ class KVPoll:
         return self.peak
 
 
-def one_request(client, name: str, prompt: str | list[int], new: int) -> tuple[float, int, float, float]:
-    """(time to first token, new tokens, first and last token's times after the start) of one streamed
-    completion of ``prompt`` (text, or token ids)."""
+def one_request(client, name: str, prompt: str | list[int], new: int) -> tuple[float, int, float, float, list]:
+    """(time to first token, new tokens, first and last token's times after the start, and every streamed chunk's
+    (time since ``client``'s clock origin, new tokens so far)) of one streamed completion of ``prompt`` (text, or
+    token ids)."""
     start = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens, trace = 0, []
     stream = client.completions.create(model=name, prompt=prompt, max_tokens=new, temperature=0, stream=True,
-                                       stream_options={"include_usage": True},
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True},
                                        extra_body={"ignore_eos": True, "min_tokens": new})
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
@@ -190,7 +193,19 @@ def one_request(client, name: str, prompt: str | list[int], new: int) -> tuple[f
             first = first if first is not None else last
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    return first, tokens, first, last
+            trace.append((time.perf_counter(), tokens))
+    return first, tokens, first, last, trace
+
+
+def steady_rate(traces: list[list]) -> float | None:
+    """Tokens/s while every request of a batch decodes and none prefills: from the last request's first token to
+    the first request's last (None when they do not overlap: raise --new)."""
+    t0 = max(next(t for t, n in tr if n > 0) for tr in traces)
+    t1 = min(tr[-1][0] for tr in traces)
+    if t1 <= t0:
+        return None
+    at = lambda tr, t: max((n for u, n in tr if u <= t), default=0)  # noqa: E731
+    return sum(at(tr, t1) - at(tr, t0) for tr in traces) / (t1 - t0)
 
 
 def workload(port: int, name: str, prompts: list, new: int, rounds: int, rounds16: int, prompt_len: int,
@@ -203,7 +218,7 @@ def workload(port: int, name: str, prompts: list, new: int, rounds: int, rounds1
     for batch, n_rounds in ((1, rounds), (16, rounds16)):
         if n_rounds == 0:
             continue
-        ttft, walls, tokens, decode_tokens, decode_time = [], [], 0, 0, 0.0
+        ttft, walls, tokens, decode_tokens, decode_time, steady = [], [], 0, 0, 0.0, []
         poll = KVPoll(port) if batch == 1 else None
         for _ in range(n_rounds):
             start = time.perf_counter()
@@ -211,12 +226,14 @@ def workload(port: int, name: str, prompts: list, new: int, rounds: int, rounds1
             with ThreadPoolExecutor(batch) as pool:
                 results = list(pool.map(lambda p: one_request(client, name, p, new), group))
             walls.append(time.perf_counter() - start)
-            ttft += [t for t, _, _, _ in results]
-            tokens += sum(n for _, n, _, _ in results)
-            decode_tokens += sum(n - 1 for _, n, _, _ in results)
-            decode_time += sum(b - a for _, _, a, b in results)
+            ttft += [t for t, _, _, _, _ in results]
+            tokens += sum(n for _, n, _, _, _ in results)
+            decode_tokens += sum(n - 1 for _, n, _, _, _ in results)
+            decode_time += sum(b - a for _, _, a, b, _ in results)
+            steady.append(steady_rate([r[4] for r in results]) if batch > 1 else None)
         out[batch] = {"ttft": statistics.median(ttft), "tokens_per_s": tokens / sum(walls),
-                      "decode_per_s": batch * decode_tokens / decode_time}
+                      "decode_per_s": batch * decode_tokens / decode_time,
+                      "steady_per_s": statistics.median(steady) if None not in steady else None}
         if poll is not None:
             out["kv_per_token"] = poll.close() * kv_bytes / (prompt_len + new)
     return out
@@ -290,16 +307,21 @@ def main() -> None:
             return "n/a"
         return f"{r['kv_per_token']:.0f}" if pl is None else f"{r['kv_per_token'] / pl['kv_per_token']:.2f}x"
 
-    print("| model | prompt | batch | TTFT ms | vs plain | decode tokens/s | vs plain | output tokens/s | vs plain "
-          "| KV bytes / token | vs plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    def steady(b, pb):
+        if b.get("steady_per_s") is None or pb.get("steady_per_s") is None:
+            return "n/a | n/a"
+        return f"{b['steady_per_s']:.1f} | {b['steady_per_s'] / pb['steady_per_s']:.2f}x"
+
+    print("| model | prompt | batch | TTFT ms | vs plain | decode tokens/s | vs plain | all decoding, tokens/s "
+          "| vs plain | output tokens/s | vs plain | KV bytes / token | vs plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in folders:
         for n in a.prompts:
             for batch in (b for b in (1, 16) if b in results[name, n]):
                 pl, r = results["plain", n], results[name, n]
                 b, pb = r[batch], pl[batch]
                 print(f"| {name} | {n} | {batch} | {1e3 * b['ttft']:.0f} | {pb['ttft'] / b['ttft']:.2f}x | "
-                      f"{b['decode_per_s']:.1f} | {b['decode_per_s'] / pb['decode_per_s']:.2f}x | "
+                      f"{b['decode_per_s']:.1f} | {b['decode_per_s'] / pb['decode_per_s']:.2f}x | {steady(b, pb)} | "
                       f"{b['tokens_per_s']:.1f} | {b['tokens_per_s'] / pb['tokens_per_s']:.2f}x | "
                       f"{kv(r)} | {kv(r, pl)} |")
     print(f"# load average at the end: {load()}")

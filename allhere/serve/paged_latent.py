@@ -7,9 +7,18 @@ operations, not its keys). Plain torch, no vLLM import.
 Far keys are read absorbed, as ``paged_far._attend_absorbed`` reads them: a head's query becomes a row [q^C W_UK_g ;
 q^R in its KV head's slot, zeros elsewhere], scored against the rows as they are gathered (one matmul per step);
 the probabilities weight the rows, and W_UV_g maps the weighted latent once per head.
+
+With vLLM's CPU build loaded and a bf16 cache, the far rows are read where they lie by vLLM's own CPU decode
+kernel for latent caches (``torch.ops._C.decode_attention_cpu``, from sgl-kernel, the one vLLM's CPU MLA backend
+runs for DeepSeek's [c ; k_pe] rows: our rows are the same form, one shared KV head, the values the rows' first
+d_c numbers): no gather, one call for every request, split along the keys across the CPU's threads. It returns
+the far part normalised, with each split's log-sum-exp; the window is then merged with it by log-sum-exp. The
+kernel has no fp32 version: an fp32 cache takes the torch way above.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -19,6 +28,25 @@ from .paged_decode import block_kv
 
 _NEG = float("-inf")
 PIECE_BYTES = 4 << 20  # gathered rows per piece of requests: read twice, from the CPU's caches the second time
+KEYS_PER_SPLIT = 512  # the fewest far keys a thread of vLLM's kernel takes (vLLM's CPU MLA backend's choice)
+USE_KERNEL = True  # vLLM's CPU decode kernel for bf16 far rows, when loaded; False: the torch way
+
+
+def vllm_decode_kernel():
+    """``torch.ops._C.decode_attention_cpu`` when vLLM's CPU build is loaded (the serving process), else None."""
+    try:
+        return torch.ops._C.decode_attention_cpu
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _kernel_for(rows: torch.Tensor):
+    """vLLM's kernel where it reads ``rows``: bf16 on the CPU, each block's rows contiguous."""
+    if not USE_KERNEL or rows.dtype != torch.bfloat16 or rows.device.type != "cpu":
+        return None
+    if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:
+        return None
+    return vllm_decode_kernel()
 
 
 def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int, w_uk, w_uv, e_r: int,
@@ -37,6 +65,7 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
     kv_heads, bs = near.shape[1], near.shape[3]
     group, dev = heads // kv_heads, q.device
     p = pos.long().view(m, 1)
+    kernel = _kernel_for(rows)
     # the window: the blocks of positions pos - window + 1 .. pos
     nw = (window - 1) // bs + 2 if window > 0 else 0
     cols = (p - window + 1).clamp_min(0) // bs + torch.arange(nw, device=dev)  # [m, nw]
@@ -47,6 +76,10 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
                      workspace)
     # [m, kv_heads, group, nw x bs], in the cache's dtype as the far scores (fp32 accumulation), softmax in fp32
     s_near = torch.matmul(q.view(m, kv_heads, group, d).to(kt.dtype), kt).float()
+    if kernel is not None:
+        s_near.mul_(scale).masked_fill_(~near_ok.view(m, 1, 1, -1), _NEG)
+        _kernel_far(kernel, q_far, pos, s_near, v, rows, rows_table, window, w_uk, w_uv, e_r, scale, out)
+        return
     # the far keys: every row of positions 0 .. pos - window, read by pieces of requests whose gathered rows stay
     # in the CPU's caches between the two products that read them
     bl, width = rows.shape[1], rows.shape[2]
@@ -72,4 +105,36 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
         summed[a:b] = torch.bmm(w_far.reshape(b - a, heads, -1).to(c.dtype), c)[..., :w_uk.shape[2]]
         o[a:b] = torch.matmul(w_near.to(v.dtype), v[a:b]).float()
     o += torch.einsum("mgnc,gdc->mgnd", summed.view(m, kv_heads, group, -1), w_uv.float())
+    out.copy_(o.view(m, heads, d))
+
+
+def _kernel_far(kernel, q_far, pos, s_near, v, rows, rows_table, window: int, w_uk, w_uv, e_r: int, scale: float,
+                out) -> None:
+    """``decode_latent``'s far rows through vLLM's kernel (read in place), merged with the window's scores
+    ``s_near`` [m, kv_heads, group, keys] (scaled, masked) and values ``v`` by log-sum-exp, into ``out``."""
+    m, heads, d = q_far.shape
+    kv_heads, d_c = w_uk.shape[0], w_uk.shape[2]
+    bl, width = rows.shape[1], rows.shape[2]
+    far = (pos.long() - window + 1).clamp_min(0)  # keys read far: positions 0 .. pos - window
+    most = max(1, int(far.max()))
+    # The kernel reads token t's row at t x its stride: vLLM pads a page to another group's page size, not always
+    # by whole rows, so the stride is the gcd of the page's and the row's (rows overlap in this view; only whole
+    # rows are indexed). Its token table: each request's rows, position by position, in those units.
+    unit = math.gcd(rows.stride(0), width)
+    per_block, per_row = rows.stride(0) // unit, width // unit
+    flat = rows.as_strided(((rows.shape[0] - 1) * per_block + (bl - 1) * per_row + 1, 1, width), (unit, unit, 1))
+    slots = (rows_table[:, :(most + bl - 1) // bl].long()[..., None] * per_block
+             + torch.arange(bl, device=pos.device) * per_row)
+    splits = max(1, min(most // KEYS_PER_SPLIT, -(-2 * torch.get_num_threads() // m)))
+    lat = torch.empty(m, heads, d_c, dtype=rows.dtype, device=pos.device)
+    parts = torch.empty(m, heads, splits, d_c + 1, device=pos.device)  # each split's output and log-sum-exp
+    q_row = query_rows(q_far.view(m, kv_heads, heads // kv_heads, d), w_uk, e_r, rows.dtype).view(m, heads, width)
+    kernel(q_row, flat, flat[..., :d_c], lat, None, None, None, parts, slots.view(m, -1),
+           torch.arange(m, device=pos.device), far, scale, 0.0, False, 0, None, None)
+    lse_far = torch.logsumexp(parts[..., d_c], -1).view(m, kv_heads, -1, 1)  # -inf: no far key
+    lse_near = torch.logsumexp(s_near, -1, keepdim=True)  # -inf: no window (window 0)
+    lse = torch.logaddexp(lse_far, lse_near)
+    o = torch.matmul(torch.exp(s_near - lse).to(v.dtype), v).float()
+    lat = lat.view(m, kv_heads, -1, d_c).float().nan_to_num_(0.0)  # a request with no far key: NaN, weight 0
+    o += torch.einsum("mgnc,gdc->mgnd", lat * torch.exp(lse_far - lse), w_uv.float())
     out.copy_(o.view(m, heads, d))

@@ -360,6 +360,40 @@ def test_view_refuses_partial_blocks():
         paged_view(torch.zeros(10), BS, KV_HEADS, D)
 
 
+def latent_decode_case(window: int, dtype: torch.dtype):
+    """A dar_latent decode step over paged caches (requests of LENGTHS tokens, each decoding its last): returns
+    (the arguments of ``paged_latent.decode_latent`` but ``out``, the expected output by
+    ``dar_latent_attention_reference`` per request, in fp32). Unwritten row slots hold 1e4 (weight 0, finite); the
+    rows' pages are padded as vLLM pads them."""
+    from allhere.ops.dar_latent import dar_latent_attention_reference
+
+    gen = torch.Generator().manual_seed(5)
+    d_c, e_r = 5, 2
+    width = d_c + KV_HEADS * e_r
+    (table, pool), (rows_table, rows_pool) = _table(gen, BS), _table(gen, BS_LATENT)
+    table, rows_table = table.clamp_min(0), rows_table.clamp_min(0)  # past a request's blocks: 0, as vLLM's
+    view = paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * D, dtype=dtype), BS, KV_HEADS, D)
+    # pages padded by a fraction of a row, as vLLM pads a cache group's page to another group's size
+    rows = torch.full((rows_pool, BS_LATENT * width + 5), 1e4, dtype=dtype)[:, :BS_LATENT * width]
+    rows = rows.view(rows_pool, BS_LATENT, width)
+    w_uk, w_uv = torch.randn(KV_HEADS, D - e_r, d_c, generator=gen), torch.randn(KV_HEADS, D, d_c, generator=gen)
+    data = []
+    for r, n in enumerate(LENGTHS):
+        k, v = (torch.randn(n, KV_HEADS, D, generator=gen).to(dtype) for _ in range(2))
+        c = torch.randn(n, width, generator=gen).to(dtype)
+        write(view, torch.tensor([int(table[r, p // BS]) * BS + p % BS for p in range(n)]), k, v)
+        write_latents(rows, torch.tensor([int(rows_table[r, p // BS_LATENT]) * BS_LATENT + p % BS_LATENT
+                                          for p in range(n)]), c)
+        data.append((k, v, c))
+    m = len(LENGTHS)
+    q, q_far = (torch.randn(m, HEADS, D, generator=gen).to(dtype) for _ in range(2))
+    want = torch.cat([dar_latent_attention_reference(q[r][None, :, None], q_far[r][None, :, None], _bhld(k), _bhld(v),
+                                                     c[None], w_uk, w_uv, window, SCALE)[0, :, 0][None]
+                      for r, (k, v, c) in enumerate(data)]).float()
+    pos = torch.tensor(LENGTHS) - 1
+    return (q, q_far, pos, view, table[:m], rows, rows_table[:m], window, w_uk, w_uv, e_r, SCALE), want
+
+
 @pytest.mark.parametrize("window", [0, 1, 3, 6, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("piece", [4 << 20, 1], ids=["one_piece", "a_request_a_piece"])
@@ -368,42 +402,22 @@ def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
     far rows gathered for all requests in one piece, or request by request), and
     the window through op family "paged" with the far rows read absorbed as pieces (``far_pieces``,
     ``LatentKV.absorbed``), each = ``dar_latent_attention_reference`` per request (window from the paged K/V,
-    far keys from the paged rows [c ; k^R], other blocks and another block size)."""
-    from allhere.ops.dar_latent import dar_latent_attention_reference
+    far keys from the paged rows [c ; k^R], other blocks and another block size). (vLLM's kernel for the far
+    rows: tests/serve/test_serve_vllm.py.)"""
     from allhere.serve import paged_latent
 
     monkeypatch.setattr(paged_latent, "PIECE_BYTES", piece)
-    gen = torch.Generator().manual_seed(5)
-    d_c, e_r = 5, 2
-    width = d_c + KV_HEADS * e_r
-    lengths = LENGTHS
-    (table, pool), (rows_table, rows_pool) = _table(gen, BS), _table(gen, BS_LATENT)
-    table, rows_table = table.clamp_min(0), rows_table.clamp_min(0)  # past a request's blocks: 0, as vLLM's
-    view = paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * D, dtype=dtype), BS, KV_HEADS, D)
-    rows = torch.full((rows_pool, BS_LATENT, width), 1e4, dtype=dtype)  # unwritten slots: weight 0 (finite)
-    w_uk, w_uv = torch.randn(KV_HEADS, D - e_r, d_c, generator=gen), torch.randn(KV_HEADS, D, d_c, generator=gen)
-    data = []
-    for r, n in enumerate(lengths):
-        k, v = (torch.randn(n, KV_HEADS, D, generator=gen).to(dtype) for _ in range(2))
-        c = torch.randn(n, width, generator=gen).to(dtype)
-        write(view, torch.tensor([int(table[r, p // BS]) * BS + p % BS for p in range(n)]), k, v)
-        write_latents(rows, torch.tensor([int(rows_table[r, p // BS_LATENT]) * BS_LATENT + p % BS_LATENT
-                                          for p in range(n)]), c)
-        data.append((k, v, c))
-    q, q_far = (torch.randn(len(lengths), HEADS, D, generator=gen).to(dtype) for _ in range(2))
-    want = torch.cat([dar_latent_attention_reference(q[r][None, :, None], q_far[r][None, :, None], _bhld(k), _bhld(v),
-                                                     c[None], w_uk, w_uv, window, SCALE)[0, :, 0][None]
-                      for r, (k, v, c) in enumerate(data)]).float()
-    pos = torch.tensor(lengths) - 1
-    m = len(lengths)
+    monkeypatch.setattr(paged_latent, "USE_KERNEL", False)
+    args, want = latent_decode_case(window, dtype)
+    q, q_far, pos, view, table, rows, rows_table, _, w_uk, w_uv, e_r, _ = args
+    m = len(LENGTHS)
     direct = torch.full((m, HEADS, D), 7.0, dtype=dtype)
-    paged_latent.decode_latent(q, q_far, pos, view, table[:m], rows, rows_table[:m], window, w_uk, w_uv, e_r, SCALE,
-                               direct)
+    paged_latent.decode_latent(*args, direct)
     kv = LatentKV(None, torch.nn.functional.pad(w_uv, (0, KV_HEADS * e_r)), absorbed=(w_uk, e_r))
-    starts, lens = torch.arange(m + 1), torch.tensor(lengths)
-    pieces = far_pieces(q_far, rows, starts, lens, rows_table[:m], window, kv, SCALE)
+    starts, lens = torch.arange(m + 1), torch.tensor(LENGTHS)
+    pieces = far_pieces(q_far, rows, starts, lens, rows_table, window, kv, SCALE)
     merged = torch.full((m, HEADS, D), 7.0, dtype=dtype)
-    dispatch("paged", q, view, starts, lens, table[:m], [[window_read(window)] if window else []], SCALE, merged,
+    dispatch("paged", q, view, starts, lens, table, [[window_read(window)] if window else []], SCALE, merged,
              extra=pieces, backend="torch")
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for got in (direct, merged):

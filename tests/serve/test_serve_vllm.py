@@ -440,6 +440,29 @@ def test_aha_step_over_vllms_kernels_equals_allheres_attention(dtype):
         torch.testing.assert_close(theirs.float(), ours.float(), **tol)
 
 
+@pytest.mark.parametrize("window", [0, 1, 3, 6, 40])
+def test_dar_latent_decode_through_vllms_kernel(window, monkeypatch):
+    """dar_latent's bf16 decode step with its far rows read by vLLM's CPU decode kernel for latent caches (in
+    place, each split's log-sum-exp merged with the window's): = the dense reference per request within bf16's
+    rounding, and = the torch way (the rows gathered). Requests with no far key (window 40) included."""
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's CPU ops)
+    from test_serve_paged import HEADS, LENGTHS, latent_decode_case
+
+    from allhere.serve import paged_latent
+
+    assert paged_latent.vllm_decode_kernel() is not None
+    args, want = latent_decode_case(window, torch.bfloat16)
+    d = args[0].shape[-1]
+    outs = []
+    for kernel in (True, False):
+        monkeypatch.setattr(paged_latent, "USE_KERNEL", kernel)
+        out = torch.full((len(LENGTHS), HEADS, d), 7.0, dtype=torch.bfloat16)
+        paged_latent.decode_latent(*args, out)
+        outs.append(out.float())
+    torch.testing.assert_close(outs[0], want, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(outs[0], outs[1], atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.real
 def test_real_smollm2_aha_served_as_generated():
     """A real pretrained model with the routers it learned: the real-model job's fine-tuned SmolLM2-AHA (GQA, saved
