@@ -134,7 +134,7 @@ def dar_served(s, kv, workspace):
     from allhere.serve.paged_far import far_pieces
     from allhere.serve.vllm_layers import WINDOW_TILE
 
-    far = far_pieces(s["q"], s["latents"], s["qs"], s["seq"], s["table"], WINDOW, kv, D ** -0.5, workspace=workspace)
+    far = far_pieces(s["q"], s["latents"], s["qs"], s["seq"], s["table"], WINDOW, kv, D ** -0.5)
     paged_attention(s["q"], s["view"], s["qs"], s["seq"], s["table"], [[window_read(WINDOW, q_tile=WINDOW_TILE)]],
                     D ** -0.5, s["out"], workspace=workspace, extra=far)
 

@@ -15,10 +15,10 @@ vLLM's cache tensor, slot mapping and block table.
 Rows: a row (query token, query head) at position p reads far keys j <= p - window (``far_keys``). Those of a
 request with one query this step (decode) are batched across requests, sorted by length, each piece's keys
 rebuilt for it and scored by matmul. A request with several queries (prefill, chunked prefill) shares its far
-keys among many rows: a chunk of them is rebuilt once, with its values, into paged blocks of the workspace and
-read as the near window is (``paged.paged_pieces``: tiles, torch's fused attention). Each piece returns (row
-ids, output, log-sum-exp) for ``paged_chunks.merge``, which joins them with the near window's pieces under one
-softmax. The latent cache's layout: ``[blocks, block_size, d_down]`` (a strided view is read where it lies).
+keys among many rows: they are rebuilt once, with their values, and read by torch's fused CPU attention, the keys
+every query reads unmasked and the last ones causally. Each piece returns (row ids, output, log-sum-exp) for
+``paged_chunks.merge``, which joins them with the near window's pieces under one softmax. The latent cache's
+layout: ``[blocks, block_size, d_down]`` (a strided view is read where it lies).
 """
 
 from __future__ import annotations
@@ -27,14 +27,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..masks import Mask, and_masks
-from ..mechanisms.dar import far_keys
 from ..ops.dar_latent.check import query_rows
-from .paged import Read, paged_pieces, paged_view, write
-from .paged_chunks import Workspace
+from . import paged_chunks
 
 _NEG = float("-inf")
-SCRATCH_BLOCK = 128  # tokens per block of a prefill's rebuilt far keys and values
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 FAR_BUDGET = 8 << 20  # bytes of a piece of rebuilt keys: a piece read from the CPU's caches right after the GEMM
 # wrote it (decode of 16 x 8k keys, one core: 95 ms at 8 MB, 138 ms at 32 MB; benchmarks/serve_paged_op.py)
 
@@ -101,14 +98,13 @@ def write_latents(view: torch.Tensor, slots: torch.Tensor, c: torch.Tensor) -> N
 
 def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                block_table: torch.Tensor, window: int, kv: LatentKV, scale: float,
-               budget: int = FAR_BUDGET, workspace: Workspace | None = None):
+               budget: int = FAR_BUDGET):
     """What each row of ``q`` [tokens, heads, d] reads through the bottleneck: every key j <= its position -
     ``window``, rebuilt from ``view``'s latents through ``block_table`` (request r's queries are rows
     ``query_start[r]:query_start[r + 1]``, the last of its ``seq_lens[r]`` tokens, whose latents are written).
     Yields pieces (row ids [n, size], output [n, size, d], log-sum-exp [n, size]) for ``paged_chunks.merge`` /
-    ``Merger`` as they are computed (a prefill's rebuilt keys are overwritten chunk by chunk: consume in turn);
-    ``budget``: bytes of rebuilt keys, latents and scores held at once (about); ``workspace``: memory reused
-    across calls for a prefill's rebuilt keys and values (``paged_chunks.Workspace``)."""
+    ``Merger`` as they are computed; ``budget``: bytes of rebuilt keys, latents and scores held at once (about;
+    a prefill's last far keys, as many as its queries, are rebuilt at once)."""
     starts, lens = query_start.long(), seq_lens.long()
     q_len = starts[1:] - starts[:-1]
     if kv.q_order is not None:
@@ -120,11 +116,9 @@ def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, s
     one = (q_len == 1) & (far > 0)
     if bool(one.any()):
         yield from _decode(q, view, starts, far, block_table, one.nonzero().flatten(), kv, scale, chunk)
-    workspace = workspace or Workspace()
-    chunk = max(SCRATCH_BLOCK, chunk // SCRATCH_BLOCK * SCRATCH_BLOCK)
     for r in ((q_len > 1) & (far > 0)).nonzero().flatten().tolist():
         yield from _prefill(q, view, int(starts[r]), int(q_len[r]), int(lens[r]), block_table[r], window, kv, scale,
-                            chunk, workspace)
+                            chunk)
 
 
 def _latents(view, blocks, first: int, count: int) -> torch.Tensor:
@@ -210,45 +204,46 @@ def _decode(q, view, starts, far, block_table, reqs, kv: LatentKV, scale: float,
 
 
 def _prefill(q, view, start: int, q_len: int, length: int, blocks, window: int, kv: LatentKV, scale: float,
-             chunk: int, workspace: Workspace):
+             chunk: int):
     """One request's ``q_len`` queries (rows ``start ..``, positions ``length - q_len ..``) against its far keys:
-    many rows read the same keys, so the keys and values of a chunk of ``chunk`` tokens are rebuilt once into
-    paged blocks of the workspace and read as the near window is, tile by tile in torch's fused attention.
+    many rows read the same keys, so they are rebuilt once, with their values, and read by torch's fused CPU
+    attention. Query i reads far keys 0 .. n - q_len + i of the n = length - window there are: the keys before
+    n - q_len are read by every query (no mask, ``chunk`` keys at a time), the last q_len causally (one call).
     Yields the pieces chunk by chunk."""
-    heads, d = q.shape[1], q.shape[2]
-    kv_heads = kv.v_weight.shape[0]
-    dev = q.device
-    qr = q[start:start + q_len]
-    v_weight = kv.v_weight.reshape(kv_heads * d, -1)
-    v_bias = None if kv.v_bias is None else kv.v_bias.reshape(-1)
-    for k0 in range(0, length - window, chunk):
-        count = min(chunk, length - window - k0)
-        c, k = _rebuild(view, blocks[None], k0, count, kv)
-        v = torch.nn.functional.linear(c[0].float(), v_weight.float(), None if v_bias is None else v_bias.float())
-        n_blocks = -(-count // SCRATCH_BLOCK)
-        scratch = paged_view(workspace.take("far", (n_blocks, kv_heads, SCRATCH_BLOCK, 2 * d), qr), SCRATCH_BLOCK,
-                             kv_heads, d)  # in the queries' dtype, as the fused attention reads it
-        scratch[-1].zero_()  # the last block's unwritten slots are read under the mask: no stale NaN in them
-        write(scratch, torch.arange(count, device=dev), k[0], v.view(count, kv_heads, d))
-        table = torch.zeros(1, (k0 + count - 1) // SCRATCH_BLOCK + 1, dtype=torch.long, device=dev)
-        table[0, k0 // SCRATCH_BLOCK:] = torch.arange(n_blocks, device=dev)
-        read = Read(_far_range(window, k0, k0 + count), SCRATCH_BLOCK * 2)
-        for rows, o, lse in paged_pieces(qr, scratch, torch.tensor([0, q_len], device=dev),
-                                         torch.tensor([length], device=dev), table, [[read]], scale,
-                                         workspace=workspace):
-            yield torch.where(rows >= 0, rows + start * heads, -1), o, lse
+    n = length - window
+    first = max(0, q_len - n)  # the first query that reads a far key
+    qr = q[start + first:start + q_len].transpose(0, 1)[None]  # [1, heads, rows, d]
+    diagonal = max(0, n - q_len)
+    for k0 in range(0, diagonal, chunk):
+        yield _far_piece(qr, view, blocks, k0, min(chunk, diagonal - k0), kv, scale, start + first, False)
+    yield _far_piece(qr, view, blocks, diagonal, n - diagonal, kv, scale, start + first, True)
 
 
-def _far_range(window: int, lo: int, hi: int) -> Mask:
-    """``far_keys(window)`` restricted to keys ``lo <= j < hi``, block tests and all."""
+def _far_piece(qr, view, blocks, first: int, count: int, kv: LatentKV, scale: float, row0: int, causal: bool):
+    """The queries qr [1, heads, rows, d] (rows ``row0 ..``) against the far keys ``first .. first + count``,
+    rebuilt with their values (causal: query i reads the first i + 1 of them; else all): one piece."""
+    kv_heads, heads, d = kv.v_weight.shape[0], qr.shape[1], qr.shape[3]
+    c, k = _rebuild(view, blocks[None], first, count, kv)
+    v = torch.nn.functional.linear(c[0].float(), kv.v_weight.reshape(kv_heads * d, -1).float(),
+                                   None if kv.v_bias is None else kv.v_bias.reshape(-1).float())
+    k, v = (t.view(count, kv_heads, d).transpose(0, 1)[None].to(qr.dtype) for t in (k[0], v))
+    out, lse = _attend_far(qr, k, v, causal, scale)
+    rows = qr.shape[2]
+    ids = ((row0 + torch.arange(rows, device=qr.device))[:, None] * heads + torch.arange(heads, device=qr.device))
+    return ids.view(1, -1), out[0].transpose(0, 1).reshape(1, rows * heads, d), lse[0].t().reshape(1, -1)
 
-    def pred(b, h, q_idx, kv_idx):
-        return (kv_idx >= lo) & (kv_idx < hi)
 
-    def tiles(b, h, ql, qh, kl, kh):  # exact: some key of [kl, kh] in range
-        return (kh >= lo) & (kl < hi)
-
-    def dense(b, h, ql, qh, kl, kh):  # exact: every key in range
-        return (kl >= lo) & (kh < hi)
-
-    return and_masks(far_keys(window), Mask(pred, tiles, dense, name=f"keys_{lo}_{hi}"))
+def _attend_far(qr, k, v, causal: bool, scale: float):
+    """qr [1, heads, rows, d] against k, v [1, kv_heads, keys, d] (query head i reads KV head i // (heads /
+    kv_heads); causal: query i reads keys 0..i): (output [1, heads, rows, d], log-sum-exp [1, heads, rows] fp32).
+    torch's fused flash attention on the CPU; elsewhere (or ``paged_chunks.FUSED`` False) matmuls in fp32."""
+    if qr.is_cpu and paged_chunks.FUSED:
+        out, lse = _flash(qr, k, v, 0.0, causal, scale=scale)
+        return out, lse.float()
+    group = qr.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))
+    s = torch.matmul(qr.float(), k.transpose(-1, -2)).mul_(scale)
+    if causal:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), _NEG)
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.softmax(s, -1), v).to(qr.dtype), lse

@@ -48,7 +48,7 @@ from ..hosts import SUBMODULE
 from .paged import token_positions, window_read
 from .paged_far import LatentKV, far_pieces, rotary_projection, write_latents
 from .vllm_layers import WINDOW_TILE, block_argument, rebuild_attention
-from .vllm_paged import VLLM_WINDOW_OFFSET, WORKSPACE, PagedAttention
+from .vllm_paged import VLLM_WINDOW_OFFSET, PagedAttention
 
 
 @dataclass
@@ -169,7 +169,7 @@ class DARAttention(PagedAttention):
         if self._kv is None:
             self._kv = self._latent_kv(x, k, token_positions(meta.query_start_loc, meta.seq_lens, n)[1])
         far = far_pieces(q[:n], latents, lmeta.query_start_loc, lmeta.seq_lens, lmeta.block_table, mech.window,
-                         self._kv, self.scale, workspace=WORKSPACE)
+                         self._kv, self.scale)
         self.attend(q, view, meta, None, out, extra=far)
 
     def _latent_kv(self, x, k_host, positions) -> LatentKV:

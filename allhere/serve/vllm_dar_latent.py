@@ -101,7 +101,7 @@ class DARLatentAttention(DARAttention):
             out[n:].zero_()
             return
         far = far_pieces(q_far, rows, lmeta.query_start_loc, lmeta.seq_lens, lmeta.block_table, mech.window,
-                         mech.latent_kv(), self.scale, workspace=WORKSPACE)
+                         mech.latent_kv(), self.scale)
         self.attend(q, view, meta, None, out, extra=far)
 
 

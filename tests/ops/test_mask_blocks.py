@@ -12,7 +12,6 @@ from allhere import masks
 from allhere.masks import Mask, and_masks, as_mask, causal, dense_mask, or_masks, sinks, sliding_window
 from allhere.mechanisms.dar import far_keys
 from allhere.ops.dilated import _valid_keys
-from allhere.serve.paged_far import _far_range
 
 B, H, N = 2, 4, 40
 FLAGS = torch.zeros(B, N, dtype=torch.bool)
@@ -43,7 +42,6 @@ FACTORIES = {
     "within_segments": masks.within_segments(torch.tensor([[0] * 15 + [15] * 25, [0] * 40])),
     "dilated_op_valid_keys": _valid_keys(25, 2),
     "dar_far": far_keys(6),
-    "dar_far_range": _far_range(4, 10, 27),
 }
 COMBINED = {
     "and(window, far)": and_masks(sliding_window(12), far_keys(4)),  # both exact: dense of the AND

@@ -270,18 +270,18 @@ def _latent_kv(gen, bias: bool, neox: bool, norm: bool):
     return LatentKV(keys, torch.randn(KV_HEADS, D, D_DOWN, generator=gen), v_bias, order), direct
 
 
-@pytest.mark.parametrize("window,bias,neox,norm,budget,scratch,folded", [
-    (0, False, True, False, SMALL_BUDGET, 128, False), (3, True, True, False, SMALL_BUDGET, 4, False),
-    (3, False, False, True, 1 << 20, 128, False), (20, False, True, True, SMALL_BUDGET, 4, True),
-    (8, True, False, False, 1 << 20, 128, False)])
-def test_dar_latents_equal_reference(window, bias, neox, norm, budget, scratch, folded, monkeypatch):
+@pytest.mark.parametrize("window,bias,neox,norm,budget,fused,folded", [
+    (0, False, True, False, SMALL_BUDGET, True, False), (3, True, True, False, SMALL_BUDGET, False, False),
+    (3, False, False, True, 1 << 20, True, False), (20, False, True, True, SMALL_BUDGET, True, True),
+    (8, True, False, False, 1 << 20, False, False)])
+def test_dar_latents_equal_reference(window, bias, neox, norm, budget, fused, folded, monkeypatch):
     """DAR as served: the near window from the paged K/V, the far keys rebuilt from a paged latent cache of
     its own (other blocks, another block size, a strided view), one softmax = the dense reference with the
-    far K/V made from the latents directly. A small budget: keys in pieces of 8, one decode request per piece;
-    a large one: the decode requests of a step in one piece, the narrower ones masked. A prefill's far keys are
-    rebuilt into blocks of ``scratch`` tokens (4: several blocks, and keys in several chunks), and consumed
-    chunk by chunk; "folded": merged two pieces at a time as they come."""
-    monkeypatch.setattr(paged_far, "SCRATCH_BLOCK", scratch)
+    far K/V made from the latents directly. A small budget: keys in pieces of 8, one decode request per piece,
+    a prefill's keys read by all its queries in several chunks; a large one: the decode requests of a step in
+    one piece, the narrower ones masked. A prefill's far keys through torch's fused attention ("fused") or by
+    matmuls (as on other devices); "folded": merged two pieces at a time as they come."""
+    monkeypatch.setattr(paged_chunks, "FUSED", fused)
     if folded:
         monkeypatch.setattr(paged_chunks, "MERGE_BUDGET", 0)
     gen = torch.Generator().manual_seed(3)
