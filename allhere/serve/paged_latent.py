@@ -66,6 +66,10 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
     group, dev = heads // kv_heads, q.device
     p = pos.long().view(m, 1)
     kernel = _kernel_for(rows)
+    if kernel is not None:
+        _decode_by_kernel(kernel, q, q_far, pos, near, near_table, rows, rows_table, window, w_uk, w_uv, e_r, scale,
+                          out, workspace)
+        return
     # the window: the blocks of positions pos - window + 1 .. pos
     nw = (window - 1) // bs + 2 if window > 0 else 0
     cols = (p - window + 1).clamp_min(0) // bs + torch.arange(nw, device=dev)  # [m, nw]
@@ -76,10 +80,6 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
                      workspace)
     # [m, kv_heads, group, nw x bs], in the cache's dtype as the far scores (fp32 accumulation), softmax in fp32
     s_near = torch.matmul(q.view(m, kv_heads, group, d).to(kt.dtype), kt).float()
-    if kernel is not None:
-        s_near.mul_(scale).masked_fill_(~near_ok.view(m, 1, 1, -1), _NEG)
-        _kernel_far(kernel, q_far, pos, s_near, v, rows, rows_table, window, w_uk, w_uv, e_r, scale, out)
-        return
     # the far keys: every row of positions 0 .. pos - window, read by pieces of requests whose gathered rows stay
     # in the CPU's caches between the two products that read them
     bl, width = rows.shape[1], rows.shape[2]
@@ -108,14 +108,56 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
     out.copy_(o.view(m, heads, d))
 
 
-def _kernel_far(kernel, q_far, pos, s_near, v, rows, rows_table, window: int, w_uk, w_uv, e_r: int, scale: float,
-                out) -> None:
-    """``decode_latent``'s far rows through vLLM's kernel (read in place), merged with the window's scores
-    ``s_near`` [m, kv_heads, group, keys] (scaled, masked) and values ``v`` by log-sum-exp, into ``out``."""
+def _decode_by_kernel(kernel, q, q_far, pos, near, near_table, rows, rows_table, window: int, w_uk, w_uv,
+                      e_r: int, scale: float, out, workspace: Workspace) -> None:
+    """``decode_latent`` by two calls of vLLM's kernel: the window (its blocks gathered, the keys transposed to
+    the values' layout) and the far rows (read in place), merged by their log-sum-exps."""
+    m, heads, d = q.shape
+    kv_heads, d_c = w_uk.shape[0], w_uk.shape[2]
+    p = pos.long()
+    lat, lse_far = _far_by_kernel(kernel, q_far, p, rows, rows_table, window, w_uk, e_r, scale)
+    lat = lat.float().nan_to_num_(0.0)  # a request with no far key: NaN, weight 0 below
+    if window > 0:
+        o_near, lse_near = _near_by_kernel(kernel, q, p, near, near_table, window, scale, workspace)
+        lse = torch.logaddexp(lse_far, lse_near)
+        o = o_near.float().mul_(torch.exp(lse_near - lse)[..., None])
+        lat.mul_(torch.exp(lse_far - lse)[..., None])
+    else:
+        o = torch.zeros(m, heads, d, device=q.device)
+    o.view(m, kv_heads, -1, d).add_(torch.einsum("mgnc,gdc->mgnd", lat.view(m, kv_heads, -1, d_c), w_uv.float()))
+    out.copy_(o)
+
+
+def _near_by_kernel(kernel, q, p, near, near_table, window: int, scale: float, workspace: Workspace):
+    """The window's part of a decode step: (output [m, heads, d] in q's dtype, log-sum-exp [m, heads] fp32)."""
+    m, heads, d = q.shape
+    kv_heads, bs = near.shape[1], near.shape[3]
+    count = (p + 1).clamp_max(window)  # the window's keys: positions p - count + 1 .. p
+    first = p - count + 1
+    nw = (window - 1) // bs + 2
+    cols = first // bs
+    blocks = near_table.long().gather(1, (cols[:, None] + torch.arange(nw, device=q.device)).clamp_max(
+        near_table.shape[1] - 1))  # blocks past a request's last: not read
+    kt, v = block_kv(near, blocks, workspace)  # [m, kv_heads, d, T], [m, kv_heads, T, d]
+    t = nw * bs
+    k = workspace.take("near_keys", (m, kv_heads, t, d), kt)
+    k.copy_(kt.transpose(-1, -2))
+    v = v.contiguous()
+    # token u of request i's window is slot i x kv_heads x T + (first - cols x bs) + u of these views (a kv head
+    # T slots further)
+    size, strides = (m * kv_heads * t - (kv_heads - 1) * t, kv_heads, d), (d, t * d, 1)
+    table = ((torch.arange(m, device=q.device) * kv_heads * t + first - cols * bs)[:, None]
+             + torch.arange(window, device=q.device))
+    return _attend(kernel, q, k.as_strided(size, strides), v.as_strided(size, strides), table, count, scale, 1)
+
+
+def _far_by_kernel(kernel, q_far, p, rows, rows_table, window: int, w_uk, e_r: int, scale: float):
+    """The far rows' part: (the weighted latents [m, heads, d_c] in the rows' dtype (NaN where a request reads no
+    far key), log-sum-exp [m, heads] fp32, -inf there), the rows read where they lie."""
     m, heads, d = q_far.shape
     kv_heads, d_c = w_uk.shape[0], w_uk.shape[2]
     bl, width = rows.shape[1], rows.shape[2]
-    far = (pos.long() - window + 1).clamp_min(0)  # keys read far: positions 0 .. pos - window
+    far = (p - window + 1).clamp_min(0)  # keys read far: positions 0 .. p - window
     most = max(1, int(far.max()))
     # The kernel reads token t's row at t x its stride: vLLM pads a page to another group's page size, not always
     # by whole rows, so the stride is the gcd of the page's and the row's (rows overlap in this view; only whole
@@ -124,17 +166,20 @@ def _kernel_far(kernel, q_far, pos, s_near, v, rows, rows_table, window: int, w_
     per_block, per_row = rows.stride(0) // unit, width // unit
     flat = rows.as_strided(((rows.shape[0] - 1) * per_block + (bl - 1) * per_row + 1, 1, width), (unit, unit, 1))
     slots = (rows_table[:, :(most + bl - 1) // bl].long()[..., None] * per_block
-             + torch.arange(bl, device=pos.device) * per_row)
+             + torch.arange(bl, device=p.device) * per_row)
     splits = max(1, min(most // KEYS_PER_SPLIT, -(-2 * torch.get_num_threads() // m)))
-    lat = torch.empty(m, heads, d_c, dtype=rows.dtype, device=pos.device)
-    parts = torch.empty(m, heads, splits, d_c + 1, device=pos.device)  # each split's output and log-sum-exp
     q_row = query_rows(q_far.view(m, kv_heads, heads // kv_heads, d), w_uk, e_r, rows.dtype).view(m, heads, width)
-    kernel(q_row, flat, flat[..., :d_c], lat, None, None, None, parts, slots.view(m, -1),
-           torch.arange(m, device=pos.device), far, scale, 0.0, False, 0, None, None)
-    lse_far = torch.logsumexp(parts[..., d_c], -1).view(m, kv_heads, -1, 1)  # -inf: no far key
-    lse_near = torch.logsumexp(s_near, -1, keepdim=True)  # -inf: no window (window 0)
-    lse = torch.logaddexp(lse_far, lse_near)
-    o = torch.matmul(torch.exp(s_near - lse).to(v.dtype), v).float()
-    lat = lat.view(m, kv_heads, -1, d_c).float().nan_to_num_(0.0)  # a request with no far key: NaN, weight 0
-    o += torch.einsum("mgnc,gdc->mgnd", lat * torch.exp(lse_far - lse), w_uv.float())
-    out.copy_(o.view(m, heads, d))
+    return _attend(kernel, q_row, flat, flat[..., :d_c], slots.view(m, -1), far, scale, splits)
+
+
+def _attend(kernel, q, k, v, table, lens, scale: float, splits: int):
+    """vLLM's kernel: query i [heads, e] against keys ``k[table[i, :lens[i]]]`` [kv heads, e] and their values
+    ``v[...]`` [kv heads, dv], split in ``splits`` along the keys -> (output [m, heads, dv] in q's dtype,
+    log-sum-exp [m, heads] fp32: the splits' merged)."""
+    m, heads = q.shape[:2]
+    dv = v.shape[-1]
+    o = torch.empty(m, heads, dv, dtype=q.dtype, device=q.device)
+    parts = torch.empty(m, heads, splits, dv + 1, device=q.device)  # each split's output and log-sum-exp
+    kernel(q, k, v, o, None, None, None, parts, table, torch.arange(m, device=q.device), lens, scale, 0.0, False, 0,
+           None, None)
+    return o, parts[..., 0, dv] if splits == 1 else torch.logsumexp(parts[..., dv], -1)
