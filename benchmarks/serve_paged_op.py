@@ -118,8 +118,9 @@ def latent_rows_kv():
 
 def dar_latent_served(s, maps):
     """dar_latent's decode step as ``allhere serve`` computes it (every request decoding): the window from the
-    paged K/V and the far rows, one softmax, written to out (``paged_latent.decode_latent``; the far queries are
-    drawn here, not made from the queries by the rotary table)."""
+    paged K/V and the far rows read absorbed, written to out (``paged_latent.decode_latent``: in bf16 with vLLM's
+    CPU kernel for latent caches, two calls merged by log-sum-exp; the far queries are drawn here, not made from
+    the queries by the rotary table)."""
     from allhere.serve.paged_latent import decode_latent
 
     pos = s["seq"].long() - 1
@@ -193,7 +194,7 @@ def main() -> None:
             lambda: aha_served(s, workspace))
         runs["allhere dar, as served (far keys rebuilt from latents)"] = lambda: dar_served(s, kv, workspace)
         if SCENARIOS[scenario][2] == 1:  # dar_latent's decode (a prefill rebuilds its far keys, as DAR does)
-            runs["allhere dar_latent, as served (window and latent rows read absorbed, one softmax)"] = (
+            runs["allhere dar_latent, as served (window and latent rows read absorbed)"] = (
                 lambda: dar_latent_served(s, rows_kv))
         base = None
         for name, run in runs.items():

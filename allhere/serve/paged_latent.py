@@ -2,18 +2,18 @@
 request of a step has one query, each query's window (the host's K/V, from the sliding-window cache) and its far
 keys (the latent rows [c ; k^R of every KV head], from the latent cache) are read in one softmax and written
 straight to ``out``: no log-sum-exp, no merge, few operations (at batch 1 a step's cost is its number of
-operations, not its keys). Plain torch, no vLLM import.
+operations, not its keys). No vLLM import: vLLM's kernel (below) is found among torch's registered ops.
 
 Far keys are read absorbed, as ``paged_far._attend_absorbed`` reads them: a head's query becomes a row [q^C W_UK_g ;
 q^R in its KV head's slot, zeros elsewhere], scored against the rows as they are gathered (one matmul per step);
 the probabilities weight the rows, and W_UV_g maps the weighted latent once per head.
 
-With vLLM's CPU build loaded and a bf16 cache, the far rows are read where they lie by vLLM's own CPU decode
-kernel for latent caches (``torch.ops._C.decode_attention_cpu``, from sgl-kernel, the one vLLM's CPU MLA backend
-runs for DeepSeek's [c ; k_pe] rows: our rows are the same form, one shared KV head, the values the rows' first
-d_c numbers): no gather, one call for every request, split along the keys across the CPU's threads. It returns
-the far part normalised, with each split's log-sum-exp; the window is then merged with it by log-sum-exp. The
-kernel has no fp32 version: an fp32 cache takes the torch way above.
+With vLLM's CPU build loaded and a bf16 cache, the step is two calls of vLLM's own CPU decode kernel for latent
+caches (``torch.ops._C.decode_attention_cpu``, from sgl-kernel, the one vLLM's CPU MLA backend runs for DeepSeek's
+[c ; k_pe] rows: our rows have that form, one shared KV head, the values the rows' first d_c numbers): the far
+rows read where they lie, split along the keys across the CPU's threads, and the window's K/V, gathered. Each
+returns its part normalised with its log-sum-exp; the two are merged by them. The kernel has no fp32 version: an
+fp32 cache takes the torch way above.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .paged_decode import block_kv
 _NEG = float("-inf")
 PIECE_BYTES = 4 << 20  # gathered rows per piece of requests: read twice, from the CPU's caches the second time
 KEYS_PER_SPLIT = 512  # the fewest far keys a thread of vLLM's kernel takes (vLLM's CPU MLA backend's choice)
-USE_KERNEL = True  # vLLM's CPU decode kernel for bf16 far rows, when loaded; False: the torch way
+USE_KERNEL = True  # vLLM's CPU decode kernel for a bf16 step, when loaded; False: the torch way
 
 
 def vllm_decode_kernel():
