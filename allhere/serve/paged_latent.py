@@ -13,7 +13,8 @@ caches (``torch.ops._C.decode_attention_cpu``, from sgl-kernel, the one vLLM's C
 [c ; k_pe] rows: our rows have that form, one shared KV head, the values the rows' first d_c numbers): the far
 rows read where they lie, split along the keys across the CPU's threads, and the window's K/V, gathered. Each
 returns its part normalised with its log-sum-exp; the two are merged by them. The kernel has no fp32 version: an
-fp32 cache takes the torch way above.
+fp32 cache takes the torch way above, as does every step where vLLM loaded its build for processors without
+AVX512-BF16, which lacks the kernel.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ USE_KERNEL = True  # vLLM's CPU decode kernel for a bf16 step, when loaded; Fals
 
 
 def vllm_decode_kernel():
-    """``torch.ops._C.decode_attention_cpu`` when vLLM's CPU build is loaded (the serving process), else None."""
+    """``torch.ops._C.decode_attention_cpu`` when vLLM's CPU build is loaded (the serving process) and has it (its
+    build for x86 with AVX512-BF16 does; those for AVX512 or AVX2 alone do not), else None."""
     try:
         return torch.ops._C.decode_attention_cpu
     except (AttributeError, RuntimeError):
