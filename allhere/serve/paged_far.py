@@ -31,7 +31,6 @@ from ..ops.dar_latent.check import query_rows
 from . import paged_chunks
 
 _NEG = float("-inf")
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 FAR_BUDGET = 8 << 20  # bytes of a piece of rebuilt keys: a piece read from the CPU's caches right after the GEMM
 # wrote it (decode of 16 x 8k keys, one core: 95 ms at 8 MB, 138 ms at 32 MB; benchmarks/serve_paged_op.py)
 
@@ -238,7 +237,7 @@ def _attend_far(qr, k, v, causal: bool, scale: float):
     kv_heads); causal: query i reads keys 0..i): (output [1, heads, rows, d], log-sum-exp [1, heads, rows] fp32).
     torch's fused flash attention on the CPU; elsewhere (or ``paged_chunks.FUSED`` False) matmuls in fp32."""
     if qr.is_cpu and paged_chunks.FUSED:
-        out, lse = _flash(qr, k, v, 0.0, causal, scale=scale)
+        out, lse = paged_chunks._flash(qr, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
     group = qr.shape[1] // k.shape[1]
     k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))

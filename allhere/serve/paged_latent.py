@@ -62,19 +62,18 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
     The slots a row does not read (past its far keys in a gathered block, blocks past its own) get weight 0 but
     are multiplied all the same: they must hold finite numbers, which vLLM's caches do (zeroed when allocated,
     then written with keys, values and rows). Masking them instead would copy every gathered row once more."""
-    m, heads, d = q.shape
     workspace = workspace or Workspace()
-    kv_heads, bs = near.shape[1], near.shape[3]
-    group, dev = heads // kv_heads, q.device
-    p = pos.long().view(m, 1)
     kernel = _kernel_for(rows)
     if kernel is not None:
         _decode_by_kernel(kernel, q, q_far, pos, near, near_table, rows, rows_table, window, w_uk, w_uv, e_r, scale,
                           out, workspace)
         return
-    # the window: the blocks of positions pos - window + 1 .. pos
-    nw = (window - 1) // bs + 2 if window > 0 else 0
-    cols = (p - window + 1).clamp_min(0) // bs + torch.arange(nw, device=dev)  # [m, nw]
+    m, heads, d = q.shape
+    kv_heads, bs = near.shape[1], near.shape[3]
+    group, dev = heads // kv_heads, q.device
+    p = pos.long().view(m, 1)
+    cols = _window_cols(p[:, 0], window, bs)  # [m, nw]
+    nw = cols.shape[1]
     kpos = (cols[:, :, None] * bs + torch.arange(bs, device=dev)).view(m, nw * bs)
     near_ok = (kpos <= p) & (p - kpos < window)
     cols = cols.clamp_max(near_table.shape[1] - 1)
@@ -110,6 +109,13 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
     out.copy_(o.view(m, heads, d))
 
 
+def _window_cols(p: torch.Tensor, window: int, bs: int) -> torch.Tensor:
+    """The block columns [m, nw] of the window of positions p - window + 1 .. p [m], from its first position's
+    block on (nw of them for any p; the last may lie past a request's blocks)."""
+    nw = (window - 1) // bs + 2 if window > 0 else 0
+    return (p - window + 1).clamp_min(0)[:, None] // bs + torch.arange(nw, device=p.device)
+
+
 def _decode_by_kernel(kernel, q, q_far, pos, near, near_table, rows, rows_table, window: int, w_uk, w_uv,
                       e_r: int, scale: float, out, workspace: Workspace) -> None:
     """``decode_latent`` by two calls of vLLM's kernel: the window (its blocks gathered, the keys transposed to
@@ -132,23 +138,20 @@ def _decode_by_kernel(kernel, q, q_far, pos, near, near_table, rows, rows_table,
 
 def _near_by_kernel(kernel, q, p, near, near_table, window: int, scale: float, workspace: Workspace):
     """The window's part of a decode step: (output [m, heads, d] in q's dtype, log-sum-exp [m, heads] fp32)."""
-    m, heads, d = q.shape
+    m, d = q.shape[0], q.shape[2]
     kv_heads, bs = near.shape[1], near.shape[3]
     count = (p + 1).clamp_max(window)  # the window's keys: positions p - count + 1 .. p
-    first = p - count + 1
-    nw = (window - 1) // bs + 2
-    cols = first // bs
-    blocks = near_table.long().gather(1, (cols[:, None] + torch.arange(nw, device=q.device)).clamp_max(
-        near_table.shape[1] - 1))  # blocks past a request's last: not read
+    cols = _window_cols(p, window, bs)
+    blocks = near_table.long().gather(1, cols.clamp_max(near_table.shape[1] - 1))  # past a request's last: not read
     kt, v = block_kv(near, blocks, workspace)  # [m, kv_heads, d, T], [m, kv_heads, T, d]
-    t = nw * bs
+    t = cols.shape[1] * bs
     k = workspace.take("near_keys", (m, kv_heads, t, d), kt)
     k.copy_(kt.transpose(-1, -2))
     v = v.contiguous()
-    # token u of request i's window is slot i x kv_heads x T + (first - cols x bs) + u of these views (a kv head
-    # T slots further)
+    # token u of request i's window is slot i x kv_heads x T + (its first position - its first block's) + u of
+    # these views (a kv head T slots further)
     size, strides = (m * kv_heads * t - (kv_heads - 1) * t, kv_heads, d), (d, t * d, 1)
-    table = ((torch.arange(m, device=q.device) * kv_heads * t + first - cols * bs)[:, None]
+    table = ((torch.arange(m, device=q.device) * kv_heads * t + p - count + 1 - cols[:, 0] * bs)[:, None]
              + torch.arange(window, device=q.device))
     return _attend(kernel, q, k.as_strided(size, strides), v.as_strided(size, strides), table, count, scale, 1)
 
