@@ -120,12 +120,16 @@ def dar_latent_served(s, maps):
     """dar_latent's decode step as ``allhere serve`` computes it (every request decoding): the window from the
     paged K/V and the far rows read absorbed, written to out (``paged_latent.decode_latent``: in bf16 with vLLM's
     CPU kernel for latent caches, two calls merged by log-sum-exp; the far queries are drawn here, not made from
-    the queries by the rotary table)."""
+    the queries by the rotary table, and laid out as rows through W_UK: the served layer's one matmul)."""
+    from allhere.ops.dar_latent.check import query_rows
     from allhere.serve.paged_latent import decode_latent
 
+    w_uk, w_uv = maps
+    m = s["q"].shape[0]
     pos = s["seq"].long() - 1
-    decode_latent(s["q"], s["q"], pos, s["view"], s["table"], s["rows"], s["table"], WINDOW, *maps, ROPE,
-                  D ** -0.5, s["out"])
+    q_row = query_rows(s["q"].view(m, KVH, -1, D), w_uk, ROPE, s["rows"].dtype).view(m, H, -1)
+    decode_latent(s["q"], q_row, pos, s["view"], s["table"], s["rows"], s["table"], WINDOW, w_uv, D ** -0.5,
+                  s["out"])
 
 
 def dar_served(s, kv, workspace):

@@ -74,15 +74,25 @@ def paged_view(cache: torch.Tensor, block_size: int, kv_heads: int, head_dim: in
     return cache.view(-1).view(cache.numel() // per_block, kv_heads, 2, block_size, head_dim)
 
 
-def write(view: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transposed: bool = True) -> None:
+def slot_places(slots: torch.Tensor, block_size: int):
+    """Where ``slots`` [tokens] (negative: padding) lie in blocks of ``block_size``: (the index of the kept tokens,
+    None when all are kept; their block; their row in it)."""
+    keep = slots >= 0
+    kept = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+    s = (slots if kept is None else slots[kept]).long()
+    return kept, s // block_size, s % block_size
+
+
+def write(view: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transposed: bool = True,
+          places=None) -> None:
     """Store k, v [tokens, kv_heads, head_dim] at ``slots`` [tokens] (negative slots: padding, skipped).
     transposed: keys as [head_dim, block_size] per (block, kv head), as ``paged_attention`` reads them; False:
-    as [block_size, head_dim], as the Triton paged kernel reads them (``kernel_caches``)."""
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, k, v = slots[keep], k[keep], v[keep]
+    as [block_size, head_dim], as the Triton paged kernel reads them (``kernel_caches``). ``places``: the slots'
+    ``slot_places``, where the caller has them."""
     nb, kv_heads, _, bs, d = view.shape
-    blocks, rows = slots.long() // bs, slots.long() % bs
+    kept, blocks, rows = places or slot_places(slots, bs)
+    if kept is not None:
+        k, v = k[kept], v[kept]
     if transposed:
         view[:, :, 0].view(nb, kv_heads, d, bs)[blocks, :, :, rows] = k.to(view.dtype)
     else:

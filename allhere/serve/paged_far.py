@@ -29,6 +29,7 @@ import torch
 
 from ..ops.dar_latent.check import query_rows
 from . import paged_chunks
+from .paged import slot_places
 
 _NEG = float("-inf")
 FAR_BUDGET = 8 << 20  # bytes of a piece of rebuilt keys: a piece read from the CPU's caches right after the GEMM
@@ -85,14 +86,11 @@ def rotary_projection(weight: torch.Tensor, bias: torch.Tensor | None, kv_heads:
     return keys, order
 
 
-def write_latents(view: torch.Tensor, slots: torch.Tensor, c: torch.Tensor) -> None:
+def write_latents(view: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, places=None) -> None:
     """Store latents c [tokens, d_down] at ``slots`` [tokens] of ``view`` [blocks, block_size, d_down] (negative
-    slots: padding, skipped)."""
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, c = slots[keep], c[keep]
-    bs = view.shape[1]
-    view[slots.long() // bs, slots.long() % bs] = c.to(view.dtype)
+    slots: padding, skipped). ``places``: the slots' ``paged.slot_places``, where the caller has them."""
+    kept, blocks, rows = places or slot_places(slots, view.shape[1])
+    view[blocks, rows] = (c if kept is None else c[kept]).to(view.dtype)
 
 
 def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,

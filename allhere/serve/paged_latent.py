@@ -23,9 +23,9 @@ import math
 
 import torch
 
-from ..ops.dar_latent.check import query_rows
 from .paged_chunks import Workspace
 from .paged_decode import block_kv
+from .step_memo import memo
 
 _NEG = float("-inf")
 PIECE_BYTES = 4 << 20  # gathered rows per piece of requests: read twice, from the CPU's caches the second time
@@ -51,13 +51,15 @@ def _kernel_for(rows: torch.Tensor):
     return vllm_decode_kernel()
 
 
-def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int, w_uk, w_uv, e_r: int,
-                  scale: float, out, workspace: Workspace | None = None) -> None:
-    """q, q_far [m, heads, d]: one query per request (request i's at ``pos[i]``), the host's rotated query and the
-    far query [q^R ; q^C]; near: the window cache ``paged.paged_view`` [blocks, kv_heads, 2, bs, d] (keys
-    transposed) with ``near_table`` [m, >=]; rows: the latent cache [blocks, bs_l, d_c + kv_heads x e_r] with
-    ``rows_table`` [m, >=]; w_uk [kv_heads, d - e_r, d_c], w_uv [kv_heads, d, d_c]. Writes ``out`` [m, heads, d].
-    ``workspace``: where the gathered rows go (``paged_chunks.Workspace``: reused, not page-faulted anew).
+def decode_latent(q, q_row, pos, near, near_table, rows, rows_table, window: int, w_uv, scale: float, out,
+                  workspace: Workspace | None = None, step: dict | None = None) -> None:
+    """q [m, heads, d]: one query per request (request i's at ``pos[i]``), as the host rotated it; q_row [m, heads,
+    d_c + kv_heads x e_r]: its far query as a cache row (``ops.dar_latent.check.query_rows``, absorbed); near: the
+    window cache ``paged.paged_view`` [blocks, kv_heads, 2, bs, d] (keys transposed) with ``near_table`` [m, >=];
+    rows: the latent cache [blocks, bs_l, d_c + kv_heads x e_r] with ``rows_table`` [m, >=]; w_uv [kv_heads, d,
+    d_c]. Writes ``out`` [m, heads, d]. ``workspace``: where the gathered rows go (``paged_chunks.Workspace``:
+    reused, not page-faulted anew). ``step``: a ``step_values`` dict, where what depends on the step alone (pos,
+    the tables, the caches' shapes) is kept for the next layer.
 
     The slots a row does not read (past its far keys in a gathered block, blocks past its own) get weight 0 but
     are multiplied all the same: they must hold finite numbers, which vLLM's caches do (zeroed when allocated,
@@ -65,48 +67,55 @@ def decode_latent(q, q_far, pos, near, near_table, rows, rows_table, window: int
     workspace = workspace or Workspace()
     kernel = _kernel_for(rows)
     if kernel is not None:
-        _decode_by_kernel(kernel, q, q_far, pos, near, near_table, rows, rows_table, window, w_uk, w_uv, e_r, scale,
-                          out, workspace)
+        _decode_by_kernel(kernel, q, q_row, pos, near, near_table, rows, rows_table, window, w_uv, scale, out,
+                          workspace, step)
         return
     m, heads, d = q.shape
     kv_heads, bs = near.shape[1], near.shape[3]
-    group, dev = heads // kv_heads, q.device
-    p = pos.long().view(m, 1)
-    cols = _window_cols(p[:, 0], window, bs)  # [m, nw]
-    nw = cols.shape[1]
-    kpos = (cols[:, :, None] * bs + torch.arange(bs, device=dev)).view(m, nw * bs)
-    near_ok = (kpos <= p) & (p - kpos < window)
-    cols = cols.clamp_max(near_table.shape[1] - 1)
-    kt, v = block_kv(near, torch.where(near_ok.view(m, nw, bs).any(-1), near_table.long().gather(1, cols), 0),
-                     workspace)
+    group, d_c = heads // kv_heads, w_uv.shape[2]
+    bl, width = rows.shape[1], rows.shape[2]
+    near_blocks, near_ok, pieces = memo(step, ("torch", window, bs, bl, width * rows.element_size()), lambda: _plan(
+        pos.long(), near_table, rows_table, window, bs, bl, width * rows.element_size()))
+    kt, v = block_kv(near, near_blocks, workspace)
     # [m, kv_heads, group, nw x bs], in the cache's dtype as the far scores (fp32 accumulation), softmax in fp32
     s_near = torch.matmul(q.view(m, kv_heads, group, d).to(kt.dtype), kt).float()
-    # the far keys: every row of positions 0 .. pos - window, read by pieces of requests whose gathered rows stay
-    # in the CPU's caches between the two products that read them
-    bl, width = rows.shape[1], rows.shape[2]
-    far = (p[:, 0] - window + 1).clamp_min(0)  # keys read far
-    blocks = (far + bl - 1) // bl
-    q_row = query_rows(q_far.view(m, kv_heads, group, d), w_uk, e_r, rows.dtype).view(m, heads, width)
-    summed = torch.empty(m, heads, w_uk.shape[2], device=dev)
-    o = torch.empty(m, kv_heads, group, d, device=dev)
-    per_request = max(1, int(blocks.max())) * bl * width * rows.element_size()
-    step = max(1, PIECE_BYTES // per_request)
+    summed = torch.empty(m, heads, d_c, device=q.device)
+    o = torch.empty(m, kv_heads, group, d, device=q.device)
+    for a, b, ids, blocked in pieces:  # pieces of requests whose gathered rows stay in the CPU's caches
+        c = torch.index_select(rows, 0, ids, out=workspace.take("rows", (ids.numel(), bl, width), rows))
+        c = c.view(b - a, -1, width)
+        s_far = torch.bmm(q_row[a:b], c.transpose(1, 2)).float().view(b - a, kv_heads, group, -1)
+        s = torch.cat([s_near[a:b], s_far], -1).mul_(scale).masked_fill_(blocked, _NEG)
+        w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
+        w_near, w_far = w.split([s_near.shape[-1], c.shape[1]], -1)
+        summed[a:b] = torch.bmm(w_far.reshape(b - a, heads, -1).to(c.dtype), c)[..., :d_c]
+        o[a:b] = torch.matmul(w_near.to(v.dtype), v[a:b]).float()
+    o += torch.matmul(summed.view(m, kv_heads, group, d_c), w_uv.float().transpose(1, 2))
+    out.copy_(o.view(m, heads, d))
+
+
+def _plan(p, near_table, rows_table, window: int, bs: int, bl: int, row_bytes: int):
+    """What the torch way reads, from the positions p [m] alone: (the window's blocks [m, nw], which of their
+    keys it reads [m, nw x bs], and per piece of requests (first, end, its far rows' blocks [pieces x nf], the
+    keys a row does not read [pieces, 1, 1, nw x bs + nf x bl]))."""
+    m, dev = p.shape[0], p.device
+    cols = _window_cols(p, window, bs)  # [m, nw]
+    nw = cols.shape[1]
+    kpos = (cols[:, :, None] * bs + torch.arange(bs, device=dev)).view(m, nw * bs)
+    near_ok = (kpos <= p[:, None]) & (p[:, None] - kpos < window)
+    blocks = torch.where(near_ok.view(m, nw, bs).any(-1), near_table.long().gather(1, cols.clamp_max(
+        near_table.shape[1] - 1)), 0)
+    far = (p - window + 1).clamp_min(0)  # keys read far: positions 0 .. p - window
+    far_blocks = (far + bl - 1) // bl
+    step = max(1, PIECE_BYTES // (max(1, int(far_blocks.max())) * bl * row_bytes))
+    pieces = []
     for a in range(0, m, step):
         b = min(m, a + step)
-        nf = max(1, int(blocks[a:b].max()))
-        ids = torch.where(torch.arange(nf, device=dev) < blocks[a:b, None], rows_table[a:b, :nf].long(), 0)
-        c = torch.index_select(rows, 0, ids.flatten(), out=workspace.take("rows", ((b - a) * nf, bl, width), rows))
-        c = c.view(b - a, nf * bl, width)
-        s_far = torch.bmm(q_row[a:b], c.transpose(1, 2)).float().view(b - a, kv_heads, group, -1)
+        nf = max(1, int(far_blocks[a:b].max()))
+        ids = torch.where(torch.arange(nf, device=dev) < far_blocks[a:b, None], rows_table[a:b, :nf].long(), 0)
         far_ok = torch.arange(nf * bl, device=dev) < far[a:b, None]
-        s = torch.cat([s_near[a:b], s_far], -1).mul_(scale)
-        s.masked_fill_(~torch.cat([near_ok[a:b], far_ok], -1).view(b - a, 1, 1, -1), _NEG)
-        w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
-        w_near, w_far = w.split([s_near.shape[-1], nf * bl], -1)
-        summed[a:b] = torch.bmm(w_far.reshape(b - a, heads, -1).to(c.dtype), c)[..., :w_uk.shape[2]]
-        o[a:b] = torch.matmul(w_near.to(v.dtype), v[a:b]).float()
-    o += torch.einsum("mgnc,gdc->mgnd", summed.view(m, kv_heads, group, -1), w_uv.float())
-    out.copy_(o.view(m, heads, d))
+        pieces.append((a, b, ids.flatten(), ~torch.cat([near_ok[a:b], far_ok], -1).view(b - a, 1, 1, -1)))
+    return blocks, near_ok, pieces
 
 
 def _window_cols(p: torch.Tensor, window: int, bs: int) -> torch.Tensor:
@@ -116,75 +125,89 @@ def _window_cols(p: torch.Tensor, window: int, bs: int) -> torch.Tensor:
     return (p - window + 1).clamp_min(0)[:, None] // bs + torch.arange(nw, device=p.device)
 
 
-def _decode_by_kernel(kernel, q, q_far, pos, near, near_table, rows, rows_table, window: int, w_uk, w_uv,
-                      e_r: int, scale: float, out, workspace: Workspace) -> None:
-    """``decode_latent`` by two calls of vLLM's kernel: the window (its blocks gathered, the keys transposed to
-    the values' layout) and the far rows (read in place), merged by their log-sum-exps."""
+def _decode_by_kernel(kernel, q, q_row, pos, near, near_table, rows, rows_table, window: int, w_uv, scale: float,
+                      out, workspace: Workspace, step: dict | None) -> None:
+    """``decode_latent`` by two calls of vLLM's kernel: the far rows (read in place) and the window (its blocks
+    gathered, the keys transposed back to the values' layout), merged by their log-sum-exps."""
     m, heads, d = q.shape
-    kv_heads, d_c = w_uk.shape[0], w_uk.shape[2]
-    p = pos.long()
-    lat, lse_far = _far_by_kernel(kernel, q_far, p, rows, rows_table, window, w_uk, e_r, scale)
+    kv_heads, d_c = w_uv.shape[0], w_uv.shape[2]
+    p = memo(step, "pos", lambda: pos.long())
+    lat, lse_far = _far_by_kernel(kernel, q_row, p, rows, rows_table, window, d_c, scale, step)
     lat = lat.float().nan_to_num_(0.0)  # a request with no far key: NaN, weight 0 below
+    o = torch.matmul(lat.view(m, kv_heads, -1, d_c), w_uv.float().transpose(1, 2)).view(m, heads, d)
     if window > 0:
-        o_near, lse_near = _near_by_kernel(kernel, q, p, near, near_table, window, scale, workspace)
-        lse = torch.logaddexp(lse_far, lse_near)
-        o = o_near.float().mul_(torch.exp(lse_near - lse)[..., None])
-        lat.mul_(torch.exp(lse_far - lse)[..., None])
-    else:
-        o = torch.zeros(m, heads, d, device=q.device)
-    o.view(m, kv_heads, -1, d).add_(torch.einsum("mgnc,gdc->mgnd", lat.view(m, kv_heads, -1, d_c), w_uv.float()))
+        o_near, lse_near = _near_by_kernel(kernel, q, p, near, near_table, window, scale, workspace, step)
+        # the far part's share of the softmax (0 where a request reads no far key: lse_far -inf)
+        o = torch.lerp(o_near.float(), o, torch.sigmoid(lse_far - lse_near)[..., None])
     out.copy_(o)
 
 
-def _near_by_kernel(kernel, q, p, near, near_table, window: int, scale: float, workspace: Workspace):
+def _near_by_kernel(kernel, q, p, near, near_table, window: int, scale: float, workspace: Workspace,
+                    step: dict | None):
     """The window's part of a decode step: (output [m, heads, d] in q's dtype, log-sum-exp [m, heads] fp32)."""
-    m, d = q.shape[0], q.shape[2]
+    d = q.shape[2]
     kv_heads, bs = near.shape[1], near.shape[3]
+    tiles, table, count, reqs = memo(step, ("near", window, bs, kv_heads), lambda: _near_plan(
+        p, near_table, window, bs, kv_heads))
+    flat = near.reshape(-1, bs, d)  # (block, kv head, keys | values)
+    both = torch.index_select(flat, 0, tiles, out=workspace.take("kv", (tiles.numel(), bs, d), flat))
+    n = tiles.numel() // 2
+    k = workspace.take("k", (n, bs, d), flat)
+    k.copy_(both[:n].view(n, d, bs).transpose(1, 2))  # the keys (stored transposed) in the values' layout
+    # [m, nw, kv_heads, bs, d] each: token (request i, column j, slot s) is row (i nw + j) kv_heads bs + s of
+    # these views, its kv head h bs rows further
+    size, strides = (n * bs - (kv_heads - 1) * bs, kv_heads, d), (d, bs * d, 1)
+    return _attend(kernel, q, k.as_strided(size, strides), both[n:].as_strided(size, strides), table, count, scale,
+                   1, reqs)
+
+
+def _near_plan(p, near_table, window: int, bs: int, kv_heads: int):
+    """The window's (cache rows to gather: keys' then values', the token table [m, window] into them, the keys
+    read [m], arange(m))."""
+    m, dev = p.shape[0], p.device
     count = (p + 1).clamp_max(window)  # the window's keys: positions p - count + 1 .. p
     cols = _window_cols(p, window, bs)
     blocks = near_table.long().gather(1, cols.clamp_max(near_table.shape[1] - 1))  # past a request's last: not read
-    kt, v = block_kv(near, blocks, workspace)  # [m, kv_heads, d, T], [m, kv_heads, T, d]
-    t = cols.shape[1] * bs
-    k = workspace.take("near_keys", (m, kv_heads, t, d), kt)
-    k.copy_(kt.transpose(-1, -2))
-    v = v.contiguous()
-    # token u of request i's window is slot i x kv_heads x T + (its first position - its first block's) + u of
-    # these views (a kv head T slots further)
-    size, strides = (m * kv_heads * t - (kv_heads - 1) * t, kv_heads, d), (d, t * d, 1)
-    table = ((torch.arange(m, device=q.device) * kv_heads * t + p - count + 1 - cols[:, 0] * bs)[:, None]
-             + torch.arange(window, device=q.device))
-    return _attend(kernel, q, k.as_strided(size, strides), v.as_strided(size, strides), table, count, scale, 1)
+    idx = ((blocks[..., None] * kv_heads + torch.arange(kv_heads, device=dev)) * 2).flatten()
+    u = p[:, None] - count[:, None] + 1 + torch.arange(window, device=dev)  # positions (past count: not read)
+    base = torch.arange(m, device=dev)[:, None] * cols.shape[1]
+    table = ((base + (u // bs - cols[:, :1]).clamp(0, cols.shape[1] - 1)) * kv_heads * bs + u % bs)
+    return torch.cat([idx, idx + 1]), table, count, torch.arange(m, device=dev)
 
 
-def _far_by_kernel(kernel, q_far, p, rows, rows_table, window: int, w_uk, e_r: int, scale: float):
+def _far_by_kernel(kernel, q_row, p, rows, rows_table, window: int, d_c: int, scale: float, step: dict | None):
     """The far rows' part: (the weighted latents [m, heads, d_c] in the rows' dtype (NaN where a request reads no
     far key), log-sum-exp [m, heads] fp32, -inf there), the rows read where they lie."""
-    m, heads, d = q_far.shape
-    kv_heads, d_c = w_uk.shape[0], w_uk.shape[2]
     bl, width = rows.shape[1], rows.shape[2]
-    far = (p - window + 1).clamp_min(0)  # keys read far: positions 0 .. p - window
-    most = max(1, int(far.max()))
     # The kernel reads token t's row at t x its stride: vLLM pads a page to another group's page size, not always
     # by whole rows, so the stride is the gcd of the page's and the row's (rows overlap in this view; only whole
     # rows are indexed). Its token table: each request's rows, position by position, in those units.
     unit = math.gcd(rows.stride(0), width)
     per_block, per_row = rows.stride(0) // unit, width // unit
     flat = rows.as_strided(((rows.shape[0] - 1) * per_block + (bl - 1) * per_row + 1, 1, width), (unit, unit, 1))
+    far, slots, splits, reqs = memo(step, ("far", window, bl, per_block, per_row), lambda: _far_plan(
+        p, rows_table, window, bl, per_block, per_row))
+    return _attend(kernel, q_row, flat, flat[..., :d_c], slots, far, scale, splits, reqs)
+
+
+def _far_plan(p, rows_table, window: int, bl: int, per_block: int, per_row: int):
+    """The far rows' (keys read [m], token table, splits along the keys, arange(m))."""
+    m = p.shape[0]
+    far = (p - window + 1).clamp_min(0)  # keys read far: positions 0 .. p - window
+    most = max(1, int(far.max()))
     slots = (rows_table[:, :(most + bl - 1) // bl].long()[..., None] * per_block
              + torch.arange(bl, device=p.device) * per_row)
     splits = max(1, min(most // KEYS_PER_SPLIT, -(-2 * torch.get_num_threads() // m)))
-    q_row = query_rows(q_far.view(m, kv_heads, heads // kv_heads, d), w_uk, e_r, rows.dtype).view(m, heads, width)
-    return _attend(kernel, q_row, flat, flat[..., :d_c], slots.view(m, -1), far, scale, splits)
+    return far, slots.view(m, -1), splits, torch.arange(m, device=p.device)
 
 
-def _attend(kernel, q, k, v, table, lens, scale: float, splits: int):
+def _attend(kernel, q, k, v, table, lens, scale: float, splits: int, reqs):
     """vLLM's kernel: query i [heads, e] against keys ``k[table[i, :lens[i]]]`` [kv heads, e] and their values
     ``v[...]`` [kv heads, dv], split in ``splits`` along the keys -> (output [m, heads, dv] in q's dtype,
-    log-sum-exp [m, heads] fp32: the splits' merged)."""
+    log-sum-exp [m, heads] fp32: the splits' merged). ``reqs``: arange(m)."""
     m, heads = q.shape[:2]
     dv = v.shape[-1]
     o = torch.empty(m, heads, dv, dtype=q.dtype, device=q.device)
     parts = torch.empty(m, heads, splits, dv + 1, device=q.device)  # each split's output and log-sum-exp
-    kernel(q, k, v, o, None, None, None, parts, table, torch.arange(m, device=q.device), lens, scale, 0.0, False, 0,
-           None, None)
+    kernel(q, k, v, o, None, None, None, parts, table, reqs, lens, scale, 0.0, False, 0, None, None)
     return o, parts[..., 0, dv] if splits == 1 else torch.logsumexp(parts[..., dv], -1)

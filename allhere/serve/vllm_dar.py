@@ -45,8 +45,9 @@ from vllm.model_executor.models.extract_hidden_states import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ..hosts import SUBMODULE
-from .paged import token_positions, window_read
+from .paged import slot_places, token_positions, window_read
 from .paged_far import LatentKV, far_pieces, rotary_projection, write_latents
+from .step_memo import memo, step_values
 from .vllm_layers import WINDOW_TILE, block_argument, rebuild_attention
 from .vllm_paged import VLLM_WINDOW_OFFSET, PagedAttention
 
@@ -156,7 +157,9 @@ class DARAttention(PagedAttention):
         x, k = x.reshape(-1, x.shape[-1])[:n], k.view(-1, self.kv_heads, self.head_dim)[:n]
         lmeta, _, lcache, _ = get_attention_context(self._parts[0].latent.layer_name)
         latents = lcache[:, 0]
-        write_latents(latents, lmeta.slot_mapping[:n], rows_of(x, k))
+        slots, bs = lmeta.slot_mapping[:n], latents.shape[1]
+        places = memo(step_values(meta), ("latent slots", bs), lambda: slot_places(slots, bs))
+        write_latents(latents, slots, rows_of(x, k), places)
         return meta, view, q, out, lmeta, latents, x, k
 
     def compute(self, q, k, v, x, out) -> None:

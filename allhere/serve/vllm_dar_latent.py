@@ -19,14 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
 from ..hosts import SUBMODULE
 from ..mechanisms.dar_latent import far_queries
 from ..ops.dar_latent.check import split_rows
+from ..ops.dar_latent.query_map import absorbed_queries, query_map, rotary_factors
 from ..ops.dar_latent.reference import far_keys
 from .paged import token_positions
 from .paged_far import LatentKV, far_pieces
 from .paged_latent import decode_latent
+from .step_memo import memo, step_values
 from .vllm_dar import DARAttention, LatentCache, check_own_block, keep_input, plain_rotary
 from .vllm_layers import rebuild_attention
 from .vllm_paged import VLLM_WINDOW_OFFSET, WORKSPACE
@@ -48,11 +51,21 @@ class DARLatentServe(nn.Module):
         self.x: torch.Tensor | None = None
         self._rotary = [rotary]  # a plain reference (registered under the block)
         self._kv: LatentKV | None = None
+        self._decode: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rows(self, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """x [n, d_model], k [n, kv_heads, d] (rotated) -> the rows [n, d_down + kv_heads x r2]."""
         kept = k.gather(-1, self.channels[None, :, :self.r2].expand(k.shape[0], -1, -1))
-        return torch.cat([F.linear(x, self.down.weight), kept.flatten(1).to(x.dtype)], dim=-1)
+        return torch.cat([self._down(x), kept.flatten(1).to(x.dtype)], dim=-1)
+
+    def _down(self, x: torch.Tensor) -> torch.Tensor:
+        """x W_down^T; on the CPU by vLLM's own GEMM for its linear layers (oneDNN or sgl-kernel, the weight
+        packed once): a decode step's few rows take a fifth of ``F.linear``'s time in bf16."""
+        if x.device.type != "cpu":
+            return F.linear(x, self.down.weight)
+        if not hasattr(self.down, "cpu_linear"):
+            dispatch_cpu_unquantized_gemm(self.down, remove_weight=False)
+        return self.down.cpu_linear(x, self.down.weight, None)
 
     def far_queries(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``mechanisms.dar_latent.far_queries`` in vLLM's layout: q [n, heads, d] (rotated, at ``positions`` [n])
@@ -60,6 +73,22 @@ class DARLatentServe(nn.Module):
         cos, sin = self._rotary[0].cos_sin_cache.index_select(0, positions.long()).float().chunk(2, dim=-1)
         cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # rotate-half layout, as the HF host's
         return far_queries(q.transpose(0, 1)[None], cos, sin, self.channels, self.r2)[0].transpose(0, 1)
+
+    def decode_queries(self, q: torch.Tensor, positions: torch.Tensor, step: dict, dtype) -> torch.Tensor:
+        """q [n, heads, d] (rotated, at ``positions``) -> its far queries as absorbed cache rows [n, heads, width]
+        in ``dtype`` (``ops.dar_latent.query_map``: one matmul; the rotary factors kept in ``step`` for the next
+        layer)."""
+        cache = self._rotary[0].cos_sin_cache
+        factors = memo(step, ("rotary", id(cache)), lambda: rotary_factors(
+            *cache.index_select(0, positions.long()).chunk(2, dim=-1), q.shape[-1]))
+        return absorbed_queries(q, factors, self.decode_maps()[0], dtype)
+
+    def decode_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``query_map`` [kv_heads, 2 d, width], W_UV [kv_heads, d, d_down]) in fp32, made once."""
+        if self._decode is None:
+            w_uk, w_uv = self.maps()
+            self._decode = query_map(self.channels, w_uk, self.r2), w_uv.float()
+        return self._decode
 
     def maps(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [kv_heads, d - r2, d_down], W_UV [kv_heads, d, d_down]): views of the loaded weights."""
@@ -92,17 +121,25 @@ class DARLatentAttention(DARAttention):
             return
         meta, view, q, out, lmeta, rows, _, _ = step
         n = meta.num_actual_tokens
-        req, positions = token_positions(meta.query_start_loc, meta.seq_lens, n)
-        q_far = mech.far_queries(q[:n], positions)
-        starts = meta.query_start_loc
-        if bool((starts[1:] - starts[:-1] <= 1).all()):  # every request decodes: the whole step at once, no merge
-            decode_latent(q[:n], q_far, positions, view, meta.block_table[req], rows, lmeta.block_table[req],
-                          mech.window, *mech.maps(), mech.r2, self.scale, out[:n], WORKSPACE)
+        # what every layer of the step reads alike, made by its first (vLLM builds the metadata anew each step)
+        shared = step_values(meta)
+        req, positions, decoding = memo(shared, "tokens", lambda: _tokens(meta, n))
+        if decoding:  # every request decodes: the whole step at once
+            near_table, rows_table = memo(shared, "tables", lambda: (meta.block_table[req], lmeta.block_table[req]))
+            q_row = mech.decode_queries(q[:n], positions, shared, rows.dtype)
+            decode_latent(q[:n], q_row, positions, view, near_table, rows, rows_table, mech.window,
+                          mech.decode_maps()[1], self.scale, out[:n], WORKSPACE, shared)
             out[n:].zero_()
             return
-        far = far_pieces(q_far, rows, lmeta.query_start_loc, lmeta.seq_lens, lmeta.block_table, mech.window,
-                         mech.latent_kv(), self.scale)
+        far = far_pieces(mech.far_queries(q[:n], positions), rows, lmeta.query_start_loc, lmeta.seq_lens,
+                         lmeta.block_table, mech.window, mech.latent_kv(), self.scale)
         self.attend(q, view, meta, None, out, extra=far)
+
+
+def _tokens(meta, n: int):
+    """(request [n], position [n] of the step's tokens, whether every request has one query)."""
+    starts = meta.query_start_loc
+    return *token_positions(starts, meta.seq_lens, n), bool((starts[1:] - starts[:-1] <= 1).all())
 
 
 def install_dar_latent(block: nn.Module, attn: Attention, cfg, d_model: int) -> None:

@@ -33,10 +33,11 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
 from ..backend import OpPath, get_backend, select
-from .paged import Read, paged_attention, paged_view, write
+from .paged import Read, paged_attention, paged_view, slot_places, write
 from .paged_chunks import Workspace
 from .paged_paths import OP, transposed_for
 from .serving import BACKEND_ENV
+from .step_memo import memo, step_values
 
 PAGED_ATTR = "_allhere_paged"  # on the owner Attention: [its PagedAttention] (a list: no module cycle)
 VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
@@ -228,7 +229,9 @@ class PagedAttention(nn.Module):
         q = q.view(-1, self.heads, self.head_dim)
         if self.path is None:  # one path, hence one cache layout, for the layer's life
             self.path = select(OP, *self._args(q, view, meta, out), **self._options(None), backend=self.backend)
-        write(view, meta.slot_mapping[:n], k, v, transposed=transposed_for(self.path))
+        slots = meta.slot_mapping[:n]
+        places = memo(step_values(meta), ("slots", view.shape[3]), lambda: slot_places(slots, view.shape[3]))
+        write(view, slots, k, v, transposed=transposed_for(self.path), places=places)
         return meta, view, q, out
 
     def _args(self, q, view, meta, out) -> tuple:

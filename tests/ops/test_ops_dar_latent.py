@@ -157,3 +157,28 @@ def test_bad_shapes_are_named():
     x["w_uv"] = x["w_uv"][:, :3]
     with pytest.raises(ValueError, match="w_uv must be"):
         dar_latent_attention_reference(**x, window=5)
+
+
+@pytest.mark.parametrize("rot", [16, 10])
+def test_absorbed_queries_in_one_matmul_equal_far_queries_then_query_rows(rot):
+    """The served decode's query rows (``query_map``: the rotation undone, the channels reordered, W_UK and the
+    slots folded into one matrix per KV head) = ``far_queries`` then ``query_rows``, with a full and a partial
+    rotary width, the kept pairs chosen per KV head."""
+    from allhere.mechanisms.dar_latent import far_queries
+    from allhere.mechanisms.dar_latent_channels import channel_order
+    from allhere.ops.dar_latent.check import query_rows
+    from allhere.ops.dar_latent.query_map import absorbed_queries, query_map, rotary_factors
+
+    gen = torch.Generator().manual_seed(3)
+    n, heads, g, d, pairs, d_c = 5, 6, 3, 16, 2, 7
+    kept = torch.stack([torch.randperm(rot // 2, generator=gen)[:pairs] for _ in range(g)])
+    channels = channel_order(kept, rot, d)
+    q = torch.randn(n, heads, d, generator=gen)
+    angles = torch.rand(n, rot // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    w_uk = torch.randn(g, d - 2 * pairs, d_c, generator=gen)
+    want = query_rows(far_queries(q.transpose(0, 1)[None], torch.cat([cos, cos], -1), torch.cat([sin, sin], -1),
+                                  channels, 2 * pairs)[0].transpose(0, 1).reshape(n, g, heads // g, d), w_uk,
+                      2 * pairs, torch.float32).reshape(n, heads, -1)
+    got = absorbed_queries(q, rotary_factors(cos, sin, d), query_map(channels, w_uk, 2 * pairs), torch.float32)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

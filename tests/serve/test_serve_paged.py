@@ -16,6 +16,7 @@ from allhere.backend import dispatch, select
 from allhere.masks import causal, sliding_window
 from allhere.ops.aha import aha_attention_reference
 from allhere.ops.dar import dar_attention_reference
+from allhere.ops.dar_latent.check import query_rows
 from allhere.ops.full import pattern_attention_reference
 from allhere.serve import paged_chunks, paged_far, paged_paths  # noqa: F401  (registers op family "paged")
 from allhere.serve.paged import (
@@ -363,8 +364,8 @@ def test_view_refuses_partial_blocks():
 def latent_decode_case(window: int, dtype: torch.dtype):
     """A dar_latent decode step over paged caches (requests of LENGTHS tokens, each decoding its last): returns
     (the arguments of ``paged_latent.decode_latent`` but ``out``, the expected output by
-    ``dar_latent_attention_reference`` per request, in fp32). Unwritten row slots hold 1e4 (weight 0, finite); the
-    rows' pages are padded as vLLM pads them."""
+    ``dar_latent_attention_reference`` per request in fp32, and (the far queries, W_UK, e_r)). Unwritten row
+    slots hold 1e4 (weight 0, finite); the rows' pages are padded as vLLM pads them."""
     from allhere.ops.dar_latent import dar_latent_attention_reference
 
     gen = torch.Generator().manual_seed(5)
@@ -391,7 +392,8 @@ def latent_decode_case(window: int, dtype: torch.dtype):
                                                      c[None], w_uk, w_uv, window, SCALE)[0, :, 0][None]
                       for r, (k, v, c) in enumerate(data)]).float()
     pos = torch.tensor(LENGTHS) - 1
-    return (q, q_far, pos, view, table[:m], rows, rows_table[:m], window, w_uk, w_uv, e_r, SCALE), want
+    q_row = query_rows(q_far.view(m, KV_HEADS, -1, D), w_uk, e_r, dtype).view(m, HEADS, -1)
+    return (q, q_row, pos, view, table[:m], rows, rows_table[:m], window, w_uv, SCALE), want, (q_far, w_uk, e_r)
 
 
 @pytest.mark.parametrize("window", [0, 1, 3, 6, 40])
@@ -408,11 +410,14 @@ def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
 
     monkeypatch.setattr(paged_latent, "PIECE_BYTES", piece)
     monkeypatch.setattr(paged_latent, "USE_KERNEL", False)
-    args, want = latent_decode_case(window, dtype)
-    q, q_far, pos, view, table, rows, rows_table, _, w_uk, w_uv, e_r, _ = args
+    args, want, (q_far, w_uk, e_r) = latent_decode_case(window, dtype)
+    q, _, pos, view, table, rows, rows_table, _, w_uv, _ = args
     m = len(LENGTHS)
-    direct = torch.full((m, HEADS, D), 7.0, dtype=dtype)
-    paged_latent.decode_latent(*args, direct)
+    direct, again = (torch.full((m, HEADS, D), 7.0, dtype=dtype) for _ in range(2))
+    step = {}  # a second layer of the step reads what the first kept
+    paged_latent.decode_latent(*args, direct, step=step)
+    paged_latent.decode_latent(*args, again, step=step)
+    assert step
     kv = LatentKV(None, torch.nn.functional.pad(w_uv, (0, KV_HEADS * e_r)), absorbed=(w_uk, e_r))
     starts, lens = torch.arange(m + 1), torch.tensor(LENGTHS)
     pieces = far_pieces(q_far, rows, starts, lens, rows_table, window, kv, SCALE)
@@ -420,5 +425,5 @@ def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
     dispatch("paged", q, view, starts, lens, table, [[window_read(window)] if window else []], SCALE, merged,
              extra=pieces, backend="torch")
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for got in (direct, merged):
+    for got in (direct, again, merged):
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

@@ -452,13 +452,16 @@ def test_dar_latent_decode_through_vllms_kernel(window, monkeypatch):
     from allhere.serve import paged_latent
 
     assert (paged_latent.vllm_decode_kernel() is not None) == torch.cpu._is_avx512_bf16_supported()
-    args, want = latent_decode_case(window, torch.bfloat16)
+    args, want, _ = latent_decode_case(window, torch.bfloat16)
     d = args[0].shape[-1]
     outs = []
     for kernel in (True, False):
         monkeypatch.setattr(paged_latent, "USE_KERNEL", kernel)
-        out = torch.full((len(LENGTHS), HEADS, d), 7.0, dtype=torch.bfloat16)
-        paged_latent.decode_latent(*args, out)
+        out, again = (torch.full((len(LENGTHS), HEADS, d), 7.0, dtype=torch.bfloat16) for _ in range(2))
+        step = {}  # a second layer of the step reads what the first kept
+        paged_latent.decode_latent(*args, out, step=step)
+        paged_latent.decode_latent(*args, again, step=step)
+        torch.testing.assert_close(again, out, atol=0, rtol=0)
         outs.append(out.float())
     torch.testing.assert_close(outs[0], want, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(outs[0], outs[1], atol=3e-2, rtol=3e-2)
