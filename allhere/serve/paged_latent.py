@@ -4,9 +4,11 @@ keys (the latent rows [c ; k^R of every KV head], from the latent cache) are rea
 straight to ``out``: no log-sum-exp, no merge, few operations (at batch 1 a step's cost is its number of
 operations, not its keys). No vLLM import: vLLM's kernel (below) is found among torch's registered ops.
 
-Far keys are read absorbed, as ``paged_far._attend_absorbed`` reads them: a head's query becomes a row [q^C W_UK_g ;
-q^R in its KV head's slot, zeros elsewhere], scored against the rows as they are gathered (one matmul per step);
-the probabilities weight the rows, and W_UV_g maps the weighted latent once per head.
+Far keys are read absorbed, as ``paged_far._attend_absorbed`` reads them: a head's query comes as a row [q^C W_UK_g ;
+q^R in its KV head's slot, zeros elsewhere] (the served layer makes it in one matmul: ``ops.dar_latent.query_map``),
+scored against the rows as they are gathered (one matmul per step); the probabilities weight the rows, and W_UV_g
+maps the weighted latent once per head. What follows from the step's positions and tables alone is made by its
+first layer and kept for the others (``step_memo``).
 
 With vLLM's CPU build loaded and a bf16 cache, the step is two calls of vLLM's own CPU decode kernel for latent
 caches (``torch.ops._C.decode_attention_cpu``, from sgl-kernel, the one vLLM's CPU MLA backend runs for DeepSeek's
@@ -74,7 +76,7 @@ def decode_latent(q, q_row, pos, near, near_table, rows, rows_table, window: int
     kv_heads, bs = near.shape[1], near.shape[3]
     group, d_c = heads // kv_heads, w_uv.shape[2]
     bl, width = rows.shape[1], rows.shape[2]
-    near_blocks, near_ok, pieces = memo(step, ("torch", window, bs, bl, width * rows.element_size()), lambda: _plan(
+    near_blocks, pieces = memo(step, ("torch", window, bs, bl, width * rows.element_size()), lambda: _plan(
         pos.long(), near_table, rows_table, window, bs, bl, width * rows.element_size()))
     kt, v = block_kv(near, near_blocks, workspace)
     # [m, kv_heads, group, nw x bs], in the cache's dtype as the far scores (fp32 accumulation), softmax in fp32
@@ -95,9 +97,9 @@ def decode_latent(q, q_row, pos, near, near_table, rows, rows_table, window: int
 
 
 def _plan(p, near_table, rows_table, window: int, bs: int, bl: int, row_bytes: int):
-    """What the torch way reads, from the positions p [m] alone: (the window's blocks [m, nw], which of their
-    keys it reads [m, nw x bs], and per piece of requests (first, end, its far rows' blocks [pieces x nf], the
-    keys a row does not read [pieces, 1, 1, nw x bs + nf x bl]))."""
+    """What the torch way reads, from the positions p [m] alone: (the window's blocks [m, nw], and per piece of
+    requests (first, end, its far rows' blocks [pieces x nf], the keys a row does not read [pieces, 1, 1, nw x bs
+    + nf x bl]))."""
     m, dev = p.shape[0], p.device
     cols = _window_cols(p, window, bs)  # [m, nw]
     nw = cols.shape[1]
@@ -107,15 +109,15 @@ def _plan(p, near_table, rows_table, window: int, bs: int, bl: int, row_bytes: i
         near_table.shape[1] - 1)), 0)
     far = (p - window + 1).clamp_min(0)  # keys read far: positions 0 .. p - window
     far_blocks = (far + bl - 1) // bl
-    step = max(1, PIECE_BYTES // (max(1, int(far_blocks.max())) * bl * row_bytes))
+    per_piece = max(1, PIECE_BYTES // (max(1, int(far_blocks.max())) * bl * row_bytes))
     pieces = []
-    for a in range(0, m, step):
-        b = min(m, a + step)
+    for a in range(0, m, per_piece):
+        b = min(m, a + per_piece)
         nf = max(1, int(far_blocks[a:b].max()))
         ids = torch.where(torch.arange(nf, device=dev) < far_blocks[a:b, None], rows_table[a:b, :nf].long(), 0)
         far_ok = torch.arange(nf * bl, device=dev) < far[a:b, None]
         pieces.append((a, b, ids.flatten(), ~torch.cat([near_ok[a:b], far_ok], -1).view(b - a, 1, 1, -1)))
-    return blocks, near_ok, pieces
+    return blocks, pieces
 
 
 def _window_cols(p: torch.Tensor, window: int, bs: int) -> torch.Tensor:
