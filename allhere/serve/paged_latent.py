@@ -92,7 +92,7 @@ def decode_latent(q, q_row, pos, near, near_table, rows, rows_table, window: int
         w_near, w_far = w.split([s_near.shape[-1], c.shape[1]], -1)
         summed[a:b] = torch.bmm(w_far.reshape(b - a, heads, -1).to(c.dtype), c)[..., :d_c]
         o[a:b] = torch.matmul(w_near.to(v.dtype), v[a:b]).float()
-    o += torch.matmul(summed.view(m, kv_heads, group, d_c), w_uv.float().transpose(1, 2))
+    o += torch.einsum("mgqc,gdc->mgqd", summed.view(m, kv_heads, group, d_c), w_uv.float())
     out.copy_(o.view(m, heads, d))
 
 
@@ -136,7 +136,8 @@ def _decode_by_kernel(kernel, q, q_row, pos, near, near_table, rows, rows_table,
     p = memo(step, "pos", lambda: pos.long())
     lat, lse_far = _far_by_kernel(kernel, q_row, p, rows, rows_table, window, d_c, scale, step)
     lat = lat.float().nan_to_num_(0.0)  # a request with no far key: NaN, weight 0 below
-    o = torch.matmul(lat.view(m, kv_heads, -1, d_c), w_uv.float().transpose(1, 2)).view(m, heads, d)
+    # einsum, not matmul: matmul would broadcast W_UV to every request (a copy each), einsum batches by KV head
+    o = torch.einsum("mgqc,gdc->mgqd", lat.view(m, kv_heads, -1, d_c), w_uv.float()).reshape(m, heads, d)
     if window > 0:
         o_near, lse_near = _near_by_kernel(kernel, q, p, near, near_table, window, scale, workspace, step)
         # the far part's share of the softmax (0 where a request reads no far key: lse_far -inf)

@@ -50,4 +50,5 @@ def absorbed_queries(q: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor,
     qf = q.float()
     u = torch.addcmul(qf * c, qf.index_select(-1, perm), s)
     x = torch.cat([qf, u], -1).view(n, m.shape[0], heads // m.shape[0], 2 * d)
-    return torch.matmul(x, m).to(dtype).view(n, heads, -1)
+    # einsum, not matmul: matmul would broadcast M to every query (a copy of M per query), einsum batches by KV head
+    return torch.einsum("ngqe,gew->ngqw", x, m).to(dtype).reshape(n, heads, -1)
