@@ -1,0 +1,83 @@
+"""Where a served decode step's time goes: a model folder served by vLLM in this process (allhere's plugin
+registered), BATCH requests of random prompts prefilled, then decode steps timed and profiled by torch's profiler
+(operators by their own time; ``--python``: cProfile's functions instead).
+
+    .venv-serve/bin/python benchmarks/serve_profile.py runs/smollm2/dar/control/model --prompt 8000
+    .venv-serve/bin/python benchmarks/serve_profile.py runs/smollm2/dar/latent-w128-d144-r4/stage2/model \
+        --prompt 4096 --batch 16
+
+(needs the serving environment: bash scripts/install_serve.sh). The engine runs as ``allhere serve`` runs it
+(vLLM's torch.compile of the model, allhere's layers as custom operators), but in one process: the engine core's
+own threads share it, so Python's per-operator costs read somewhat higher than in a server. Run the plain and the
+converted model one after the other on an idle machine and compare the step times and the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model runs in this process, under the profiler
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("model", help="a model folder (plain, or written by allhere convert)")
+    p.add_argument("--prompt", type=int, default=8000, help="tokens per prompt (default 8000)")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together (default 1)")
+    p.add_argument("--steps", type=int, default=10, help="decode steps profiled (default 10; 20 more are timed)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="served dtype")
+    p.add_argument("--rows", type=int, default=30, help="operators (or functions) listed (default 30)")
+    p.add_argument("--python", action="store_true", help="cProfile's Python functions instead of operators")
+    a = p.parse_args()
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from allhere.serve.vllm_plugin import register
+
+    register()
+    steps = 5 + 20 + a.steps
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.prompt + steps + 8, seed=0,
+              kv_cache_memory_bytes=3 << 30)
+    engine = llm.llm_engine
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(a.batch):
+        engine.add_request(f"r{i}", {"prompt_token_ids": torch.randint(100, 40000, (a.prompt,), generator=gen)
+                                     .tolist()}, params)
+    start, started = time.perf_counter(), set()
+    while len(started) < a.batch:  # until every request has its first token: all decode from here on
+        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+    print(f"# {a.model}: {a.batch} x {a.prompt} tokens prefilled in {time.perf_counter() - start:.1f} s; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    for _ in range(5):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(20):
+        engine.step()
+    print(f"# decode step: {(time.perf_counter() - start) / 20 * 1e3:.2f} ms (mean of 20)", flush=True)
+    if a.python:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.steps):
+            engine.step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(a.steps):
+            engine.step()
+    print(f"# {a.steps} decode steps:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
+
+
+if __name__ == "__main__":
+    main()
