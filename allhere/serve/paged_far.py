@@ -27,7 +27,6 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..ops.dar_latent.check import query_rows
 from . import paged_chunks
 from .paged import slot_places
 
@@ -44,9 +43,6 @@ class LatentKV(NamedTuple):
     v_weight: torch.Tensor  # [kv_heads, d, d_down]: a far value is v_weight @ c (+ v_bias)
     v_bias: torch.Tensor | None = None  # [kv_heads, d]
     q_order: torch.Tensor | None = None  # [d]: the keys' head dimension is the queries' in this order (None: same)
-    # (w_uk [kv_heads, e_c, d_c], e_r): a decode row reads the latent rows [c ; k^R of every KV head] absorbed
-    # (``dar_latent``: its query [q^R ; q^C] folded into a row, nothing rebuilt), not through ``keys``
-    absorbed: tuple[torch.Tensor, int] | None = None
 
 
 def rotary_projection(weight: torch.Tensor, bias: torch.Tensor | None, kv_heads: int,
@@ -95,13 +91,16 @@ def write_latents(view: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, plac
 
 def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                block_table: torch.Tensor, window: int, kv: LatentKV, scale: float,
-               budget: int = FAR_BUDGET):
+               budget: int = FAR_BUDGET, absorbed: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """What each row of ``q`` [tokens, heads, d] reads through the bottleneck: every key j <= its position -
     ``window``, rebuilt from ``view``'s latents through ``block_table`` (request r's queries are rows
     ``query_start[r]:query_start[r + 1]``, the last of its ``seq_lens[r]`` tokens, whose latents are written).
     Yields pieces (row ids [n, size], output [n, size, d], log-sum-exp [n, size]) for ``paged_chunks.merge`` /
     ``Merger`` as they are computed; ``budget``: bytes of rebuilt keys, latents and scores held at once (about;
-    a prefill's last far keys, as many as its queries, are rebuilt at once)."""
+    a prefill's last far keys, as many as its queries, are rebuilt at once). ``absorbed`` (``dar_latent``, whose
+    latents are rows [c ; k^R of every KV head]): token ids [k] -> their queries as cache rows [k, heads, width]
+    (``ops.dar_latent.query_map``); a decode row then reads the rows absorbed, nothing rebuilt, not through
+    ``kv.keys``."""
     starts, lens = query_start.long(), seq_lens.long()
     q_len = starts[1:] - starts[:-1]
     if kv.q_order is not None:
@@ -112,7 +111,7 @@ def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, s
     chunk = max(view.shape[1], budget // per_token // view.shape[1] * view.shape[1])  # keys per piece
     one = (q_len == 1) & (far > 0)
     if bool(one.any()):
-        yield from _decode(q, view, starts, far, block_table, one.nonzero().flatten(), kv, scale, chunk)
+        yield from _decode(q, view, starts, far, block_table, one.nonzero().flatten(), kv, scale, chunk, absorbed)
     for r in ((q_len > 1) & (far > 0)).nonzero().flatten().tolist():
         yield from _prefill(q, view, int(starts[r]), int(q_len[r]), int(lens[r]), block_table[r], window, kv, scale,
                             chunk)
@@ -143,13 +142,14 @@ def _attend(q, k, c, allowed, kv: LatentKV, scale: float):
     return _weigh(s, c.float(), allowed, kv)
 
 
-def _attend_absorbed(q, c, allowed, kv: LatentKV, scale: float):
-    """``_attend`` for latent rows c [n, keys, d_c + kv_heads x e_r] (``LatentKV.absorbed``): a head's query
-    becomes a row, [q^C W_UK_g ; q^R in its KV head's slot, zeros elsewhere], read against the rows in their dtype
-    (one matmul, rows @ q^T: torch's CPU matmul copies a transposed bf16 operand); scores normalised in fp32."""
-    n, g, m, _ = q.shape
-    q_row = query_rows(q, *kv.absorbed, c.dtype).view(n, g * m, -1)
-    s = torch.bmm(c, q_row.transpose(1, 2)).transpose(1, 2).float().mul_(scale).view(n, g, m, -1)
+def _attend_absorbed(q_row, c, allowed, kv: LatentKV, scale: float):
+    """``_attend`` for latent rows c [n, keys, d_c + kv_heads x e_r] read absorbed: q_row [n, kv_heads, m, width],
+    a head's query as a row [q^C W_UK_g ; q^R in its KV head's slot, zeros elsewhere], read against the rows in
+    their dtype (one matmul, rows @ q^T: torch's CPU matmul copies a transposed bf16 operand); scores normalised in
+    fp32."""
+    n, g, m, _ = q_row.shape
+    s = torch.bmm(c, q_row.to(c.dtype).view(n, g * m, -1).transpose(1, 2)).transpose(1, 2)
+    s = s.float().mul_(scale).view(n, g, m, -1)
     return _weigh(s, c, allowed, kv)
 
 
@@ -170,8 +170,9 @@ def _weigh(s, c, allowed, kv: LatentKV):
     return o, lse
 
 
-def _decode(q, view, starts, far, block_table, reqs, kv: LatentKV, scale: float, chunk: int) -> list:
-    """Requests ``reqs`` with one query each: batched, sorted by how many far keys they read."""
+def _decode(q, view, starts, far, block_table, reqs, kv: LatentKV, scale: float, chunk: int, absorbed) -> list:
+    """Requests ``reqs`` with one query each: batched, sorted by how many far keys they read (``absorbed``: as
+    ``far_pieces``)."""
     heads, d = q.shape[1], q.shape[2]
     kv_heads = kv.v_weight.shape[0]
     reqs = reqs[torch.argsort(far[reqs], stable=True)]
@@ -185,13 +186,13 @@ def _decode(q, view, starts, far, block_table, reqs, kv: LatentKV, scale: float,
         idx, narrowest, width, i = reqs[i:j], widths[i], widths[j - 1], j
         n = idx.numel()
         rows = starts[idx][:, None] * heads + torch.arange(heads, device=q.device)  # [n, heads]
-        qr = q[starts[idx]].view(n, kv_heads, heads // kv_heads, d)
+        qr = (q[starts[idx]] if absorbed is None else absorbed(starts[idx])).view(n, kv_heads, heads // kv_heads, -1)
         for first in range(0, width, chunk):  # one request wider than a piece: its keys in chunks
             count = min(chunk, width - first)
             allowed = None  # every request of the piece reads all these keys
             if narrowest < first + count:
                 allowed = (torch.arange(first, first + count, device=q.device) < far[idx, None])[:, None, None]
-            if kv.absorbed is None:
+            if absorbed is None:
                 c, k = _rebuild(view, block_table[idx], first, count, kv)
                 o, lse = _attend(qr, k, c, allowed, kv, scale)
             else:

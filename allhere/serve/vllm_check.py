@@ -43,7 +43,7 @@ def held_blocks(llm, prompt: list[int], params) -> tuple[list[int], list[int]]:
 
 def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(None,), max_model_len: int = 512,
            block_size: int = 32, again: bool = False, compiled: bool = False, held: int = 0,
-           dtype: str = "float32") -> dict:
+           dtype: str = "float32", step_tokens: int | None = None) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model below hands the engine functions
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
     from vllm import LLM, SamplingParams
@@ -53,8 +53,11 @@ def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(No
 
     register()  # where the entry point is installed vLLM has done it already; idempotent
     # small blocks (the CPU's smallest): a prompt and its completion span several, as a long context would
+    # ``step_tokens``: the most tokens a step schedules, so that a long prompt is read in chunks while the
+    # others decode beside it (steps that mix decode and prefill)
+    steps = {} if step_tokens is None else {"max_num_batched_tokens": step_tokens, "max_num_seqs": len(prompts)}
     llm = LLM(model=path, dtype=dtype, enforce_eager=not compiled, max_model_len=max_model_len, seed=0,
-              block_size=block_size)
+              block_size=block_size, **steps)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     results = {}
     for value in forced:
@@ -89,6 +92,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=512, help="longest prompt + new tokens (default 512)")
     p.add_argument("--held", type=int, default=0, metavar="N",
                    help="also generate N tokens from the last prompt alone and report the KV blocks held per step")
+    p.add_argument("--step-tokens", type=int, default=None, metavar="N",
+                   help="schedule at most N tokens a step (a long prompt read in chunks beside decoding requests)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the served dtype (default float32)")
     return p
@@ -99,7 +104,8 @@ def check(argv: list[str]) -> dict:
     args = parser().parse_args(argv)
     forced = [SETTINGS[s.strip().lower()] for s in args.forced.split(",")]
     out = greedy(args.model, json.loads(args.prompts), args.max_tokens, forced, max_model_len=args.max_model_len,
-                 again=args.again, compiled=args.compiled, held=args.held, dtype=args.dtype)
+                 again=args.again, compiled=args.compiled, held=args.held, dtype=args.dtype,
+                 step_tokens=args.step_tokens)
     gc.collect()  # the engine's model and KV cache, before the next check builds its own
     return out
 

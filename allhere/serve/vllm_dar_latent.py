@@ -9,7 +9,7 @@ host's rotated key at the ``rope_pairs`` rotary pairs kept per KV head (the ``ch
 A step writes its rows, then every query reads its window from the near cache and its distant keys from the rows
 with its far query [q^R ; q^C]: its rotated channels at the kept pairs, and its other channels unrotated (vLLM's
 rotary table inverted at the query's position). A decode row reads the rows absorbed (its content query folded
-into the latent: ``allhere.serve.paged_far``, ``LatentKV.absorbed``), nothing rebuilt; a prefill's far keys are
+into the latent by one matmul: ``allhere.ops.dar_latent.query_map``), nothing rebuilt; a prefill's far keys are
 rebuilt per chunk from the rows, as DAR's. One softmax: the pieces are merged by log-sum-exp with the window's.
 """
 
@@ -74,10 +74,10 @@ class DARLatentServe(nn.Module):
         cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # rotate-half layout, as the HF host's
         return far_queries(q.transpose(0, 1)[None], cos, sin, self.channels, self.r2)[0].transpose(0, 1)
 
-    def decode_queries(self, q: torch.Tensor, positions: torch.Tensor, step: dict, dtype) -> torch.Tensor:
+    def decode_queries(self, q: torch.Tensor, positions: torch.Tensor, dtype, step: dict | None = None) -> torch.Tensor:
         """q [n, heads, d] (rotated, at ``positions``) -> its far queries as absorbed cache rows [n, heads, width]
-        in ``dtype`` (``ops.dar_latent.query_map``: one matmul; the rotary factors kept in ``step`` for the next
-        layer)."""
+        in ``dtype`` (``ops.dar_latent.query_map``: one matmul). ``step``: a ``step_values`` dict where the rotary
+        factors at ``positions`` are kept for the step's next layer (the same positions at every layer)."""
         cache = self._rotary[0].cos_sin_cache
         factors = memo(step, ("rotary", id(cache)), lambda: rotary_factors(
             *cache.index_select(0, positions.long()).chunk(2, dim=-1), q.shape[-1]))
@@ -96,8 +96,8 @@ class DARLatentServe(nn.Module):
         return self.up_k.weight.view(g, d - self.r2, self.d_down), self.up_v.weight.view(g, d, self.d_down)
 
     def latent_kv(self) -> LatentKV:
-        """How the far keys and values come from the rows, for ``paged_far`` (built once, from the loaded
-        weights): decode rows read them absorbed, a prefill's far keys are rebuilt."""
+        """How a prefill's far keys and values are rebuilt from the rows, for ``paged_far`` (built once, from the
+        loaded weights)."""
         if self._kv is None:
             g = self.channels.shape[0]
             w_uk, w_uv = self.maps()
@@ -106,7 +106,7 @@ class DARLatentServe(nn.Module):
                 return far_keys(*split_rows(rows.float(), g, self.d_down), w_uk.float()).transpose(1, 2)
 
             # the rows' k^R part has no value: zero columns of W_UV
-            self._kv = LatentKV(keys, torch.nn.functional.pad(w_uv, (0, g * self.r2)), absorbed=(w_uk, self.r2))
+            self._kv = LatentKV(keys, torch.nn.functional.pad(w_uv, (0, g * self.r2)))
         return self._kv
 
 
@@ -126,13 +126,15 @@ class DARLatentAttention(DARAttention):
         req, positions, decoding = memo(shared, "tokens", lambda: _tokens(meta, n))
         if decoding:  # every request decodes: the whole step at once
             near_table, rows_table = memo(shared, "tables", lambda: (meta.block_table[req], lmeta.block_table[req]))
-            q_row = mech.decode_queries(q[:n], positions, shared, rows.dtype)
+            q_row = mech.decode_queries(q[:n], positions, rows.dtype, shared)
             decode_latent(q[:n], q_row, positions, view, near_table, rows, rows_table, mech.window,
                           mech.decode_maps()[1], self.scale, out[:n], WORKSPACE, shared)
             out[n:].zero_()
             return
+        # a prefill's far keys are rebuilt for its far queries; a decode row reads the rows absorbed
         far = far_pieces(mech.far_queries(q[:n], positions), rows, lmeta.query_start_loc, lmeta.seq_lens,
-                         lmeta.block_table, mech.window, mech.latent_kv(), self.scale)
+                         lmeta.block_table, mech.window, mech.latent_kv(), self.scale,
+                         absorbed=lambda ids: mech.decode_queries(q[ids], positions[ids], rows.dtype))
         self.attend(q, view, meta, None, out, extra=far)
 
 

@@ -393,7 +393,7 @@ def latent_decode_case(window: int, dtype: torch.dtype):
                       for r, (k, v, c) in enumerate(data)]).float()
     pos = torch.tensor(LENGTHS) - 1
     q_row = query_rows(q_far.view(m, KV_HEADS, -1, D), w_uk, e_r, dtype).view(m, HEADS, -1)
-    return (q, q_row, pos, view, table[:m], rows, rows_table[:m], window, w_uv, SCALE), want, (q_far, w_uk, e_r)
+    return (q, q_row, pos, view, table[:m], rows, rows_table[:m], window, w_uv, SCALE), want, e_r
 
 
 @pytest.mark.parametrize("window", [0, 1, 3, 6, 40])
@@ -401,29 +401,33 @@ def latent_decode_case(window: int, dtype: torch.dtype):
 @pytest.mark.parametrize("piece", [4 << 20, 1], ids=["one_piece", "a_request_a_piece"])
 def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
     """dar_latent's decode step as served, both ways: all requests at once into ``out`` (``paged_latent``: the
-    far rows gathered for all requests in one piece, or request by request), and
-    the window through op family "paged" with the far rows read absorbed as pieces (``far_pieces``,
-    ``LatentKV.absorbed``), each = ``dar_latent_attention_reference`` per request (window from the paged K/V,
-    far keys from the paged rows [c ; k^R], other blocks and another block size). (vLLM's kernel for the far
-    rows: tests/serve/test_serve_vllm.py.)"""
+    far rows gathered for all requests in one piece, or request by request), and the window through op family
+    "paged" with the far rows read absorbed as pieces (``far_pieces`` with ``absorbed``, as a step with a prefill
+    serves its decode rows), each = ``dar_latent_attention_reference`` per request (window from the paged K/V, far
+    keys from the paged rows [c ; k^R], other blocks and another block size). (vLLM's kernel for the far rows:
+    tests/serve/test_serve_vllm.py.)"""
     from allhere.serve import paged_latent
 
     monkeypatch.setattr(paged_latent, "PIECE_BYTES", piece)
     monkeypatch.setattr(paged_latent, "USE_KERNEL", False)
-    args, want, (q_far, w_uk, e_r) = latent_decode_case(window, dtype)
-    q, _, pos, view, table, rows, rows_table, _, w_uv, _ = args
+    args, want, e_r = latent_decode_case(window, dtype)
+    q, q_row, pos, view, table, rows, rows_table, _, w_uv, _ = args
     m = len(LENGTHS)
     direct, again = (torch.full((m, HEADS, D), 7.0, dtype=dtype) for _ in range(2))
     step = {}  # a second layer of the step reads what the first kept
     paged_latent.decode_latent(*args, direct, step=step)
     paged_latent.decode_latent(*args, again, step=step)
     assert step
-    kv = LatentKV(None, torch.nn.functional.pad(w_uv, (0, KV_HEADS * e_r)), absorbed=(w_uk, e_r))
+    kv = LatentKV(None, torch.nn.functional.pad(w_uv, (0, KV_HEADS * e_r)))
     starts, lens = torch.arange(m + 1), torch.tensor(LENGTHS)
-    pieces = far_pieces(q_far, rows, starts, lens, rows_table, window, kv, SCALE)
+    read = []  # the token ids whose rows the pieces asked for
+    pieces = far_pieces(q.new_full((m, HEADS, D), float("nan")), rows, starts, lens, rows_table, window, kv, SCALE,
+                        absorbed=lambda ids: read.append(ids) or q_row[ids])
     merged = torch.full((m, HEADS, D), 7.0, dtype=dtype)
     dispatch("paged", q, view, starts, lens, table, [[window_read(window)] if window else []], SCALE, merged,
              extra=pieces, backend="torch")
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for got in (direct, again, merged):
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    readers = ((torch.tensor(LENGTHS) - window) > 0).nonzero().flatten().tolist()
+    assert sorted(i for ids in read for i in ids.tolist()) == readers  # each far reader's row, asked for once

@@ -106,7 +106,7 @@ def _engines():
 
 
 def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, backend=None, max_model_len=512,
-          module=None, dtype="float32"):
+          module=None, dtype="float32", step_tokens=None):
     """Greedy tokens served by vLLM (``allhere.serve.vllm_check``): the eager checks in the shared process,
     ``compiled`` and ``backend`` (the served layers' backend of op family "paged", as ``allhere serve --backend``
     sets it: "triton" is allhere's Triton paged kernel, AHA's path on CUDA, here in Triton's interpreter) each in
@@ -116,7 +116,8 @@ def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, b
     env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     args = ([str(folder), "--prompts", json.dumps(prompts), "--max-tokens", str(NEW_TOKENS), "--forced", forced]
             + (["--again"] if again else []) + (["--compiled"] if compiled else [])
-            + (["--held", str(held)] if held else []) + ["--max-model-len", str(max_model_len), "--dtype", dtype])
+            + (["--held", str(held)] if held else []) + ["--max-model-len", str(max_model_len), "--dtype", dtype]
+            + (["--step-tokens", str(step_tokens)] if step_tokens else []))
     if not (compiled or backend or module):
         return _ENGINES.run(args, env)
     if backend:
@@ -250,6 +251,18 @@ def test_llama_paged_mechanisms(sharp, kind):
     assert served["tokens"] == ours
     assert served["again"]["tokens"] == ours and served["again"]["cached"][-1] >= 64, served["again"]["cached"]
     assert ours != _allhere(sharp["llama"], prompts) and ours != _allhere(sharp["llama_sliding"], prompts)
+
+
+@pytest.mark.parametrize("kind", ["dar", "dar_latent"])
+def test_decode_beside_a_prompts_chunks(sharp, kind):
+    """DAR and dar_latent when vLLM reads the long prompt in chunks of at most 32 tokens while the short ones
+    decode: steps that mix decode rows reading far keys (dar_latent: absorbed, ``far_pieces``) with a prefill
+    chunk (its far keys rebuilt) = allhere's generate, token for token."""
+    long = sharp["prompts"][-1]
+    assert len(long) > 3 * 32
+    prompts = [long[:12], long[5:25], long]  # read first; then each decode row reads far keys (window 8)
+    assert _vllm(sharp[f"llama_{kind}"], prompts, step_tokens=32)["none"]["tokens"] == _allhere(
+        sharp[f"llama_{kind}"], prompts)
 
 
 HELD = 224  # new tokens: with the prompt of about 100, 11 blocks of 32
