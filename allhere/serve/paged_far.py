@@ -40,7 +40,8 @@ class LatentKV(NamedTuple):
 
     keys: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (c [n, keys, d_down], positions [keys]) -> keys
     # [n, keys, kv_heads, d], their head dimension in the order ``q_order`` (the same positions for every n)
-    v_weight: torch.Tensor  # [kv_heads, d, d_down]: a far value is v_weight @ c (+ v_bias)
+    v_weight: torch.Tensor  # [kv_heads, d, d_v]: a far value is v_weight @ c[:d_v] (+ v_bias): the latent's first
+    # d_v numbers (all of them for DAR; dar_latent's rows [c ; k^R] carry the rotated keys after them)
     v_bias: torch.Tensor | None = None  # [kv_heads, d]
     q_order: torch.Tensor | None = None  # [d]: the keys' head dimension is the queries' in this order (None: same)
 
@@ -155,12 +156,14 @@ def _attend_absorbed(q_row, c, allowed, kv: LatentKV, scale: float):
 
 def _weigh(s, c, allowed, kv: LatentKV):
     """Scores s [n, kv_heads, m, keys] (fp32, scaled) -> (output [n, kv_heads, m, d] fp32, log-sum-exp): the
-    probabilities weight the latents c [n, keys, width] in their dtype, then one [d, width] map per KV head."""
+    probabilities weight the latents c [n, keys, >= d_v] (their first d_v numbers, in their dtype), then one
+    [d, d_v] map per KV head."""
     if allowed is not None:
         s.masked_fill_(~allowed, _NEG)
     lse = torch.logsumexp(s, -1)
     p = s.sub_(lse.clamp_min(torch.finfo(torch.float32).min)[..., None]).exp_()
     n, g, m, keys = p.shape
+    c = c[..., :kv.v_weight.shape[2]]  # a strided view: bmm reads it where it lies
     if allowed is not None:
         c = c.masked_fill(~allowed.any(2)[:, 0, :, None], 0)  # 0 x a stale inf in an unread slot is NaN
     pc = torch.bmm(p.to(c.dtype).view(n, g * m, keys), c).view(n, g, m, -1).float()  # weighted latents
@@ -222,7 +225,8 @@ def _far_piece(qr, view, blocks, first: int, count: int, kv: LatentKV, scale: fl
     rebuilt with their values (causal: query i reads the first i + 1 of them; else all): one piece."""
     kv_heads, heads, d = kv.v_weight.shape[0], qr.shape[1], qr.shape[3]
     c, k = _rebuild(view, blocks[None], first, count, kv)
-    v = torch.nn.functional.linear(c[0].float(), kv.v_weight.reshape(kv_heads * d, -1).float(),
+    w_v = kv.v_weight.reshape(kv_heads * d, -1).float()
+    v = torch.nn.functional.linear(c[0, :, :w_v.shape[1]].float(), w_v,
                                    None if kv.v_bias is None else kv.v_bias.reshape(-1).float())
     k, v = (t.view(count, kv_heads, d).transpose(0, 1)[None].to(qr.dtype) for t in (k[0], v))
     out, lse = _attend_far(qr, k, v, causal, scale)

@@ -90,7 +90,7 @@ def decode_latent(q, q_row, pos, near, near_table, rows, rows_table, window: int
         s = torch.cat([s_near[a:b], s_far], -1).mul_(scale).masked_fill_(blocked, _NEG)
         w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
         w_near, w_far = w.split([s_near.shape[-1], c.shape[1]], -1)
-        summed[a:b] = torch.bmm(w_far.reshape(b - a, heads, -1).to(c.dtype), c)[..., :d_c]
+        summed[a:b] = torch.bmm(w_far.reshape(b - a, heads, -1).to(c.dtype), c[..., :d_c])  # read where it lies
         o[a:b] = torch.matmul(w_near.to(v.dtype), v[a:b]).float()
     o += torch.einsum("mgqc,gdc->mgqd", summed.view(m, kv_heads, group, d_c), w_uv.float())
     out.copy_(o.view(m, heads, d))

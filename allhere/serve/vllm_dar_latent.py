@@ -105,8 +105,7 @@ class DARLatentServe(nn.Module):
             def keys(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [n, t, g, d], fp32
                 return far_keys(*split_rows(rows.float(), g, self.d_down), w_uk.float()).transpose(1, 2)
 
-            # the rows' k^R part has no value: zero columns of W_UV
-            self._kv = LatentKV(keys, torch.nn.functional.pad(w_uv, (0, g * self.r2)))
+            self._kv = LatentKV(keys, w_uv)  # a value is W_UV_g c: the rows' first d_down numbers
         return self._kv
 
 

@@ -418,7 +418,7 @@ def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
     paged_latent.decode_latent(*args, direct, step=step)
     paged_latent.decode_latent(*args, again, step=step)
     assert step
-    kv = LatentKV(None, torch.nn.functional.pad(w_uv, (0, KV_HEADS * e_r)))
+    kv = LatentKV(None, w_uv)
     starts, lens = torch.arange(m + 1), torch.tensor(LENGTHS)
     read = []  # the token ids whose rows the pieces asked for
     pieces = far_pieces(q.new_full((m, HEADS, D), float("nan")), rows, starts, lens, rows_table, window, kv, SCALE,
