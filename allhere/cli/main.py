@@ -105,10 +105,12 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="allhere", description="Local and global attention for decoder-only LMs.")
+    # no abbreviated options: a shortened or misspelt flag is an error, not silently another option
+    p = OneLineParser(prog="allhere", description="Local and global attention for decoder-only LMs.",
+                      allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
-        cp = sub.add_parser(command.name, help=command.help, description=command.help)
+        cp = sub.add_parser(command.name, help=command.help, description=command.help, allow_abbrev=False)
         command.add_arguments(cp)
         cp.add_argument("--verbose", action="store_true",
                         help="also show what transformers, datasets and lm-eval print (default: errors only)")

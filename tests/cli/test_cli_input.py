@@ -98,6 +98,7 @@ def test_every_option_says_what_it_does_and_its_default():
 
 def test_argument_errors_are_one_line_without_usage(capsys):
     for argv, command, message in [(["demo", "--bogus"], "demo", "unrecognized arguments: --bogus"),
+                                   (["demo", "--pres", "tiny"], "demo", "unrecognized arguments: --pres"),  # --preset
                                    (["convert", "--window", "4"], "convert", "the following arguments are required"),
                                    (["nope"], None, "invalid choice")]:
         assert main(argv) == 2
