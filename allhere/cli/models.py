@@ -144,6 +144,10 @@ def convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=a.out_folder, required=True,
                    help="a new or empty folder to save the converted model into (required)")
     a.conversion_flags(p, _hf_kinds())
+    p.add_argument("--calibration", type=a.existing_file, default=None, metavar="TEXT",
+                   help="dar_latent: a UTF-8 text file on which the host's own attention chooses the rotary pairs "
+                        "kept per kv head (the pairs of largest |q||k|, MHA2MLA's choice; its first 8 windows of "
+                        "512 tokens; default: none, the same score taken on the weights)")
     p.add_argument("--format", choices=("allhere", "faolmo"), default="allhere",
                    help="allhere: transformers' files plus allhere's settings (default); faolmo: the checkpoint "
                         "format of the AHA paper's authors (OLMo-2 and AHA only, tau 0.5, a router without bias: "
@@ -169,10 +173,22 @@ def convert(args) -> None:
     if saved is not None:
         raise ConfigError(f"--model {args.model} is already converted ({type(saved).__name__}); every command "
                           "taking --model loads it as it is (Python: allhere.hf.load_pretrained)")
+    if args.calibration is not None and args.mechanism != "dar_latent":
+        raise ConfigError(f"--calibration chooses dar_latent's rotary pairs; --mechanism {args.mechanism} takes no "
+                          "calibration text")
     check_causal_lm(args.model, convertible=True, layers=args.layers, mechanism=mech)  # before any weight is read
+    text = calibration = None
+    if args.calibration is not None:
+        from ..hf.calibration import calibration_ids, calibration_text
+
+        text = calibration_text(args.calibration)
     tokenizer, model = load_local(args.model, convertible=True, layers=args.layers)
+    if text is not None:
+        calibration = calibration_ids(tokenizer, text)
+        print(f"calibration: {calibration.shape[0]} x {calibration.shape[1]} tokens of {args.calibration}",
+              file=sys.stderr)
     _print_notes(model.config, args.layers)
-    hf_convert(model, mech, layers=args.layers)
+    hf_convert(model, mech, layers=args.layers, calibration=calibration)
     save_pretrained(model, args.out, format=args.format)
     tokenizer.save_pretrained(args.out)
     fmt = " in the AHA authors' faolmo format" if args.format == "faolmo" else ""

@@ -191,7 +191,8 @@ def test_save_then_load_keeps_the_latent_weights_and_the_kept_channels(tmp_path)
 
 def test_allhere_convert_gives_the_host_initialised_model(tmp_path):
     """``allhere convert --mechanism dar_latent --rope-pairs r`` saves the model ``convert`` gives from the host
-    without calibration text (evenly spaced pairs, then the SVD); --rope-pairs on another mechanism is refused."""
+    without calibration text (pairs by the weights' score, then the SVD); --rope-pairs on another mechanism is
+    refused."""
     from allhere.cli import main
     from allhere.hf import load_pretrained
     from allhere.hf.io import load_local
@@ -209,3 +210,47 @@ def test_allhere_convert_gives_the_host_initialised_model(tmp_path):
     assert main(["convert", "--model", str(folder), "--out", str(tmp_path / "a"), "--window", "4",
                  "--rope-pairs", "3"]) == 2  # not a setting of AHA: refused, nothing written
     assert not (tmp_path / "a").exists()
+
+
+def test_allhere_convert_with_calibration_text(tmp_path, capsys):
+    """``allhere convert --mechanism dar_latent --calibration TEXT`` saves the model ``convert`` gives with the
+    file's tokens as calibration (pairs by the host's |q||k| on them); a file that is not UTF-8, too short a text,
+    or another mechanism: one line, exit 2, nothing written."""
+    from allhere.cli import main
+    from allhere.hf import load_pretrained
+    from allhere.hf.calibration import calibration_ids
+    from allhere.hf.io import load_local
+
+    from hf_fixtures import write_model
+
+    folder = write_model("SmolLM2-135M", tmp_path / "m", init_std=0.1)
+    text = tmp_path / "calib.txt"
+    lines = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n"
+    text.write_text(lines * 3, encoding="utf-8")
+    flags = ["--mechanism", "dar_latent", "--window", "4", "--d-down", "18", "--rope-pairs", "3"]
+    for name, calib in (("plain", []), ("calibrated", ["--calibration", str(text)])):
+        assert main(["convert", "--model", str(folder), "--out", str(tmp_path / name), *flags, *calib]) == 0
+    tokenizer, host = load_local(folder)
+    ids = calibration_ids(tokenizer, text.read_text(encoding="utf-8"))
+    assert ids.shape[0] == 1 and 16 <= ids.shape[1] < 512  # shorter than a window: one window of all of it
+    assert calibration_ids(tokenizer, lines * 1000).shape == (8, 512)  # a long text: its first 8 windows
+    want = convert(host, DARLatentConfig(window=4, d_down=18, rope_pairs=3), calibration=ids)
+    got, ref, plain = (m.model.layers[1].self_attn.allhere for m in (load_pretrained(tmp_path / "calibrated"), want,
+                                                                         load_pretrained(tmp_path / "plain")))
+    assert torch.equal(got.channels, ref.channels) and rel_err(got.up_v.weight, ref.up_v.weight) < 1e-6
+    assert not torch.equal(got.channels, plain.channels)  # chosen on the text, not evenly spaced
+    capsys.readouterr()
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00 not text" * 10)
+    (tmp_path / "short.txt").write_text("x = 1", encoding="utf-8")
+    for i, (calib, mech, message) in enumerate([("binary.txt", "dar_latent", "not UTF-8 text"),
+                                                ("short.txt", "dar_latent", "at least 16 are needed"),
+                                                ("calib.txt", "dar", "--mechanism dar takes no calibration text")]):
+        argv = ["convert", "--model", str(folder), "--out", str(tmp_path / f"bad{i}"), *flags,
+                "--calibration", str(tmp_path / calib)]
+        argv[argv.index("dar_latent")] = mech
+        if mech == "dar":
+            argv.remove("--rope-pairs"), argv.remove("3")
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / f"bad{i}").exists()
