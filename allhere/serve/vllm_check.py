@@ -68,7 +68,8 @@ def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(No
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         key = {None: "none", True: "true", False: "false"}[value]
         results[key] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                        "routing": llm.apply_model(routing_stats)[0] if routed else None}
+                        "routing": llm.apply_model(routing_stats)[0] if routed else None,
+                        "kv": llm.apply_model(lambda model: getattr(model, "allhere_kv", None))[0]}
         if again:  # the same prompts once more: their full blocks now come from vLLM's prefix cache
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             results[key]["again"] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],

@@ -91,11 +91,22 @@ class LatentCache(CacheOnlyAttentionLayer):
         block = vllm_config.cache_config.block_size
         spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=self.head_size, head_size_v=0,
                                  dtype=self.kv_cache_torch_dtype)
-        page = block * self.near_numbers * self.kv_cache_torch_dtype.itemsize
-        per_slot = self.near_numbers // self.head_size
-        if per_slot == 0 or page % spec.page_size_bytes == 0:  # wider than the window's K/V, or vLLM's own ratio
+        per_slot = self._rows_per_slot()
+        if per_slot is None:
             return spec
+        page = block * self.near_numbers * self.kv_cache_torch_dtype.itemsize
         return dataclasses.replace(spec, block_size=block * per_slot, page_size_padded=page)
+
+    def _rows_per_slot(self) -> int | None:
+        """Rows a page holds per token slot of the window cache's pages, padded; None where vLLM sizes the blocks
+        itself (rows wider than the window's K/V, or dividing them)."""
+        per_slot = self.near_numbers // self.head_size
+        return None if per_slot == 0 or self.near_numbers % self.head_size == 0 else per_slot
+
+    def reserved_numbers(self) -> float:
+        """Numbers of cache memory vLLM reserves per token: a row, with its share of the page's padding."""
+        per_slot = self._rows_per_slot()
+        return self.head_size if per_slot is None else self.near_numbers / per_slot
 
 
 class DARServe(nn.Module):

@@ -78,15 +78,15 @@ def aha_layers(model: nn.Module) -> dict[int, AHAServe]:
 
 def kv_bytes(model: nn.Module, dtype: torch.dtype, max_len: int) -> dict:
     """What the model's KV caches keep, from its vLLM ``Attention`` layers: ``per_token``, bytes per token of
-    context (layers that keep every key); ``per_request``, bytes of the sliding-window layers' windows and of the
-    sinks layers' sinks and windows (a constant per request, past the window; vLLM holds whole blocks of them);
-    ``plain_per_token``, bytes per token of the unconverted model (every layer keeping every key, none of
-    allhere's extra caches)."""
+    context (layers that keep every key; DAR's latent rows with their share of the padding of vLLM's pages);
+    ``per_request``, bytes of the sliding-window layers' windows and of the sinks layers' sinks and windows (a
+    constant per request, past the window; vLLM holds whole blocks of them); ``plain_per_token``, bytes per token
+    of the unconverted model (every layer keeping every key, none of allhere's extra caches)."""
     size = torch.tensor([], dtype=dtype).element_size()
     out = {"per_token": 0, "per_request": 0, "plain_per_token": 0}
     for m in model.modules():
-        if isinstance(m, LatentCache):  # DAR's latents: d_down numbers per token
-            out["per_token"] += m.head_size * size
+        if isinstance(m, LatentCache):  # DAR's latents (d_down numbers per token), as vLLM's padded pages hold them
+            out["per_token"] += m.reserved_numbers() * size
             continue
         if not isinstance(m, Attention) or getattr(m, "kv_sharing_target_layer_name", None):
             continue
@@ -99,7 +99,7 @@ def kv_bytes(model: nn.Module, dtype: torch.dtype, max_len: int) -> dict:
         else:
             out["per_token"] += b
         out["plain_per_token"] += b
-    return out
+    return {k: round(v) for k, v in out.items()}
 
 
 def routing_stats(model: nn.Module) -> dict:

@@ -274,8 +274,9 @@ def test_kv_blocks(sharp):
     sinks (4) hold their sink block and at most two of the window's (``allhere.serve.vllm_kv``); DAR (d_down 64
     of 2 x 64 K/V numbers per token) the window's and blocks of latents, two pages of which fit one of the
     plain model's (``allhere.serve.vllm_dar``: 64 tokens a block); dar_latent's rows of 56 numbers, 64 a page too
-    (the rest of the page padding). The tokens stay allhere's over the whole
-    generation (the freed blocks are never read; the far keys are rebuilt at every step)."""
+    (the rest of the page padding), which ``allhere serve``'s KV line counts as 64, what vLLM reserves. The
+    tokens stay allhere's over the whole generation (the freed blocks are never read; the far keys are rebuilt
+    at every step)."""
     long = sharp["prompts"][-1:]
     plain = _vllm(sharp["llama"], long, held=HELD)["none"]
     total = len(long[0]) + HELD
@@ -287,6 +288,8 @@ def test_kv_blocks(sharp):
     assert latent_blocks <= max(dar["held"]) <= latent_blocks + 3 < max(plain["held"]), dar["held"]
     latent = _vllm(sharp["llama_dar_latent"], long, held=HELD)["none"]  # rows of 48 + 8 numbers: 64 a page
     assert latent_blocks <= max(latent["held"]) <= latent_blocks + 3 < max(plain["held"]), latent["held"]
+    for served in (dar, latent):  # 2 layers, fp32: 64 numbers of 2 x 64 a token, the window's apart
+        assert served["kv"]["per_token"] == 2 * 64 * 4 and served["kv"]["plain_per_token"] == 2 * 128 * 4, served
     for kind, served in (("sinks", sinks), ("dar", dar), ("dar_latent", latent)):
         ours = _allhere(sharp[f"llama_{kind}"], long, new_tokens=HELD)[0]
         assert served["held_tokens"][:len(ours)] == ours and len(ours) > 64, kind
