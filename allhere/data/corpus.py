@@ -76,20 +76,20 @@ def text_corpus(path: str | Path, val_percent: int = 5) -> Corpus:
         return _datasets_corpus(p, val_percent)
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
-        docs = [(str(f.relative_to(p)), _text_bytes(f)) for f in files]
+        docs = [(str(f.relative_to(p)), text_bytes(f)) for f in files]
         docs = [(n, t) for n, t in docs if t.strip()]
         if not docs:
             raise DataError(f"data folder {p} holds no non-empty text files ({', '.join(TEXT_SUFFIXES)})")
         if len(docs) == 1:
             return _split_single(docs[0][1], val_percent, str(p))
         return _split(docs, val_percent, str(p))
-    text = _text_bytes(p)
+    text = text_bytes(p)
     if not text.strip():
         raise DataError(f"data file {p} is empty")
     return _split_single(text, val_percent, str(p))
 
 
-def _text_bytes(path: Path) -> bytes:
+def text_bytes(path: Path) -> bytes:
     """The bytes of a text file; DataError for anything else (a binary file, another encoding): the
     models read raw bytes and would train on it without complaint."""
     try:

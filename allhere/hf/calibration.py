@@ -5,8 +5,11 @@ Any Transformer-based LLMs", arXiv:2502.14837)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from ..data.corpus import text_bytes
 from ..validation import ConfigError
 
 WINDOWS, LENGTH = 8, 512  # as allhere's SmolLM2 job calibrates: 8 windows of 512 tokens
@@ -15,13 +18,10 @@ CHARS_PER_TOKEN = 16  # read at most this many characters per token wanted (more
 
 
 def calibration_text(path: str, windows: int = WINDOWS, length: int = LENGTH) -> str:
-    """The beginning of the UTF-8 text file ``path``: enough for ``windows`` windows of ``length`` tokens (a large
-    corpus is not read whole). Read before the model is loaded, so that a bad file fails at once."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read(windows * length * CHARS_PER_TOKEN)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--calibration {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    """The beginning of the text file ``path``: enough for ``windows`` windows of ``length`` tokens (a large corpus
+    is not tokenized whole). Checked as ``--data`` files are (readable, UTF-8, no NUL bytes); read before the model
+    is loaded, so that a bad file fails at once."""
+    return text_bytes(Path(path)).decode("utf-8")[:windows * length * CHARS_PER_TOKEN]
 
 
 def calibration_ids(tokenizer, text: str, windows: int = WINDOWS, length: int = LENGTH) -> torch.Tensor:

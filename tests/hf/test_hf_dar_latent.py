@@ -214,8 +214,8 @@ def test_allhere_convert_gives_the_host_initialised_model(tmp_path):
 
 def test_allhere_convert_with_calibration_text(tmp_path, capsys):
     """``allhere convert --mechanism dar_latent --calibration TEXT`` saves the model ``convert`` gives with the
-    file's tokens as calibration (pairs by the host's |q||k| on them); a file that is not UTF-8, too short a text,
-    or another mechanism: one line, exit 2, nothing written."""
+    file's tokens as calibration (pairs by the host's |q||k| on them); a file that is not UTF-8 or not text, too
+    short a text, or another mechanism: one line, exit 2, nothing written."""
     from allhere.cli import main
     from allhere.hf import load_pretrained
     from allhere.hf.calibration import calibration_ids
@@ -242,7 +242,9 @@ def test_allhere_convert_with_calibration_text(tmp_path, capsys):
     capsys.readouterr()
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00 not text" * 10)
     (tmp_path / "short.txt").write_text("x = 1", encoding="utf-8")
+    (tmp_path / "nul.txt").write_bytes(b"valid UTF-8 \x00 but not text\n" * 10)
     for i, (calib, mech, message) in enumerate([("binary.txt", "dar_latent", "not UTF-8 text"),
+                                                ("nul.txt", "dar_latent", "it holds NUL bytes"),
                                                 ("short.txt", "dar_latent", "at least 16 are needed"),
                                                 ("calib.txt", "dar", "--mechanism dar takes no calibration text")]):
         argv = ["convert", "--model", str(folder), "--out", str(tmp_path / f"bad{i}"), *flags,
