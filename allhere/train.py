@@ -185,7 +185,9 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
         for step in range(state["step"], cfg.steps):
             for group in opt.param_groups:
                 group["lr"] = lr_at(cfg, step) * group["lr_mult"]
-            sums = {"loss": 0.0, "lm": 0.0, "mu_f": 0.0}
+            # loss, lm and mu_f summed on the device in float64 (as Python floats would be), read once a step: no
+            # host-device sync per micro-batch
+            acc = torch.zeros(3, dtype=torch.float64, device=device)
             # this rank's share of the step's micro-batches
             micros = range(cfg.grad_accum) if run is None else run.micro_batches()
             share = cfg.grad_accum * (run.cp if cp else 1)  # context parallel: every cp rank logs 1/cp
@@ -200,9 +202,9 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
                     pads = kwargs["segment_starts"] < 0 if "segment_starts" in kwargs else None  # not in L_reg, mu_f
                     loss = training_loss(out, ids, lam, None if pads is None else ~pads, loss_mask)
                 (loss.total / len(micros)).backward()
-                sums["loss"] += loss.total.item() / share
-                sums["lm"] += loss.lm.item() / share
-                sums["mu_f"] += (1.0 if loss.mu_f is None else loss.mu_f.item()) / share
+                mu_f = torch.ones((), device=device) if loss.mu_f is None else loss.mu_f
+                acc += torch.stack([t.detach().double() for t in (loss.total, loss.lm, mu_f)]) / share
+            sums = dict(zip(("loss", "lm", "mu_f"), acc.tolist()))
             if run is not None:
                 sums = run.sum(sums)
             if cfg.clip > 0:
