@@ -30,6 +30,9 @@ autotuner now times the same settings in the first calls of bench.
                          generate on allhere's in-place cache, and both models' decode step captured as a
                          CUDA graph over a StaticCache (took 90 s before the second backend choice and the
                          captured steps)
+  darlatent    ~90       benchmarks/dar_latent_decode.py: dar_latent's decode kernel (B = 8 at 32k and 128k,
+                         three model shapes) against plain SDPA's fastest backend, checked against its PyTorch
+                         path (its 10 tests come in the tests part, ~15 s more)
   mechanisms   took 83   every mechanism in a Decoder against the CPU, the patterns' FlexAttention path, the
                          AA-MoE op, ring attention and FSDP2 (bf16, sharded checkpoint) in a one-rank NCCL
                          group
@@ -85,12 +88,13 @@ def _patterns(backend: str, *lengths: str) -> tuple:
 PARTS = {  # in order of worth; expected: seconds on the H200 of 2026-11-26 (fourth session), from a cold machine
     "tests": Part(215, "tests.log", (
         (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=10", "tests/ops/test_gpu.py",
-         "tests/ops/test_kernels.py", "tests/ops/test_aha_paged.py",
-         "tests/hf/test_captured_decode.py"),), 164),  # 87 tests, then the captured decode's (~10 s)
+         "tests/ops/test_kernels.py", "tests/ops/test_aha_paged.py", "tests/ops/test_kernel_dar_latent.py",
+         "tests/hf/test_captured_decode.py"),), 180),  # 87 tests, the captured decode's (~10 s), dar_latent's
     "bench": Part(290, "bench.log", (  # cold, 164 s of it tuning
         (PY, "-m", "allhere.cli", "bench", "--profile", "--out", "{tmp}/bench"),), 216),
     "model": Part(165, "model.log", (  # 90 s before the second SDPA choice and the captured steps
         (PY, "-m", "allhere.cli", "bench", "--tables", "model", "--out", "{tmp}/model"),), 125),
+    "darlatent": Part(150, "model.log", ((PY, "benchmarks/dar_latent_decode.py"),), 90),  # never run
     "mechanisms": Part(120, "mechanisms.log", (
         (PY, "-m", "pytest", "-q", "-rfEsx", "--durations=15", "tests/mechanisms/test_gpu_mechanisms.py"),),
         83),  # 57 tests

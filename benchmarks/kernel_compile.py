@@ -16,6 +16,8 @@ the check that the kernels build for a real GPU with the Triton installed here (
 them in Triton's interpreter, which is not the compiler). It measures no speed.
 
 Shapes follow the speed goals unless told otherwise: head dim 128, bf16, w = 256, GQA (8 query heads on 2 kv heads).
+``dar_latent``'s decode kernel has one launch setting and no candidates: it is compiled with it at d_c = 64 and
+512 (its latent tile the widest at Llama-3.2-1B's d_c), with 8 rotated numbers (4 pairs) per KV head.
 """
 
 from __future__ import annotations
@@ -117,6 +119,22 @@ def fits(r: dict, arch: int) -> str:
     return "; ".join(problems) or "ok"
 
 
+LATENT_WIDTHS = (64, 512)  # dar_latent's d_c: SmolLM2's served shape, Llama-3.2-1B's (d_c + 2 r G = G d_h)
+LATENT_SETTING = dict(split=512, block_n=32, warps=4, stages=3)  # dar_latent_decode_triton's (stages: Triton's default)
+
+
+def latent_decode(q: torch.Tensor, d_c: int, w: int, e_r: int = 8, n: int = 1024) -> None:
+    """One call of dar_latent's decode kernel (values meaningless): q [b, h, 1, d] over 2 KV heads."""
+    from allhere.kernels.dar_latent_decode import dar_latent_decode_triton
+    from allhere.ops.dar_latent.check import pack_rows
+
+    b, h, _, d = q.shape
+    g = 2
+    r = lambda *shape: torch.randn(*shape, dtype=q.dtype)  # noqa: E731
+    dar_latent_decode_triton(q, r(b, h, 1, d), r(b, g, w, d), r(b, g, w, d), pack_rows(r(b, n, d_c), r(b, g, n, e_r)),
+                             torch.randn(g, d - e_r, d_c), torch.randn(g, d, d_c), w)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (default 90: H100)")
@@ -170,6 +188,13 @@ def main() -> None:
                 seg = "" if starts is None else ", segments"
                 rows.extend((f"{name} ({part}{seg})", setting, resources(compiled)) for name, compiled in log[start:]
                             if only in (None, name))
+
+    # dar_latent's decode kernel: one fixed launch setting (no candidates), at a small and a large latent
+    for d_c in LATENT_WIDTHS:
+        start = len(log)
+        latent_decode(decode_q, d_c, w)
+        rows.extend((f"{name} (dar_latent decode, d_c {d_c})", LATENT_SETTING, resources(compiled))
+                    for name, compiled in log[start:])
 
     print(f"# Triton kernels compiled for sm_{args.arch} (triton {triton.__version__}, no GPU; head dim {d}, "
           f"{args.dtype})\n\nSettings: (BLOCK_M, BLOCK_N, warps, stages); decode: (SPLIT, BLOCK_N, warps, stages).\n")

@@ -41,7 +41,7 @@ def test_kernels_compile_for_h100():
     assert kernels == {
         f"{name} ({part}{seg})" for seg in ("", ", segments")  # decode with segments: starts and lengths on the GPU
         for part, names in (("prefill", training[:2]), ("training", training[2:]), ("decode", ["_decode_kernel"]))
-        for name in names}, out
+        for name in names} | {f"_decode_kernel (dar_latent decode, d_c {d_c})" for d_c in (64, 512)}, out
     assert all(row.rstrip().endswith("| ok |") for row in rows), out
 
 
