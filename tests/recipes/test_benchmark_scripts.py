@@ -117,3 +117,12 @@ def test_flex_mask_cost_smoke():
     rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
     assert out.startswith("# SMOKE TEST") and len(rows) == 11, out
     assert {row.split(" | ")[1] for row in rows} == {"pattern", "table", "table (int64)", "constants", "no mask"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke sizes are for the CPU interpreter")
+def test_dar_latent_decode_smoke():
+    """The op's GPU benchmark, in Triton's interpreter at one tiny shape: the kernel's output checked there."""
+    pytest.importorskip("triton")
+    out = run_script("benchmarks/dar_latent_decode.py", "--quick", "--shapes", "smollm2-d64")
+    row = next(line for line in out.splitlines() if line.startswith("| smollm2-d64 |"))
+    assert float(row.split("|")[-2]) < 1e-5  # relative error against the PyTorch path, float32
