@@ -113,11 +113,11 @@ def test_the_real_parts_fit_what_the_device_brings_back(session, capsys):
 
 
 # What the H200 of 2026-11-26's second session showed (seconds per part from a cold machine), and the order:
-# correctness, the op tables, the whole model, the mechanisms, SFT, the patterns split by length, then the
-# tile sweep (the autotuner times the same settings within bench) and what has not changed since it ran.
+# correctness, the op tables, the whole model, dar_latent's decode op, the mechanisms, SFT, the patterns split by
+# length, then the tile sweep (the autotuner times the same settings within bench) and what has not changed since.
 MEASURED = {"tests": 164, "bench": 216, "mechanisms": 83, "tiles": 102}
-ORDER = ["tests", "bench", "model", "mechanisms", "train", "patterns", "patterns32k", "tiles", "flexcost",
-         "blocksparse"]
+ORDER = ["tests", "bench", "model", "darlatent", "mechanisms", "train", "patterns", "patterns32k", "tiles",
+         "flexcost", "blocksparse"]
 
 
 def test_the_plan_is_one_10_minute_call_then_continue(session, capsys):
@@ -134,9 +134,9 @@ def test_the_plan_is_one_10_minute_call_then_continue(session, capsys):
     assert all("--shape llama-1b" in a for a in argv if "sft_throughput" in a)
     assert session.main(["--plan", "--deadline", "560"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "this call starts tests bench model; --continue runs mechanisms train patterns" in last
-    before = sum(session.PARTS[n].expect for n in ORDER[:3])  # when mechanisms would start
-    assert before <= 560 < before + session.needs(session.PARTS["mechanisms"])
+    assert "this call starts tests bench model; --continue runs darlatent mechanisms train patterns" in last
+    before = sum(session.PARTS[n].expect for n in ORDER[:3])  # when darlatent would start
+    assert before <= 560 < before + session.needs(session.PARTS["darlatent"])
 
 
 def test_every_command_runs_something_that_is_there(session):
