@@ -67,6 +67,26 @@ def folder_of(mech: DARConfig | DARLatentConfig) -> str:
     return f"w{mech.window}-d{mech.d_down}"
 
 
+def two_stages(job: Job, task: Path, mech: DARConfig | DARLatentConfig, base, tokenizer, data, batches,
+               plan: RealPlan) -> tuple[object, dict]:
+    """(the model, its held-out row): ``base`` converted to ``mech`` (``dar_latent`` initialised from the host
+    on the job's calibration windows) and fine-tuned in the paper's two stages in ``task/<folder_of(mech)>``
+    (1: only the mechanism's weights, at the paper's rate; 2: everything at the model's), then measured; each
+    finished part is read back on a rerun."""
+    folder = task / folder_of(mech)
+    calibration = calibration_ids(data, plan.seq_len) if isinstance(mech, DARLatentConfig) else None
+    first = runs.fine_tune(folder / "stage1", base, mech, runs.train_config(plan, plan.dar_steps, plan.dar_stage1_lr),
+                           batches, tokenizer, job, train_only=".allhere.", calibration=calibration)
+    second = runs.fine_tune(folder / "stage2", base, mech, runs.train_config(plan, plan.dar_steps, plan.lr), batches,
+                            tokenizer, job, start=first)
+    return second, held_out_row(job, task, folder_of(mech), second, data, plan)
+
+
+def held_out_row(job: Job, task: Path, name: str, model, data, plan: RealPlan) -> dict:
+    """``model``'s held-out stage, kept as ``task/results/<name>.json`` (read back on a rerun)."""
+    return runs.stage(task, name, lambda: _measure(job, task, name, model, data, plan.device, plan.speed_prompt))
+
+
 def calibration_ids(data, seq_len: int, count: int = CALIBRATION_WINDOWS) -> torch.Tensor:
     """[count, seq_len]: the first window of the first ``count`` training documents (calibration text)."""
     return torch.stack([doc[:seq_len] for doc in data.train[:count]])
@@ -98,25 +118,16 @@ def run_real_dar(model: str = "smollm2", out: str | Path = "runs/smollm2", prese
         long = plan.speed_prompt + (plan.speed_tokens + 2) * runs.DECODE_TOKENS
         runs.plan_work(job, task, "speed", SPEED_ROWS, runs.token_cost(base, long, plan.speed_prompt))
         batches = data.batches(plan.batch_size, plan.seq_len)
-        calibration = calibration_ids(data, plan.seq_len)
 
-        def measure(name: str, m) -> dict:
-            return runs.stage(task, name, lambda: _measure(job, task, name, m, data, device, plan.speed_prompt))
-
-        rows = {"vanilla (pretrained)": measure("pretrained", base)}
+        rows = {"vanilla (pretrained)": held_out_row(job, task, "pretrained", base, data, plan)}
         control = runs.fine_tune(task / "control", base, None, stage2, batches, tokenizer, job)
-        rows["vanilla (+ stage-2 steps, control)"] = measure("control", control)
+        rows["vanilla (+ stage-2 steps, control)"] = held_out_row(job, task, "control", control, data, plan)
         timed = {"plain (control)": control}
         for label, mech in mechs.items():
-            folder = task / folder_of(mech)
-            calib = calibration if isinstance(mech, DARLatentConfig) else None
-            first = runs.fine_tune(folder / "stage1", base, mech, stage1, batches, tokenizer, job,
-                                   train_only=".allhere.", calibration=calib)
-            second = runs.fine_tune(folder / "stage2", base, mech, stage2, batches, tokenizer, job, start=first)
-            rows[label] = measure(folder_of(mech), second)
+            model, rows[label] = two_stages(job, task, mech, base, tokenizer, data, batches, plan)
             if mech.window:  # DAR and dar_latent are timed; uniform reduction is not
-                timed[SPEED_MODELS[type(mech)]] = second
-            del first, second
+                timed[SPEED_MODELS[type(mech)]] = model
+            del model
         speed = runs.stage(task, "speed", lambda: _speed(job, task, timed, data, device, plan))
         timed.clear()
         report = summarize(plan, rows, speed, mechs, data.description, str(source))

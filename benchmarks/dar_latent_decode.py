@@ -44,11 +44,9 @@ def inputs(b: int, n: int, shape: tuple, dtype, device) -> tuple[dict, tuple]:
     return op, (op["q"], r(b, g, n, d), r(b, g, n, d))
 
 
-def plain_decode(q, k, v, backend=None):
+def plain_decode(q, k, v, backend):
     from torch.nn.attention import sdpa_kernel
 
-    if backend is None:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     with sdpa_kernel(backend):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 

@@ -40,7 +40,7 @@ def main() -> None:
     from allhere.mechanisms import DARConfig, DARLatentConfig
     from allhere_recipes import real_runs as runs
     from allhere_recipes.job import Job
-    from allhere_recipes.real_dar import _measure, calibration_ids, folder_of, mechanisms
+    from allhere_recipes.real_dar import folder_of, mechanisms, two_stages
     from allhere_recipes.real_plan import RealPlan
 
     settings = json.loads((task / "settings.json").read_text())
@@ -56,20 +56,13 @@ def main() -> None:
     if not all(f.exists() for f in done):
         p.error(f"the DAR job in {task} is not finished ({', '.join(str(f) for f in done if not f.exists())} "
                 f"missing): finish it with allhere demo --model smollm2 --mechanism dar --out {a.run}")
-    stage1 = runs.train_config(plan, plan.dar_steps, plan.dar_stage1_lr)
-    stage2 = runs.train_config(plan, plan.dar_steps, plan.lr)
     batches = data.batches(plan.batch_size, plan.seq_len)
     job = Job(True)
     rows = {}
     for d_c, pairs in shapes:
         mech = DARLatentConfig(window=plan.window, d_down=d_c, rope_pairs=pairs)
-        folder = task / folder_of(mech)
-        first = runs.fine_tune(folder / "stage1", base, mech, stage1, batches, tokenizer, job, train_only=".allhere.",
-                               calibration=calibration_ids(data, plan.seq_len))
-        second = runs.fine_tune(folder / "stage2", base, mech, stage2, batches, tokenizer, job, start=first)
-        rows[(d_c, pairs)] = runs.stage(task, folder_of(mech), lambda model=second: _measure(
-            job, task, folder_of(mech), model, data, plan.device, plan.speed_prompt))
-        del first, second
+        model, rows[(d_c, pairs)] = two_stages(job, task, mech, base, tokenizer, data, batches, plan)
+        del model
     control, dar = (json.loads(f.read_text()) for f in done)
     cfg = base.config
     kv_heads = cfg.num_key_value_heads
