@@ -37,7 +37,8 @@ The package, by what each file holds:
 
 - ``mask``: ``Mask``, ``as_mask``, ``MaskFn`` (a plain predicate's type);
 - ``predicates``: ``causal``, ``and_masks`` / ``or_masks``, ``dense_mask``;
-- ``segments``: sequence boundaries (``segment_starts``, ``starts_from``, ``within_segments``);
+- ``segments``: sequence boundaries (``segment_starts``, ``starts_from``, ``within_segments``) and the sinks
+  of each segment (``segment_sinks``);
 - ``windows``: ``sliding_window``, ``dilated_window``, ``sinks``, ``sliding_with_sinks``;
 - ``global_positions``: global-token flags (``global_first``, ``global_at``, ``global_from_ids``),
   ``global_tokens`` and ``longformer``;
@@ -52,12 +53,13 @@ from .bigbird_blocks import BigBirdRandom, bigbird, bigbird_global, bigbird_rand
 from .global_positions import global_at, global_first, global_from_ids, global_tokens, longformer
 from .mask import Mask, MaskFn, as_mask
 from .predicates import and_masks, causal, dense_mask, or_masks
-from .segments import segment_starts, starts_from, within_segments
+from .segments import segment_sinks, segment_starts, starts_from, within_segments
 from .windows import dilated_window, sinks, sliding_window, sliding_with_sinks
 
 __all__ = [
     "BigBirdRandom", "Mask", "MaskFn", "and_masks", "as_mask", "bigbird", "bigbird_global", "bigbird_random",
     "bigbird_window", "causal", "dense_mask", "dilated_window", "global_at", "global_first", "global_from_ids",
-    "global_tokens", "longformer", "or_masks", "segment_starts", "sinks", "sliding_window", "sliding_with_sinks",
+    "global_tokens", "longformer", "or_masks", "segment_sinks", "segment_starts", "sinks", "sliding_window",
+    "sliding_with_sinks",
     "starts_from", "within_segments",
 ]

@@ -1,6 +1,6 @@
 """Sequence boundaries (padding, packed documents) as segment starts: read off a dense mask built by
 others (``segment_starts``), built from what a collator knows (``starts_from``), and turned into a
-mask (``within_segments``)."""
+mask (``within_segments``), and the first keys of each segment (``segment_sinks``)."""
 
 from __future__ import annotations
 
@@ -72,3 +72,17 @@ def within_segments(starts: torch.Tensor, q_offset: int = 0) -> Mask:
         return (s >= 0) & (kv_idx >= s)
 
     return Mask(pred, name="within_segments")
+
+
+def segment_sinks(n_sinks: int, starts: torch.Tensor | None = None, q_offset: int = 0) -> Mask:
+    """Attention sinks of each query's own segment: query i sees key j iff s <= j < s + ``n_sinks`` and j <= i,
+    s = starts[b, i] (segment starts [batch, q_len] as ``within_segments`` takes them; -1: nothing), or s = 0
+    without ``starts`` (the first keys of the sequence, as ``sinks``). OR it with a window (AHA's local
+    branch with sinks, ``AHAConfig.sinks``). No block tests."""
+
+    def pred(b, h, q_idx, kv_idx):
+        s = 0 if starts is None else starts[b, q_idx - q_offset]
+        ok = (kv_idx >= s) & (kv_idx - s < n_sinks) & (kv_idx <= q_idx)
+        return ok if starts is None else ok & (s >= 0)
+
+    return Mask(pred, name=f"segment_sinks_{n_sinks}")

@@ -75,13 +75,19 @@ def segment_mask(row_start: torch.Tensor, q_len: int, kv_len: int, pattern: Mask
     return dense_mask(pred, q_len, kv_len, row_start.device, batch=row_start.shape[0], key_offset=key_offset)
 
 
-def check_aha(q, k, v, gate, window, row_start=None, gate_values=True) -> tuple[int, int, int]:
+def check_aha(q, k, v, gate, window, row_start=None, gate_values=True, sinks=0) -> tuple[int, int, int]:
     """Every check of an AHA op's arguments; returns (q_len, kv_len, dim)."""
     _, _, lq, d, _, lk = check_qkv(q, k, v)
     check_gate(gate, q, gate_values)
     check_window(window)
+    check_sinks(sinks)
     check_row_start(row_start, q)
     return lq, lk, d
+
+
+def check_sinks(sinks: int) -> None:
+    if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+        raise ValueError(f"sinks must be an integer >= 0, got {sinks!r}")
 
 
 def check_window(window: int) -> None:

@@ -29,8 +29,8 @@ def _torch_takes(*args, attend=None, **kwargs) -> str | None:
     return _host_softmax(attend)
 
 
-def _triton_takes(q, k, v, gate, *args, attend=None, **kwargs) -> str | None:
-    return _host_softmax(attend) or triton_refusal(q, k, v, gate)
+def _triton_takes(q, k, v, gate, *args, attend=None, sinks=0, **kwargs) -> str | None:
+    return _host_softmax(attend) or triton_refusal(q, k, v, gate, sinks)
 
 
 def _on_cuda(q, *args, **kwargs) -> bool:
@@ -44,9 +44,12 @@ register_path("aha", "triton", aha_attention_triton, takes=_triton_takes, auto=_
 
 def aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
                   scale: float | None = None, row_start: torch.Tensor | None = None,
-                  backend: str | None = None, attend=None, kv_len: torch.Tensor | None = None) -> torch.Tensor:
+                  backend: str | None = None, attend=None, kv_len: torch.Tensor | None = None,
+                  sinks: int = 0) -> torch.Tensor:
     """All-or-Here attention (AHA paper Eq. 4): per (batch, head, query) full causal attention where the
-    gate is 1, the ``window`` most recent keys (the query's own included) where it is 0.
+    gate is 1, the ``window`` most recent keys (the query's own included) where it is 0, and with ``sinks``
+    > 0 the first ``sinks`` keys of its segment too (attention sinks kept in the local branch,
+    ``AHAConfig.sinks``).
 
     q: [batch, heads, q_len, dim]; k, v: [batch, kv_heads, kv_len, dim] (heads a multiple of kv_heads);
     the queries are the last q_len of the kv_len positions. scale: default 1 / sqrt(dim).
@@ -58,7 +61,7 @@ def aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch
     row_start: optional int [batch, q_len], per query the first key position of its segment (a sequence
     of a padded batch, a document of packed sequences; ``allhere.masks.segment_starts``), -1 = the query
     sees no key (zero output): a query at position p sees keys j with row_start <= j <= p (and the rule of
-    its gate).
+    its gate; a local one also j < row_start + sinks, row_start 0 without segments).
     backend: "auto" | "torch" | "triton" | "reference"; None = ``allhere.backend.get_backend()`` (the
     innermost ``use_backend`` block, else "auto"). attend: the host's own attention under a bool mask
     (``AttentionCall.attend``), for a host whose softmax has terms of its own; only the reference takes it.
@@ -69,9 +72,10 @@ def aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch
     host, take each sequence's keys apart and refuse a length outside 1 to k's.
     Returns [batch, heads, q_len, dim] in q's dtype.
     """
-    *_, d = check_aha(q, k, v, gate, window, row_start, gate_values=not gate.is_cuda)
+    *_, d = check_aha(q, k, v, gate, window, row_start, gate_values=not gate.is_cuda, sinks=sinks)
     args = (q, k, v, gate, window, default_scale(d, scale))
     host = {} if attend is None else {"attend": attend}  # a path that takes no host softmax never sees it
+    host["sinks"] = sinks
     if kv_len is not None:
         return _with_lengths(select("aha", *args, backend=backend, row_start=row_start, **host), args, row_start,
                              kv_len, host)
@@ -85,7 +89,7 @@ def _with_lengths(path, args: tuple, row_start, kv_len: torch.Tensor, host: dict
         raise ValueError(f"kv_len takes one decode query per sequence and an int [batch] tensor, got q "
                          f"{tuple(q.shape)} and kv_len {tuple(kv_len.shape)} ({kv_len.dtype})")
     if path.backend == "triton":
-        return path.fn(*args, row_start=row_start, kv_len=kv_len)
+        return path.fn(*args, row_start=row_start, kv_len=kv_len, **host)
     outs = []
     for i, n in enumerate(kv_len.tolist()):  # off the kernels: each sequence's own keys (reads the lengths)
         if not 1 <= n <= k.shape[2]:
@@ -98,14 +102,15 @@ def _with_lengths(path, args: tuple, row_start, kv_len: torch.Tensor, host: dict
 
 def aha_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
                        scale: float | None = None, chunk: int = 1024, dense_above: float = 0.5,
-                       row_start: torch.Tensor | None = None) -> torch.Tensor:
+                       row_start: torch.Tensor | None = None, sinks: int = 0) -> torch.Tensor:
     """``aha_attention`` never on the reference: the backend of the enclosing ``use_backend`` block when it
     is "torch" or "triton", else "auto". chunk, dense_above: the PyTorch path's tuning
     (``fast.aha_attention_torch``)."""
-    *_, d = check_aha(q, k, v, gate, window, row_start, gate_values=not gate.is_cuda)
+    *_, d = check_aha(q, k, v, gate, window, row_start, gate_values=not gate.is_cuda, sinks=sinks)
     args = (q, k, v, gate, window, default_scale(d, scale))
     name = get_backend()
-    path = select("aha", *args, backend=name if name in ("torch", "triton") else "auto", row_start=row_start)
+    path = select("aha", *args, backend=name if name in ("torch", "triton") else "auto", row_start=row_start,
+                  sinks=sinks)
     if path.backend == "torch":
-        return path.fn(*args, row_start=row_start, chunk=chunk, dense_above=dense_above)
-    return path.fn(*args, row_start=row_start)
+        return path.fn(*args, row_start=row_start, chunk=chunk, dense_above=dense_above, sinks=sinks)
+    return path.fn(*args, row_start=row_start, sinks=sinks)

@@ -2,7 +2,8 @@
 local (token, head) pairs.
 
 Inference (the gate needs no gradient):
-  1. local attention for every query with the blocked sliding-window op (``block + w - 1`` keys each);
+  1. local attention for every query with the blocked sliding-window op (``block + w - 1`` keys each, and the
+     sinks where ``sinks`` > 0);
   2. only the global queries run full causal attention, in few large SDPA calls (a few hundred small
      calls cost more than the attention on the CPU): the sequence is cut into bands of ``chunk`` query
      positions and each band is one call over the keys up to the band's end, every (batch, head) with
@@ -45,24 +46,25 @@ FEW_PAIRS = 16  # (batch, kv head) pairs with global queries in a band: up to th
 
 def aha_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
                         scale: float, row_start: torch.Tensor | None = None, chunk: int = 1024,
-                        dense_above: float = 0.5, sparse_backward: bool | None = None) -> torch.Tensor:
+                        dense_above: float = 0.5, sparse_backward: bool | None = None, sinks: int = 0) -> torch.Tensor:
     """The "torch" backend of ``allhere.ops.aha.aha_attention`` (arguments checked there; ``scale`` given).
     Computes in q's dtype. chunk: query positions per band of the global queries' calls (one SDPA call
     per band, over the keys up to its end). dense_above: a (batch, head) whose share of global queries
     exceeds this runs plain causal SDPA over all its queries instead of gathering them. sparse_backward:
     None = the module docstring's choice (True off CUDA from ``SPARSE_BACKWARD_FROM`` queries on); tests
-    set it."""
+    set it. sinks: a local query also reads the first ``sinks`` keys of its segment (in the local op)."""
     if row_start is not None:
         if bool(row_start.any()):
             return _per_segment(q, k, v, gate, window, scale, row_start,
-                                dict(chunk=chunk, dense_above=dense_above, sparse_backward=sparse_backward))
+                                dict(chunk=chunk, dense_above=dense_above, sparse_backward=sparse_backward,
+                                     sinks=sinks))
         # every query sees the whole prefix: plain causal
     hard = hard_gate(gate)
     training = trains_gate(gate)
     lq = q.shape[2]
     if sparse_backward is None:
         sparse_backward = not q.is_cuda and lq >= SPARSE_BACKWARD_FROM
-    a_local = sliding_window_attention_torch(q, k, v, window, scale=scale)
+    a_local = sliding_window_attention_torch(q, k, v, window, scale=scale, sinks=sinks)
     if training and not sparse_backward:
         a_full = causal_attention(q, k, v, scale=scale)
         return add_gate_gradient(torch.where(hard[..., None], a_full, a_local), gate, a_full, a_local)

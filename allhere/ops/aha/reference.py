@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from ...masks import causal, dense_mask, sliding_window
+from ...masks import causal, dense_mask
 from ..common import check_aha, default_scale, hard_gate, masked_attention_reference, segment_mask
+from ..sliding.reference import local_pattern
 from ..ste import add_gate_gradient, trains_gate
 
 
 def aha_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
                             scale: float | None = None, mask: torch.Tensor | None = None,
-                            row_start: torch.Tensor | None = None, attend=None) -> torch.Tensor:
+                            row_start: torch.Tensor | None = None, attend=None, sinks: int = 0) -> torch.Tensor:
     """All-or-Here attention, computed densely in fp32 (``aha_attention(..., backend="reference")``).
 
     q: [batch, heads, q_len, dim]; k, v: [batch, kv_heads, kv_len, dim] (heads % kv_heads == 0);
     queries are the last q_len positions. gate: [batch, heads, q_len], bool, or a float holding only 0 and
     1 (checked: anything else raises ValueError); 1 = full causal attention over the whole prefix, 0 = the
-    ``window`` most recent keys, the current one included. A float gate that requires grad is a
+    ``window`` most recent keys, the current one included, and the first ``sinks`` keys of the query's
+    segment (of the sequence without ``row_start``). A float gate that requires grad is a
     straight-through gate (``allhere.ops.ste``): it gets dL/dgate = sum dL/da (a_full - a_local).
     row_start: optional int [batch, q_len], per query the first key of its segment, -1 = no key
     (``allhere.ops.common.segment_mask``). mask: optional bool, broadcastable to [batch, heads, q_len,
@@ -26,9 +28,10 @@ def aha_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     q_len, dim]`` computing both attentions instead of the fp32 softmax (a host whose softmax has sink logits
     or soft-capped scores; ``AttentionCall.attend``). Returns [batch, heads, q_len, dim] in q's dtype.
     """
-    lq, lk, d = check_aha(q, k, v, gate, window, row_start)
+    lq, lk, d = check_aha(q, k, v, gate, window, row_start, sinks=sinks)
     scale = default_scale(d, scale)
-    full, local = dense_mask(causal, lq, lk, q.device), dense_mask(sliding_window(window), lq, lk, q.device)
+    full = dense_mask(causal, lq, lk, q.device)
+    local = dense_mask(local_pattern(window, sinks, row_start, lk - lq), lq, lk, q.device, batch=q.shape[0])
     for m in (mask, None if row_start is None else segment_mask(row_start, lq, lk)):
         if m is not None:
             full, local = full & m, local & m

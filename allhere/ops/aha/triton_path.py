@@ -29,8 +29,10 @@ def needs_grad(q, k, v, gate) -> bool:
     return trains_gate(gate) or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
 
 
-def triton_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor) -> str | None:
+def triton_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, sinks: int = 0) -> str | None:
     """None where the kernels take this call (see the module docstring), else why not."""
+    if sinks:
+        return "sinks in the local branch: the kernels do not read them yet"
     refusal = kernels.device_refusal(q.device)
     if refusal:
         return refusal
@@ -50,7 +52,7 @@ def triton_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torc
 
 def aha_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,
                          scale: float, row_start: torch.Tensor | None = None,
-                         kv_len: torch.Tensor | None = None) -> torch.Tensor:
+                         kv_len: torch.Tensor | None = None, sinks: int = 0) -> torch.Tensor:
     """The kernels on a call they take (``triton_refusal`` is None; arguments checked by the caller); kv_len
     (decode only): each sequence's length in k and v, read by the decode kernel on the device."""
     hard = hard_gate(gate)

@@ -7,6 +7,9 @@ padding in front of the first keys. Work per query is ``block + window - 1`` key
 prefix. Grouped-query heads that share a kv head are stacked as extra query rows of the same block, so
 keys are never copied per query head.
 
+Sinks (``sinks`` > 0, the first keys every query also reads): the sink keys are put in front of every block's
+slab (a few keys copied per block) with a mask that admits each only where the window does not already hold it.
+
 Up to ``DENSE_UP_TO`` keys one SDPA call under the band mask is faster than the blocks, forward and
 backward (measured on the CPU: T = 256, w = 32, B = 16, 6 heads of 32: 92 ms against 168 ms for forward +
 backward; at 1024 keys and w = 128 the blocks win), so short sequences take that call unless a block size
@@ -18,16 +21,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...masks import dense_mask, sliding_window
-from ..common import check_qkv, check_row_start, check_window, default_scale, segment_mask
+from ...masks import dense_mask
+from ..common import check_qkv, check_row_start, check_sinks, check_window, default_scale, segment_mask
 from ..full import masked_attention
+from .reference import local_pattern
 
 DENSE_UP_TO = 512  # keys: up to this many, one dense SDPA call under the band mask
 
 
 def sliding_window_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
                                    scale: float | None = None, row_start: torch.Tensor | None = None,
-                                   key_offset: int = 0, block: int | None = None) -> torch.Tensor:
+                                   key_offset: int = 0, block: int | None = None, sinks: int = 0) -> torch.Tensor:
     """Same contract as ``sliding_window_attention_reference``; output in q's dtype. With ``row_start`` one
     SDPA call under the window within the segments.
 
@@ -36,17 +40,25 @@ def sliding_window_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """
     b, h, lq, d, hkv, lk = check_qkv(q, k, v)
     check_window(window)
+    check_sinks(sinks)
+    if sinks and key_offset:
+        raise ValueError(f"sinks = {sinks} with key_offset = {key_offset}: the sinks are the first keys of the "
+                         "sequence, which a cache that dropped keys no longer holds")
     check_row_start(row_start, q)
     scale = default_scale(d, scale)
     if row_start is not None:
-        return masked_attention(q, k, v, segment_mask(row_start, lq, lk, sliding_window(window), key_offset), scale)
+        pattern = local_pattern(window, sinks, row_start, key_offset + lk - lq)
+        return masked_attention(q, k, v, segment_mask(row_start, lq, lk, pattern, key_offset), scale)
     g = h // hkv
-    if block is None and lq == 1:  # a decode step: the last w keys, read in place
-        return F.scaled_dot_product_attention(q, k[:, :, max(0, lk - window):], v[:, :, max(0, lk - window):],
-                                              scale=scale, enable_gqa=g > 1)
+    ns = min(sinks, max(0, lk - window))  # sinks that lie before the last query's window
+    if block is None and lq == 1:  # a decode step: the last w keys, read in place (and the sinks before them)
+        ks, vs = (t[:, :, max(0, lk - window):] for t in (k, v))
+        if ns:
+            ks, vs = torch.cat([k[:, :, :ns], ks], 2), torch.cat([v[:, :, :ns], vs], 2)
+        return F.scaled_dot_product_attention(q, ks, vs, scale=scale, enable_gqa=g > 1)
     if block is None and lk <= DENSE_UP_TO:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(sliding_window(window), lq, lk, q.device),
-                                              scale=scale, enable_gqa=g > 1)
+        mask = dense_mask(local_pattern(window, sinks), lq, lk, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
     w = min(window, lk)  # a window longer than the keys is the keys
     bq = max(1, min(block or min(w, 64), lq))
     nb = -(-lq // bq)
@@ -69,8 +81,14 @@ def sliding_window_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     c = torch.arange(bk, device=q.device).view(1, 1, -1)
     i = torch.arange(nb, device=q.device).view(-1, 1, 1)
     mask = (c >= a) & (c <= a + w - 1) & (start + i * bq + c >= 0)  # [nb, bq, bk]
-    mask = mask.unsqueeze(1).expand(nb, g, bq, bk).reshape(1, nb, g * bq, bk)
-    o = F.scaled_dot_product_attention(qb, ks.reshape(b * hkv, nb, bk, d), vs.reshape(b * hkv, nb, bk, d),
-                                       attn_mask=mask, scale=scale)
+    ks, vs = ks.reshape(b * hkv, nb, bk, d), vs.reshape(b * hkv, nb, bk, d)
+    if ns:  # sink key j for query p = off + i*bq + a: j <= p and outside its window (p - j >= w)
+        p = off + i * bq + a
+        j = torch.arange(ns, device=q.device).view(1, 1, -1)
+        mask = torch.cat([(j <= p) & (p - j >= w), mask], -1)
+        ks, vs = (torch.cat([t[:, :, :ns].reshape(b * hkv, 1, ns, d).expand(-1, nb, -1, -1), slab], 2)
+                  for t, slab in ((k, ks), (v, vs)))
+    mask = mask.unsqueeze(1).expand(nb, g, bq, mask.shape[-1]).reshape(1, nb, g * bq, mask.shape[-1])
+    o = F.scaled_dot_product_attention(qb, ks, vs, attn_mask=mask, scale=scale)
     o = o.view(b, hkv, nb, g, bq, d).permute(0, 1, 3, 2, 4, 5).reshape(b, h, nb * bq, d)
     return o[:, :, :lq]
