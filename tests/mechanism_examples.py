@@ -38,6 +38,11 @@ EXAMPLES = {
     "aamoe": AAMoEConfig(chunk=8, experts=2),
 }
 
+# Variants of a kind held to the same contract (named "kind-variant"): the paths a kind takes only with some setting.
+VARIANTS = {
+    "aha-sinks": AHAConfig(window=8, sinks=2, router_init="neutral"),  # local rows read the first 2 tokens too
+}
+
 # kind -> {contract item: (exception type, message pattern)} for what the kind refuses, with the error it
 # gives. Items: "cache" (KV-cache decoding), "packed" (segment_starts), "context_parallel".
 REFUSALS = {
@@ -80,8 +85,16 @@ def builtin_kinds():
     return [k for k in registry.kinds() if registry.get(k).module.__module__.startswith("allhere.")]
 
 
+def contract_cases():
+    """Every built-in kind and every variant (``VARIANTS``): what the contract tests run."""
+    return builtin_kinds() + sorted(VARIANTS)
+
+
 def example(kind):
-    """The example config of ``kind``; fails the calling test when the kind has none."""
+    """The example config of ``kind`` (or of a variant, ``VARIANTS``); fails the calling test when the kind has
+    none."""
+    if kind in VARIANTS:
+        return VARIANTS[kind]
     if kind not in EXAMPLES:
         pytest.fail(f"mechanism kind {kind!r} has no example config: add one to tests/mechanism_examples.py")
     return EXAMPLES[kind]

@@ -117,7 +117,8 @@ def init_router_(weight: torch.Tensor, bias: torch.Tensor | None, cfg: AHAConfig
           serving=Serving("aha", devices=("cpu", "cuda"), softmax_terms=True, cuda_graphs=False))
 class AHAAttention(AttentionMechanism):
     """``forced_gate``: None routes normally; True / False forces every gate to full / local attention; a
-    bool tensor [heads] fixes each head (the static baseline)."""
+    bool tensor [heads] fixes each head (the static baseline); a bool tensor [batch, heads, tokens] fixes each
+    (token, head) of the next call (a teacher's oracle gates)."""
 
     routed = True
     host_softmax = True
@@ -162,7 +163,13 @@ class AHAAttention(AttentionMechanism):
         hard = s > self.cfg.tau
         if self.forced_gate is not None:
             forced = torch.as_tensor(self.forced_gate, device=hard.device)
-            hard = forced.view(1, -1, 1).expand_as(hard) if forced.dim() else torch.full_like(hard, bool(forced))
+            if forced.dim() == 3:  # per (sequence, head, token): exactly this call's gates (an oracle's)
+                if forced.shape != hard.shape:
+                    raise ValueError(f"a forced gate per (sequence, head, token) must be {tuple(hard.shape)}, got "
+                                     f"{tuple(forced.shape)}")
+                hard = forced.bool()
+            else:
+                hard = forced.view(1, -1, 1).expand_as(hard) if forced.dim() else torch.full_like(hard, bool(forced))
             return hard, hard
         if torch.is_grad_enabled() and s.requires_grad:
             return straight_through(s, self.cfg.tau), hard

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from allhere import AAMoEConfig, Decoder, ModelConfig, SinksConfig, backend, registry, use_backend
 
 from helpers import rel_err, spy_paths
-from mechanism_examples import builtin_kinds, example
+from mechanism_examples import contract_cases, example
 
 N = 260  # tokens: past the pattern layers' dense_below (q_len x kv_len > 65536), so their sparse ops run
 LAYERS = 2
@@ -36,7 +36,7 @@ def test_every_op_family_has_a_reference_path():
         assert "reference" in backend.paths(op), op
 
 
-@pytest.mark.parametrize("kind", builtin_kinds())
+@pytest.mark.parametrize("kind", contract_cases())
 def test_reference_backend_runs_every_layer_on_the_references(kind, monkeypatch):
     """A two-layer model of ``kind`` under "reference" and under "auto": the same logits, gradients and
     cached decoding; under "reference" every layer's every call ran a reference path (and SDPA, which

@@ -27,9 +27,19 @@ from allhere.mechanisms import ContextParallelPlan, mechanism_layers
 from allhere.ops.common import default_scale, repeat_kv
 
 from helpers import rel_err
-from mechanism_examples import CAUSAL_MODE, EXAMPLES, FULL_EQUIVALENT, REFUSALS, builtin_kinds, example, refusal
+from mechanism_examples import (
+    CAUSAL_MODE,
+    EXAMPLES,
+    FULL_EQUIVALENT,
+    REFUSALS,
+    builtin_kinds,
+    contract_cases,
+    example,
+    refusal,
+)
 
 KINDS = builtin_kinds()
+CASES = contract_cases()  # the kinds and their variants
 VOCAB, N, TOL = 61, 40, 1e-5
 
 
@@ -62,7 +72,7 @@ def test_every_builtin_kind_has_an_example_and_declarations_name_kinds():
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CASES)
 def test_full_forward_equals_cached_decoding(kind, kv_heads):
     """Token by token, then chunks that cut windows, blocks and chunks mid-way followed by single steps: the
     logits (and a routed kind's gates) of the full forward."""
@@ -92,7 +102,7 @@ def test_full_forward_equals_cached_decoding(kind, kv_heads):
 # -- 3: packed documents and padding ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CASES)
 def test_packed_documents_and_padding_equal_each_document_alone(kind):
     """``segment_starts``: each packed document, and a row's real tokens beside left or right padding, give
     what the document gives alone at the positions it has in the row (patterns place sinks, globals and
@@ -129,13 +139,13 @@ def test_packed_documents_and_padding_equal_each_document_alone(kind):
 # -- 4: configuration round trips ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CASES)
 def test_config_round_trips(kind, tmp_path):
     cfg = example(kind)
-    mech = registry.get(kind)
+    mech = registry.get(cfg.kind)
     assert type(cfg) is mech.config and registry.of(cfg) is mech and mech.summary
     d = registry.to_dict(cfg)
-    assert d["kind"] == kind
+    assert d["kind"] == cfg.kind
     assert registry.from_dict(d) == cfg
     assert registry.from_dict(json.loads(json.dumps(d))) == cfg
     mixed = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -153,7 +163,7 @@ def test_config_round_trips(kind, tmp_path):
 # -- 5: swapping a full-attention model's mechanism --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CASES)
 def test_swap_from_full_keeps_the_weights(kind):
     """Every weight the swapped model shares with the full model is the full model's, only the mechanism's
     own are new; the only ones left behind are the MLPs of a kind that replaces them. The example changes
@@ -219,7 +229,7 @@ def plan_output(plan: ContextParallelPlan, q, k, v, scale):
     return out
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CASES)
 def test_context_parallel_plan_computes_the_forward_or_is_refused(kind):
     model = tiny(kind)
     seen = []
