@@ -274,6 +274,9 @@ def conversion_flags(p: argparse.ArgumentParser, kinds: tuple[str, ...]) -> None
                    help="window w (keys, the current one included); DAR also takes 0 (uniform reduction)")
     p.add_argument("--tau", type=fraction, default=None, help="AHA gate threshold, 0 < tau < 1 (default 0.5)")
     p.add_argument("--lam", type=nonnegative, default=None, help="AHA lambda of L_reg (default 3e-4)")
+    p.add_argument("--sinks", type=positive_or_zero, default=None,
+                   help="AHA: the first N tokens every local (token, head) reads besides its window (attention "
+                        "sinks, fewer than --window; default 0, the paper's AHA)")
     p.add_argument("--layers", default="full", choices=("full", "all"),
                    help="full: the mechanism goes on the full-attention layers, a hybrid model's sliding-window "
                         "layers stay as they are (default); all: on every layer (Mistral-7B-v0.1: replacing "

@@ -18,7 +18,7 @@ def _mechanism(args):
 
     cls = registry.get(args.mechanism).config
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    flags = ("window", "tau", "lam", "d_down", "rope_pairs")
+    flags = ("window", "tau", "lam", "sinks", "d_down", "rope_pairs")
     given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     foreign = sorted(set(given) - fields)
     if foreign:
@@ -145,13 +145,20 @@ def convert_arguments(p: argparse.ArgumentParser) -> None:
                    help="a new or empty folder to save the converted model into (required)")
     a.conversion_flags(p, _hf_kinds())
     p.add_argument("--calibration", type=a.existing_file, default=None, metavar="TEXT",
-                   help="dar_latent: a UTF-8 text file on which the host's own attention chooses the rotary pairs "
-                        "kept per kv head (the pairs of largest |q||k|, MHA2MLA's choice; its first 8 windows of "
-                        "512 tokens; default: none, the same score taken on the weights)")
+                   help="a UTF-8 text file the host's own attention reads. aha: the routers are taught from it with "
+                        "the weights as they are (what each (token, head) loses by reading locally, on 16 windows "
+                        "of the text with facts planted and asked for beyond the window), a usable model with no "
+                        "training; dar_latent: chooses the rotary pairs kept per kv head (the pairs of largest "
+                        "|q||k|, MHA2MLA's choice; its first 8 windows of 512 tokens). Default: none (AHA's routers "
+                        "start open; dar_latent takes the same score on the weights)")
+    p.add_argument("--mu-f", type=a.fraction, default=None, metavar="SHARE",
+                   help="aha with --calibration: the share of (token, head) pairs the taught routers send to full "
+                        "attention on the calibration text, 0 < SHARE < 1 (default 0.1)")
     p.add_argument("--format", choices=("allhere", "faolmo"), default="allhere",
                    help="allhere: transformers' files plus allhere's settings (default); faolmo: the checkpoint "
                         "format of the AHA paper's authors (OLMo-2 and AHA only, tau 0.5, a router without bias: "
                         "every head starts local until fine-tuned)")
+    a.progress_flag(p)
 
 
 def convert(args) -> None:
@@ -173,26 +180,49 @@ def convert(args) -> None:
     if saved is not None:
         raise ConfigError(f"--model {args.model} is already converted ({type(saved).__name__}); every command "
                           "taking --model loads it as it is (Python: allhere.hf.load_pretrained)")
-    if args.calibration is not None and args.mechanism != "dar_latent":
-        raise ConfigError(f"--calibration chooses dar_latent's rotary pairs; --mechanism {args.mechanism} takes no "
-                          "calibration text")
+    teach = args.mechanism == "aha" and args.calibration is not None
+    if args.calibration is not None and args.mechanism not in ("aha", "dar_latent"):
+        raise ConfigError(f"--calibration teaches AHA's routers or chooses dar_latent's rotary pairs; --mechanism "
+                          f"{args.mechanism} takes no calibration text")
+    if args.mu_f is not None and not teach:
+        raise ConfigError("--mu-f is the budget of routers taught from --calibration TEXT: it needs --mechanism aha "
+                          "and --calibration")
     check_causal_lm(args.model, convertible=True, layers=args.layers, mechanism=mech)  # before any weight is read
     text = calibration = None
     if args.calibration is not None:
         from ..hf.calibration import calibration_ids, calibration_text
+        from ..teaching import WINDOWS, teaching_length
 
-        text = calibration_text(args.calibration)
+        text = (calibration_text(args.calibration, WINDOWS, teaching_length(mech.window)) if teach
+                else calibration_text(args.calibration))
     tokenizer, model = load_local(args.model, convertible=True, layers=args.layers)
-    if text is not None:
+    if text is not None and not teach:
         calibration = calibration_ids(tokenizer, text)
         print(f"calibration: {calibration.shape[0]} x {calibration.shape[1]} tokens of {args.calibration}",
               file=sys.stderr)
     _print_notes(model.config, args.layers)
     hf_convert(model, mech, layers=args.layers, calibration=calibration)
+    if teach:
+        _teach(model, tokenizer, text, mech, args)
     save_pretrained(model, args.out, format=args.format)
     tokenizer.save_pretrained(args.out)
     fmt = " in the AHA authors' faolmo format" if args.format == "faolmo" else ""
     print(f"{args.mechanism.upper()} model ({mech}) saved to {args.out}{fmt}; load it with allhere.hf.load_pretrained")
+
+
+def _teach(model, tokenizer, text: str, mech, args) -> None:
+    """AHA's routers taught from the calibration text (``allhere.teaching``), with a line per pass."""
+    from ..progress import progress
+    from ..teaching import teach_routers, teaching_windows
+
+    windows = teaching_windows(tokenizer, text, mech.window)
+    mu_f = 0.1 if args.mu_f is None else args.mu_f
+    shown = progress(2 * len(windows), "teaching the routers", enabled=not args.no_progress)
+    taught = teach_routers(model, list(windows.split(1)), mu_f, done=shown.update)
+    shown.close()
+    print(f"routers taught on {windows.shape[0]} x {windows.shape[1]} tokens of {args.calibration}: mu_f "
+          f"{taught.mu_f:.1%} there; they send {taught.recall:.0%} of the pairs the full model's attention needs "
+          "most to full attention", file=sys.stderr)
 
 
 def sft_arguments(p: argparse.ArgumentParser) -> None:

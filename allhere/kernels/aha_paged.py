@@ -28,6 +28,12 @@ back (the grids come from the shapes alone, so a call can be captured in a CUDA 
   before it) // BLOCK_M + r on (at least as many as it needs), and a program finds its request by a binary
   search over those starts.
 
+Sinks (``sinks`` = S > 0, AHA's local branch with attention sinks): a local query also reads the request's
+first S keys (its positions 0 .. S - 1: each request is its own sequence). Both kernels fold the ones outside a
+row's window in before the window (``blocks.sink_end``): the decode in its first split, the window pass in a
+pass over the sink blocks of the tile (``blocks.sink_blocks``); the grids do not change. S is a constexpr:
+S = 0 compiles the kernels without them.
+
 Keys are gathered through the block table one key at a time (block ``block_table[r, p // BLOCK_SIZE]``,
 slot ``p % BLOCK_SIZE``), so a key tile need not match the cache's block size. Only table entries of keys
 before ``seq_lens[r]`` are read: what lies past a request's blocks is never looked at.
@@ -68,6 +74,8 @@ from .blocks import (
     inner_blocks,
     online_step,
     pinned_tiles,
+    sink_blocks,
+    sink_end,
     split_keys,
     split_scratch,
     strided,
@@ -155,9 +163,10 @@ def _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, l
 def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, sch, G, W,
                     sqt, sqh, skb, sks, skh, sbt, sph, sot, soh,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-                    GLOBAL: tl.constexpr, IEEE: tl.constexpr):
+                    GLOBAL: tl.constexpr, IEEE: tl.constexpr, SINKS: tl.constexpr = 0):
     """One tile of BLOCK_M rows of a request with several queries, one head (program ids: tile, head). The
-    window pass (GLOBAL false): consecutive query rows, each over its window. The global pass: the next
+    window pass (GLOBAL false): consecutive query rows, each over its window and the request's first SINKS
+    keys. The global pass: the next
     BLOCK_M of the head's global rows of the request (PACKED [heads, tokens]: each head's global rows in
     order), each over its whole prefix, written over the window pass's result."""
     h = tl.program_id(1)
@@ -187,6 +196,14 @@ def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, sc
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = sm_scale * LOG2E
+    if not GLOBAL:
+        if SINKS > 0:  # the sinks before each row's window: per row the keys [0, end), a range (as in
+            # ``aha_prefill._attend_sinks``) whose keys all lie before s_hi: nothing past it is gathered
+            seg = tl.zeros_like(pos)
+            end = sink_end(seg, first, SINKS)
+            s_lo, s_hi = sink_blocks(seg, end, rmask, n, BLOCK_N)
+            m_i, l_i, acc = _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, end - 1, seg, rmask, s_hi, s_lo,
+                                          s_hi, m_i, l_i, acc, qk_scale, True, BLOCK_N, BLOCK_SIZE, D, IEEE)
     m_i, l_i, acc = _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, lo, inner_lo,
                                   m_i, l_i, acc, qk_scale, True, BLOCK_N, BLOCK_SIZE, D, IEEE)
     m_i, l_i, acc = _attend_paged(q, K, V, BT, bt_row, kv_off, skb, sks, pos, first, rmask, n, inner_lo, inner_hi,
@@ -200,7 +217,7 @@ def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, sc
 @triton.jit
 def _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt):
     """(query row, whether the request is a decode step, its first key, its end) of (request r, head h):
-    a global head reads from key 0, a local one the last W keys."""
+    a global head reads from key 0, a local one the last W keys (and its sinks: ``blocks.sink_end``)."""
     qs = tl.load(QSTART + r)
     one = tl.load(QSTART + r + 1) - qs == 1
     n = tl.load(SEQLEN + r)
@@ -209,14 +226,27 @@ def _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt):
 
 
 @triton.jit
+def _decode_keys(m_i, l_i, acc, q, K, V, BT, bt_row, kv_off, skb, sks, lo, end, qk_scale,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+    """The keys [lo, end) of one request's kv head folded into its decode query's online softmax: the updated
+    (max, sum, accumulator)."""
+    for s0 in range(lo, end, BLOCK_N):
+        offs_n = s0 + tl.arange(0, BLOCK_N)
+        k, v = _paged_keys(K, V, BT, bt_row, kv_off, offs_n, end, skb, sks, True, BLOCK_SIZE, D)
+        m_i, l_i, acc = decode_step(m_i, l_i, acc, q, k, v, offs_n < end, qk_scale)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, O, ARRIVED, sm_scale, H, G, W,
                    sqt, sqh, skb, sks, skh, sbt, sgt, sot, soh,
                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-                   CHUNK: tl.constexpr):
+                   CHUNK: tl.constexpr, SINKS: tl.constexpr = 0):
     """Split ``split`` (SPLIT keys) of one (request, head) of a decode request (program ids: request *
     heads + head, split), as ``aha_decode._decode_kernel``: a head whose keys fit one split writes its
     output; otherwise the splits write partial outputs and log-sum-exps (base 2), and the last to finish
-    (``finish_split``) merges them."""
+    (``finish_split``) merges them. The first split also reads the request's first SINKS keys that lie
+    before the head's range."""
     rh = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -232,10 +262,11 @@ def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, O, ARRIVED, sm_sc
     kv_off = (h // G) * skh
     qk_scale = sm_scale * LOG2E
     m_i, l_i, acc = decode_state(BLOCK_N, D)
-    for s0 in range(start, end, BLOCK_N):
-        offs_n = s0 + tl.arange(0, BLOCK_N)
-        k, v = _paged_keys(K, V, BT, bt_row, kv_off, offs_n, end, skb, sks, True, BLOCK_SIZE, D)
-        m_i, l_i, acc = decode_step(m_i, l_i, acc, q, k, v, offs_n < end, qk_scale)
+    if SINKS > 0:  # the first split's: the sinks before the head's range (none for a global head)
+        m_i, l_i, acc = _decode_keys(m_i, l_i, acc, q, K, V, BT, bt_row, kv_off, skb, sks, 0,
+                                     tl.where(split == 0, sink_end(0, lo, SINKS), 0), qk_scale, BLOCK_N, BLOCK_SIZE, D)
+    m_i, l_i, acc = _decode_keys(m_i, l_i, acc, q, K, V, BT, bt_row, kv_off, skb, sks, start, end, qk_scale, BLOCK_N,
+                                 BLOCK_SIZE, D)
     finish_split(acc, l_i, m_i, O + row * sot + h * soh, OP, LSE, ARRIVED, rh.to(tl.int64), split, nsplit, live,
                  D, CHUNK)
 
@@ -243,7 +274,7 @@ def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, O, ARRIVED, sm_sc
 def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                         query_start: torch.Tensor, seq_lens: torch.Tensor, gate: torch.Tensor, window: int,
                         scale: float, out: torch.Tensor, max_seq_len: int | None = None,
-                        max_query_len: int | None = None, tiles: dict | None = None) -> torch.Tensor:
+                        max_query_len: int | None = None, tiles: dict | None = None, sinks: int = 0) -> torch.Tensor:
     """AHA attention of a batch of requests over a paged KV cache (layout and design in the module
     docstring); writes ``out`` [tokens, heads, d] for the rows before ``query_start[-1]`` (the rows after it,
     padding, are left as they are) and returns it. The step's own keys must already be in the cache.
@@ -254,9 +285,11 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     at least every request's query count (1: a pure decode step, the prefill kernel is not launched).
     tiles: None, each kernel's launch setting from ``allhere.kernels.autotune``; or one setting pinned for
     all three (SPLIT: keys per decode program; BLOCK_M: query rows per prefill tile; BLOCK_N: keys per step;
-    num_warps, num_stages; what is left out comes from each kernel's default)."""
+    num_warps, num_stages; what is left out comes from each kernel's default). sinks: a local query also reads
+    the first ``sinks`` keys of its request (AHA's local branch with attention sinks; not the learned sink
+    logits of ``refusal``)."""
     tokens, heads, d, kv_heads, block_size = _check(q, k_cache, v_cache, block_table, query_start, seq_lens, gate,
-                                                    window, out)
+                                                    window, out, sinks)
     reqs = block_table.shape[0]
     if tokens == 0 or reqs == 0:
         return out
@@ -276,7 +309,8 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         nsplit, partial, lse = split_scratch(reqs * heads, max(bound, 1), s["SPLIT"], d, q.device)
         _decode_kernel[(reqs * heads, nsplit)](*cache, g, partial, lse, out, arrived, scale, heads, group, window,
                                                *q_k, g.stride(0), out.stride(0), out.stride(1),
-                                               BLOCK_SIZE=block_size, D=d, CHUNK=MERGE_CHUNK, **_only(s, "SPLIT"))
+                                               BLOCK_SIZE=block_size, D=d, CHUNK=MERGE_CHUNK, SINKS=sinks,
+                                               **_only(s, "SPLIT"))
 
     decode(_setting(DECODE, tiles, key + (f"bh{autotune.length_bucket(reqs * heads)}",), q, decode, bound))
     if max_query_len is not None and max_query_len <= 1:  # a pure decode step
@@ -285,7 +319,7 @@ def paged_aha_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     def prefill(s: dict, pass_: str, cum: torch.Tensor, rows: torch.Tensor) -> None:
         _prefill_kernel[(tokens // s["BLOCK_M"] + reqs, heads)](
             *cache, cum, rows, out, scale, reqs, cum.stride(0), group, window, *q_k, rows.stride(0), out.stride(0),
-            out.stride(1), BLOCK_SIZE=block_size, D=d, GLOBAL=pass_ == GLOBAL, **_only(s, "BLOCK_M"),
+            out.stride(1), BLOCK_SIZE=block_size, D=d, GLOBAL=pass_ == GLOBAL, SINKS=sinks, **_only(s, "BLOCK_M"),
             IEEE=q.dtype == torch.float32)  # fp32 caches: fp32 dots (TF32, a GPU's default, is ~1e-3 off)
 
     longest = tokens if max_query_len is None else min(max_query_len, tokens)
@@ -335,7 +369,7 @@ def refusal(head_dim: int, softcap: float = 0.0, sinks: bool = False) -> str | N
     return None
 
 
-def _check(q, k_cache, v_cache, block_table, query_start, seq_lens, gate, window, out) -> tuple[int, ...]:
+def _check(q, k_cache, v_cache, block_table, query_start, seq_lens, gate, window, out, sinks) -> tuple[int, ...]:
     """(tokens, heads, d, kv_heads, block_size) of a call, or a ValueError naming what does not fit."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"expected q [tokens, heads, d] and k/v caches [blocks, block_size, kv_heads, d] of one "
@@ -357,4 +391,6 @@ def _check(q, k_cache, v_cache, block_table, query_start, seq_lens, gate, window
                          f"dimension, got {tuple(gate.shape)}, {tuple(out.shape)}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+        raise ValueError(f"sinks must be an integer >= 0, got {sinks!r}")
     return tokens, heads, d, kv_heads, block_size

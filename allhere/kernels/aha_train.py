@@ -13,6 +13,11 @@ only into the output that was used, so each row is differentiated through its ow
   - dK / dV: one program per key block and kv head, looping over the query heads that share it: the
     local rows whose window covers the block, then the packed global blocks of those heads that reach
     it (rows are sorted by position, so a packed block ending before the key block is skipped).
+With sinks (``sinks`` = S > 0: a local row also reads the first S keys of its segment) the local rows take
+them as the forward does: the local dQ kernel in a pass of its own over the sink blocks
+(``blocks.sink_blocks``), and the dK / dV kernel of a key block that holds sinks (``blocks.is_sink``) runs
+its local rows on to the end of the block's segment, each row under its window or its sinks. S is a
+constexpr: S = 0 compiles the kernels without either.
 No work is done for the full attention of local rows: the op computes ``a_full`` for the router's
 gradient separately, with dense SDPA and without autograd (a forward pass only).
 
@@ -61,11 +66,27 @@ def _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, 
 
 
 @triton.jit
+def _dq_sinks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, dq, sm_scale, S,
+              BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
+    """``dq`` plus the first S keys of each row's segment that its window does not hold (the keys of
+    ``aha_prefill._attend_sinks``, taken the same way: [first, end) per row, no window)."""
+    end = blocks.sink_end(first, blocks.window_start(rows, W), S)
+    lo, hi = blocks.sink_blocks(first, end, rmask, N, BLOCK_N)
+    return _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, end - 1, first, rmask, hi, hi + 1, lo, hi, dq,
+                      sm_scale, True, BLOCK_N, D, TMA)
+
+
+@triton.jit
 def _dq_rows(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
-    """dQ (unscaled, fp32) of ``rows`` over the key blocks [lo, hi), masked on the edges only."""
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
+             SINKS: tl.constexpr = 0):
+    """dQ (unscaled, fp32) of ``rows`` over the key blocks [lo, hi), masked on the edges only, and over the
+    first SINKS keys of each row's segment (``_dq_sinks``)."""
     inner_lo, inner_hi = blocks.inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
+    if SINKS > 0:
+        dq = 0 * _dq_sinks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, dq, sm_scale, SINKS,
+                       BLOCK_N, D, TMA)
     dq = _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, inner_lo, dq,
                     sm_scale, True, BLOCK_N, D, TMA)
     dq = _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, inner_lo, inner_hi, dq,
@@ -98,7 +119,7 @@ def _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale):
 def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, B, N, H, G, W,
                      sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
-                     TMA: tl.constexpr = False):
+                     TMA: tl.constexpr = False, SINKS: tl.constexpr = 0):
     bh, b, h, kh, offs_m, lo, hi = blocks.window_block(N, H, G, W, BLOCK_M, BLOCK_N)
     K, V = blocks.key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
@@ -109,7 +130,7 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, B, N, H, G, W
     first = blocks.row_starts(START, b, N, offs_m, mmask, SEGMENTS)
     # Every row, global ones too (no gate test per pair): the global dQ kernel overwrites those rows.
     dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, offs_m, first, mmask, N, W,
-                  lo, hi, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
+                  lo, hi, sm_scale, BLOCK_M, BLOCK_N, D, TMA, SINKS)
     tl.store(DQ + doo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mmask[:, None])
 
 
@@ -135,7 +156,8 @@ def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, ORDER, START, sm_s
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_END, sm_scale, N, H, G, W,
                  sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn, sgb, sgh, sgn,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
+                 SINKS: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     bkh = tl.program_id(1)  # batch * kv_heads + kv head
     hkv = H // G
@@ -158,10 +180,15 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
         stop = tl.load(SEG_END + b * N + tl.minimum(n0 + BLOCK_N, N) - 1)
     else:
         stop = N
+    if SINKS > 0:  # a block holding sinks: every later local row of their segment reads them (a key's segment
+        # is its own row's, as for ``stop``)
+        seg = blocks.row_starts(START, b, N, offs_n, nmask, SEGMENTS)
+        if tl.max((blocks.is_sink(offs_n, seg, SINKS) & nmask).to(tl.int32), 0) > 0:
+            hi = tl.maximum(hi, stop)
     for gi in range(0, G):
         h = kh * G + gi
         bh = b * H + h
-        # Local rows whose window reaches this key block.
+        # Local rows whose window (or sinks) reach this key block.
         for start in range(lo, hi, BLOCK_M):
             offs_m = start + i
             mmask = offs_m < N
@@ -171,6 +198,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
             first = blocks.row_starts(START, b, N, offs_m, mmask, SEGMENTS)
             valid = blocks.edge_mask(offs_m, offs_n, first, local, N, W)  # local: a real row (padding loads as global)
+            if SINKS > 0:
+                end = blocks.sink_end(first, blocks.window_start(offs_m, W), SINKS)
+                valid = valid | blocks.sink_mask(offs_n, first, end, local)
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
         # This head's global queries (its packed list, BLOCK_M at a time) that reach the key block: from
         # the tile holding its first global query at or after n0 (the count before n0, divided by
@@ -194,24 +224,24 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
 
 class _AHATrain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, hard, window, scale, tiles, dkdv, start):
+    def forward(ctx, q, k, v, hard, window, scale, tiles, dkdv, start, sinks):
         b, h, n, _ = q.shape
         q, k, v = blocks.strided(q, k, v)
         a_local = torch.empty_like(q)
         lse = torch.empty(b * h, n, device=q.device, dtype=torch.float32)
-        sliding_forward(q, k, v, a_local, lse, start, window, scale, blocks.pinned_tiles("sliding", tiles))
+        sliding_forward(q, k, v, a_local, lse, start, window, scale, blocks.pinned_tiles("sliding", tiles), sinks)
         out = a_local.clone()
         packed = pack_global(hard)
         global_forward(q, k, v, out, lse, start, packed, scale, blocks.pinned_tiles("global", tiles))
         ctx.save_for_backward(q, k, v, out, lse, hard, start, *packed)
-        ctx.config = (window, scale, tiles, dkdv, autotune.pins())  # the backward may run on another thread
+        ctx.config = (window, scale, tiles, dkdv, sinks, autotune.pins())  # the backward may run on another thread
         ctx.mark_non_differentiable(a_local)
         return out, a_local
 
     @staticmethod
     def backward(ctx, dout, _unused):
         q, k, v, out, lse, hard, start, rows, cum = ctx.saved_tensors
-        window, scale, tiles, dkdv, pins = ctx.config
+        window, scale, tiles, dkdv, sinks, pins = ctx.config
         b, h, n, d = q.shape
         hkv = k.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # dk, dv: one layout, as k, v
@@ -223,10 +253,11 @@ class _AHATrain(torch.autograd.Function):
         seg_end = cum if start is None else segment_end(start)
         start, segments = blocks.segment_args(start, cum)
         common = dict(D=d, SEGMENTS=segments)
+        local = dict(common, SINKS=sinks)
 
         def local_dq(t: dict) -> None:
             _local_dq_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](q, k, v, dout, lse, delta, dq, start, scale, b, n,
-                                                                    h, h // hkv, window, *strides, **common,
+                                                                    h, h // hkv, window, *strides, **local,
                                                                     **blocks.tma_checked(t, k))
 
         def global_dq(t: dict) -> None:
@@ -238,13 +269,13 @@ class _AHATrain(torch.autograd.Function):
         def dkdv_grads(t: dict) -> None:
             _dkdv_kernel[(triton.cdiv(n, t["BLOCK_N"]), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum,
                                                                   start, seg_end, scale, n, h, h // hkv, window,
-                                                                  *strides, *dk.stride()[:3], **common, **t)
+                                                                  *strides, *dk.stride()[:3], **local, **t)
 
         with contextlib.nullcontext() if pins is None else autotune.pinned(pins):
             for name, launch, pinned in (("local_dq", local_dq, tiles), ("global_dq", global_dq, tiles),
                                          ("dkdv", dkdv_grads, dkdv)):
                 launch(blocks.pinned_tiles(name, pinned) or blocks.choose(name, q, k, launch))
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def segment_end(start: torch.Tensor) -> torch.Tensor:
@@ -261,12 +292,14 @@ def segment_end(start: torch.Tensor) -> torch.Tensor:
 
 def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: torch.Tensor, window: int,
                      scale: float, tiles: dict | None = None, dkdv: dict | None = None,
-                     row_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     row_start: torch.Tensor | None = None, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, a_local): ``out`` is AHA's output under the hard gate [b, h, n] (True = global),
     differentiable in q, k, v through the used path only; ``a_local`` is every query's sliding-window
     output, without gradient (for the straight-through term). q, k, v are read where they lie
     (``blocks.strided``). tiles: None, each kernel's setting from ``allhere.kernels.autotune``; or one
     pinned for the forward and dQ kernels, as in ``aha_prefill_triton``; dkdv: the same for the dK / dV
     kernel (BLOCK_M: query rows at a time, BLOCK_N: keys per program). ``row_start``: segments, as in
-    ``aha_prefill_triton``."""
-    return _AHATrain.apply(q, k, v, hard, window, scale, tiles, dkdv, blocks.segment_start(row_start, q.shape[2]))
+    ``aha_prefill_triton``; sinks: a local row also reads the first ``sinks`` keys of its segment (forward and
+    backward)."""
+    return _AHATrain.apply(q, k, v, hard, window, scale, tiles, dkdv, blocks.segment_start(row_start, q.shape[2]),
+                           sinks)

@@ -6,6 +6,14 @@ each rule written once, here, and called by every kernel that needs it.
   routing on top of it: a global query reads from key 0), ``last_reader`` (the other side of the same rule:
   the last query whose window holds a key), ``edge_mask`` (the rule as a mask of a [rows, keys] tile) and
   ``inner_blocks`` (the key blocks every row of a tile sees entirely, where no mask is needed).
+- The sinks of a local query (attention sinks, "Efficient Streaming Language Models with Attention Sinks",
+  arXiv:2309.17453): the first ``S`` keys of its segment, read besides its window. ``sink_end`` (where those
+  its window does not hold end), ``is_sink`` (the rule seen from a key), ``sink_mask`` (as a mask of a [rows,
+  keys] tile) and ``sink_blocks`` (the key blocks a tile of rows reads them from). A kernel folds them in with
+  a short pass of their own before the window's, over (row, key) pairs disjoint from the window's, so that no
+  key counts twice: per row they are one more key range [seg, end), which the kernel's masked key loop takes
+  as rows whose last key is end - 1, with no window (W = N + 1). With ``S`` = 0 (a constexpr) that pass is
+  not compiled at all.
 - The online softmax in base 2: ``online_step`` folds a key tile into a tile of query rows (``tl.dot``);
   ``decode_state`` / ``decode_step`` do the same for a single query (decode).
 - The dense layout [b, heads, n, d] of the prefill and training kernels: the keys (``key_sources``,
@@ -76,6 +84,36 @@ def inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N: tl.constexpr):
     inner_lo = tl.maximum(window_start(latest, W), tl.max(tl.where(rmask, first, 0), 0))
     inner_lo = tl.minimum(tl.maximum(tl.cdiv(inner_lo, BLOCK_N) * BLOCK_N, lo), hi)
     return inner_lo, tl.maximum(((earliest + 1) // BLOCK_N) * BLOCK_N, inner_lo)
+
+
+@triton.jit
+def sink_end(seg, first, S):
+    """One past the last sink a query reads outside its main key range: the first S keys of its segment (from
+    ``seg``) that lie before ``first``, the range's first key (its window's; a global query's range starts at
+    ``seg``). Its sinks outside the range are [seg, sink_end): none where sink_end <= seg."""
+    return tl.minimum(seg + S, first)
+
+
+@triton.jit
+def is_sink(key, seg, S):
+    """Whether ``key`` is one of the first S keys of its segment (from ``seg``), which every later local query
+    of the segment reads (``sink_end`` seen from the key, as ``last_reader`` is the window's)."""
+    return (key >= seg) & (key < seg + S)
+
+
+@triton.jit
+def sink_mask(offs_n, seg, end, rmask):
+    """[rows, keys] of a tile that are sinks outside each row's window: seg <= key < end (``sink_end``), real
+    rows only (end <= the row's position: causal and inside the sequence)."""
+    return (offs_n[None, :] >= seg[:, None]) & (offs_n[None, :] < end[:, None]) & rmask[:, None]
+
+
+@triton.jit
+def sink_blocks(seg, end, rmask, N, BLOCK_N: tl.constexpr):
+    """(lo, hi): the key blocks holding a sink outside the window of some real row (each row's [seg, end),
+    ``sink_end``), lo aligned to BLOCK_N; empty (lo >= hi) where every row's window holds its sinks."""
+    some = rmask & (end > seg)
+    return (tl.min(tl.where(some, seg, N), 0) // BLOCK_N) * BLOCK_N, tl.max(tl.where(some, end, 0), 0)
 
 
 # --- the online softmax (base 2) ---

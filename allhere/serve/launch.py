@@ -159,6 +159,7 @@ def format_stats(stats: dict) -> str:
 
 def format_kv(kv: dict) -> str:
     """The caches' bytes (``allhere.serve.vllm_model.kv_bytes``) in one line."""
+    # AHA's layers are in the per-token bytes: they keep every key, their window and sinks free no block
     window = (f" + {kv['per_request']} bytes per request (the keys of windows and sinks, DAR's near window "
               "included)") if kv["per_request"] else ""
     return (f"KV cache {kv['per_token']} bytes per token of context{window}; the unconverted model: "

@@ -18,9 +18,12 @@ rows: ``allhere.serve.vllm_paged``). A layer served by the Triton paged kernel i
 The rule. A mechanism gives, per *row class*, what a row of that class reads: masks over positions (``Read``,
 with an optional query tile size), each the same one allhere trains and generates with (an
 ``allhere.masks.Mask``: its ``tiles`` block test says which rectangles may hold an allowed entry; its
-``dense`` test, if it has one, which ones are allowed entirely; a plain predicate has neither). A row is one
-(query token, query head); ``row_class`` [tokens, heads] says which class each is in (AHA: 0 local, 1 global,
-from the router; one class otherwise). Causality is always added.
+``dense`` test, if it has one, which ones are allowed entirely; a plain predicate has neither). The parts of one
+class must allow disjoint keys: each is attended on its own and the pieces merged, so a key two parts allow
+would count twice (a union of overlapping parts is one part, its mask their ``masks.or_masks``: AHA's window
+with sinks, ``window_read(..., n_sinks=)``). A row is one (query token, query head); ``row_class`` [tokens, heads]
+says which class each is in (AHA: 0 local, 1 global, from the router; one class otherwise). Causality is always
+added.
 
 The work (``paged_attention``), batched tensor operations throughout (the only Python loops run over the
 rule's parts and over pieces of bounded memory, never over requests or heads):
@@ -61,7 +64,8 @@ class Read(NamedTuple):
 
     pred: masks.Mask  # (b, h, q_idx, kv_idx) -> allowed, with its block tests (a plain predicate: none)
     q_tile: int | None = None  # rows per query tile for this part (None: paged_attention's q_tile)
-    window: int | None = None  # ``window_read``'s: pred reads exactly the ``window`` most recent keys
+    window: int | None = None  # ``window_read``'s: pred reads exactly the ``window`` most recent keys ...
+    n_sinks: int = 0  # ... and the request's first ``n_sinks`` positions (attention sinks in AHA's local rows)
 
 
 def paged_view(cache: torch.Tensor, block_size: int, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -106,8 +110,13 @@ def kernel_caches(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return view[:, :, 0].transpose(1, 2), view[:, :, 1].transpose(1, 2)
 
 
-def window_read(window: int, q_tile: int | None = None) -> Read:
-    """The ``window`` most recent keys, the query's own included (``masks.sliding_window``, block tests and all)."""
+def window_read(window: int, q_tile: int | None = None, n_sinks: int = 0) -> Read:
+    """The ``window`` most recent keys, the query's own included (``masks.sliding_window``, block tests and all);
+    with ``n_sinks`` > 0 also the request's first ``n_sinks`` positions (``masks.sliding_with_sinks``: one part,
+    the union, whose ``tiles`` test skips the blocks between the sinks and the window; it has no ``dense`` test,
+    so the blocks a tile reads entirely are found by evaluating the predicate)."""
+    if n_sinks:
+        return Read(masks.sliding_with_sinks(window, n_sinks), q_tile, window, n_sinks)
     return Read(masks.sliding_window(window), q_tile, window)
 
 

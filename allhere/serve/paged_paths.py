@@ -11,8 +11,9 @@ its window, the others every earlier key: AHA's two classes; None for the other 
   mask evaluated from its class's predicates on the dense grid, scores and softmax in float32 (slow);
 - ``"torch"``: ``paged.paged_attention`` (tiles of rows over gathered blocks; keys transposed). Inside vLLM's
   CPU backend the served layer also runs vLLM's own kernel for what it computes (``vllm_paged``);
-- ``"triton"``: allhere's Triton paged kernel (``paged_kernel.aha_paged``; AHA's two classes only, keys
-  untransposed); ``"auto"`` picks it on CUDA, an explicit ``"triton"`` also under Triton's interpreter.
+- ``"triton"``: allhere's Triton paged kernel (``paged_kernel.aha_paged``; AHA's two classes only, the local
+  one's window and sinks as its ``window_read`` holds them; keys untransposed); ``"auto"`` picks it on CUDA, an
+  explicit ``"triton"`` also under Triton's interpreter.
 
 A layer keeps one path, hence one cache layout, for its life: ``transposed_for(path)`` says which layout its
 path reads (the torch path reads transposed keys, the Triton kernel untransposed ones; the reference either).
@@ -101,8 +102,9 @@ def _triton(q, view, query_start, seq_lens, block_table, reads, scale, out, row_
             max_seq_len=None, max_query_len=None, **unused) -> None:
     from .paged_kernel import aha_paged
 
-    aha_paged(q, view, query_start, seq_lens, block_table, row_class != window_class, reads[window_class][0].window,
-              scale, out, max_seq_len, max_query_len)
+    local = reads[window_class][0]  # a window_read: its window and its sinks (the request's first positions)
+    aha_paged(q, view, query_start, seq_lens, block_table, row_class != window_class, local.window, scale, out,
+              max_seq_len, max_query_len, n_sinks=local.n_sinks)
     out[int(query_start[-1]):].zero_()
 
 

@@ -5,13 +5,15 @@ object (``allhere.registry.from_dict``), and the mechanisms' own pure pieces giv
 hidden state (``allhere.mechanisms.aha.hidden_gate``), a pattern's mask predicate (``cfg.mask_fn``).
 
 - AHA: one attention over the layer's cache, two row classes: a local (token, head) reads its ``window`` most
-  recent keys, a global one every earlier key, in prefill (chunked prefill included) as in decode. The router
+  recent keys (and its request's first ``sinks`` tokens, ``AHAConfig.sinks``: one ``window_read`` holding both), a
+  global one every earlier key, in prefill (chunked prefill included) as in decode. The router
   ``S = sigmoid(X W_router + b)`` on the block's input X (the weights allhere saved,
   ``...self_attn.allhere.router.{weight,bias}``) gives the gate per (token, query head) in a forward pre-hook.
   The host's softmax terms are kept: learned sink logits (gpt-oss) and soft-capped scores (Gemma-2). Where
   vLLM's CPU kernel reads allhere's block layout, the local rows and a decode token's global rows are its kernel's
   (in place, over the same blocks: ``allhere.serve.vllm_paged.aha_over_vllm``) and allhere's attention computes
-  the prefill tokens' global rows.
+  the prefill tokens' global rows; with sinks allhere's attention computes every row (vLLM's window has none).
+  The layer's cache keeps every key either way (its vLLM spec is full attention: the global rows read them all).
 - sinks, dilated, Longformer, BigBird and any other causal pattern (``install_masked``): one class reading what
   the pattern's predicate allows.
 - DAR: ``allhere.serve.vllm_dar``.
@@ -89,7 +91,8 @@ def _route_hook(block, args, kwargs):
 def install_aha(block: nn.Module, attn: Attention, cfg: AHAConfig, d_model: int, n_heads: int) -> AHAServe:
     mech = AHAServe(cfg, d_model, n_heads)
     block.add_module(SUBMODULE, mech)
-    reads = [[window_read(cfg.window, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]]  # gate 0 / 1
+    local = window_read(cfg.window, q_tile=WINDOW_TILE, n_sinks=cfg.sinks)  # the window, and the sinks if any
+    reads = [[local], [causal_read(q_tile=WIDE_TILE)]]  # gate 0 / 1
     block.attn = PagedAttention(attn, reads, router=mech, window_class=0)
     block.register_forward_pre_hook(_route_hook, with_kwargs=True)
     return mech

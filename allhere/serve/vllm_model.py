@@ -15,7 +15,8 @@ Mechanisms served (per converted layer, ``config.allhere_layers``): every kind r
   ``allhere.serve.vllm_paged``), on vLLM's CPU backend (AHA on CUDA too, through allhere's Triton paged kernel).
   AHA's router ``S = sigmoid(X W_router + b)`` on the attention block's input X (the same weights as allhere
   saved: ``...self_attn.allhere.router.{weight,bias}``) gives the hard gate ``g = S > tau`` per (token, query
-  head): the full causal prefix where g, the ``window`` most recent keys elsewhere. A sinks layer's
+  head): the full causal prefix where g, the ``window`` most recent keys elsewhere (and the request's first
+  ``sinks`` tokens, ``AHAConfig.sinks``); an AHA layer's cache keeps every key. A sinks layer's
   ``Attention`` is rebuilt to report a KV cache of its own (``allhere.serve.vllm_kv``): the sink blocks and
   the window's, a constant number of blocks per request. DAR keeps the window's K/V in a sliding-window
   cache and every token's d_down latent in a cache of its own, the distant keys rebuilt from the latents at
@@ -81,7 +82,9 @@ def kv_bytes(model: nn.Module, dtype: torch.dtype, max_len: int) -> dict:
     context (layers that keep every key; DAR's latent rows with their share of the padding of vLLM's pages);
     ``per_request``, bytes of the sliding-window layers' windows and of the sinks layers' sinks and windows (a
     constant per request, past the window; vLLM holds whole blocks of them); ``plain_per_token``, bytes per token
-    of the unconverted model (every layer keeping every key, none of allhere's extra caches)."""
+    of the unconverted model (every layer keeping every key, none of allhere's extra caches). AHA's layers count
+    per token: they keep every key (their global rows read the whole prefix), so neither their window nor their
+    sinks (``AHAConfig.sinks``) frees a block."""
     size = torch.tensor([], dtype=dtype).element_size()
     out = {"per_token": 0, "per_request": 0, "plain_per_token": 0}
     for m in model.modules():

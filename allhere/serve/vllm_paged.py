@@ -16,8 +16,9 @@ keys transposed, then values; checked once per process by writing a few tokens b
 kernel is one of those, AHA's step runs mostly in vLLM's own kernel over the same blocks, in place: every row's
 window in its windowed kernel, a decode token's global rows in its full kernel, one request per (token, kv head)
 over that kv head's blocks (``vllm_global_decode``); allhere's attention computes the prefill tokens' global rows.
-An AHA layer on CUDA runs allhere's Triton paged kernel for all its rows instead (``allhere.serve.paged_kernel``;
-its keys stored untransposed).
+An AHA layer with sinks (``AHAConfig.sinks``: its local rows also read the request's first tokens) runs every row
+on allhere's attention instead (``PagedAttention.compute`` says why). An AHA layer on CUDA runs allhere's Triton
+paged kernel for all its rows instead (``allhere.serve.paged_kernel``; its keys stored untransposed).
 """
 
 from __future__ import annotations
@@ -131,8 +132,10 @@ def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, scale: flo
     windowed kernel; the decode tokens' global rows by its full kernel per (token, kv head)
     (``vllm_global_decode``; with learned sink logits, by allhere's attention); the other global rows (prefill
     tokens) by allhere's attention (``paged_attention`` with the layer's ``reads``). ``row_class`` [tokens,
-    heads]: ``local`` for a local row, whose one read is a ``window_read``. ``out`` [tokens, heads, d]: the first
-    meta.num_actual_tokens rows."""
+    heads]: ``local`` for a local row, whose one read is a ``window_read`` without sinks. ``out`` [tokens, heads,
+    d]: the first meta.num_actual_tokens rows."""
+    if reads[local][0].n_sinks:
+        raise ValueError("aha_over_vllm: vLLM's windowed kernel reads no sinks (AHA with sinks: paged_attention)")
     n = meta.num_actual_tokens
     vllm_window(q, cache, meta, reads[local][0].window, scale, softcap, sinks, isa, out)
     glob = row_class[:n] != local
@@ -254,7 +257,11 @@ class PagedAttention(nn.Module):
             return
         meta, view, q, out = step
         c, isa = self.window_class, getattr(self.owner, "isa", None)
-        if self.path.backend == "torch" and c is not None and same_layout(isa, view.dtype):
+        # With sinks (AHA's local rows also reading the request's first tokens) every row stays on allhere's path:
+        # vLLM's windowed kernel reads no sinks and returns no log-sum-exp, so a piece of sink keys could not be
+        # merged into its output without computing the window's log-sum-exp again, which costs what the window does
+        if (self.path.backend == "torch" and c is not None and not self.reads[c][0].n_sinks
+                and same_layout(isa, view.dtype)):
             aha_over_vllm(q, self.owner.kv_cache, view, meta, self.reads, row_class, c, self.scale, self.softcap,
                           self.sinks, isa, out, WORKSPACE)
             out[meta.num_actual_tokens:].zero_()

@@ -12,7 +12,8 @@ memory than an H100 gives a block: ``benchmarks/kernel_compile.py --head-dim 256
   - a whole sequence with gradients: the training kernels (the same forward, a backward through the used
     paths only); for a straight-through gate, a_full comes from a forward pass only (dense SDPA, or the
     packed global kernel within segments).
-Segments (``row_start``) run in the same launch in all three.
+Segments (``row_start``) run in the same launch in all three, and so do the sinks of the local branch
+(``sinks``: the first keys of each segment, a compile-time constant of the kernels).
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ def needs_grad(q, k, v, gate) -> bool:
 
 
 def triton_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, sinks: int = 0) -> str | None:
-    """None where the kernels take this call (see the module docstring), else why not."""
-    if sinks:
-        return "sinks in the local branch: the kernels do not read them yet"
+    """None where the kernels take this call (see the module docstring), else why not. Any ``sinks`` is taken."""
     refusal = kernels.device_refusal(q.device)
     if refusal:
         return refusal
@@ -60,7 +59,7 @@ def aha_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate
     if needs_grad(q, k, v, gate):
         from ...kernels.aha_train import aha_train_triton
 
-        out, a_local = aha_train_triton(q, k, v, hard, window, scale, row_start=row_start)
+        out, a_local = aha_train_triton(q, k, v, hard, window, scale, row_start=row_start, sinks=sinks)
         if not trains_gate(gate):
             return out
         with torch.no_grad():
@@ -75,7 +74,7 @@ def aha_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate
         from ...kernels.aha_decode import aha_decode_triton
 
         kv_start = None if row_start is None else torch.where(row_start[:, 0] < 0, lk, row_start[:, 0])
-        return aha_decode_triton(q, k, v, hard[..., 0], window, scale, kv_start=kv_start, kv_len=kv_len)
+        return aha_decode_triton(q, k, v, hard[..., 0], window, scale, kv_start=kv_start, kv_len=kv_len, sinks=sinks)
     from ...kernels.aha_prefill import aha_prefill_triton
 
-    return aha_prefill_triton(q, k, v, hard, window, scale, row_start=row_start)
+    return aha_prefill_triton(q, k, v, hard, window, scale, row_start=row_start, sinks=sinks)

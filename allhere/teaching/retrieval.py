@@ -1,0 +1,72 @@
+"""Calibration text that needs distant tokens: windows of a text with facts planted early and asked for late.
+
+A router is taught where the full model reads far back (``allhere.teaching.teach``); ordinary text rarely makes
+it, so a teacher on it alone never shows a router a retrieval. Each calibration window here is a run of the
+user's text with ``facts`` facts stated in its first part and each asked for again after more than ``distance``
+tokens (beyond the window), answered in the text itself, so that the model's own attention at the answer shows
+what must be read globally. The forms are natural sentences and code (a key and its value, a code to remember,
+a date, a constant and the check that repeats it); none is the passkey evaluation's wording
+(``allhere.eval.passkey``), which the teaching must not see.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ..validation import ConfigError
+
+NAMES = ("amber", "cobalt", "scarlet", "olive", "ivory", "violet", "copper", "silver", "indigo", "crimson",
+         "teal", "ochre")
+PEOPLE = ("Ada", "Boris", "Chen", "Dalia", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kasia", "Lior")
+CONSTANTS = ("RETRY_LIMIT", "MAX_DEPTH", "DEFAULT_PORT", "BUFFER_SIZE", "CACHE_TTL", "PAGE_OFFSET", "TIMEOUT_MS",
+             "BLOCK_COUNT")
+FORMS = (  # (statement, question whose last words lead to the answer {n}); {x} a name, {p} a person
+    ("The code for the {x} locker is {n}.", "Which code opens the {x} locker? The code for the {x} locker is {n}."),
+    ("Note: {p}'s access number is {n}.", "What was {p}'s access number? {p}'s access number is {n}."),
+    ("The {x} shipment left on day {n}.", "On which day did the {x} shipment leave? It left on day {n}."),
+    ("Remember this number: {n}.", "Which number were you asked to remember? The number was {n}."),
+    ("{c} = {n}\n", "assert {c} == {n}\n"),
+    ("# {p} filed ticket {n} about the {x} module.\n", "# the {x} module's ticket, filed by {p}: {n}\n"),
+)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def retrieval_windows(tokenizer, documents: list[torch.Tensor], count: int, length: int, distance: int,
+                      facts: int = 2, seed: int = 0) -> torch.Tensor:
+    """``count`` windows of ``length`` tokens [count, length]: runs of ``documents`` (token ids, each a tensor;
+    a run stays within one document where one is long enough, else runs on into the next) with ``facts`` facts
+    planted per window, each statement more than ``distance`` tokens before its question, questions at the end of
+    the window. A pure function of ``seed``."""
+    rng = random.Random(seed)
+    stream = torch.cat(documents) if documents else torch.zeros(0, dtype=torch.long)
+    out = []
+    for _ in range(count):
+        pairs = []
+        for _ in range(facts):
+            form = FORMS[rng.randrange(len(FORMS))]
+            value = dict(x=rng.choice(NAMES), p=rng.choice(PEOPLE), c=rng.choice(CONSTANTS),
+                         n=str(rng.randint(10000, 99999)))
+            pairs.append([_encode(tokenizer, " " + f.format(**value) + " ") for f in form])
+        planted = sum(len(a) + len(b) for a, b in pairs)
+        text = length - planted
+        if text < distance + 1 or len(stream) < text:
+            raise ConfigError(f"calibration: {length}-token windows cannot hold {facts} facts {distance} tokens apart "
+                              f"in {len(stream)} tokens of text")
+        start = rng.randrange(len(stream) - text + 1)
+        piece = stream[start:start + text].tolist()
+        early = text - distance  # statements go into the first text - distance tokens
+        at = sorted(rng.randrange(early) for _ in pairs)
+        ids, last = [], 0
+        for (statement, _), cut in zip(pairs, at):
+            ids += piece[last:cut] + statement
+            last = cut
+        ids += piece[last:]
+        for _, question in pairs:
+            ids += question
+        out.append(torch.tensor(ids[:length], dtype=torch.long))
+    return torch.stack(out)

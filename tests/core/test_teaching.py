@@ -1,0 +1,163 @@
+"""Routers taught by the full model (``allhere.teaching``): the teacher's labels against a brute-force loop, the
+ridge fit, the budget the biases set, the calibration windows with planted facts, and bad settings refused."""
+
+import math
+
+import pytest
+import torch
+
+from allhere import AHAConfig, Decoder, FullConfig, ModelConfig, SlidingConfig
+from allhere.analysis.static import top_k_heads
+from allhere.teaching import teach_routers
+from allhere.teaching.fit import RidgeFit, target
+from allhere.teaching.labels import local_cost
+from allhere.teaching.retrieval import retrieval_windows
+from allhere.validation import ConfigError
+
+
+def brute_cost(q, k, v, window, sinks, label):
+    b, h, n, d = q.shape
+    group = h // k.shape[1]
+    out = torch.zeros(b, h, n, dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(n):
+                kk, vv = k[bi, hi // group, :i + 1].double(), v[bi, hi // group, :i + 1].double()
+                p = torch.softmax(kk @ q[bi, hi, i].double() / math.sqrt(d), 0)
+                local = torch.tensor([i - j < window or j < sinks for j in range(i + 1)])
+                if label == "mass":
+                    out[bi, hi, i] = p[~local].sum()
+                else:
+                    pl = torch.softmax((kk @ q[bi, hi, i].double() / math.sqrt(d)).masked_fill(~local, -math.inf), 0)
+                    full = p @ vv
+                    out[bi, hi, i] = (full - pl @ vv).norm() / full.norm()
+    return out
+
+
+@pytest.mark.parametrize("label", ["mass", "output"])
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_local_cost_equals_a_loop(label, sinks):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 20, 8, generator=g), torch.randn(2, 2, 20, 8, generator=g), torch.randn(2, 2, 20, 8,
+                                                                                                        generator=g)
+    got = local_cost(q, k, v, 5, sinks, label=label)
+    want = brute_cost(q, k, v, 5, sinks, label)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    assert got[..., :5].abs().max() < 1e-6  # the whole prefix is local: nothing lost
+
+
+def test_ridge_fit_recovers_a_linear_cost():
+    """Costs exp(x w + c) per head: the fit's prediction is their log, standardised (correlation ~1)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2000, 6, generator=g)
+    w, c = torch.randn(6, 3, generator=g), torch.randn(3, generator=g)
+    cost = torch.exp(x @ w + c)
+    fit = RidgeFit(1, 6, 3)
+    for part in range(4):
+        fit.add(0, x[part * 500:(part + 1) * 500], cost[part * 500:(part + 1) * 500])
+    weight, bias = fit.solve(ridge=1e-8)[0]
+    pred = x @ weight.T + bias
+    t = target(cost)
+    t = (t - t.mean()) / t.std()
+    assert torch.corrcoef(torch.stack([pred.flatten(), t.flatten()]))[0, 1] > 0.999
+    assert abs(pred.mean().item()) < 1e-3 and abs(pred.std().item() - 1) < 1e-2
+
+
+def tiny(mech=None, layers=3):
+    mech = mech or AHAConfig(window=6, sinks=1)
+    torch.manual_seed(0)
+    return Decoder(ModelConfig(vocab_size=61, d_model=32, n_layers=layers, n_heads=4, n_kv_heads=2, mechanism=mech))
+
+
+@pytest.mark.parametrize("budget", ["layer", "model"])
+def test_teaching_sets_the_budget_on_the_calibration_text(budget):
+    model = tiny()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 61, (2, 48), generator=g) for _ in range(3)]
+    before = [p.clone() for p in model.parameters()]
+    taught = teach_routers(model, batches, 0.2, budget=budget)
+    assert taught.tokens == 3 * 2 * 48 and abs(taught.mu_f - 0.2) < 0.01
+    if budget == "layer":
+        assert all(abs(m - 0.2) < 0.01 for m in taught.layer_mu_f)
+    with torch.no_grad():
+        gates = torch.cat([model(ids).routing.mu_f()[None] for ids in batches])
+    assert abs(gates.mean().item() - 0.2) < 0.01  # the model routes as the teaching pass counted
+    changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+    names = [n for n, _ in model.named_parameters()]
+    assert all(c == (".router." in n) for c, n in zip(changed, names)), "only the routers change"
+    assert len(taught.head_cost) == 3 and len(taught.head_cost[0]) == 4
+    heads = top_k_heads(torch.tensor(taught.head_cost), 3)
+    assert heads.sum() == 3
+
+
+def test_taught_routers_find_the_costly_pairs_on_held_out_text():
+    """allhere's pretrained byte-level base (shipped), AHA at w = 32 with a sink, taught on standard-library code:
+    on held-out code its routers send global more than twice the chance share of the (token, head) pairs the full
+    model's attention needs most, and its loss lies between every gate local and every gate global."""
+    from allhere import swap_mechanism
+    from allhere.checkpoint import load_model
+    from allhere.data.corpus import stdlib_corpus
+    from allhere.losses import lm_loss
+    from allhere.routing import set_forced_gate
+    from allhere.teaching.observe import observe_routed
+    from allhere_recipes.bases import base_files
+
+    base, _ = load_model(base_files("stdlib")[0])
+    model = swap_mechanism(base, AHAConfig(window=32, sinks=1)).eval()
+    corpus, n = stdlib_corpus(), 256
+    cut = lambda text, k: torch.stack([text[i * 3 * n:i * 3 * n + n].long() for i in range(k)])  # noqa: E731
+    teach_routers(model, list(cut(corpus.train[1000:], 12).split(4)), 0.15)
+    held = cut(corpus.val, 8)
+    seen = []
+    set_forced_gate(model, True)
+    with torch.no_grad(), observe_routed(model, lambda row, m, q, k, v, call: seen.append(
+            (local_cost(q, k, v, 32, 1)[..., 32:], m.scores(call.x)[..., 32:]))):
+        full = lm_loss(model(held).logits, held).item()
+    set_forced_gate(model, False)
+    with torch.no_grad():
+        local = lm_loss(model(held).logits, held).item()
+        set_forced_gate(model, None)
+        taught = lm_loss(model(held).logits, held).item()
+    cost, scores = torch.stack([c for c, _ in seen]), torch.stack([s for _, s in seen])
+    top = cost > torch.quantile(cost.flatten(), 0.85)
+    chosen = scores > torch.quantile(scores.flatten(), 0.85)
+    assert (top & chosen).sum() / top.sum() > 0.3  # chance: 0.15
+    assert full < taught < local
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mu_f": 0.0}, "mu_f = 0.0 is invalid"), ({"mu_f": 1.0}, "mu_f = 1.0 is invalid"),
+    ({"mu_f": 0.1, "label": "loss"}, "label must be one of"), ({"mu_f": 0.1, "budget": "head"}, "budget one of")])
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        teach_routers(tiny(), [torch.randint(0, 61, (1, 16))], **kwargs)
+
+
+@pytest.mark.parametrize("mech, message", [(FullConfig(), "no routed"), (SlidingConfig(window=4), "no routed"),
+                                           (AHAConfig(window=4, router_bias=False), "router_bias = False")])
+def test_models_without_a_router_to_teach_are_refused(mech, message):
+    with pytest.raises(ConfigError, match=message):
+        teach_routers(tiny(mech), [torch.randint(0, 61, (1, 16))], 0.1)
+
+
+class Words:
+    """A tokenizer of one id per character (enough to plant and find the facts)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 256 for c in text]}
+
+
+def test_retrieval_windows_ask_each_fact_beyond_the_distance():
+    docs = [torch.randint(97, 123, (3000,), generator=torch.Generator().manual_seed(0))]
+    windows = retrieval_windows(Words(), docs, 6, 400, 120, facts=2, seed=3)
+    assert windows.shape == (6, 400)
+    for row in windows.tolist():
+        text = "".join(map(chr, row))
+        numbers = [w.strip(".") for w in text.split() if w.strip(".\n").isdigit() and len(w.strip(".\n")) == 5]
+        assert len(numbers) == 4  # each fact's number, stated and asked
+        first = {n: text.index(n) for n in numbers}
+        for n in set(numbers):
+            assert text.rindex(n) - first[n] > 120
+    assert torch.equal(windows, retrieval_windows(Words(), docs, 6, 400, 120, facts=2, seed=3))
+    with pytest.raises(ConfigError, match="cannot hold 2 facts"):
+        retrieval_windows(Words(), docs, 1, 200, 190)
