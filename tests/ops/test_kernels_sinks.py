@@ -7,6 +7,8 @@ import torch
 
 pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
 
+from test_aha_paged import MIXED, SMALL, Step  # noqa: E402
+
 from allhere.kernels import autotune  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
@@ -16,7 +18,6 @@ from allhere.ops.aha import aha_attention, aha_attention_reference  # noqa: E402
 from allhere.ops.ste import straight_through  # noqa: E402
 
 from helpers import rel_err, segment_mask  # noqa: E402
-from test_aha_paged import MIXED, SMALL, Step  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE, TOL = (torch.bfloat16, 2e-2) if DEVICE == "cuda" else (torch.float32, 1e-5)  # the interpreter takes fp32
