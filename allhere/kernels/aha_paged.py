@@ -166,9 +166,8 @@ def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, sc
                     GLOBAL: tl.constexpr, IEEE: tl.constexpr, SINKS: tl.constexpr = 0):
     """One tile of BLOCK_M rows of a request with several queries, one head (program ids: tile, head). The
     window pass (GLOBAL false): consecutive query rows, each over its window and the request's first SINKS
-    keys. The global pass: the next
-    BLOCK_M of the head's global rows of the request (PACKED [heads, tokens]: each head's global rows in
-    order), each over its whole prefix, written over the window pass's result."""
+    keys. The global pass: the next BLOCK_M of the head's global rows of the request (PACKED [heads, tokens]:
+    each head's global rows in order), each over its whole prefix, written over the window pass's result."""
     h = tl.program_id(1)
     r, i0 = _request_of_tile(QSTART, CUM, R, h, sch, BLOCK_M, GLOBAL)
     qs = tl.load(QSTART + r)
@@ -226,8 +225,8 @@ def _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt):
 
 
 @triton.jit
-def _decode_keys(m_i, l_i, acc, q, K, V, BT, bt_row, kv_off, skb, sks, lo, end, qk_scale,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+def _fold_keys(m_i, l_i, acc, q, K, V, BT, bt_row, kv_off, skb, sks, lo, end, qk_scale,
+               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
     """The keys [lo, end) of one request's kv head folded into its decode query's online softmax: the updated
     (max, sum, accumulator)."""
     for s0 in range(lo, end, BLOCK_N):
@@ -263,10 +262,11 @@ def _decode_kernel(Q, K, V, BT, QSTART, SEQLEN, GATE, OP, LSE, O, ARRIVED, sm_sc
     qk_scale = sm_scale * LOG2E
     m_i, l_i, acc = decode_state(BLOCK_N, D)
     if SINKS > 0:  # the first split's: the sinks before the head's range (none for a global head)
-        m_i, l_i, acc = _decode_keys(m_i, l_i, acc, q, K, V, BT, bt_row, kv_off, skb, sks, 0,
-                                     tl.where(split == 0, sink_end(0, lo, SINKS), 0), qk_scale, BLOCK_N, BLOCK_SIZE, D)
-    m_i, l_i, acc = _decode_keys(m_i, l_i, acc, q, K, V, BT, bt_row, kv_off, skb, sks, start, end, qk_scale, BLOCK_N,
-                                 BLOCK_SIZE, D)
+        sinks_end = tl.where(split == 0, sink_end(0, lo, SINKS), 0)
+        m_i, l_i, acc = _fold_keys(m_i, l_i, acc, q, K, V, BT, bt_row, kv_off, skb, sks, 0, sinks_end, qk_scale,
+                                   BLOCK_N, BLOCK_SIZE, D)
+    m_i, l_i, acc = _fold_keys(m_i, l_i, acc, q, K, V, BT, bt_row, kv_off, skb, sks, start, end, qk_scale, BLOCK_N,
+                               BLOCK_SIZE, D)
     finish_split(acc, l_i, m_i, O + row * sot + h * soh, OP, LSE, ARRIVED, rh.to(tl.int64), split, nsplit, live,
                  D, CHUNK)
 

@@ -13,11 +13,13 @@ only into the output that was used, so each row is differentiated through its ow
   - dK / dV: one program per key block and kv head, looping over the query heads that share it: the
     local rows whose window covers the block, then the packed global blocks of those heads that reach
     it (rows are sorted by position, so a packed block ending before the key block is skipped).
-With sinks (``sinks`` = S > 0: a local row also reads the first S keys of its segment) the local rows take
-them as the forward does: the local dQ kernel in a pass of its own over the sink blocks
-(``blocks.sink_blocks``), and the dK / dV kernel of a key block that holds sinks (``blocks.is_sink``) runs
-its local rows on to the end of the block's segment, each row under its window or its sinks. S is a
-constexpr: S = 0 compiles the kernels without either.
+With sinks (``sinks`` = S > 0: a local row also reads the first S keys of its segment), the (row, sink) pairs
+outside the rows' windows are differentiated where their rows are, in the local dQ kernel, in a pass of its
+own over the sink blocks (``blocks.sink_blocks``): their dQ directly, their dK / dV added atomically to an
+fp32 scratch that the dK / dV kernel adds to the keys' gradients. Every later local row of a segment reads
+its sinks: a dK / dV program looping over all of them would run on alone, as long as the sequence, after
+the others; the query blocks share that work instead. S is a constexpr: S = 0 compiles the kernels without
+any of it. (Atomic adds in any order: the sink keys' dK / dV may differ from run to run in the last bits.)
 No work is done for the full attention of local rows: the op computes ``a_full`` for the router's
 gradient separately, with dense SDPA and without autograd (a forward pass only).
 
@@ -66,27 +68,11 @@ def _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, 
 
 
 @triton.jit
-def _dq_sinks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, dq, sm_scale, S,
-              BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
-    """``dq`` plus the first S keys of each row's segment that its window does not hold (the keys of
-    ``aha_prefill._attend_sinks``, taken the same way: [first, end) per row, no window)."""
-    end = blocks.sink_end(first, blocks.window_start(rows, W), S)
-    lo, hi = blocks.sink_blocks(first, end, rmask, N, BLOCK_N)
-    return _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, end - 1, first, rmask, hi, hi + 1, lo, hi, dq,
-                      sm_scale, True, BLOCK_N, D, TMA)
-
-
-@triton.jit
 def _dq_rows(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
-             SINKS: tl.constexpr = 0):
-    """dQ (unscaled, fp32) of ``rows`` over the key blocks [lo, hi), masked on the edges only, and over the
-    first SINKS keys of each row's segment (``_dq_sinks``)."""
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
+    """dQ (unscaled, fp32) of ``rows`` over the key blocks [lo, hi), masked on the edges only."""
     inner_lo, inner_hi = blocks.inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    if SINKS > 0:
-        dq = 0 * _dq_sinks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, dq, sm_scale, SINKS,
-                       BLOCK_N, D, TMA)
     dq = _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, inner_lo, dq,
                     sm_scale, True, BLOCK_N, D, TMA)
     dq = _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, inner_lo, inner_hi, dq,
@@ -116,7 +102,26 @@ def _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale):
 
 
 @triton.jit
-def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, B, N, H, G, W,
+def _sink_grads(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, local, N, W, dq, SCRATCH, sbase, half,
+                sm_scale, S, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
+    """The pairs of the local ``rows`` (mask ``local``) with the first S keys of their segments (from ``first``)
+    that their windows do not hold (``aha_prefill._attend_sinks``' keys): returns ``dq`` plus theirs, and adds
+    their dK (unscaled) and dV atomically to the fp32 SCRATCH, key j's at ``sbase`` + j * D and ``half`` on."""
+    end = blocks.sink_end(first, blocks.window_start(rows, W), S)
+    lo, hi = blocks.sink_blocks(first, end, local, N, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n, k, v = blocks.load_keys(K, V, kbase, kb, kh, skn, start, hi, True, BLOCK_N, D, TMA)
+        p, ds = _grad_block(q, k, v, do, lse, delta, blocks.sink_mask(offs_n, first, end, local), sm_scale)
+        dq += tl.dot(ds.to(k.dtype), k)
+        at = SCRATCH + sbase + offs_n[:, None] * D + tl.arange(0, D)[None, :]
+        keys = (offs_n < hi)[:, None]
+        tl.atomic_add(at, tl.dot(tl.trans(ds).to(q.dtype), q), mask=keys, sem="relaxed")
+        tl.atomic_add(at + half, tl.dot(tl.trans(p).to(do.dtype), do), mask=keys, sem="relaxed")
+    return dq
+
+
+@triton.jit
+def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, HARD, SCRATCH, sm_scale, B, N, H, G, W, R, half,
                      sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
                      TMA: tl.constexpr = False, SINKS: tl.constexpr = 0):
@@ -130,7 +135,11 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, sm_scale, B, N, H, G, W
     first = blocks.row_starts(START, b, N, offs_m, mmask, SEGMENTS)
     # Every row, global ones too (no gate test per pair): the global dQ kernel overwrites those rows.
     dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, offs_m, first, mmask, N, W,
-                  lo, hi, sm_scale, BLOCK_M, BLOCK_N, D, TMA, SINKS)
+                  lo, hi, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
+    if SINKS > 0:  # the local rows' sinks outside their windows; their dK / dV into SCRATCH [2, B, H // G, R, D]
+        local = mmask & (tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0)
+        dq = _sink_grads(q, do, lse, delta, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, offs_m, first, local, N,
+                         W, dq, SCRATCH, (b * (H // G) + kh) * R * D, half, sm_scale, SINKS, BLOCK_N, D, TMA)
     tl.store(DQ + doo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mmask[:, None])
 
 
@@ -154,8 +163,8 @@ def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, ORDER, START, sm_s
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_END, sm_scale, N, H, G, W,
-                 sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn, sgb, sgh, sgn,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_END, SCRATCH, sm_scale, N, H, G, W,
+                 R, half, sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn, sgb, sgh, sgn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
                  SINKS: tl.constexpr = 0):
     pid_n = tl.program_id(0)
@@ -180,15 +189,10 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
         stop = tl.load(SEG_END + b * N + tl.minimum(n0 + BLOCK_N, N) - 1)
     else:
         stop = N
-    if SINKS > 0:  # a block holding sinks: every later local row of their segment reads them (a key's segment
-        # is its own row's, as for ``stop``)
-        seg = blocks.row_starts(START, b, N, offs_n, nmask, SEGMENTS)
-        if tl.max((blocks.is_sink(offs_n, seg, SINKS) & nmask).to(tl.int32), 0) > 0:
-            hi = tl.maximum(hi, stop)
     for gi in range(0, G):
         h = kh * G + gi
         bh = b * H + h
-        # Local rows whose window (or sinks) reach this key block.
+        # Local rows whose window reaches this key block.
         for start in range(lo, hi, BLOCK_M):
             offs_m = start + i
             mmask = offs_m < N
@@ -198,9 +202,6 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
             first = blocks.row_starts(START, b, N, offs_m, mmask, SEGMENTS)
             valid = blocks.edge_mask(offs_m, offs_n, first, local, N, W)  # local: a real row (padding loads as global)
-            if SINKS > 0:
-                end = blocks.sink_end(first, blocks.window_start(offs_m, W), SINKS)
-                valid = valid | blocks.sink_mask(offs_n, first, end, local)
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
         # This head's global queries (its packed list, BLOCK_M at a time) that reach the key block: from
         # the tile holding its first global query at or after n0 (the count before n0, divided by
@@ -217,6 +218,10 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= first[:, None]) & rmask[:, None] \
                 & nmask[None, :]
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
+    if SINKS > 0:  # the sink keys' pairs with the local rows past their windows (``_sink_grads``; zero elsewhere)
+        at = SCRATCH + (b * hkv + kh) * R * D + offs_n[:, None] * D + offs_d[None, :]
+        dk += tl.load(at, mask=(offs_n < R)[:, None], other=0.0)
+        dv += tl.load(at + half, mask=(offs_n < R)[:, None], other=0.0)
     grad = b * sgb + kh * sgh + offs_n[:, None] * sgn + offs_d[None, :]  # dK and dV share a layout
     tl.store(DK + grad, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask[:, None])
     tl.store(DV + grad, dv.to(DV.dtype.element_ty), mask=nmask[:, None])
@@ -253,11 +258,18 @@ class _AHATrain(torch.autograd.Function):
         seg_end = cum if start is None else segment_end(start)
         start, segments = blocks.segment_args(start, cum)
         common = dict(D=d, SEGMENTS=segments)
-        local = dict(common, SINKS=sinks)
+        # The sink keys' dK / dV from the local dQ kernel (fp32 [2, b, hkv, keys, d] by key position, zero past the
+        # sinks: the first ``sinks`` keys, or every key where segments put sinks anywhere); without sinks unused.
+        keys = (n if segments else sinks) if sinks else 0
+        scratch = torch.empty(2 * b * hkv * keys * d, device=q.device, dtype=torch.float32) if sinks else cum
+        sink_args = (keys, b * hkv * keys * d)
 
         def local_dq(t: dict) -> None:
-            _local_dq_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](q, k, v, dout, lse, delta, dq, start, scale, b, n,
-                                                                    h, h // hkv, window, *strides, **local,
+            if sinks:
+                scratch.zero_()  # added to atomically: every launch (the tuner's too) starts from zero
+            _local_dq_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](q, k, v, dout, lse, delta, dq, start, hard8,
+                                                                    scratch, scale, b, n, h, h // hkv, window,
+                                                                    *sink_args, *strides, **common, SINKS=sinks,
                                                                     **blocks.tma_checked(t, k))
 
         def global_dq(t: dict) -> None:
@@ -268,8 +280,9 @@ class _AHATrain(torch.autograd.Function):
 
         def dkdv_grads(t: dict) -> None:
             _dkdv_kernel[(triton.cdiv(n, t["BLOCK_N"]), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum,
-                                                                  start, seg_end, scale, n, h, h // hkv, window,
-                                                                  *strides, *dk.stride()[:3], **local, **t)
+                                                                  start, seg_end, scratch, scale, n, h, h // hkv,
+                                                                  window, *sink_args, *strides, *dk.stride()[:3],
+                                                                  **common, SINKS=sinks, **t)
 
         with contextlib.nullcontext() if pins is None else autotune.pinned(pins):
             for name, launch, pinned in (("local_dq", local_dq, tiles), ("global_dq", global_dq, tiles),

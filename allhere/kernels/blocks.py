@@ -8,12 +8,11 @@ each rule written once, here, and called by every kernel that needs it.
   ``inner_blocks`` (the key blocks every row of a tile sees entirely, where no mask is needed).
 - The sinks of a local query (attention sinks, "Efficient Streaming Language Models with Attention Sinks",
   arXiv:2309.17453): the first ``S`` keys of its segment, read besides its window. ``sink_end`` (where those
-  its window does not hold end), ``is_sink`` (the rule seen from a key), ``sink_mask`` (as a mask of a [rows,
-  keys] tile) and ``sink_blocks`` (the key blocks a tile of rows reads them from). A kernel folds them in with
-  a short pass of their own before the window's, over (row, key) pairs disjoint from the window's, so that no
-  key counts twice: per row they are one more key range [seg, end), which the kernel's masked key loop takes
-  as rows whose last key is end - 1, with no window (W = N + 1). With ``S`` = 0 (a constexpr) that pass is
-  not compiled at all.
+  its window does not hold end), ``sink_mask`` (as a mask of a [rows, keys] tile) and ``sink_blocks`` (the key
+  blocks a tile of rows reads them from). A kernel folds them in with a short pass of their own before the
+  window's, over (row, key) pairs disjoint from the window's, so that no key counts twice: per row they are one
+  more key range [seg, end), which the kernel's masked key loop takes as rows whose last key is end - 1, with
+  no window. With ``S`` = 0 (a constexpr) that pass is not compiled at all.
 - The online softmax in base 2: ``online_step`` folds a key tile into a tile of query rows (``tl.dot``);
   ``decode_state`` / ``decode_step`` do the same for a single query (decode).
 - The dense layout [b, heads, n, d] of the prefill and training kernels: the keys (``key_sources``,
@@ -92,13 +91,6 @@ def sink_end(seg, first, S):
     ``seg``) that lie before ``first``, the range's first key (its window's; a global query's range starts at
     ``seg``). Its sinks outside the range are [seg, sink_end): none where sink_end <= seg."""
     return tl.minimum(seg + S, first)
-
-
-@triton.jit
-def is_sink(key, seg, S):
-    """Whether ``key`` is one of the first S keys of its segment (from ``seg``), which every later local query
-    of the segment reads (``sink_end`` seen from the key, as ``last_reader`` is the window's)."""
-    return (key >= seg) & (key < seg + S)
 
 
 @triton.jit

@@ -59,6 +59,26 @@ def test_prefill_with_sinks_equals_the_reference(sinks, w, layout, n):
     assert rel_err(want, aha_attention(q, k, v, gate, w, 0.25, row_start=starts, backend="reference")) > 1e-2
 
 
+def test_tensor_descriptor_path_with_sinks():
+    """The sink passes through tensor descriptors (TMA on Hopper; Triton's interpreter runs them on the CPU):
+    prefill and training, with segments."""
+    q, k, v = inputs(2, 2, 1, 50, 50)
+    gate = torch.rand(2, 2, 50, generator=torch.Generator().manual_seed(10)) < 0.3
+    starts = starts_of("documents+pad", 2, 50)
+    tma = dict(BLOCK_M=16, BLOCK_N=16, TMA=True)
+    out = aha_prefill_triton(dev(q), dev(k), dev(v), dev(gate), 6, 0.25, tiles=tma, row_start=dev(starts), sinks=4)
+    want = aha_attention_reference(q, k, v, gate, 6, 0.25, row_start=starts, sinks=4)
+    assert rel_err(out.float().cpu(), want) < TOL
+    leaves = [dev(t).requires_grad_() for t in (q, k, v)]
+    out, _ = aha_train_triton(*leaves, dev(gate), 6, 0.25, tiles=tma, row_start=dev(starts), sinks=4)
+    got = torch.autograd.grad(out.float().square().sum(), leaves)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(aha_attention_reference(*ref, gate, 6, 0.25, row_start=starts, sinks=4).square().sum(),
+                               ref)
+    for name, a, r in zip("qkv", got, want):
+        assert rel_err(a.float().cpu(), r) < TOL, name
+
+
 def test_prefill_with_sinks_in_half_precision():
     q, k, v = inputs(1, 4, 1, 40, 40)
     gate = torch.rand(1, 4, 40, generator=torch.Generator().manual_seed(2)) < 0.2
@@ -76,7 +96,7 @@ def test_training_with_sinks_gives_the_reference_gradients(sinks, w, layout, n):
     starts = starts_of(layout, 2, n)
     results = []
     for backend, dtype in (("triton", DTYPE), ("reference", torch.float32)):
-        leaves = [dev(t, dtype).requires_grad_() for t in (q, k, v)] + [dev(scores).float().requires_grad_()]
+        leaves = [dev(t, dtype).requires_grad_() for t in (q, k, v)] + [dev(scores, torch.float32).requires_grad_()]
         with autotune.pinned(SMALL_TILES):
             out = aha_attention(*leaves[:3], straight_through(leaves[3], 0.7), w, row_start=dev(starts),
                                 backend=backend, sinks=sinks)
@@ -87,6 +107,7 @@ def test_training_with_sinks_gives_the_reference_gradients(sinks, w, layout, n):
 
 
 def test_training_kernels_with_sinks_return_the_local_branch_with_its_sinks():
+    """a_local (the router's straight-through term) is every query's local output, its sinks included."""
     q, k, v = inputs(1, 2, 1, 40, 40)
     gate = torch.rand(1, 2, 40, generator=torch.Generator().manual_seed(6)) < 0.3
     _, a_local = aha_train_triton(dev(q), dev(k), dev(v), dev(gate), 5, 0.25, tiles=T16, sinks=2)

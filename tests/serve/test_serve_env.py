@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = ["tests/serve/test_serve_vllm.py", "tests/serve/test_serve_e2e.py"]
+FILES = ["tests/serve/test_serve_vllm.py", "tests/serve/test_serve_e2e.py", "tests/serve/test_serve_sinks.py"]
 
 
 @pytest.mark.slow
