@@ -70,6 +70,7 @@ class Stats:
     decode_steps: int = 0  # decode-step forwards counted in mu_f
     full_gates: int = 0  # (layer, head) gates on full attention over those steps
     gates: int = 0  # all (layer, head) gates over those steps
+    prompt_mu_f: list[float] | None = None  # per prompt token, its share of (layer, head) gates on full attention
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,6 +81,11 @@ class Stats:
         """Share of full attention over the decode steps (see the module docstring); None without routing
         or without a decode step."""
         return self.full_gates / self.gates if self.routed and self.gates else None
+
+    def count_prompt(self, routing) -> None:
+        """Keep the routing of the prompt's forward (its last ``prompt_tokens`` positions) per token."""
+        gates = torch.stack([layer.gates[0, :, -self.prompt_tokens:].float() for layer in routing.per_layer])
+        self.prompt_mu_f = gates.mean((0, 1)).tolist()
 
     def count(self, routing) -> None:
         """Add the routing of one decode step's forward: the gates of its last position."""
@@ -156,6 +162,8 @@ def _decoder_loop(model, prompt: list[int], max_new_tokens: int, temperature: fl
     device = next(model.parameters()).device
     cache = model.new_cache(len(prompt) + max_new_tokens) if use_cache else None
     out = model(torch.tensor([prompt], device=device), cache=cache)
+    if out.routing is not None:
+        stats.count_prompt(out.routing)
     new: list[int] = []
     while True:
         token = _pick(out.logits[0, -1], temperature, top_p)
@@ -204,11 +212,10 @@ def _hf_generate(model, prompt: list[int], max_new_tokens: int, temperature: flo
 
     def count(module, args, output):  # every forward after the prompt's is a decode step
         nonlocal forwards
-        forwards += 1
-        if forwards > 1:
-            from .hf.convert import collect_routing
+        from .hf.convert import collect_routing
 
-            stats.count(collect_routing(model))
+        forwards += 1
+        (stats.count if forwards > 1 else stats.count_prompt)(collect_routing(model))
 
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
     cache = {}

@@ -146,7 +146,7 @@ def convert_arguments(p: argparse.ArgumentParser) -> None:
     a.conversion_flags(p, _hf_kinds())
     p.add_argument("--calibration", type=a.existing_file, default=None, metavar="TEXT",
                    help="a UTF-8 text file the host's own attention reads. aha: the routers are taught from it with "
-                        "the weights as they are (what each (token, head) loses by reading locally, on 16 windows "
+                        "the weights as they are (what each (token, head) loses by reading locally, on 32 windows "
                         "of the text with facts planted and asked for beyond the window), a usable model with no "
                         "training; dar_latent: chooses the rotary pairs kept per kv head (the pairs of largest "
                         "|q||k|, MHA2MLA's choice; its first 8 windows of 512 tokens). Default: none (AHA's routers "
@@ -195,6 +195,8 @@ def convert(args) -> None:
 
         text = (calibration_text(args.calibration, WINDOWS, teaching_length(mech.window)) if teach
                 else calibration_text(args.calibration))
+        if not text.strip():
+            raise ConfigError(f"--calibration {args.calibration}: the file holds no text")
     tokenizer, model = load_local(args.model, convertible=True, layers=args.layers)
     if text is not None and not teach:
         calibration = calibration_ids(tokenizer, text)
@@ -215,14 +217,18 @@ def _teach(model, tokenizer, text: str, mech, args) -> None:
     from ..progress import progress
     from ..teaching import teach_routers, teaching_windows
 
-    windows = teaching_windows(tokenizer, text, mech.window)
+    try:
+        windows, answers = teaching_windows(tokenizer, text, mech.window)
+    except ConfigError as e:
+        raise ConfigError(f"--calibration {args.calibration}: {e}") from None
     mu_f = 0.1 if args.mu_f is None else args.mu_f
-    shown = progress(2 * len(windows), "teaching the routers", enabled=not args.no_progress)
-    taught = teach_routers(model, list(windows.split(1)), mu_f, done=shown.update)
+    shown = progress(len(windows), "teaching the routers", enabled=not args.no_progress)
+    taught = teach_routers(model, list(windows.split(1)), mu_f, answers=list(answers.split(1)), done=shown.update)
     shown.close()
-    print(f"routers taught on {windows.shape[0]} x {windows.shape[1]} tokens of {args.calibration}: mu_f "
-          f"{taught.mu_f:.1%} there; they send {taught.recall:.0%} of the pairs the full model's attention needs "
-          "most to full attention", file=sys.stderr)
+    print(f"routers taught on {windows.shape[0]} windows of {windows.shape[1]} tokens of {args.calibration} (facts "
+          f"planted beyond the window): mu_f {taught.mu_f:.1%} there, {taught.answer_mu_f:.1%} where a fact is "
+          f"answered; of the pairs the full model's attention needs most they send {taught.recall:.0%} to full "
+          "attention", file=sys.stderr)
 
 
 def sft_arguments(p: argparse.ArgumentParser) -> None:

@@ -73,18 +73,26 @@ def answer_of(text: str) -> str | None:
 @torch.no_grad()
 def passkey_accuracy(model, tokenizer, prompts: list[PasskeyPrompt], new_tokens: int = 8,
                      done: Callable[[], None] | None = None) -> dict:
-    """Greedy answers of ``model`` (a transformers causal LM, plain or converted) to ``prompts``: accuracy,
-    mu_f over the answers' decode steps (routed models; None otherwise) and each prompt's distance, key and
+    """Greedy answers of ``model`` (a transformers causal LM, plain or converted) to ``prompts``: accuracy, mu_f
+    over the answers' decode steps, over the question's tokens (``QUESTION``, the prompt's last tokens: where the
+    model must decide to read the key) and over every prompt token (routed models; None otherwise) and each
+    prompt's distance, key and
     answer. ``done()`` is called after each prompt (a progress bar)."""
     from ..generation import generate
 
-    rows, full, gates = [], 0, 0
+    question = len(_encode(tokenizer, QUESTION))
+    rows, full, gates, asked, read = [], 0, 0, [], []
     for p in prompts:
         out = generate(model, tokenizer, p.ids, max_new_tokens=new_tokens)
         rows.append({"distance": p.distance, "key": p.key, "answer": answer_of(out.text)})
         full, gates = full + out.stats.full_gates, gates + out.stats.gates
+        if out.stats.prompt_mu_f is not None:
+            asked += out.stats.prompt_mu_f[-question:]
+            read += out.stats.prompt_mu_f
         if done is not None:
             done()
     correct = sum(r["answer"] == r["key"] for r in rows)
     return {"accuracy": correct / len(rows), "correct": correct, "prompts": len(rows),
-            "mu_f": full / gates if gates else None, "rows": rows}
+            "mu_f": full / gates if gates else None,
+            "question_mu_f": sum(asked) / len(asked) if asked else None,
+            "prompt_mu_f": sum(read) / len(read) if read else None, "rows": rows}

@@ -14,8 +14,8 @@ from __future__ import annotations
 from .retrieval import retrieval_windows
 from .teach import Teaching, teach_routers
 
-WINDOWS = 16  # calibration windows by default
-FACTS = 2  # facts planted per window
+WINDOWS = 32  # calibration windows by default
+FACTS = 3  # facts planted per window
 MARGIN = 16  # a fact's question comes more than window + MARGIN tokens after its statement
 
 
@@ -27,13 +27,14 @@ def teaching_length(window: int) -> int:
 
 def teaching_windows(tokenizer, text: str, window: int, count: int = WINDOWS, length: int | None = None,
                      seed: int = 0):
-    """Calibration windows [count, length] for teaching routers of window ``window`` from the text ``text`` (one
-    document), each with ``FACTS`` facts asked for beyond the window (``retrieval.retrieval_windows``)."""
+    """(windows [count, length], answers [count, length]) for teaching routers of window ``window`` from the text
+    ``text`` (one document): each window with ``FACTS`` facts asked for beyond the window, ``answers`` marking the
+    positions that answer them (``retrieval.retrieval_windows``)."""
     import torch
 
     length = length or teaching_length(window)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    return retrieval_windows(tokenizer, [ids], count, length, window + MARGIN, FACTS, seed)
+    return retrieval_windows(tokenizer, [ids], count, length, window + MARGIN, FACTS, seed, with_answers=True)
 
 
 __all__ = ["Teaching", "teach_routers", "teaching_length", "teaching_windows", "retrieval_windows"]

@@ -37,26 +37,34 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def retrieval_windows(tokenizer, documents: list[torch.Tensor], count: int, length: int, distance: int,
-                      facts: int = 2, seed: int = 0) -> torch.Tensor:
+                      facts: int = 2, seed: int = 0, with_answers: bool = False):
     """``count`` windows of ``length`` tokens [count, length]: runs of ``documents`` (token ids, each a tensor;
     a run stays within one document where one is long enough, else runs on into the next) with ``facts`` facts
     planted per window, each statement more than ``distance`` tokens before its question, questions at the end of
-    the window. A pure function of ``seed``."""
+    the window. A pure function of ``seed``. ``with_answers``: also the bool [count, length] of the positions that
+    ask for a planted fact and predict its answer (each question's tokens up to its answer's last one: where the
+    model must read the fact beyond the window)."""
     rng = random.Random(seed)
+    marks = []
     stream = torch.cat(documents) if documents else torch.zeros(0, dtype=torch.long)
     out = []
     for _ in range(count):
-        pairs = []
+        pairs, answers = [], []
         for _ in range(facts):
             form = FORMS[rng.randrange(len(FORMS))]
             value = dict(x=rng.choice(NAMES), p=rng.choice(PEOPLE), c=rng.choice(CONSTANTS),
                          n=str(rng.randint(10000, 99999)))
-            pairs.append([_encode(tokenizer, " " + f.format(**value) + " ") for f in form])
+            before, after = form[1].split("{n}")  # the question tokenized in three parts: the answer's are known
+            parts = [_encode(tokenizer, " " + before.format(**value)), _encode(tokenizer, value["n"]),
+                     _encode(tokenizer, after.format(**value) + " ")]
+            pairs.append([_encode(tokenizer, " " + form[0].format(**value) + " "), sum(parts, [])])
+            answers.append((len(parts[0]), len(parts[1])))
         planted = sum(len(a) + len(b) for a, b in pairs)
         text = length - planted
         if text < distance + 1 or len(stream) < text:
-            raise ConfigError(f"calibration: {length}-token windows cannot hold {facts} facts {distance} tokens apart "
-                              f"in {len(stream)} tokens of text")
+            raise ConfigError(f"the text has {len(stream)} tokens: {length}-token calibration windows cannot hold "
+                              f"{facts} facts {distance} tokens apart in it (at least {distance + 1 + planted} tokens "
+                              "of text are needed)")
         start = rng.randrange(len(stream) - text + 1)
         piece = stream[start:start + text].tolist()
         early = text - distance  # statements go into the first text - distance tokens
@@ -66,7 +74,12 @@ def retrieval_windows(tokenizer, documents: list[torch.Tensor], count: int, leng
             ids += piece[last:cut] + statement
             last = cut
         ids += piece[last:]
-        for _, question in pairs:
+        found = torch.zeros(length, dtype=torch.bool)
+        for (_, question), (start, count) in zip(pairs, answers):
+            # the question's tokens up to its answer's last: where the model reads the fact back (the position
+            # before a token predicts it)
+            found[len(ids) - 1:len(ids) + start + count - 1] = True
             ids += question
         out.append(torch.tensor(ids[:length], dtype=torch.long))
-    return torch.stack(out)
+        marks.append(found)
+    return (torch.stack(out), torch.stack(marks)) if with_answers else torch.stack(out)
