@@ -67,6 +67,13 @@ class RealPlan:
     dar_steps: int  # optimizer steps of each DAR stage and of its control
     dar_stage1_lr: float  # DAR stage 1 (the bottleneck only): the DAR paper's 3e-4
     device: str = "cpu"
+    sinks: int = 1  # AHA's sinks: the first tokens a local (token, head) reads besides its window
+    mu_f: float = 0.15  # the taught routers' budget on the calibration text
+    calib_windows: int = 32  # calibration windows the routers are taught on (seq_len tokens each)
+    calib_facts: int = 3  # facts planted in each, asked for beyond the window
+    taught_lam: float = 0.0  # fine-tuning from taught routers: lambda of L_reg at the start
+    taught_target_mu_f: float | None = None  # ... steered towards this share (None: lambda fixed)
+    taught_router_lr_mult: float = 1.0  # ... the routers' learning rate over the model's
 
     def __post_init__(self) -> None:
         if self.window >= self.seq_len:
@@ -86,7 +93,7 @@ def preset_plan(preset: str, device: str) -> RealPlan:
         return RealPlan(seq_len=160, window=8, steps=3, batch_size=1, grad_accum=1, lr=3e-5, router_lr_mult=100.0,
                         lam=0.01, target_mu_f=0.1, lam_rate=0.1, recall_share=0.5, eval_sequences=2, passkey_prompts=2,
                         passkey_length=320, chat_tokens=4, speed_prompt=48, speed_tokens=3, dar_steps=2,
-                        dar_stage1_lr=3e-4, device=device)
+                        dar_stage1_lr=3e-4, device=device, calib_windows=2, calib_facts=1)
     if preset == "cpu":
         return RealPlan(seq_len=512, window=128, steps=200, batch_size=1, grad_accum=1, lr=1e-4,
                         router_lr_mult=300.0, lam=0.3, target_mu_f=0.1, lam_rate=0.05, recall_share=0.25,

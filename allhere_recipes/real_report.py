@@ -7,7 +7,12 @@ from pathlib import Path
 from .report import goal_lines, percent, write_report
 
 AHA_ROWS = (("pretrained", "pretrained"), ("control", "control: full attention, fine-tuned"),
-            ("aha", "AHA, fine-tuned"))
+            ("taught", "AHA, routers taught by the full model, no fine-tuning"),
+            ("static", "static heads at the taught routers' mu_f (the same weights)"),
+            ("taught-nosinks", "AHA, routers taught, no sinks"),
+            ("aha", "**AHA, fine-tuned from the taught routers**"),
+            ("aha-paper", "AHA, the paper's recipe (routers open, no sinks, fine-tuned)"))
+CHATS = (("pretrained", "pretrained"), ("control", "control"), ("aha", "AHA, fine-tuned"))
 
 
 def _mu(r: dict) -> str:
@@ -16,33 +21,49 @@ def _mu(r: dict) -> str:
 
 def _passkey(r: dict) -> str:
     p = r["passkey"]
-    return f"{percent(p['accuracy'])} ({p['correct']}/{p['prompts']})"
+    asked = f", question {percent(p['question_mu_f'])}" if p.get("question_mu_f") is not None else ""
+    return f"{p['correct']}/{p['prompts']}{asked}"
 
 
 def render_aha(report: dict) -> str:
     plan, rows = report["plan"], report["rows"]
-    aha = rows["aha"]
+    aha, taught = rows["aha"], rows["taught"]
     out = ["# AHA on a real pretrained model", "",
            f"Model: `{report['model']}`. Data: {report['data']}.", "",
-           f"Window w = {plan['window']}, {plan['seq_len']}-token sequences, {plan['steps']} fine-tuning steps of "
-           f"{plan['batch_size'] * plan['grad_accum']} sequence(s), AdamW {plan['lr']:g} (routers x"
-           f"{plan['router_lr_mult']:g}), lambda from {plan['lam']:g}"
+           f"Window w = {plan['window']}, {plan['sinks']} sink token(s) in the local branch, {plan['seq_len']}-token "
+           f"sequences. Taught routers: {plan['calib_windows']} calibration windows with {plan['calib_facts']} "
+           f"planted fact(s) each, budget mu_f {percent(plan['mu_f'])} there. Fine-tuning: {plan['steps']} steps of "
+           f"{plan['batch_size'] * plan['grad_accum']} sequence(s), AdamW {plan['lr']:g}; from the taught routers "
+           f"routers x{plan['taught_router_lr_mult']:g}, lambda {plan['taught_lam']:g}"
+           + (f" steered to mu_f {percent(plan['taught_target_mu_f'])}" if plan.get("taught_target_mu_f") else "")
+           + f"; the paper's recipe routers x{plan['router_lr_mult']:g}, lambda from {plan['lam']:g}"
            + (f" steered to mu_f {percent(plan['target_mu_f'])}" if plan.get("target_mu_f") else "")
-           + f", device {plan['device']}, torch {report['torch']}, {report['threads']} threads.", "",
+           + f". Device {plan['device']}, torch {report['torch']}, {report['threads']} threads.", "",
            "## Held-out quality, mu_f and passkey retrieval", "",
-           "| model | held-out loss (nats/token) | Retain % vs control | Retain % vs pretrained | mu_f | passkey |",
+           "| model | held-out loss (nats/token) | Retain % vs control | Retain % vs pretrained | mu_f | passkey "
+           "(mu_f on its question) |",
            "|---|---|---|---|---|---|"]
     table = [(label, rows[key]) for key, label in AHA_ROWS]
-    table.append(("AHA with every gate local (a sliding window of w)", aha["all_local"]))
-    table.append(("AHA with every gate global (full attention, AHA's weights)", aha["all_global"]))
+    table.insert(3, ("AHA with every gate local (the window and the sinks), pretrained weights", taught["all_local"]))
+    table.append(("AHA fine-tuned with every gate local", aha["all_local"]))
+    table.append(("AHA fine-tuned with every gate global (full attention, its weights)", aha["all_global"]))
     for label, r in table:
         out.append(f"| {label} | {r['loss']:.4f} | {r['retain_vs_control']:.1f}% | {r['retain_vs_pretrained']:.1f}% "
                    f"| {_mu(r)} | {_passkey(r)} |")
+    teaching = taught["teaching"]
     tail = aha["long_tail"]
     out += ["", f"Passkey: {plan['passkey_prompts']} prompts of {plan['passkey_length']} tokens, the key said "
-                f"between {2 * plan['window']} tokens before the end and the prompt's start (beyond the window).",
-            "", "## The long tail", "",
-            f"Of {tail['heads']} (layer, head) pairs, the busiest {tail['busiest_heads']} (10%) make "
+                f"between {2 * plan['window']} tokens before the end and the prompt's start (beyond the window); "
+                f"AHA fine-tuned reads {_mu(aha['passkey'])} of its pairs globally while it answers and "
+                f"{percent(aha['passkey'].get('prompt_mu_f') or 0.0)} over the prompts.", "",
+            "## Taught routers", "",
+            f"Taught in {teaching['seconds']:.0f} s on {teaching['tokens']:,} calibration tokens: mu_f "
+            f"{percent(teaching['mu_f'])} there, {percent(teaching['answer_mu_f'] or 0.0)} on the tokens that ask for "
+            f"a planted fact; of the pairs beyond the window the full model's attention needs most, the routers send "
+            f"{percent(teaching['recall'])} to full attention. The static heads: the {rows['static']['heads']} heads "
+            "the teacher finds costliest to read locally, global on every token, the others local.", "",
+            "## The long tail", "",
+            f"Of {tail['heads']} (layer, head) pairs of AHA fine-tuned, the busiest {tail['busiest_heads']} (10%) make "
             f"{percent(tail['busiest_share_of_global_calls'])} of the global calls on held-out text; "
             f"{tail['heads_global_half_the_time']} heads are global on at least half of the tokens, "
             f"{tail['heads_never_global']} never. mu_f per layer and head: mu_f_heatmap.png.", "",
@@ -53,7 +74,7 @@ def render_aha(report: dict) -> str:
         out.append(f"| {r['model']} | {r['cache']} | {r['prompt_tokens']} | {r['prefill_s']:.2f} | "
                    f"{r['ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {_mu(r)} |")
     out += ["", "## Chat", ""]
-    chats = {label: rows[key]["chat"]["replies"] for key, label in AHA_ROWS}
+    chats = {label: rows[key]["chat"]["replies"] for key, label in CHATS}
     for i, prompt in enumerate(rows["pretrained"]["chat"]["prompts"]):
         out += [f"**{prompt}**", ""] + [f"- *{label}*: {replies[i]!r}" for label, replies in chats.items()] + [""]
     out += ["## Goals", ""] + goal_lines(report["goals"])
@@ -66,7 +87,9 @@ def write_aha_report(task: Path, report: dict) -> dict[str, Path]:
     paths = write_report(task, "report", report, render_aha(report))
     from allhere.analysis.plots import usage_heatmaps
 
-    paths["png"] = usage_heatmaps({"AHA, held-out text": report["rows"]["aha"]["usage"]},
+    rows = report["rows"]
+    paths["png"] = usage_heatmaps({"AHA fine-tuned, held-out text": rows["aha"]["usage"],
+                                   "taught routers, held-out text": rows["taught"]["usage"]},
                                   Path(task) / "mu_f_heatmap.png")
     return paths
 

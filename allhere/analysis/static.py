@@ -24,6 +24,7 @@ def static_budget_k(mu_f: float, n_heads_total: int) -> int:
 
 
 def set_static_heads(model: Decoder, heads: torch.Tensor | None) -> None:
-    """Fix each AHA layer's heads to full (True) or local (False); None restores the router."""
+    """Fix each AHA layer's heads to full (True) or local (False): ``heads`` bool [AHA layers, heads]; None
+    restores the router. Our decoder or a converted transformers model."""
     for row, (_, mech) in enumerate(routed_layers(model)):
         mech.forced_gate = None if heads is None else heads[row].clone()

@@ -3,6 +3,7 @@ tail; the real SmolLM2 when it is fetched (slow, skipped otherwise)."""
 
 import hashlib
 import json
+import math
 import re
 import shutil
 import sysconfig
@@ -33,6 +34,9 @@ def tiny(tmp_path_factory):
 
 
 def test_tiny_aha_job_reports_saves_models_and_resumes(tiny, tmp_path, capsys, monkeypatch):
+    from allhere.hf import load_pretrained
+    from allhere.hf.io import load_local
+
     model, data = tiny
     out = tmp_path / "run"
     args = ["demo", "--model", str(model), "--preset", "tiny", "--data", str(data), "--out", str(out), "--no-progress"]
@@ -40,21 +44,27 @@ def test_tiny_aha_job_reports_saves_models_and_resumes(tiny, tmp_path, capsys, m
     task = out / "aha"
     report = json.loads((task / "report.json").read_text())
     rows = report["rows"]
-    assert set(rows) == {"pretrained", "aha", "control"}
+    assert set(rows) == {"pretrained", "taught", "static", "taught-nosinks", "aha", "aha-paper", "control"}
     assert rows["control"]["retain_vs_control"] == pytest.approx(100.0)
     assert rows["pretrained"]["retain_vs_pretrained"] == pytest.approx(100.0)
     assert rows["aha"]["retain_vs_control"] == pytest.approx(100 * rows["control"]["loss"] / rows["aha"]["loss"])
     assert len(rows["aha"]["usage"]) == 2 and len(rows["aha"]["usage"][0]) == 9  # layers x heads
     assert rows["aha"]["all_local"]["mu_f"] == 0.0 and rows["control"]["mu_f"] == 1.0
+    assert rows["taught"]["all_local"]["mu_f"] == 0.0 and "all_global" not in rows["taught"]
     assert rows["aha"]["all_global"]["mu_f"] == 1.0 and "every gate global" in (task / "report.md").read_text()
     assert rows["aha"]["passkey"]["prompts"] == 2 and len(rows["aha"]["chat"]["replies"]) == 4
+    assert rows["aha"]["passkey"]["question_mu_f"] is not None and "chat" not in rows["static"]
+    teaching = rows["taught"]["teaching"]
+    assert abs(teaching["mu_f"] - 0.15) < 0.02 and teaching["tokens"] == 2 * 160
+    # the static heads: as many as the taught routers' held-out mu_f asks for, every token
+    assert rows["static"]["heads"] == math.ceil(rows["taught"]["mu_f"] * 18 - 1e-9)
+    assert rows["static"]["mu_f"] == pytest.approx(rows["static"]["heads"] / 18)
     assert {r["model"] for r in report["speed"]["rows"]} == {"plain (control)", "AHA"}
-    assert len(report["histories"]["aha"]) == 3 and "lam" in report["histories"]["aha"][0]
+    assert len(report["histories"]["aha"]) == 3 and "lam" in report["histories"]["aha-paper"][0]
     assert (task / "mu_f_heatmap.png").stat().st_size > 0 and "## Goals" in (task / "report.md").read_text()
     assert not list(task.glob("*/checkpoint.safetensors"))  # removed once the model folder is written
-
-    from allhere.hf import load_pretrained
-    from allhere.hf.io import load_local
+    assert load_pretrained(task / "taught" / "model").model.layers[0].self_attn.allhere.cfg.sinks == 1
+    assert load_pretrained(task / "aha-paper" / "model").model.layers[0].self_attn.allhere.cfg.sinks == 0
 
     aha = load_pretrained(task / "aha" / "model")
     assert next(aha.parameters()).dtype == torch.bfloat16
@@ -62,7 +72,10 @@ def test_tiny_aha_job_reports_saves_models_and_resumes(tiny, tmp_path, capsys, m
 
     import allhere_recipes.real_runs as runs
 
+    import allhere_recipes.real_taught as taught
+
     monkeypatch.setattr(runs, "train", lambda *a, **k: pytest.fail("a finished run trained again"))
+    monkeypatch.setattr(taught, "teach_routers", lambda *a, **k: pytest.fail("taught routers taught again"))
     capsys.readouterr()
     assert main(args) == 0  # everything read back: no training, the same report
     assert json.loads((task / "report.json").read_text())["rows"]["aha"]["loss"] == rows["aha"]["loss"]
