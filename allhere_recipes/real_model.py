@@ -20,7 +20,6 @@ A rerun with the same settings continues where the last one stopped.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time

@@ -71,7 +71,6 @@ def test_tiny_aha_job_reports_saves_models_and_resumes(tiny, tmp_path, capsys, m
     assert load_local(task / "control" / "model")[1].config.model_type == "llama"
 
     import allhere_recipes.real_runs as runs
-
     import allhere_recipes.real_taught as taught
 
     monkeypatch.setattr(runs, "train", lambda *a, **k: pytest.fail("a finished run trained again"))
