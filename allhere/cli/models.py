@@ -280,7 +280,8 @@ def sft(args) -> None:
                     lam=getattr(mech, "lam", 3e-4), tau=getattr(mech, "tau", 0.5), max_steps=args.max_steps,
                     device=args.device, resume=args.resume, progress=not args.no_progress,
                     d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr, target_mu_f=args.target_mu_f,
-                    layers=args.layers, context_parallel=args.context_parallel, cp_layout=args.cp_layout)
+                    layers=args.layers, context_parallel=args.context_parallel, cp_layout=args.cp_layout,
+                    sinks=getattr(mech, "sinks", 0))
     from ..distributed.env import detect
 
     env = detect()

@@ -37,14 +37,14 @@ from .io import check_causal_lm, load_local, save_pretrained, saved_dtype, saved
 def _trained_mechanism(saved, mech):
     """The mechanism config a run trains: ``mech`` for a plain model; for a model that comes converted (saved
     by allhere, or the AHA authors' checkpoint) its ``saved`` one with lambda as asked, if it is the mechanism
-    asked for with the same window and threshold (ConfigError otherwise)."""
+    asked for with the same window, threshold and sinks (ConfigError otherwise)."""
     if saved is None:
         return mech
-    same = type(saved) is type(mech) and all(getattr(saved, f) == getattr(mech, f) for f in ("window", "tau", "d_down")
-                                             if hasattr(mech, f))
+    same = type(saved) is type(mech) and all(getattr(saved, f) == getattr(mech, f)
+                                             for f in ("window", "tau", "sinks", "d_down") if hasattr(mech, f))
     if not same:
-        raise ConfigError(f"the model is already converted to {saved}; fine-tune it with the same mechanism, window "
-                          "and threshold, or start from the plain model")
+        raise ConfigError(f"the model is already converted to {saved}; fine-tune it with the same mechanism, window, "
+                          "threshold and sinks, or start from the plain model")
     return dataclasses.replace(saved, lam=mech.lam) if hasattr(saved, "lam") else saved
 
 
@@ -83,13 +83,15 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
         batch_size: int = 4, global_batch: int = 128, epochs: float = 1.0, lr: float = 3e-5, lam: float = 3e-4,
         tau: float = 0.5, max_steps: int | None = None, device: str = "cpu", resume: bool = False, seed: int = 0,
         progress: bool = True, d_down: int | None = None, stage1_lr: float = 3e-4,
-        target_mu_f: float | None = None, layers="full", context_parallel: int = 1, cp_layout: str = "zigzag") -> dict:
+        target_mu_f: float | None = None, layers="full", context_parallel: int = 1, cp_layout: str = "zigzag",
+        sinks: int = 0) -> dict:
     """Convert the model at ``model_path`` and fine-tune it on the chat data; the result is saved to
     ``out/model`` (``allhere.hf.load_pretrained`` reads it back). Returns the (last) training state.
     ``layers``: which layers get the mechanism, as ``allhere.hf.convert`` takes it (default: the
     full-attention ones).
 
-    Without ``d_down``: AHA, one run with L_LM + lam L_reg, checkpoint ``out/checkpoint.safetensors``;
+    Without ``d_down``: AHA (``sinks``: its local branch also reads the first tokens, ``AHAConfig.sinks``), one
+    run with L_LM + lam L_reg, checkpoint ``out/checkpoint.safetensors``;
     with ``target_mu_f`` lambda starts at ``lam`` and is trained towards that share of full attention
     (``TrainConfig.target_mu_f``).
     With ``d_down``: DAR in two stages of ``epochs`` each -- stage 1 trains only W_down / W_up
@@ -123,7 +125,8 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
     out = Path(out)
     with run_lock(out):  # one writer per run folder; train() takes it again (reentrant)
         rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
-        mech = AHAConfig(window=window, tau=tau, lam=lam) if d_down is None else DARConfig(window=window, d_down=d_down)
+        mech = (AHAConfig(window=window, tau=tau, lam=lam, sinks=sinks) if d_down is None
+                else DARConfig(window=window, d_down=d_down))
         config = check_causal_lm(model_path, convertible=True, layers=layers, mechanism=mech)
         published = saved_dtype(config, model_path)
         tokenizer, model, mech, device = _load(model_path, config, mech, layers, seed, env, device)

@@ -174,6 +174,11 @@ def test_cli_convert_and_sft(local_model, capsys):
     assert "lambda " in capsys.readouterr().out  # the lambda the run reached
     history = read_checkpoint(local_model / "t" / "checkpoint.safetensors")[1]["history"]
     assert [h["lam"] for h in history][0] == 3e-4 and history[1]["lam"] != 3e-4
+    assert main(args[:-2] + ["--sinks", "2", "--out", str(local_model / "s")]) == 0  # sinks reach the saved model
+    assert load_pretrained(local_model / "s" / "model").config.allhere_mechanism["sinks"] == 2
+    saved = [str(local_model / "s" / "model") if a == str(local_model / "base") else a for a in args[:-2]]
+    assert main(saved + ["--out", str(local_model / "s2")]) == 2
+    assert "the same mechanism, window, threshold and sinks" in capsys.readouterr().err  # sinks 0 asked: refused
 
 
 def test_dar_two_stage_sft(local_model):
