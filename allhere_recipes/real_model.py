@@ -20,6 +20,7 @@ A rerun with the same settings continues where the last one stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -72,9 +73,12 @@ def run_configs(plan: RealPlan) -> dict:
 
 
 def run_real_demo(model: str = "smollm2", out: str | Path = "runs/smollm2", preset: str | None = None,
-                  device: str = "cpu", data_path: str | None = None, progress: bool = True, log=print) -> dict:
-    """Run (or continue) the job in ``out/aha``; write its report there; return it."""
-    plan = preset_plan(preset or ("gpu" if device.startswith("cuda") else "cpu"), device)
+                  device: str = "cpu", data_path: str | None = None, progress: bool = True, log=print,
+                  seed: int = 0) -> dict:
+    """Run (or continue) the job in ``out/aha``; write its report there; return it. ``seed``: the fine-tuning runs'
+    (their batches)."""
+    plan = dataclasses.replace(preset_plan(preset or ("gpu" if device.startswith("cuda") else "cpu"), device),
+                               seed=seed)
     source = resolve_model(model)
     check_causal_lm(source, convertible=True, mechanism=aha_config(plan))  # before anything is loaded
     check_out(out)

@@ -74,6 +74,7 @@ class RealPlan:
     taught_lam: float = 0.0  # fine-tuning from taught routers: lambda of L_reg at the start
     taught_target_mu_f: float | None = None  # ... steered towards this share (None: lambda fixed)
     taught_router_lr_mult: float = 1.0  # ... the routers' learning rate over the model's
+    seed: int = 0  # the fine-tuning runs' seed (their batches)
 
     def __post_init__(self) -> None:
         if self.window >= self.seq_len:
@@ -95,14 +96,15 @@ def preset_plan(preset: str, device: str) -> RealPlan:
                         passkey_length=320, chat_tokens=4, speed_prompt=48, speed_tokens=3, dar_steps=2,
                         dar_stage1_lr=3e-4, device=device, calib_windows=2, calib_facts=1)
     if preset == "cpu":
-        return RealPlan(seq_len=512, window=128, steps=200, batch_size=1, grad_accum=1, lr=1e-4,
+        return RealPlan(seq_len=512, window=128, steps=120, batch_size=1, grad_accum=1, lr=1e-4,
                         router_lr_mult=300.0, lam=0.3, target_mu_f=0.1, lam_rate=0.05, recall_share=0.25,
                         eval_sequences=24, passkey_prompts=20, passkey_length=480, chat_tokens=48, speed_prompt=8000,
-                        speed_tokens=32, dar_steps=60, dar_stage1_lr=3e-4, device=device)
+                        speed_tokens=32, dar_steps=60, dar_stage1_lr=3e-4, device=device, taught_lam=0.01,
+                        taught_target_mu_f=0.1, taught_router_lr_mult=10.0)
     if preset == "gpu":
         return RealPlan(seq_len=8192, window=256, steps=200, batch_size=1, grad_accum=4, lr=1e-4,
                         router_lr_mult=300.0, lam=0.3, target_mu_f=0.06, lam_rate=0.05, recall_share=0.25,
                         eval_sequences=16, passkey_prompts=40, passkey_length=8000, chat_tokens=64, speed_prompt=8000,
-                        speed_tokens=64,
-                        dar_steps=200, dar_stage1_lr=3e-4, device=device)
+                        speed_tokens=64, dar_steps=200, dar_stage1_lr=3e-4, device=device, taught_lam=0.01,
+                        taught_target_mu_f=0.06, taught_router_lr_mult=10.0)
     raise ConfigError(f"preset = {preset!r} is invalid: expected one of {', '.join(map(repr, PRESETS))}")

@@ -137,5 +137,5 @@ def train_config(plan, steps: int, lr: float, lam: float = 0.0, target_mu_f: flo
     return TrainConfig(steps=steps, batch_size=plan.batch_size, grad_accum=plan.grad_accum, lr=lr, beta1=0.9,
                        beta2=0.95, warmup_ratio=0.03, weight_decay=0.0, lam=lam, target_mu_f=target_mu_f,
                        lam_rate=plan.lam_rate, router_lr_mult=router_lr_mult, ckpt_every=25, log_every=1,
-                       device=plan.device)
+                       device=plan.device, seed=plan.seed)
 

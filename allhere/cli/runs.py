@@ -49,6 +49,9 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-scratch", action="store_true",
                    help="with --mechanism dar: also train DAR and uniform reduction from scratch with the "
                         "vanilla model's pretraining budget (default: off)")
+    p.add_argument("--seed", type=a.positive_or_zero, default=None,
+                   help="with --model (AHA): the seed of the fine-tuning runs' batches, to repeat the job on other "
+                        "draws of the same data (default 0; another seed needs another --out)")
 
 
 def _check_demo_flags(args) -> None:
@@ -61,6 +64,8 @@ def _check_demo_flags(args) -> None:
     other = "dar" if args.mechanism == "aha" else "aha"
     foreign = {**only["aha"], **only["dar"]} if args.model is not None else only[other]
     given = [flag for name, flag in foreign.items() if getattr(args, name, None) not in (None, False)]
+    if args.seed is not None and (args.model is None or args.mechanism != "aha"):
+        raise ConfigError("--seed is for `allhere demo --model` with the AHA job (the seed of its fine-tuning runs)")
     if given and args.model is not None:
         raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the embedded model's demo, "
                           "not for --model (its settings: --preset, --device, --data, --out)")
@@ -99,6 +104,8 @@ def _real_demo(args) -> None:
     out = args.out or f"runs/{Path(args.model).stem.split('.')[0]}"
     settings = dict(model=args.model, out=out, preset=None if args.preset == "cpu" else args.preset,
                     device=args.device, data_path=args.data, progress=not args.no_progress)
+    if args.seed is not None:
+        settings["seed"] = args.seed
     if args.mechanism == "dar":
         from allhere_recipes.real_dar import run_real_dar
         from allhere_recipes.real_report import render_dar

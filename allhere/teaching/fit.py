@@ -27,7 +27,7 @@ def fit_router(x: torch.Tensor, cost: torch.Tensor, mu_f: float, weight: torch.T
     x = x.float()
     mean, std = x.mean(0), x.std(0).clamp_min(1e-3)
     xn = (x - mean) / std
-    labels = (cost > torch.quantile(_sample(cost.flatten()), 1.0 - mu_f)).float()
+    labels = (cost > torch.quantile(even_sample(cost.flatten()), 1.0 - mu_f)).float()
     w = torch.zeros(x.shape[1], cost.shape[1], requires_grad=True)
     b = torch.zeros(cost.shape[1], requires_grad=True)
     sample = torch.ones(x.shape[0]) if weight is None else weight.float()
@@ -45,6 +45,6 @@ def fit_router(x: torch.Tensor, cost: torch.Tensor, mu_f: float, weight: torch.T
     return (w / std[:, None]).T.contiguous(), b - (mean / std) @ w
 
 
-def _sample(x: torch.Tensor, most: int = 1 << 22) -> torch.Tensor:
+def even_sample(x: torch.Tensor, most: int = 1 << 22) -> torch.Tensor:
     """An even subsample of a flat tensor (``torch.quantile`` takes at most 2^24 values)."""
     return x if x.numel() <= most else x[torch.linspace(0, x.numel() - 1, most).long()]

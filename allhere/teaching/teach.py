@@ -24,7 +24,7 @@ import torch
 
 from ..routing import routed_layers, set_forced_gate
 from ..validation import ConfigError
-from .fit import ANSWER_WEIGHT, _sample, fit_router
+from .fit import ANSWER_WEIGHT, even_sample, fit_router
 from .labels import LABELS, local_cost
 from .observe import observe_routed
 
@@ -117,13 +117,13 @@ def teach_routers(model, batches: list[torch.Tensor], mu_f: float, answers: list
         weight = 1.0 + (ANSWER_WEIGHT - 1.0) * ans[far].float()
         w, b = fit_router(x[far], cost[far], mu_f, weight)
         z = x @ w.T + b
-        shift = -torch.quantile(_sample(z.flatten()).double(), 1.0 - mu_f).item()
+        shift = -torch.quantile(even_sample(z.flatten()).double(), 1.0 - mu_f).item()
         weight_p, bias_p = _router(mech)
         weight_p.data.copy_(w.to(weight_p))
         bias_p.data.copy_((b + shift + math.log(mech.cfg.tau / (1.0 - mech.cfg.tau))).to(bias_p))  # gate: s > tau
         gate = z + shift > 0
         layer_mu.append(gate.float().mean().item())
-        top = cost[far] > torch.quantile(_sample(cost[far].flatten()), 1.0 - mu_f)
+        top = cost[far] > torch.quantile(even_sample(cost[far].flatten()), 1.0 - mu_f)
         recall_hits += (gate[far] & top).sum().item()
         recall_total += top.sum().item()
         heads_cost.append(cost[far].mean(0).tolist())

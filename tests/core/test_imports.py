@@ -26,7 +26,7 @@ LAYERS = [
     ("mechanism", ["allhere.registry", "allhere.mechanisms"]),
     ("config", ["allhere.config", "allhere.distributed.parallel"]),
     ("model", ["allhere", "allhere.model", "allhere.routing", "allhere.losses", "allhere.checkpoint",
-               "allhere.data", "allhere.analysis"]),
+               "allhere.data", "allhere.analysis", "allhere.teaching"]),
     ("train", ["allhere.train", "allhere.distributed"]),
     ("host", ["allhere.hf", "allhere.serve", "allhere.models_cache"]),
     ("application", ["allhere.eval", "allhere.generation"]),

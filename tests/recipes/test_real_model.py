@@ -116,6 +116,7 @@ def test_tiny_dar_job(tiny, tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--window", "8"], "--window is for the embedded model's demo"),
     (["--task", "stdlib"], "--task is for the embedded model's demo"),
+    (["--seed", "1", "--mechanism", "dar"], "--seed is for `allhere demo --model` with the AHA job"),
 ])
 def test_flags_of_the_embedded_demo_are_refused(tiny, tmp_path, capsys, extra, message):
     assert main(["demo", "--model", str(tiny[0]), "--out", str(tmp_path / "o"), *extra]) == 2
