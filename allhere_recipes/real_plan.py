@@ -100,7 +100,7 @@ def preset_plan(preset: str, device: str) -> RealPlan:
                         router_lr_mult=300.0, lam=0.3, target_mu_f=0.1, lam_rate=0.05, recall_share=0.25,
                         eval_sequences=24, passkey_prompts=20, passkey_length=480, chat_tokens=48, speed_prompt=8000,
                         speed_tokens=32, dar_steps=60, dar_stage1_lr=3e-4, device=device, taught_lam=0.01,
-                        taught_target_mu_f=0.1, taught_router_lr_mult=10.0)
+                        taught_target_mu_f=0.09, taught_router_lr_mult=10.0)
     if preset == "gpu":
         return RealPlan(seq_len=8192, window=256, steps=200, batch_size=1, grad_accum=4, lr=1e-4,
                         router_lr_mult=300.0, lam=0.3, target_mu_f=0.06, lam_rate=0.05, recall_share=0.25,

@@ -143,6 +143,7 @@ def fits(a, model, held, windows, answers, **_):
 def taught(a, model, held, windows, answers, tokenizer, **_):
     from allhere.eval.passkey import passkey_accuracy, passkey_prompts
     from allhere.hf import HFCausalLM
+    from allhere.losses import lm_loss
     from allhere.routing import set_forced_gate
     from allhere.teaching import teach_routers
 
@@ -156,8 +157,6 @@ def taught(a, model, held, windows, answers, tokenizer, **_):
         t = teach_routers(model, list(windows.split(4)), mu, answers=list(answers.split(4)))
         with torch.no_grad():
             outs = [HFCausalLM(model)(held[i:i + 4]) for i in range(0, len(held), 4)]
-        from allhere.losses import lm_loss
-
         lost = sum(lm_loss(o.logits, held[i * 4:i * 4 + 4]).item() for i, o in enumerate(outs))
         held_mu = sum(o.routing.mu_f().item() for o in outs) / len(outs)
         pk = passkey_accuracy(model, tokenizer, prompts)

@@ -98,10 +98,21 @@ def demo(args) -> None:
     print(f"Report written to {args.out}/report.md, report.json and mu_f_heatmap.png")
 
 
-def _real_demo(args) -> None:
+def real_demo_out(model: str) -> str:
+    """``runs/<name>``: a fetched model's name (``allhere fetch smollm2`` -> runs/smollm2), else the stem of the
+    GGUF file or the folder's name."""
     from pathlib import Path
 
-    out = args.out or f"runs/{Path(args.model).stem.split('.')[0]}"
+    from ..models_cache import cache_dir
+
+    path = Path(model).resolve()
+    if path.parent.parent == (cache_dir() / "models").resolve():
+        return f"runs/{path.parent.name}"
+    return f"runs/{path.stem.split('.')[0]}"
+
+
+def _real_demo(args) -> None:
+    out = args.out or real_demo_out(args.model)
     settings = dict(model=args.model, out=out, preset=None if args.preset == "cpu" else args.preset,
                     device=args.device, data_path=args.data, progress=not args.no_progress)
     if args.seed is not None:

@@ -126,3 +126,21 @@ def test_dar_latent_decode_smoke():
     out = run_script("benchmarks/dar_latent_decode.py", "--quick", "--shapes", "smollm2-d64")
     row = next(line for line in out.splitlines() if line.startswith("| smollm2-d64 |"))
     assert float(row.split("|")[-2]) < 1e-5  # relative error against the PyTorch path, float32
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_router_teaching_on_smollm2():
+    """benchmarks/router_teaching.py's taught routers on the real SmolLM2 (skipped unless fetched): one budget's
+    row, its held-out mu_f near the budget and its Retain % a share."""
+    from allhere.models_cache import model_path
+    from allhere.validation import ConfigError
+
+    try:
+        model_path("smollm2")
+    except ConfigError:
+        pytest.skip("smollm2 is not fetched (allhere fetch smollm2)")
+    out = run_script("benchmarks/router_teaching.py", "taught", "--mu-f", "0.15", "--heldout", "4")
+    row = next(line for line in out.splitlines() if line.startswith("| 15% |")).split("|")
+    retain, held_mu = float(row[2].strip(" %")), float(row[3].strip(" %"))
+    assert 90 < retain <= 100.5 and 3 < held_mu < 25, out

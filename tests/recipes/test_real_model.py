@@ -131,6 +131,17 @@ def test_missing_model_is_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "o").exists()
 
 
+def test_default_out_is_the_models_name(tmp_path, monkeypatch):
+    """`allhere demo --model smollm2` writes into runs/smollm2 (the name, not the cached file's stem); a GGUF
+    file or a folder of the user's into runs/<its stem>."""
+    from allhere.cli.runs import real_demo_out
+
+    monkeypatch.setenv("ALLHERE_CACHE", str(tmp_path / "cache"))
+    assert real_demo_out(str(tmp_path / "cache/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")) == "runs/smollm2"
+    assert real_demo_out(str(tmp_path / "mine/tiny.Q8_0.gguf")) == "runs/tiny"
+    assert real_demo_out(str(tmp_path / "my-model")) == "runs/my-model"
+
+
 def test_passkey_prompts_have_their_length_and_distance():
     tok = make_tokenizer()
     prompts = passkey_prompts(tok, 5, 400, 60, seed=1)
