@@ -9,6 +9,9 @@ that may be the same one). Under torchrun the job is one writer: rank 0 takes th
 take none. The lock file is removed on release, and a folder the lock created is removed again if nothing
 was written into it (a refused or failed start leaves no trace).
 
+The lock file is opened without following a symbolic link: a lock path that is one is refused (``ConfigError``),
+and the file it points to is left as it is.
+
 POSIX only (``fcntl``: Linux, macOS); Windows is not a target. On a filesystem without ``flock`` support
 (some network filesystems) the run goes on unlocked.
 """
@@ -65,8 +68,8 @@ def ensure_free(folder: str | Path) -> None:
     if str(Path(folder).resolve()) in _held or (env is not None and not env.main):
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # no lock file: nobody holds it
+        fd = _open(path, os.O_RDONLY)
+    except OSError:  # no lock file: nobody holds it (a symbolic link there: ConfigError)
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -76,6 +79,17 @@ def ensure_free(folder: str | Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _open(path: Path, flags: int) -> int:
+    """``os.open`` that does not follow a symbolic link at ``path`` (ConfigError naming it) and never truncates."""
+    try:
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError:
+        if path.is_symlink():
+            raise ConfigError(f"{path} is a symbolic link, not allhere's lock file; remove it (nothing was "
+                              "changed)") from None
+        raise
 
 
 def _locked(shown, pid: bytes) -> RunLocked:
@@ -94,7 +108,7 @@ def _acquire(folder: Path, shown: str | Path) -> tuple[int | None, bool]:
         created = not folder.is_dir()
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open(path, os.O_RDWR | os.O_CREAT)
         except FileNotFoundError:  # the folder was removed between mkdir and open
             continue
         try:

@@ -9,6 +9,7 @@ import pytest
 
 from allhere.cli import main
 from allhere.runlock import LOCK_NAME, RunLocked, run_lock
+from allhere.validation import ConfigError
 
 # Holds the lock on argv[1], says so on stdout, then waits to be killed.
 HOLDER = """
@@ -78,3 +79,27 @@ def test_under_torchrun_only_rank_0_checks(holder, tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(RunLocked, match=f"in use by process {holder.pid}"):
         ensure_free(run)
+
+
+@pytest.mark.parametrize("target", ["a file", "no file"])
+def test_a_lock_path_that_is_a_symbolic_link_is_refused(tmp_path, target):
+    """The lock file is never opened through a symbolic link: the file it points to keeps its content (or is
+    not created), and the refusal is one line naming the link."""
+    from allhere.runlock import ensure_free
+
+    run, other = tmp_path / "run", tmp_path / "elsewhere.txt"
+    run.mkdir()
+    if target == "a file":
+        other.write_text("precious\n")
+    (run / LOCK_NAME).symlink_to(other)
+
+    def lock():
+        with run_lock(run):
+            pass
+
+    for check in (lambda: ensure_free(run), lock):
+        with pytest.raises(ConfigError, match=f"^{run / LOCK_NAME} is a symbolic link, not allhere's lock file; "
+                                              r"remove it \(nothing was changed\)$"):
+            check()
+    assert (other.read_text() == "precious\n") if target == "a file" else not other.exists()
+    assert [p.name for p in run.iterdir()] == [LOCK_NAME] and (run / LOCK_NAME).is_symlink()
