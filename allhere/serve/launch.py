@@ -148,6 +148,20 @@ def _last_error(log: Path) -> str:
     return (errors or lines or ["(no output)"])[-1][-400:]
 
 
+def stats_every_from_env() -> float:
+    """Seconds between routing lines: $ALLHERE_SERVE_STATS_EVERY, else 30. ConfigError naming the variable and
+    its value when it is not a number of seconds (0 or more)."""
+    value = os.environ.get("ALLHERE_SERVE_STATS_EVERY", "30")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:  # NaN included
+        raise ConfigError(f"ALLHERE_SERVE_STATS_EVERY={value!r} is not a number of seconds (0 or more) between "
+                          "routing lines; set one, or unset it for 30")
+    return seconds
+
+
 def format_stats(stats: dict) -> str:
     """One line of the routing statistics the model wrote (``allhere.serve.vllm_model.routing_stats``)."""
     layers = sorted((int(i), g, n) for i, (g, n) in stats["layers"].items())
@@ -179,7 +193,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
     import torch
 
     if stats_every is None:
-        stats_every = float(os.environ.get("ALLHERE_SERVE_STATS_EVERY", 30))
+        stats_every = stats_every_from_env()
     name = Path(model).resolve().name  # what requests name as "model"
     cpu = not torch.cuda.is_available()
     if Path(model).is_file():  # a GGUF (a folder is read as it is: allhere.hf is not imported for it)

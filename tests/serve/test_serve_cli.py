@@ -126,6 +126,23 @@ def test_kv_line():
     assert line == "mu_f 25.0% over 2 tokens (per layer 0: 25.0%); KV cache 16384 bytes per token"
 
 
+def test_stats_interval_from_the_environment(monkeypatch, tmp_path, capfd):
+    """$ALLHERE_SERVE_STATS_EVERY is a number of seconds; anything else is one line naming it, before vLLM."""
+    from allhere.serve.launch import stats_every_from_env
+
+    monkeypatch.delenv("ALLHERE_SERVE_STATS_EVERY", raising=False)
+    assert stats_every_from_env() == 30
+    monkeypatch.setenv("ALLHERE_SERVE_STATS_EVERY", "2.5")
+    assert stats_every_from_env() == 2.5
+    for bad in ("often", "", "nan", "-1"):
+        monkeypatch.setenv("ALLHERE_SERVE_STATS_EVERY", bad)
+        with pytest.raises(ConfigError, match=f"^ALLHERE_SERVE_STATS_EVERY={bad!r} is not a number of seconds"):
+            stats_every_from_env()
+    monkeypatch.setenv("ALLHERE_SERVE_STATS_EVERY", "often")
+    err = refused(capfd, "--model", folder(tmp_path, LLAMA), "--port", str(free_port()))
+    assert "ALLHERE_SERVE_STATS_EVERY='often' is not a number of seconds" in err and "Traceback" not in err
+
+
 def test_auto_serves_the_dtype_the_folder_was_saved_in():
     """vLLM's own "auto" would serve float32 weights in bfloat16 on the CPU: allhere hands it the saved dtype."""
     from allhere.serve.launch import served_dtype
