@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import resource
 import threading
@@ -46,7 +45,7 @@ from ..distributed.fsdp import shard_model
 from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
 from ..validation import ConfigError
 from .convert import convert, dims_of, init_mechanism
-from .files import weight_files
+from .files import weight_files, weight_map
 from .io import check_causal_lm, load_tokenizer, meta_model, saved_dtype, saved_mechanism
 
 CHUNK_BYTES = 16 << 20  # the most of one tensor read from a file at a time
@@ -282,13 +281,9 @@ def _buffers(model) -> dict[str, torch.Tensor]:
 
 def _index(p: Path) -> dict[str, Path]:
     """Tensor name -> weight file of the folder (model.safetensors, or the files of its index)."""
-    index = p / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
-        return {k: p / f for k, f in weight_map.items()}
+    index = weight_map(p)  # CheckpointError for an index that is not one, or names files outside the folder
+    if index is not None:
+        return index
     (single,) = weight_files(p)  # no index: model.safetensors, or the CheckpointError saying it is missing
     return {k: single for k in _header(single)}
 
