@@ -40,12 +40,15 @@ def _hf_kinds() -> tuple[str, ...]:
 
 
 def _check_out(out: str, model: str, resume: bool | None = None) -> None:
-    """The output folder of a model command: never the input model's folder or inside it; new or empty
+    """The output folder of a model command: never the input model's folder, inside it or holding it; new or empty
     unless ``resume`` (None: the command cannot resume) continues the run it holds."""
     out_p, model_p = Path(out).resolve(), Path(model).resolve()
     if out_p == model_p or model_p in out_p.parents:
         raise ConfigError(f"--out {out} is the input model's folder{'' if out_p == model_p else ' or inside it'}; "
                           "choose a new folder (nothing was written)")
+    if out_p in model_p.parents:  # e.g. sft --model RUN/model --out RUN: the run would write over its input
+        raise ConfigError(f"--out {out} holds the input model ({model}); choose a folder outside it (nothing was "
+                          "written)")
     from ..runlock import LOCK_NAME, ensure_free
 
     ensure_free(out_p)  # a folder another process writes is refused as such

@@ -202,6 +202,9 @@ def test_sft_refuses_chat_data_that_is_not_chat_and_its_own_model_folder(hf_fold
     for out in (model, model / "inside"):
         assert main(base + ["--data", str(hf_folders / "chat.jsonl"), "--out", str(out)]) == 2
         assert "the input model's folder" in one_error_line(capsys, "sft")
+    for resume in ([], ["--resume"]):  # a run's own model as the input of a run into that run's folder
+        assert main(base + ["--data", str(hf_folders / "chat.jsonl"), "--out", str(tmp_path), *resume]) == 2
+        assert f"--out {tmp_path} holds the input model" in one_error_line(capsys, "sft")
     assert main(base + ["--data", str(hf_folders / "chat.jsonl"), "--out", str(tmp_path / "new"), "--resume"]) == 2
     assert "holds no run to continue" in one_error_line(capsys, "sft")
     chat = ["--data", str(hf_folders / "chat.jsonl"), "--out", str(tmp_path / "cp")]
