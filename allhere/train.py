@@ -163,12 +163,12 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
                                   "output directory")
         if run is None:
             tensors, meta = read_checkpoint(ckpt_path)
-            check_settings(meta, cfg, train_only, ckpt_path)
+            check_settings(meta, cfg, train_only, ckpt_path, state.get("data_sha256"))
             restore_model(model, tensors, ckpt_path)
             restore_optimizer(opt, tensors, meta, ckpt_path)
             model.to(device)
         else:
-            check_settings(run.saved_state(ckpt_path) or {}, cfg, train_only, ckpt_path)
+            check_settings(run.saved_state(ckpt_path) or {}, cfg, train_only, ckpt_path, state.get("data_sha256"))
             meta = run.restore(ckpt_path, model, opt)
         state.update({k: meta[k] for k in ("step", "history", "evals", "lam") if k in meta})
         lam = state.get("lam", lam)
@@ -239,9 +239,15 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
     return state
 
 
-def check_settings(meta: dict, cfg: TrainConfig, train_only: str | None, ckpt_path: Path) -> None:
+def check_settings(meta: dict, cfg: TrainConfig, train_only: str | None, ckpt_path: Path,
+                   data_sha256: str | None = None) -> None:
     """A checkpoint is resumed only with the settings it was written with (read back through
-    ``TrainConfig``: a field added since, at its default, is no difference)."""
+    ``TrainConfig``: a field added since, at its default, is no difference) and, where the caller names its data
+    by a fingerprint (``extra_state["data_sha256"]``), on the same data."""
+    if data_sha256 is not None and meta.get("data_sha256") not in (None, data_sha256):
+        raise CheckpointError(f"{ckpt_path} was trained on other data (sha256 {meta['data_sha256'][:12]}..., "
+                              f"now {data_sha256[:12]}...); resume with the same data or choose another output "
+                              "directory")
     try:
         saved = TrainConfig(**meta["train_config"]).to_dict()
     except (KeyError, TypeError, ValueError):  # no settings, fields this version does not know, bad values

@@ -15,6 +15,8 @@ is saved in float32, which holds its de-quantized weights exactly (larger than t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -149,7 +151,9 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
                           warmup_ratio=0.03, weight_decay=0.0, lam=lam if d_down is None else 0.0,
                           ckpt_every=max(1, min(100, steps)), log_every=1, seed=seed, device=device,
                           target_mu_f=target_mu_f)
-        extra = {"chat_template_fallback": used_fallback, "sequences": n}
+        # the conversations' fingerprint: --resume on other data is refused (``allhere.train.check_settings``)
+        data_sha256 = hashlib.sha256(json.dumps([r["messages"] for r in rows], sort_keys=True).encode()).hexdigest()
+        extra = {"chat_template_fallback": used_fallback, "sequences": n, "data_sha256": data_sha256}
         if env is not None:
             extra["load"] = _load_report(model)
         lm = HFCausalLM(model)

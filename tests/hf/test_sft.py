@@ -166,6 +166,13 @@ def test_cli_convert_and_sft(local_model, capsys):
     assert "Model saved" in capsys.readouterr().out
     assert main(args) == 2  # the run folder holds a checkpoint: needs --resume
     assert "--resume" in capsys.readouterr().err
+    other = local_model / "other.jsonl"  # half the conversations: --resume on other data is refused
+    other.write_text("".join((local_model / "chat.jsonl").read_text().splitlines(keepends=True)[:32]))
+    again = [str(other) if a == str(local_model / "chat.jsonl") else a for a in args]
+    assert main(again + ["--resume"]) == 2
+    assert "was trained on other data" in capsys.readouterr().err
+    assert main(args + ["--resume"]) == 0  # the same data: resumed (here: already done)
+    capsys.readouterr()
     assert main(["sft", "--model", str(local_model / "nope"), "--data", "x", "--window", "4", "--out", "y"]) == 2
     assert "argument --model: no such file or folder" in capsys.readouterr().err
     assert main(args[:-2] + ["--window", "999", "--out", str(local_model / "w")]) == 2
