@@ -75,9 +75,8 @@ def passkey_accuracy(model, tokenizer, prompts: list[PasskeyPrompt], new_tokens:
                      done: Callable[[], None] | None = None) -> dict:
     """Greedy answers of ``model`` (a transformers causal LM, plain or converted) to ``prompts``: accuracy, mu_f
     over the answers' decode steps, over the question's tokens (``QUESTION``, the prompt's last tokens: where the
-    model must decide to read the key) and over every prompt token (routed models; None otherwise) and each
-    prompt's distance, key and
-    answer. ``done()`` is called after each prompt (a progress bar)."""
+    model must decide to read the key) and over every prompt token (routed models; None otherwise), and each
+    prompt's distance, key and answer. ``done()`` is called after each prompt (a progress bar)."""
     from ..generation import generate
 
     question = len(_encode(tokenizer, QUESTION))

@@ -114,8 +114,9 @@ def teach_routers(model, batches: list[torch.Tensor], mu_f: float, answers: list
     for mech, part in zip(layers, kept):
         x, cost = torch.cat(part["x"]).float(), torch.cat(part["cost"])
         far, ans = torch.cat(part["far"]), torch.cat(part["answer"])
+        far_cost = cost[far]  # the pairs beyond the window: the ones the fit and the recall are about
         weight = 1.0 + (ANSWER_WEIGHT - 1.0) * ans[far].float()
-        w, b = fit_router(x[far], cost[far], mu_f, weight)
+        w, b = fit_router(x[far], far_cost, mu_f, weight)
         z = x @ w.T + b
         shift = -torch.quantile(even_sample(z.flatten()).double(), 1.0 - mu_f).item()
         weight_p, bias_p = _router(mech)
@@ -123,10 +124,10 @@ def teach_routers(model, batches: list[torch.Tensor], mu_f: float, answers: list
         bias_p.data.copy_((b + shift + math.log(mech.cfg.tau / (1.0 - mech.cfg.tau))).to(bias_p))  # gate: s > tau
         gate = z + shift > 0
         layer_mu.append(gate.float().mean().item())
-        top = cost[far] > torch.quantile(even_sample(cost[far].flatten()), 1.0 - mu_f)
+        top = far_cost > torch.quantile(even_sample(far_cost.flatten()), 1.0 - mu_f)
         recall_hits += (gate[far] & top).sum().item()
         recall_total += top.sum().item()
-        heads_cost.append(cost[far].mean(0).tolist())
+        heads_cost.append(far_cost.mean(0).tolist())
         ans_gates.append(gate[ans])
     answered = torch.cat(ans_gates)
     return Teaching(mu_f=sum(layer_mu) / len(layer_mu), layer_mu_f=layer_mu, head_cost=heads_cost,
