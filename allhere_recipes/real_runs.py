@@ -33,14 +33,26 @@ SAVED_DTYPE = torch.bfloat16
 DECODE_TOKENS = 16  # a decode step's cost in forward tokens, for the time estimate (CPU, a 135M model)
 
 
-def resolve_model(name_or_path: str) -> Path:
-    """A model folder or GGUF file as given, or the cached file of a known model (``allhere fetch``)."""
+def resolve_model(name_or_path: str, progress: bool = True, log=print) -> Path:
+    """A model folder or GGUF file as given, or the cached file of a known model, fetched first when it is not in
+    the cache (``allhere.models_cache.fetch``: what ``allhere fetch`` does, its progress shown). ConfigError in one
+    line saying what to do when it cannot be fetched (no network, say)."""
     p = Path(name_or_path)
     if p.exists():
         return p
-    from allhere.models_cache import model_path
+    from allhere import models_cache
+    from allhere.validation import ConfigError
 
-    return model_path(name_or_path)
+    if name_or_path not in models_cache.KNOWN:
+        raise ConfigError(f"{name_or_path}: no such model file or folder, nor the name of a known model "
+                          f"({', '.join(sorted(models_cache.KNOWN))})")
+    try:
+        return models_cache.model_path(name_or_path)
+    except ConfigError:  # not fetched yet
+        pass
+    log(f"{name_or_path} is not in allhere's cache ({models_cache.cache_dir()}): fetching it once, as "
+        f"`allhere fetch {name_or_path}` does")
+    return models_cache.fetch(name_or_path, progress=progress)
 
 
 def load_and_claim(task: Path, job: str, source: Path, plan, device: str, data_path: str | None, log,
@@ -108,22 +120,31 @@ def fine_tune(folder: Path, base, mechanism, cfg: TrainConfig, batches, tokenize
     ckpt = folder / "checkpoint.safetensors"
     state = train(HFCausalLM(model), batches, cfg, ckpt, resume=True, progress=job.bar, train_only=train_only)
     write_json(folder / "history.json", state["history"], indent=None)  # loss, mu_f, lambda per step
-    save_model(model, saved, tokenizer)
+    from allhere.hf.card import training_results
+    from allhere.routing import routed_layers
+
+    card = {"source": base.config.name_or_path, "settings": {"steps": cfg.steps, "lr": cfg.lr, "lambda": cfg.lam,
+                                                             "target_mu_f": cfg.target_mu_f},
+            "results": training_results(state, routed=bool(routed_layers(model)))}
+    save_model(model, saved, tokenizer, card)
     for done in (ckpt, ckpt.with_suffix(".json")):
         done.unlink(missing_ok=True)
     return model.float()
 
 
-def save_model(model, folder: Path, tokenizer) -> None:
+def save_model(model, folder: Path, tokenizer, card: dict | None = None) -> None:
     """``model`` in bfloat16 with its tokenizer as a transformers folder, written whole or not at all; the model
-    keeps the rounded weights."""
+    keeps the rounded weights. A converted model gets its README.md (``allhere.hf.card.write_card``; ``card``: its
+    ``source``, ``settings`` and ``results``)."""
     from allhere.hf import converted_mechanism, save_pretrained
+    from allhere.hf.card import write_card
 
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.to(SAVED_DTYPE)
     if converted_mechanism(model) is not None:
         save_pretrained(model, tmp)
+        write_card(tmp, model.config, "allhere demo --model (the real-model job)", shown_as=folder, **(card or {}))
     else:
         model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))

@@ -14,6 +14,7 @@ import torch
 
 from allhere.analysis.static import static_budget_k, top_k_heads
 from allhere.hf import convert
+from allhere.hf.card import teaching_results
 from allhere.hf.io import load_local
 from allhere.teaching import MARGIN, teach_routers
 from allhere.teaching.retrieval import retrieval_windows
@@ -46,7 +47,8 @@ def taught_model(folder: Path, base, cfg, windows: torch.Tensor, answers: torch.
     taught = teach_routers(model, list(windows.split(1)), mu_f, answers=list(answers.split(1)), done=bar.update)
     bar.close()
     result = {**dataclasses.asdict(taught), "seconds": round(time.time() - t0, 1)}
-    save_model(model, saved, tokenizer)
+    save_model(model, saved, tokenizer, {"source": base.config.name_or_path, "results": teaching_results(taught),
+                                         "settings": {"calibration_windows": len(windows), "mu_f_target": mu_f}})
     write_json(record, result)
     return model.float(), result
 

@@ -207,16 +207,36 @@ def convert(args) -> None:
               file=sys.stderr)
     _print_notes(model.config, args.layers)
     hf_convert(model, mech, layers=args.layers, calibration=calibration)
-    if teach:
-        _teach(model, tokenizer, text, mech, args)
+    taught = _teach(model, tokenizer, text, mech, args) if teach else None
     save_pretrained(model, args.out, format=args.format)
     tokenizer.save_pretrained(args.out)
+    _convert_card(model, args, taught)
     fmt = " in the AHA authors' faolmo format" if args.format == "faolmo" else ""
     print(f"{args.mechanism.upper()} model ({mech}) saved to {args.out}{fmt}; load it with allhere.hf.load_pretrained")
 
 
-def _teach(model, tokenizer, text: str, mech, args) -> None:
-    """AHA's routers taught from the calibration text (``allhere.teaching``), with a line per pass."""
+def _taught_mu_f(args) -> float:
+    return 0.1 if args.mu_f is None else args.mu_f  # --mu-f's default
+
+
+def _convert_card(model, args, taught) -> None:
+    """The converted folder's README.md (``allhere.hf.card``): the settings, the teaching's numbers where it taught."""
+    from pathlib import Path
+
+    from ..hf.card import teaching_results, write_card
+
+    settings = {"format": args.format if args.format != "allhere" else None,
+                "calibration": Path(args.calibration).name if args.calibration is not None else None}
+    results = []
+    if taught is not None:
+        settings["mu_f_target"] = _taught_mu_f(args)
+        results = teaching_results(taught)
+    write_card(args.out, model.config, "allhere convert", source=args.model, settings=settings, results=results)
+
+
+def _teach(model, tokenizer, text: str, mech, args):
+    """AHA's routers taught from the calibration text (``allhere.teaching``), with a line per pass; what the teaching
+    found (``allhere.teaching.Teaching``)."""
     from ..progress import progress
     from ..teaching import teach_routers, teaching_windows
 
@@ -224,7 +244,7 @@ def _teach(model, tokenizer, text: str, mech, args) -> None:
         windows, answers = teaching_windows(tokenizer, text, mech.window)
     except ConfigError as e:
         raise ConfigError(f"--calibration {args.calibration}: {e}") from None
-    mu_f = 0.1 if args.mu_f is None else args.mu_f
+    mu_f = _taught_mu_f(args)
     shown = progress(len(windows), "teaching the routers", enabled=not args.no_progress)
     taught = teach_routers(model, list(windows.split(1)), mu_f, answers=list(answers.split(1)), done=shown.update)
     shown.close()
@@ -232,6 +252,7 @@ def _teach(model, tokenizer, text: str, mech, args) -> None:
           f"planted beyond the window): mu_f {taught.mu_f:.1%} there, {taught.answer_mu_f:.1%} where a fact is "
           f"answered; of the pairs the full model's attention needs most they send {taught.recall:.0%} to full "
           "attention", file=sys.stderr)
+    return taught
 
 
 def sft_arguments(p: argparse.ArgumentParser) -> None:

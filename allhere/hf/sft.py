@@ -81,6 +81,20 @@ def _load_report(model) -> dict:
             "measured_by": report.peak_source}
 
 
+def _card(folder: Path, model, model_path, data_path, state: dict, cfg: TrainConfig, sequences: int, seq_len: int,
+          d_down, stage1_lr: float) -> None:
+    """The saved model's README.md (``allhere.hf.card``): the run's settings and the numbers its training logged."""
+    from ..routing import routed_layers
+    from .card import training_results, write_card
+
+    settings = {"data": Path(data_path).name, "sequences": sequences, "seq_len": seq_len,
+                "global_batch": cfg.batch_size * cfg.grad_accum, "lr": cfg.lr,
+                "stage1_lr": stage1_lr if d_down is not None else None, "target_mu_f": cfg.target_mu_f,
+                "stages": "2 (the bottleneck alone, then everything); the results are stage 2's" if d_down else None}
+    write_card(folder, model.config, "allhere sft", source=model_path, settings=settings,
+               results=training_results(state, routed=bool(routed_layers(model))))
+
+
 def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: int, seq_len: int = 2048,
         batch_size: int = 4, global_batch: int = 128, epochs: float = 1.0, lr: float = 3e-5, lam: float = 3e-4,
         tau: float = 0.5, max_steps: int | None = None, device: str = "cpu", resume: bool = False, seed: int = 0,
@@ -176,6 +190,7 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
                 return state
         save_pretrained(model.to(published), out / "model")  # in the dtype the input model was published in
         tokenizer.save_pretrained(str(out / "model"))
+        _card(out / "model", model, model_path, data_path, state, cfg, n, seq_len, d_down, stage1_lr)
         if env is not None:
             torch.distributed.barrier()
         return state

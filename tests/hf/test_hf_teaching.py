@@ -34,6 +34,11 @@ def test_convert_teaches_the_routers_as_python_does(host, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "routers taught on 32 windows of 512 tokens" in err
     assert re.search(r"mu_f (19\.[5-9]|20\.[0-4])% there", err), err
+    from huggingface_hub import ModelCard  # the folder's card: the teaching's own numbers, as printed
+
+    card = ModelCard.load(tmp_path / "a" / "README.md").data.to_dict()["allhere"]
+    assert f"mu_f {card['results']['calibration_mu_f']:.1%} there" in err and card["run"]["mu_f_target"] == 0.2
+    assert f"send {card['results']['calibration_recall']:.0%} to full" in err
     got = load_pretrained(tmp_path / "a")
     mech = got.model.layers[0].self_attn.allhere
     assert mech.cfg == AHAConfig(window=8, sinks=1)
