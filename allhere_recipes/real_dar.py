@@ -96,7 +96,7 @@ def run_real_dar(model: str = "smollm2", out: str | Path = "runs/smollm2", prese
                  device: str = "cpu", data_path: str | None = None, progress: bool = True, log=print) -> dict:
     """Run (or continue) the DAR comparison in ``out/dar``; write its report there; return it."""
     plan = preset_plan(preset or ("gpu" if device.startswith("cuda") else "cpu"), device)
-    source = runs.resolve_model(model)
+    source = runs.resolve_model(model, progress, log)
     config = check_causal_lm(source)
     mechs = mechanisms(plan, config)
     for mech in mechs.values():

@@ -79,7 +79,7 @@ def run_real_demo(model: str = "smollm2", out: str | Path = "runs/smollm2", pres
     (their batches)."""
     plan = dataclasses.replace(preset_plan(preset or ("gpu" if device.startswith("cuda") else "cpu"), device),
                                seed=seed)
-    source = resolve_model(model)
+    source = resolve_model(model, progress, log)
     check_causal_lm(source, convertible=True, mechanism=aha_config(plan))  # before anything is loaded
     check_out(out)
     task = Path(out) / "aha"

@@ -169,6 +169,20 @@ def model_folder(value: str) -> str:
     return value
 
 
+@_named("model folder")
+def model_or_fetchable(value: str) -> str:
+    """What ``model_folder`` takes, or the name of a known model that is not fetched yet, as given: the command
+    fetches it (``allhere.models_cache.fetch``)."""
+    from ..models_cache import KNOWN
+
+    try:
+        return model_folder(value)
+    except Bad:
+        if value in KNOWN and not Path(value).exists():
+            return value
+        raise
+
+
 @_named("checkpoint or model folder")
 def checkpoint_or_model(value: str) -> str:
     """An allhere checkpoint (a .safetensors file), or what ``model_folder`` takes."""

@@ -15,9 +15,10 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=a.out_folder, default=None,
                    help="run folder: resumed when it holds a run with the same settings, refused when it holds "
                         "anything else (default runs/demo; with --model runs/<the model's name>)")
-    p.add_argument("--model", type=a.model_folder, default=None,
+    p.add_argument("--model", type=a.model_or_fetchable, default=None,
                    help="run the AHA paper's protocol on a real pretrained model instead of the embedded one: "
-                        "smollm2 (fetched by `allhere fetch smollm2`), a GGUF file or a transformers folder; "
+                        "smollm2 (fetched into allhere's cache first when it is not there, as `allhere fetch "
+                        "smollm2` does), a GGUF file or a transformers folder; "
                         "with --mechanism dar the DAR comparison on it (default: the embedded model)")
     a.preset_flag(p, PRESETS)
     a.task_flag(p, "run", TASKS)
@@ -103,8 +104,10 @@ def real_demo_out(model: str) -> str:
     GGUF file or the folder's name."""
     from pathlib import Path
 
-    from ..models_cache import cache_dir
+    from ..models_cache import KNOWN, cache_dir
 
+    if model in KNOWN and not Path(model).exists():  # a known model's name, fetched by the job
+        return f"runs/{model}"
     path = Path(model).resolve()
     if path.parent.parent == (cache_dir() / "models").resolve():
         return f"runs/{path.parent.name}"

