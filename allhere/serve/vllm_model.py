@@ -37,7 +37,8 @@ pass (prefill and decode tokens alike, vLLM's warm-up passes included until ``re
 ``routing_stats(model)`` (through ``LLM.apply_model``) returns them and mu_f. Where the environment names a
 file (``STATS_ENV``, set by ``allhere serve``), the model writes them there after its steps (JSON, replaced
 atomically), and zeroes them before a forward while the reset file next to it exists (``allhere serve``
-creates it once the server is ready, so vLLM's warm-up passes are not counted).
+creates it once the server is ready, so vLLM's warm-up passes are not counted). From then on the same numbers go
+to vLLM's /metrics where the environment names a Prometheus multiprocess folder (``allhere.serve.vllm_metrics``).
 
 Checked: eager (``enforce_eager=True``), float32, one CPU process: greedy tokens equal allhere's generate
 (tests/serve/test_serve_vllm.py). vLLM's default torch.compile gave the same tokens in one run; there
@@ -66,10 +67,12 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.transformers import TransformersForCausalLM
 
+from ..hosts import CONFIG_KEY
 from .vllm_dar import DARServe, LatentCache
 from .vllm_install import install
 from .vllm_kv import SinkAttention
 from .vllm_layers import AHAServe
+from .vllm_metrics import Metrics, metrics
 from .vllm_plugin import RESET_SUFFIX, STATS_ENV
 
 
@@ -131,17 +134,20 @@ def set_forced_gate(model: nn.Module, value: bool | None) -> int:
 
 class StatsFile:
     """The routing statistics written to ``path`` for ``allhere serve`` (see the module docstring): after
-    every step on the CPU, at most once a second on a GPU (reading the counters synchronises it)."""
+    every step on the CPU, at most once a second on a GPU (reading the counters synchronises it); and, once the
+    counts were zeroed after vLLM's warm-up, the same numbers to ``gauges`` (vLLM's /metrics)."""
 
-    def __init__(self, path: str, cuda: bool) -> None:
+    def __init__(self, path: str, cuda: bool, gauges: Metrics | None = None) -> None:
         self.path, self.reset = Path(path), Path(path + RESET_SUFFIX)
         self.every, self.written = (1.0 if cuda else 0.0), 0.0
+        self.gauges, self.counting = gauges, False
 
     def before_forward(self, model: nn.Module) -> None:
         """Zero the counts when asked to: the file says so (no pairs) before the reset file goes, so that
         a reader who sees the reset file gone never reads the counts of before."""
         if self.reset.exists():
             reset_routing_stats(model)
+            self.counting = True
             self.write(model)
             self.reset.unlink(missing_ok=True)
 
@@ -150,9 +156,12 @@ class StatsFile:
             self.write(model)
 
     def write(self, model: nn.Module) -> None:
+        stats = routing_stats(model)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(routing_stats(model)))
+        tmp.write_text(json.dumps(stats))
         os.replace(tmp, self.path)
+        if self.gauges is not None and self.counting:
+            self.gauges.publish(stats)
         self.written = time.monotonic()
 
 
@@ -166,7 +175,12 @@ class _Converted:
         self.allhere_kv = kv_bytes(self, model_config.dtype, model_config.max_model_len)
         path = os.environ.get(STATS_ENV)
         cuda = vllm_config.device_config.device_type == "cuda"
-        self.allhere_stats = StatsFile(path, cuda) if path and self.allhere_layers else None
+        if path and self.allhere_layers:
+            kind = getattr(model_config.hf_config, CONFIG_KEY)["kind"]
+            gauges = metrics(kind, self.allhere_kv, bool(aha_layers(self)))
+            self.allhere_stats = StatsFile(path, cuda, gauges)
+        else:
+            self.allhere_stats = None
         if self.allhere_stats is not None:
             self.allhere_stats.write(self)  # the caches' bytes, for allhere serve's first line
 

@@ -173,3 +173,60 @@ def test_backend_checked_before_vllm_starts(monkeypatch):
         check_backend("flex", aha, cpu=True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     check_backend("triton", aha, cpu=True)
+
+
+def test_bad_limits_and_keys(tmp_path, capfd):
+    """Each a line naming the flag, exit code 2, before vLLM starts; a refused key is never echoed."""
+    model = folder(tmp_path, {**LLAMA, "max_position_embeddings": 4096})
+    port = str(free_port())
+    for flags, says in ((["--max-num-seqs", "0"], "--max-num-seqs"), (["--max-queued", "-3"], "--max-queued"),
+                        (["--ready-timeout", "0"], "--ready-timeout"), (["--max-model-len", "0"], "--max-model-len"),
+                        (["--max-queued", "4", "--max-num-seqs", "8"], "--max-queued 4 is below --max-num-seqs 8"),
+                        (["--max-model-len", "5000"], "--max-model-len 5000 is longer than the model's 4096 "
+                                                      "positions")):
+        assert says in refused(capfd, "--model", model, "--port", port, *flags)
+    for key in ("", "two words", "tab\there", "caf\u00e9"):
+        err = refused(capfd, "--model", model, "--port", port, "--api-key", key)
+        assert "--api-key" in err and (not key or key not in err)
+
+
+def test_rotary_scaling_leaves_the_length_to_vllm():
+    """A scaled rotary table (one, or one per layer type) stretches the positions: vLLM's own check decides."""
+    from allhere.serve.launch import check_limits
+
+    base = {**LLAMA, "max_position_embeddings": 4096}
+    check_limits({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 16384, None, None)
+    check_limits({**base, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
+                                              "sliding_attention": {"rope_type": "default"}}}, 16384, None, None)
+    with pytest.raises(ConfigError, match="longer than the model's 4096 positions"):
+        check_limits({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, 16384, None, None)
+    check_limits(base, 4096, 8, 8)
+
+
+def test_the_warning_for_a_server_others_can_reach(monkeypatch):
+    from allhere.serve.launch import exposure_warning
+
+    for host in ("127.0.0.1", "127.3.0.1", "::1", "localhost"):
+        assert exposure_warning(host, 8000, None) is None
+    for host in ("0.0.0.0", "::", "192.168.1.5", "my-host"):
+        line = exposure_warning(host, 8000, None)
+        assert line == (f"allhere serve: warning: listening on {host}:8000 without an API key: anyone who can reach "
+                        "this port can use the model; set one with VLLM_API_KEY=KEY in the environment (or --api-key "
+                        "KEY)")
+        assert exposure_warning(host, 8000, "k") is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here: it would start")
+def test_the_warning_is_printed_before_vllm_starts(tmp_path, capfd, monkeypatch):
+    """On 0.0.0.0 without a key: one warning line, then (here, without vLLM) the error; with $VLLM_API_KEY (an empty
+    one is no key, as vLLM reads it) no warning."""
+    model, port = folder(tmp_path, LLAMA), str(free_port())
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    for key, warned in ((None, True), ("", True), ("s3cret", False)):
+        if key is not None:
+            monkeypatch.setenv("VLLM_API_KEY", key)
+        assert main(["serve", "--model", model, "--host", "0.0.0.0", "--port", port]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("allhere serve: error: vLLM is not installed")
+        assert len(err) == (2 if warned else 1), err
+        assert not warned or err[0].startswith("allhere serve: warning: listening on 0.0.0.0:")
