@@ -14,13 +14,14 @@ Backends:
     with allhere.use_backend("reference"):
         logits = model(ids).logits          # every layer of any model on the references
 
-An op family (``"aha"``, ``"sliding"``, ``"dar"``, ...) registers each of its paths with ``register_path``:
+An op family (``"aha"``, ``"sliding"``, ``"dar"``, ...; every one of allhere's is registered in
+``allhere.ops.families``, which names them all) registers each of its paths with ``register_path``:
 the backend it implements, the function, and which calls it takes (``takes(*args, **kwargs) -> None``
 where it takes the call, else one line saying why not). ``dispatch(op, *args, **kwargs)`` runs the path the
 backend picks: a named backend runs that path of the family (ValueError where it does not take the call);
 a family without a path of that name, and ``"auto"``, run the first path of ``AUTO_ORDER`` that takes the
-call and that ``"auto"`` may pick (its ``auto`` predicate, e.g. only for CUDA tensors). Every family has a
-reference path, which takes every call.
+call and that ``"auto"`` may pick (its ``auto`` predicate, e.g. ``on_cuda``: only for CUDA tensors). Every
+family has a reference path, which takes every call.
 
 The choice is read from a context variable once per op call (no environment variable in the hot path).
 """
@@ -31,6 +32,8 @@ import contextlib
 import contextvars
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 BACKENDS = ("auto", "torch", "triton", "flex", "reference")
 AUTO_ORDER = ("triton", "flex", "torch", "reference")  # what "auto" tries, fastest first
@@ -67,6 +70,12 @@ def _anywhere(*args, **kwargs) -> bool:
     return True
 
 
+def on_cuda(*args, **kwargs) -> bool:
+    """The ``auto`` predicate of a GPU path: whether the call's first tensor argument (its queries) is on CUDA."""
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return first is not None and first.is_cuda
+
+
 @dataclass(frozen=True)
 class OpPath:
     op: str  # the op family, e.g. "aha"
@@ -95,7 +104,8 @@ def paths(op: str) -> dict[str, OpPath]:
 
 
 def ops() -> tuple[str, ...]:
-    """Every op family registered so far (a family registers when its module is imported)."""
+    """Every op family registered so far: allhere's are registered by ``allhere.ops.families`` (which names them
+    all in ``FAMILIES``), "patterns" and "paged" once the code that holds their paths is imported."""
     return tuple(sorted(_PATHS))
 
 

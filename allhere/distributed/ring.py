@@ -36,11 +36,10 @@ import torch.distributed as dist
 from ..masks import MaskFn
 from ..ops.common import default_scale, hard_gate, repeat_kv
 from ..ops.ste import add_gate_gradient, trains_gate
+from ..softmax import NEG_INF, clamp_empty, merge_pair, softmax_lse
 from .layouts import chunks_per_rank, positions
 from .ring_blocks import Pattern, causal, pattern_from, sliding
 from .ring_plan import Block, RingPlan, RingSpec, make_plan
-
-NEG_INF = float("-inf")
 
 
 @dataclass
@@ -265,14 +264,14 @@ class _Ring:
     def _merge(self, acc, lse, blk, rows, o_p, l_p):
         a, l_acc = self._chunk(acc, blk.q_chunk), self._chunk(lse, blk.q_chunk)
         if rows is None:
-            o, l_new = _merge(a, l_acc, o_p, l_p)
+            o, l_new = merge_pair(a, l_acc, o_p, l_p)
             a.copy_(o)
             l_acc.copy_(l_new)
             return
         idx = rows[0]
         d = a.shape[-1]
         idx4 = idx[..., None].expand(-1, -1, -1, d)
-        o, l_new = _merge(a.gather(2, idx4), l_acc.gather(2, idx), o_p, l_p)
+        o, l_new = merge_pair(a.gather(2, idx4), l_acc.gather(2, idx), o_p, l_p)
         a.scatter_(2, idx4, o)
         l_acc.scatter_(2, idx, l_new)
 
@@ -344,26 +343,12 @@ class _Ring:
         return dq, dk, dv
 
 
-def finite(lse: torch.Tensor) -> torch.Tensor:
-    """A log-sum-exp (or running maximum) with -inf (a row that saw no key yet) read as 0, safe to subtract."""
-    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-
-
-def _merge(o1, l1, o2, l2):
-    """Two partial softmax results over disjoint key sets, merged by log-sum-exp."""
-    l_new = torch.logaddexp(l1, l2)
-    ref = finite(l_new)
-    return o1 * torch.exp(l1 - ref)[..., None] + o2 * torch.exp(l2 - ref)[..., None], l_new
-
-
 def _attend(q, k, v, mask, scale, logits=None):
     """Normalised partial attention of q [b, h, m, d] over one key block and its log-sum-exp (fp32)."""
     h = q.shape[1]
     kr = repeat_kv(k, h)
     s = (q @ kr.transpose(-1, -2)) * scale if logits is None else logits(q, kr).float()
-    s = s.masked_fill(~mask, NEG_INF)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - finite(lse)[..., None])
+    p, lse = softmax_lse(s.masked_fill(~mask, NEG_INF))
     return p @ repeat_kv(v, h), lse
 
 
@@ -380,7 +365,7 @@ def _attend_backward(q, do, out, lse, delta, k, v, mask, scale, logits=None):
             qg, kg = q.detach().requires_grad_(True), kr.detach().requires_grad_(True)
             s_g = logits(qg, kg).float()
         s = s_g.detach()
-    p = torch.exp(s.masked_fill(~mask, NEG_INF) - finite(lse)[..., None])
+    p = torch.exp(s.masked_fill(~mask, NEG_INF) - clamp_empty(lse)[..., None])
     dv = p.transpose(-1, -2) @ do
     dp = do @ vr.transpose(-1, -2)
     ds = p * (dp - delta[..., None])

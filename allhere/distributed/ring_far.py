@@ -62,8 +62,9 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.common import default_scale, repeat_kv
+from ..softmax import NEG_INF, clamp_empty
 from .layouts import chunk_len, positions, rank_chunks
-from .ring import NEG_INF, RingStats, finite
+from .ring import RingStats
 from .ring_blocks import Pattern, pattern_from
 
 
@@ -230,7 +231,7 @@ def ring_far_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, 
         if not parts:
             outs.append(q.narrow(2, i * c, c).float() * 0)  # still a function of q: the exchange's backward must run
             continue
-        top = finite(torch.stack([m for _, _, m in parts]).amax(0))
+        top = clamp_empty(torch.stack([m for _, _, m in parts]).amax(0))
         num = den = 0
         for o, z, m in parts:
             w = torch.exp(m - top)  # 0 where the block holds no key of the row
@@ -325,7 +326,7 @@ class _Attend:
         out = []
         for _, s, vr in self.logits(u, q, near_kv, latents):
             m = s.detach().amax(-1)
-            p = torch.exp(s - finite(m)[..., None])
+            p = torch.exp(s - clamp_empty(m)[..., None])
             out += [p @ vr, p.sum(-1), m]
         return tuple(out)
 

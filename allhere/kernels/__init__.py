@@ -2,7 +2,9 @@
 paged KV cache as a server keeps it (``aha_paged``: a served AHA layer's path on CUDA, through
 ``allhere.serve.paged_kernel``); and the absorbed decode of op family ``"dar_latent"`` (``dar_latent_decode``,
 its "triton" path). What the kernels share -- the window rule, the online softmax, the split-KV
-merge, the launch helpers -- is written once, in ``blocks``.
+merge, the launch helpers -- is written once, in ``blocks``. The kernels are the ground floor: they import nothing
+of the ops, the mechanisms or the serving code (their callers check the arguments); what they share with those,
+such as the merge of partial results in torch, is in ``allhere.softmax``.
 
 Needs the ``gpu`` extra (``pip install 'allhere[gpu]'``, i.e. triton). ``allhere.ops.aha.aha_attention``
 takes them with backend "triton", and with "auto" on CUDA where they take the call (``allhere.backend``;

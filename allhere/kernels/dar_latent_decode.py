@@ -23,8 +23,9 @@ for the whole group (grouped and multi-query heads). The keys a call reads are l
 [0, lk - window), then the near range [lk - lq - window + 1, lk) -- and cut into splits of SPLIT keys (split-KV,
 as flash decoding); the two ranges overlap by lq - 1 positions, where each (row, key) pair takes exactly one of
 its two scores by the window rule. Every split writes its normalised partials and log-sum-exp (base 2) to fp32
-scratch; ``merge`` combines them in torch (one split: a plain copy of the weights). ``blocks.finish_split``
-(the last split merges, in the kernel) is written for one row and one accumulator, so it is not used here.
+scratch; ``allhere.softmax.merge_splits`` combines them in torch (one split: a plain copy of the weights).
+``blocks.finish_split`` (the last split merges, in the kernel) is written for one row and one accumulator, so it
+is not used here.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.common import default_scale
-from ..ops.dar_latent.check import check_latent_call
+from ..softmax import default_scale, merge_splits
 from . import interpreted
 from .blocks import LOG2E
 
@@ -152,15 +152,6 @@ def _decode_kernel(Q, QL, QF, KN, VN, R, MASK, ON, OL, LSE, qk_scale, KVH, LK, L
     tl.store(LSE + at, tl.where(live, m_i + tl.log2(l_safe), float("-inf")), mask=rmask)
 
 
-def merge(o_near: torch.Tensor, o_lat: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The splits' partials [b, kv_heads, splits, rows, .] and log-sum-exps [.., rows] (base 2) -> the normalised
-    accumulators (acc_near / l [b, kv_heads, rows, d], acc_lat / l [.., d_c]); a row no split saw gives 0."""
-    top = lse.amax(2, keepdim=True)
-    w = torch.exp2(lse - top.clamp_min(-3e38)).unsqueeze(-1)  # -inf rows: weights 0 (not nan)
-    total = w.sum(2).clamp_min(1e-30)
-    return (w * o_near).sum(2) / total, (w * o_lat).sum(2) / total
-
-
 def _pow2(n: int) -> int:
     return 0 if n == 0 else max(16, triton.next_power_of_2(n))  # tl.dot takes tiles of 16 or more
 
@@ -168,11 +159,13 @@ def _pow2(n: int) -> int:
 def dar_latent_decode_triton(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int, scale: float | None = None,
                              mask: torch.Tensor | None = None, split: int = 512, block_n: int = 32,
                              block_m: int = 16, num_warps: int = 4) -> torch.Tensor:
-    """Same contract as ``ops.dar_latent.dar_latent_attention_reference`` (no gradients); output in q's dtype.
-    The launch setting is fixed, not tuned (no ``autotune`` class yet): split, keys per program; block_n, keys
-    per step; block_m, the most query rows per program (block_n and block_m: powers of two, 16 or more)."""
-    b, h, lq, d, kvh, lk = check_latent_call(q, q_far, k_near, v_near, rows, w_uk, w_uv, window)
-    group, (e_c, d_c), ln = h // kvh, w_uk.shape[1:], k_near.shape[2]
+    """The result of ``ops.dar_latent.dar_latent_attention_reference`` (no gradients) for arguments of its layout,
+    which the op's path checks before it calls this (``ops.dar_latent.check.check_latent_call``); output in q's
+    dtype. The launch setting is fixed, not tuned (no ``autotune`` class yet): split, keys per program; block_n,
+    keys per step; block_m, the most query rows per program (block_n and block_m: powers of two, 16 or more)."""
+    b, h, lq, d = q.shape
+    kvh, ln, lk = k_near.shape[1], k_near.shape[2], rows.shape[1]
+    group, (e_c, d_c) = h // kvh, w_uk.shape[1:]
     e_r = q_far.shape[-1] - e_c
     q, q_far, k_near, v_near, rows = (t if t.stride(-1) == 1 else t.contiguous()
                                       for t in (q, q_far, k_near, v_near, rows))
@@ -200,7 +193,8 @@ def dar_latent_decode_triton(q, q_far, k_near, v_near, rows, w_uk, w_uv, window:
         window, group, far1, near0, lk - ln, d, d_c, e_r, *q.stride()[:3], *qs[:3], *k_near.stride()[:3],
         *rows.stride()[:2], *mstrides, SPLIT=split, BLOCK_M=bm, BLOCK_N=block_n, D_P=_pow2(d), DC_P=_pow2(d_c),
         ER_P=_pow2(e_r), HAS_MASK=mask is not None, F32=q.dtype == torch.float32 or interpreted(), num_warps=num_warps)
-    near, lat = merge(o_near.view(b, kvh, nsplit, nrows, d), o_lat.view(b, kvh, nsplit, nrows, d_c),
-                      lse.view(b, kvh, nsplit, nrows))
+    # the splits' partials [b, kv_heads, splits, rows, .] merged by their log-sum-exps (base 2): acc / l of each
+    near, lat = merge_splits(lse.view(b, kvh, nsplit, nrows), o_near.view(b, kvh, nsplit, nrows, d),
+                             o_lat.view(b, kvh, nsplit, nrows, d_c), dim=2, base2=True)
     out = near + torch.einsum("bgrc,gdc->bgrd", lat, w_uv.float())  # the latent sum up-projected once per row
     return out.view(b, h, lq, d).to(q.dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..softmax import merge_lse
 from .caches import KVCache
 
 
@@ -49,5 +50,5 @@ class AAMoECache:
         """(logsumexp of the budget logits before u [b, n], tokens before); then include u."""
         before, seen = self.lse, self.seen - u.shape[1]
         lse = torch.logsumexp(u.detach(), -1)
-        self.lse = lse if before is None else torch.logaddexp(before, lse)
+        self.lse = merge_lse(before, lse)
         return before, seen

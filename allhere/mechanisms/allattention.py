@@ -16,7 +16,8 @@ rotation back assumes what our decoder does: RoPE with base ``rope_theta`` at th
 (query i of the last lq of lk keys at lk - lq + i, or at ``AttentionCall.positions`` when given). With
 ``segment_starts`` the context is masked per segment; the memory stays visible to every query (a padding
 query then reads only the memory, never NaN). Cache: the context's K/V in an ordinary ``KVCache``; the
-memory is a constant of the layer.
+memory is a constant of the layer. The attention itself is op family ``"all_attention"``
+(``allhere.ops.all_attention``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..backend import dispatch, register_path
-from ..masks import causal, dense_mask
-from ..ops.common import check_qkv, default_scale, repeat_kv, segment_mask
+from ..backend import dispatch
+from ..ops.common import segment_mask
 from ..registry import register
 from ..validation import check, check_int, is_number
 from .base import AttentionCall, AttentionDims, AttentionMechanism
@@ -68,29 +68,6 @@ def unrotate_queries(q: torch.Tensor, kv_len: int, theta: float,
     ang = torch.cat([pos[:, None] * inv] * 2, dim=-1)
     x1, x2 = q.float().chunk(2, dim=-1)
     return (q.float() * ang.cos() - torch.cat([-x2, x1], dim=-1) * ang.sin()).to(q.dtype)
-
-
-def all_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem_k: torch.Tensor,
-                            mem_v: torch.Tensor, scale: float | None = None, mask: torch.Tensor | None = None,
-                            q_mem: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax over [causal context; memory]. q [b, h, lq, d]; k, v [b, kv_heads, lk, d] (queries are the
-    last lq positions); mem_k, mem_v [h, n_mem, d]; mask: optional bool [b, 1, lq, lk] over the context
-    (True = may attend), causal when None; q_mem: the queries that read the memory (default q). Dense in
-    fp32, one softmax over both parts: the reference of op family ``"all_attention"``, so far its only path
-    (``allhere.backend``). Returns [b, h, lq, d] in q's dtype."""
-    b, h, lq, d, _, lk = check_qkv(q, k, v)
-    if mem_k.shape != mem_v.shape or mem_k.shape[0] != h or mem_k.shape[2] != d:
-        raise ValueError(f"mem_k and mem_v must be [heads={h}, n_mem, dim={d}], got {tuple(mem_k.shape)}, "
-                         f"{tuple(mem_v.shape)}")
-    ctx = dense_mask(causal, lq, lk, q.device) if mask is None else mask
-    scale = default_scale(d, scale)
-    s_ctx = (q.float() @ repeat_kv(k, h).float().transpose(-1, -2) * scale).masked_fill(~ctx, float("-inf"))
-    s_mem = (q if q_mem is None else q_mem).float() @ mem_k.float().transpose(-1, -2)[None] * scale
-    p = torch.softmax(torch.cat([s_ctx, s_mem], dim=-1), dim=-1)  # the memory is never masked: no empty row
-    return (p[..., :lk] @ repeat_kv(v, h).float() + p[..., lk:] @ mem_v.float()[None]).to(q.dtype)
-
-
-register_path("all_attention", "reference", all_attention_reference)
 
 
 @register(AllAttentionConfig, summary="All-Attention: persistent memory slots replace the feed-forward sublayer")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import dispatch, register_path
+from ..backend import dispatch
 from ..masks import Mask, and_masks, as_mask, within_segments
 from ..ops.blocksparse import BlockPlan, blocksparse_attention, plan_blocks
+from ..ops.families import register_patterns
 from ..ops.full import full_attention_reference, masked_attention
 from ..validation import ConfigError, check, check_int
 from .base import AttentionCall, AttentionMechanism, ContextParallelPlan
@@ -52,7 +53,8 @@ class PatternAttention(AttentionMechanism):
     """A mechanism that attends under a fixed mask predicate: ``mask_fn(n)`` (given by its config), at the
     positions the call gives (``AttentionCall.positions``) or those its cache counts.
 
-    Its calls form op family ``"patterns"`` (``allhere.backend``). The "torch" path runs the block-sparse op
+    Its calls form op family ``"patterns"`` (``allhere.backend``; its paths are the methods below, handed to
+    ``allhere.ops.families.register_patterns``). The "torch" path runs the block-sparse op
     (``allhere.ops.blocksparse``) or the subclass's faster op for whole sequences (``fast``); the "flex"
     path (the default on CUDA) FlexAttention (``allhere.ops.flex``: compiled for at most ``flex_shapes``
     (pattern, call shape) pairs in the process), the block-sparse op past that. On both, small calls
@@ -213,10 +215,4 @@ class PatternAttention(AttentionMechanism):
         return mask.expand(b, h, lq, lk)
 
 
-def _on_cuda(mech, q, *args) -> bool:
-    return q.is_cuda
-
-
-register_path("patterns", "reference", PatternAttention._reference_path)
-register_path("patterns", "torch", PatternAttention._torch_path)
-register_path("patterns", "flex", PatternAttention._flex_path, auto=_on_cuda)
+register_patterns(PatternAttention._reference_path, PatternAttention._torch_path, PatternAttention._flex_path)

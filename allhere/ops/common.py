@@ -3,12 +3,11 @@ attention in fp32."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._deprecated import moved_names
 from ..masks import MaskFn, and_masks, causal, dense_mask, within_segments
+from ..softmax import NEG_INF, default_scale  # noqa: F401  (default_scale: the ops' name for it too)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -95,10 +94,6 @@ def check_window(window: int) -> None:
         raise ValueError(f"window must be an integer >= 1, got {window!r}")
 
 
-def default_scale(d: int, scale: float | None) -> float:
-    return 1.0 / math.sqrt(d) if scale is None else scale
-
-
 def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[batch, kv_heads, n, d] -> [batch, heads, n, d]; query head h reads kv head h // (heads // kv_heads)."""
     return x.repeat_interleave(heads // x.shape[1], dim=1)
@@ -109,7 +104,7 @@ def masked_attention_reference(q, k, v, mask, scale):
     of the references), returned in that precision. mask: bool broadcastable to [b, h, lq, lk]."""
     heads, dtype = q.shape[1], torch.promote_types(q.dtype, torch.float32)
     s = (q.to(dtype) @ repeat_kv(k, heads).to(dtype).transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask, float("-inf"))
+    s = s.masked_fill(~mask, NEG_INF)
     p = torch.softmax(s, dim=-1)
     p = torch.where(mask.any(-1, keepdim=True), p, 0.0)  # a query that may see no key (padding) gives 0
     return p @ repeat_kv(v, heads).to(dtype)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .._deprecated import moved_names
-from ..backend import dispatch, register_path
+from ..backend import dispatch
 from ..masks import MaskFn, causal, dense_mask
 from .common import check_qkv, default_scale, masked_attention_reference
 
@@ -74,8 +74,5 @@ def pattern_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     mask = dense_mask(pred, lq, k.shape[2], q.device, batch=b, heads=h, key_offset=key_offset)
     return full_attention_reference(q, k, v, scale, mask)
 
-
-register_path("full", "reference", full_attention_reference)
-register_path("full", "torch", full_attention_torch)
 
 __getattr__ = moved_names(__name__, {"reference_attention": (__name__, "pattern_attention_reference")})

@@ -198,9 +198,9 @@ def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor,
                  row_class: torch.Tensor | None = None, softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
                  workspace: Workspace | None = None, with_decode: bool = True):
     """What ``paged_attention`` reads, before the merge: yields pieces (row ids ``token x heads + head`` [n, size],
-    -1: padding; output [n, size, d]; log-sum-exp [n, size]) for ``paged_chunks.merge`` / ``Merger`` as they are
-    computed (a consumer that folds them holds no more than it chooses). ``with_decode`` False: none for the
-    decode tokens (requests with one query)."""
+    -1: padding; output [n, size, d]; log-sum-exp [n, size]) for ``allhere.softmax.merge_pieces`` /
+    ``paged_chunks.Merger`` as they are computed (a consumer that folds them holds no more than it chooses).
+    ``with_decode`` False: none for the decode tokens (requests with one query)."""
     heads = q.shape[1]
     n = int(query_start[-1])
     dev = q.device

@@ -1,19 +1,19 @@
 """The prefill work of ``allhere.serve.paged.paged_attention`` (query tiles, the key blocks each reads, their
 attention in few fused calls) and what both paths share: the gather of blocks, the workspace, the merge of a
-row's pieces by log-sum-exp. Plain torch."""
+row's pieces by log-sum-exp as they come (``Merger``, on ``allhere.softmax.merge_pieces``). Plain torch."""
 
 from __future__ import annotations
 
 import torch
 
 from ..masks import Mask
+from ..softmax import NEG_INF, merge_pieces, softmax_lse
 
 MAX_GATHER_BYTES = 32 << 20  # keys and values gathered for one call (a longer batch runs in pieces)
 MAX_MASK_ELEMENTS = 4 << 20  # (row, key) pairs of the predicate evaluated at once
 MERGE_BUDGET = 64 << 20  # bytes of pieces (outputs, log-sum-exps, row ids) held before they are merged
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 FUSED = True  # torch's fused flash attention on the CPU; False (or another device, or capped scores): matmuls
-_NEG = float("-inf")
 
 
 class Workspace:
@@ -172,7 +172,7 @@ def attend_part(tiles: Tiles, pred: Mask, view, block_table, scale: float, softc
         allowed = _allowed(tiles, tile[p], chunk[p], pred, kt) if kept is None else kept[a:a + step]
         k, v = gather(view, base[p], workspace)
         o, lse = attend(tiles.q.index_select(0, tile[p]), k, v, allowed, scale, softcap)
-        yield tile[p], o, lse.masked_fill_(~allowed.any(-1), _NEG)
+        yield tile[p], o, lse.masked_fill_(~allowed.any(-1), NEG_INF)
     for t, members in _packed(tile, dense, pack):
         s = members.shape[1]
         step = max(1, MAX_GATHER_BYTES // (2 * s * kt * view.shape[4] * view.element_size()))
@@ -215,41 +215,22 @@ def attend(q, k, v, allowed, scale: float, softcap: float):
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         if allowed is not None:
-            s = s.masked_fill(~allowed, _NEG)
-        lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
+            s = s.masked_fill(~allowed, NEG_INF)
+        p, lse = softmax_lse(s)
         return torch.bmm(p, v.float()).to(q.dtype), lse
     mask = None
     if allowed is not None:
         mask = torch.where(allowed, torch.zeros((), dtype=q.dtype, device=q.device),
-                           torch.full((), _NEG, dtype=q.dtype, device=q.device))[:, None]
+                           torch.full((), NEG_INF, dtype=q.dtype, device=q.device))[:, None]
     o, lse = _flash(q[:, None], k[:, None], v[:, None], 0.0, False, attn_mask=mask, scale=scale)
     return o[:, 0], lse[:, 0].float()
 
 
-def merge(found, n_rows: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One softmax over every piece a row read: ``found`` holds (row ids [n, size] (-1: padding), output [n,
-    size, d], log-sum-exp [n, size]); returns (output [n_rows, d] float32, 0 for a row that read nothing; its
-    log-sum-exp [n_rows], -inf there)."""
-    m = torch.full((n_rows + 1,), _NEG, device=device)  # the last entry takes the padding
-    rows = [r.flatten().where(r.flatten() >= 0, n_rows) for r, _, _ in found]
-    for r, (_, _, lse) in zip(rows, found):
-        m.scatter_reduce_(0, r, lse.flatten(), "amax")
-    m.clamp_min_(torch.finfo(torch.float32).min)  # rows that read nothing: weights exp(-inf) = 0, not NaN
-    acc = torch.zeros(n_rows + 1, d, device=device)
-    den = torch.zeros(n_rows + 1, device=device)
-    for r, (_, o, lse) in zip(rows, found):
-        w = torch.exp(lse.flatten() - m[r])
-        acc.index_add_(0, r, o.reshape(-1, d).float() * w[:, None])
-        den.index_add_(0, r, w)
-    out = (acc / torch.where(den > 0, den, 1.0)[:, None])[:n_rows]
-    return out, (m + torch.log(den))[:n_rows].masked_fill(den[:n_rows] == 0, _NEG)
-
-
 class Merger:
-    """``merge`` over pieces handed in one at a time (``add``), holding at most about ``budget`` bytes of them:
-    past it, what is held is merged into one piece (each row's output so far and its log-sum-exp), so a
-    prefill whose rows read many key blocks keeps one row-sized result, not an output per block it read."""
+    """``allhere.softmax.merge_pieces`` over pieces handed in one at a time (``add``), holding at most about
+    ``budget`` bytes of them: past it, what is held is merged into one piece (each row's output so far and its
+    log-sum-exp), so a prefill whose rows read many key blocks keeps one row-sized result, not an output per block
+    it read."""
 
     def __init__(self, n_rows: int, d: int, device, budget: int | None = None) -> None:
         self.n_rows, self.d, self.device = n_rows, d, device
@@ -260,10 +241,10 @@ class Merger:
         self.held.append(piece)
         self.bytes += sum(t.numel() * t.element_size() for t in piece)
         if self.bytes > self.budget and len(self.held) > 1:
-            out, lse = merge(self.held, self.n_rows, self.d, self.device)
+            out, lse = merge_pieces(self.held, self.n_rows, self.d, self.device)
             rows = torch.arange(self.n_rows, device=self.device)[:, None]
             self.held, self.bytes = [(rows, out[:, None], lse[:, None])], 0  # the merged piece counts as free
 
     def result(self) -> torch.Tensor:
         """[n_rows, d] float32: every row's softmax over all it read (0 for a row that read nothing)."""
-        return merge(self.held, self.n_rows, self.d, self.device)[0]
+        return merge_pieces(self.held, self.n_rows, self.d, self.device)[0]

@@ -11,16 +11,15 @@ from __future__ import annotations
 import torch
 
 from ..masks import Mask
+from ..softmax import NEG_INF, softmax_lse
 from .paged_chunks import MAX_GATHER_BYTES, Workspace, gather
-
-_NEG = float("-inf")
 
 
 def decode_rows(qflat, tok, req, pos, row_class, reads, view, block_table, scale: float, softcap: float,
                 heads: int, workspace: Workspace) -> list:
     """``tok`` [m]: the decode tokens (one per request), ``req`` / ``pos`` their request and position,
-    ``row_class`` [m, heads] (or None). Returns the pieces for ``paged_chunks.merge``: (row ids [tiles, group],
-    output [tiles, group, d], log-sum-exp [tiles, group])."""
+    ``row_class`` [m, heads] (or None). Returns the pieces for ``allhere.softmax.merge_pieces``: (row ids [tiles,
+    group], output [tiles, group, d], log-sum-exp [tiles, group])."""
     kv_heads = view.shape[1]
     group = heads // kv_heads
     rows = (tok[:, None] * heads + torch.arange(heads, device=tok.device)).view(-1, kv_heads, group)
@@ -87,9 +86,8 @@ def _attend_t(q, kt, v, allowed, scale: float, softcap: float):
     s = s.transpose(1, 2).reshape(n, g, -1) * scale
     if softcap:
         s = torch.tanh(s / softcap) * softcap
-    s.masked_fill_(~allowed, _NEG)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
+    s.masked_fill_(~allowed, NEG_INF)
+    p, lse = softmax_lse(s)
     return torch.bmm(p, v.float()).to(q.dtype), lse
 
 
@@ -135,6 +133,6 @@ def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float,
         s = torch.tanh(s / softcap) * softcap
     kpos = (cols[:, :, None] * bs + torch.arange(bs, device=dev)).view(m, 1, 1, -1)
     allowed = pred(zero, h, p, kpos) & (kpos <= p) & valid.repeat_interleave(bs, 1).view(m, 1, 1, -1)
-    s.masked_fill_(~allowed, _NEG)
+    s.masked_fill_(~allowed, NEG_INF)
     w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
     out[tok] = torch.matmul(w, v.float()).view(m, heads, d).to(out.dtype)

@@ -17,8 +17,8 @@ request with one query this step (decode) are batched across requests, sorted by
 rebuilt for it and scored by matmul. A request with several queries (prefill, chunked prefill) shares its far
 keys among many rows: they are rebuilt once, with their values, and read by torch's fused CPU attention, the keys
 every query reads unmasked and the last ones causally. Each piece returns (row ids, output, log-sum-exp) for
-``paged_chunks.merge``, which joins them with the near window's pieces under one softmax. The latent cache's
-layout: ``[blocks, block_size, d_down]`` (a strided view is read where it lies).
+``allhere.softmax.merge_pieces``, which joins them with the near window's pieces under one softmax. The latent
+cache's layout: ``[blocks, block_size, d_down]`` (a strided view is read where it lies).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..softmax import NEG_INF, softmax_lse
 from . import paged_chunks
 from .paged import slot_places
 
-_NEG = float("-inf")
 FAR_BUDGET = 8 << 20  # bytes of a piece of rebuilt keys: a piece read from the CPU's caches right after the GEMM
 # wrote it (decode of 16 x 8k keys, one core: 95 ms at 8 MB, 138 ms at 32 MB; benchmarks/serve_paged_op.py)
 
@@ -96,12 +96,12 @@ def far_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, s
     """What each row of ``q`` [tokens, heads, d] reads through the bottleneck: every key j <= its position -
     ``window``, rebuilt from ``view``'s latents through ``block_table`` (request r's queries are rows
     ``query_start[r]:query_start[r + 1]``, the last of its ``seq_lens[r]`` tokens, whose latents are written).
-    Yields pieces (row ids [n, size], output [n, size, d], log-sum-exp [n, size]) for ``paged_chunks.merge`` /
-    ``Merger`` as they are computed; ``budget``: bytes of rebuilt keys, latents and scores held at once (about;
-    a prefill's last far keys, as many as its queries, are rebuilt at once). ``absorbed`` (``dar_latent``, whose
-    latents are rows [c ; k^R of every KV head]): token ids [k] -> their queries as cache rows [k, heads, width]
-    (``ops.dar_latent.query_map``); a decode row then reads the rows absorbed, nothing rebuilt, not through
-    ``kv.keys``."""
+    Yields pieces (row ids [n, size], output [n, size, d], log-sum-exp [n, size]) for
+    ``allhere.softmax.merge_pieces`` / ``Merger`` as they are computed; ``budget``: bytes of rebuilt keys, latents
+    and scores held at once (about; a prefill's last far keys, as many as its queries, are rebuilt at once).
+    ``absorbed`` (``dar_latent``, whose latents are rows [c ; k^R of every KV head]): token ids [k] -> their queries
+    as cache rows [k, heads, width] (``ops.dar_latent.query_map``); a decode row then reads the rows absorbed,
+    nothing rebuilt, not through ``kv.keys``."""
     starts, lens = query_start.long(), seq_lens.long()
     q_len = starts[1:] - starts[:-1]
     if kv.q_order is not None:
@@ -159,9 +159,8 @@ def _weigh(s, c, allowed, kv: LatentKV):
     probabilities weight the latents c [n, keys, >= d_v] (their first d_v numbers, in their dtype), then one
     [d, d_v] map per KV head."""
     if allowed is not None:
-        s.masked_fill_(~allowed, _NEG)
-    lse = torch.logsumexp(s, -1)
-    p = s.sub_(lse.clamp_min(torch.finfo(torch.float32).min)[..., None]).exp_()
+        s.masked_fill_(~allowed, NEG_INF)
+    p, lse = softmax_lse(s, inplace=True)
     n, g, m, keys = p.shape
     c = c[..., :kv.v_weight.shape[2]]  # a strided view: bmm reads it where it lies
     if allowed is not None:
@@ -246,6 +245,6 @@ def _attend_far(qr, k, v, causal: bool, scale: float):
     k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))
     s = torch.matmul(qr.float(), k.transpose(-1, -2)).mul_(scale)
     if causal:
-        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), _NEG)
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), NEG_INF)
     lse = torch.logsumexp(s, -1)
     return torch.matmul(torch.softmax(s, -1), v).to(qr.dtype), lse

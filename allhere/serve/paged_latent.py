@@ -25,11 +25,11 @@ import math
 
 import torch
 
+from ..softmax import NEG_INF
 from .paged_chunks import Workspace
 from .paged_decode import block_kv
 from .step_memo import memo
 
-_NEG = float("-inf")
 PIECE_BYTES = 4 << 20  # gathered rows per piece of requests: read twice, from the CPU's caches the second time
 KEYS_PER_SPLIT = 512  # the fewest far keys a thread of vLLM's kernel takes (vLLM's CPU MLA backend's choice)
 USE_KERNEL = True  # vLLM's CPU decode kernel for a bf16 step, when loaded; False: the torch way
@@ -87,7 +87,7 @@ def decode_latent(q, q_row, pos, near, near_table, rows, rows_table, window: int
         c = torch.index_select(rows, 0, ids, out=workspace.take("rows", (ids.numel(), bl, width), rows))
         c = c.view(b - a, -1, width)
         s_far = torch.bmm(q_row[a:b], c.transpose(1, 2)).float().view(b - a, kv_heads, group, -1)
-        s = torch.cat([s_near[a:b], s_far], -1).mul_(scale).masked_fill_(blocked, _NEG)
+        s = torch.cat([s_near[a:b], s_far], -1).mul_(scale).masked_fill_(blocked, NEG_INF)
         w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
         w_near, w_far = w.split([s_near.shape[-1], c.shape[1]], -1)
         summed[a:b] = torch.bmm(w_far.reshape(b - a, heads, -1).to(c.dtype), c[..., :d_c])  # read where it lies

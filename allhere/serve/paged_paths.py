@@ -1,6 +1,7 @@
-"""The paths of op family ``"paged"`` (``allhere.backend``): a served layer's attention over its paged KV cache,
-picked like every other op's, so that ``allhere serve --backend reference`` (or ``use_backend("reference")``
-around a direct call) runs served models on the ground truth.
+"""The paths of op family ``"paged"`` (``allhere.backend``; handed to ``allhere.ops.families.register_paged``,
+where every family is registered): a served layer's attention over its paged KV cache, picked like every other
+op's, so that ``allhere serve --backend reference`` (or ``use_backend("reference")`` around a direct call) runs
+served models on the ground truth.
 
 Every path takes ``paged.paged_attention``'s arguments (q, view, query_start, seq_lens, block_table, reads,
 scale, out, row_class=, sinks=, softcap=, extra=, ...) plus ``window_class`` (the row class that reads exactly
@@ -23,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import OpPath, register_path
+from ..backend import OpPath
+from ..ops.families import register_paged
+from ..softmax import NEG_INF, merge_pieces, softmax_lse
 from .paged import Read, paged_attention, token_positions
-from .paged_chunks import merge
 
 OP = "paged"
 
@@ -48,7 +50,7 @@ def paged_reference(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
     req, pos = token_positions(query_start, seq_lens, n)
     cls = torch.zeros(n, heads, dtype=torch.long, device=q.device) if row_class is None else row_class[:n].long()
     o = torch.zeros(n, heads, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((n, heads), float("-inf"), device=q.device)
+    lse = torch.full((n, heads), NEG_INF, device=q.device)
     h = torch.arange(heads, device=q.device)[None, :, None]
     zero = torch.zeros((), dtype=torch.long, device=q.device)
     for r in range(query_start.numel() - 1):
@@ -68,15 +70,14 @@ def paged_reference(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
         s = torch.einsum("thd,khd->thk", q[rows].float(), k.repeat_interleave(group, 1)) * scale
         if softcap:
             s = torch.tanh(s / softcap) * softcap
-        s = s.masked_fill(~allowed, float("-inf"))
+        s = s.masked_fill(~allowed, NEG_INF)
         if sinks is not None:  # exp(sink logit) joins every row's denominator, with no value
             s = torch.cat([s, sinks.float().view(1, heads, 1).expand(rows.numel(), heads, 1)], -1)
-        lse[rows] = torch.logsumexp(s, -1)
-        p = torch.exp(s - lse[rows].clamp_min(torch.finfo(torch.float32).min)[..., None])[..., : k.shape[0]]
-        o[rows] = torch.einsum("thk,khd->thd", p, v.repeat_interleave(group, 1))
+        p, lse[rows] = softmax_lse(s)
+        o[rows] = torch.einsum("thk,khd->thd", p[..., : k.shape[0]], v.repeat_interleave(group, 1))
     if extra:  # more pieces the rows read (DAR's distant keys), under the same softmax
         whole = (torch.arange(n * heads, device=q.device)[:, None], o.view(-1, 1, d), lse.view(-1, 1))
-        o = merge([whole, *extra], n * heads, d, q.device)[0]
+        o = merge_pieces([whole, *extra], n * heads, d, q.device)[0]
     merged = o.view(n, heads, d).to(out.dtype)
     empty = [] if extra else [c for c, parts in enumerate(reads) if not parts]
     keep = torch.isin(cls, torch.tensor(empty, dtype=torch.long, device=q.device))[..., None]
@@ -117,10 +118,4 @@ def _triton_takes(q, view, query_start, seq_lens, block_table, reads, scale, out
     return kernel_refusal(q.shape[2], q.device, softcap, sinks)
 
 
-def _on_cuda(q, *args, **kwargs) -> bool:
-    return q.device.type == "cuda"
-
-
-register_path(OP, "reference", paged_reference)
-register_path(OP, "torch", _torch)
-register_path(OP, "triton", _triton, takes=_triton_takes, auto=_on_cuda)
+register_paged(paged_reference, _torch, _triton, _triton_takes)

@@ -16,18 +16,21 @@ PACKAGES = ("allhere", "allhere_recipes")
 # The layers, bottom first (the data flow of the design guide: config -> registry -> mechanism -> op, and
 # model -> train -> recipes -> cli, with the hosts hf/ and serve/ above the mechanisms). A module may
 # import modules of its own layer and of the layers below it. A module belongs to the entry with the longest
-# matching prefix; ``allhere`` alone is the package's public face (it gathers names up to the model).
+# matching prefix; ``allhere`` alone is the package's public face (it gathers names up to the model). The
+# kernels are the ground floor of the ops: they import nothing of ops/, mechanisms/ or serve/ (what they share
+# with the ops, such as the softmax merges of ``allhere.softmax``, lies below them).
 LAYERS = [
     ("foundation", ["allhere.validation", "allhere._optional", "allhere._deprecated", "allhere.backend",
                     "allhere.hosts", "allhere.progress", "allhere.interrupt", "allhere.runlock", "allhere.masks",
-                    "allhere.distributed.env", "allhere.distributed.layouts"]),
-    ("op", ["allhere.ops", "allhere.kernels", "allhere.distributed.ring", "allhere.distributed.ring_blocks",
+                    "allhere.softmax", "allhere.distributed.env", "allhere.distributed.layouts"]),
+    ("kernel", ["allhere.kernels"]),
+    ("op", ["allhere.ops", "allhere.distributed.ring", "allhere.distributed.ring_blocks",
             "allhere.distributed.ring_plan", "allhere.distributed.ring_far"]),
     ("mechanism", ["allhere.registry", "allhere.mechanisms"]),
     ("config", ["allhere.config", "allhere.distributed.parallel"]),
     ("model", ["allhere", "allhere.model", "allhere.routing", "allhere.losses", "allhere.checkpoint",
                "allhere.data", "allhere.analysis", "allhere.teaching"]),
-    ("train", ["allhere.train", "allhere.distributed"]),
+    ("train", ["allhere.train", "allhere.reporting", "allhere.distributed"]),
     ("host", ["allhere.hf", "allhere.serve", "allhere.models_cache"]),
     ("application", ["allhere.eval", "allhere.generation"]),
     ("recipes", ["allhere_recipes"]),
@@ -138,6 +141,15 @@ def test_no_module_imports_a_layer_above_its_own():
     up = [f"{m} ({LAYERS[layer(m)][0]}) imports {t} ({LAYERS[layer(t)][0]})"
           for m, targets in graph().items() for t in sorted(targets)
           if layer(t) > layer(m) and (m, t) not in DELIBERATE]
+    assert up == []
+
+
+def test_the_kernels_import_no_op_mechanism_or_host():
+    """The ground-floor rule by name (the layers above enforce it too): ``allhere.kernels`` imports nothing of
+    ``allhere.ops``, ``allhere.mechanisms`` or ``allhere.serve``."""
+    up = [f"{m} imports {t}" for m, targets in graph().items() if m.startswith("allhere.kernels")
+          for t in sorted(targets) if t.split(".")[:2] in (["allhere", "ops"], ["allhere", "mechanisms"],
+                                                           ["allhere", "serve"])]
     assert up == []
 
 

@@ -36,6 +36,29 @@ def test_every_op_family_has_a_reference_path():
         assert "reference" in backend.paths(op), op
 
 
+def test_every_op_family_is_registered_in_one_place_that_names_them_all():
+    """``allhere.ops.families`` is the one module that calls ``register_path`` (read from the source: every call
+    in the package), and its ``FAMILIES`` names every family registered once the mechanisms and the serving
+    code's paged paths are imported -- no more, no fewer."""
+    import ast
+    from pathlib import Path
+
+    import allhere.mechanisms  # noqa: F401
+    import allhere.serve.paged_paths  # noqa: F401  (hands op family "paged" its paths)
+    from allhere.ops import FAMILIES
+
+    root = Path(allhere.__file__).parent
+    callers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name == "register_path":
+                    callers.add(path.relative_to(root).as_posix())
+    assert callers == {"ops/families.py"}
+    assert set(backend.ops()) == set(FAMILIES)
+
+
 @pytest.mark.parametrize("kind", contract_cases())
 def test_reference_backend_runs_every_layer_on_the_references(kind, monkeypatch):
     """A two-layer model of ``kind`` under "reference" and under "auto": the same logits, gradients and

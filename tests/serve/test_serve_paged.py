@@ -26,9 +26,9 @@ from allhere.serve.paged import (
     window_read,
     write,
 )
-from allhere.serve.paged_chunks import merge
 from allhere.serve.paged_far import LatentKV, far_pieces, rotary_projection, write_latents
 from allhere.serve.paged_kernel import aha_paged, kernel_refusal
+from allhere.softmax import merge_pieces
 
 HEADS, KV_HEADS, D, BS = 4, 2, 8, 4  # 2 query heads per kv head; blocks of 4 tokens
 D_DOWN, BS_LATENT, ROTATED = 6, 8, 6  # DAR's latents: 6 numbers per token, in blocks of 8; rotary on 6 of D
@@ -351,7 +351,7 @@ def test_dar_prefill_in_half_precision():
         write_latents(view, torch.arange(n), c.to(dtype))
         pieces = far_pieces(q.to(dtype), view, torch.tensor([0, n]), torch.tensor([n]), torch.tensor([[2, 0, 3]]),
                             window, kv, SCALE)
-        outs.append(merge(list(pieces), n * HEADS, D, q.device)[0])
+        outs.append(merge_pieces(list(pieces), n * HEADS, D, q.device)[0])
     assert outs[1].dtype == torch.float32 and not outs[1].isnan().any()
     torch.testing.assert_close(outs[1], outs[0], atol=0.1, rtol=0.05)  # bf16 inputs: about 3 digits
 

@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...backend import dispatch, register_path
-from .gathered import aamoe_attention_torch
-from .reference import aamoe_attention_reference
-
-register_path("aamoe", "reference", aamoe_attention_reference)
-register_path("aamoe", "torch", aamoe_attention_torch)
+from ...backend import dispatch
 
 
 def aamoe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,

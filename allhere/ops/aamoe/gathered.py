@@ -17,11 +17,10 @@ import functools
 
 import torch
 
-from ..common import default_scale
+from ...softmax import NEG_INF, default_scale
 from .common import check_aamoe
 
 TILE = 16  # pairs per tile: one [TILE, d] x [d, m] product per head and tile
-NEG = float("-inf")
 FLOOR = -80.0  # exp() of what lies further below the row maximum is taken at this floor (~1e-35, not 0):
 #                 the same to fp32 precision, and CPU exp is many times slower on arguments that underflow
 
@@ -157,7 +156,7 @@ class _AAMoE(torch.autograd.Function):
         kt = lay.tiles(_blocks(k, mem_k, n_chunks)).mul_(scale)
         vt = lay.tiles(_blocks(v, mem_v, n_chunks))
         bias_t = torch.cat([bias.float(), bias.new_zeros(1, dtype=torch.float32)]).index_select(0, lay.slot)
-        bias_t = torch.where(lay.ok, bias_t.view(nt, TILE, 1), NEG)  # -inf: no pair, or a key after the query
+        bias_t = torch.where(lay.ok, bias_t.view(nt, TILE, 1), NEG_INF)  # -inf: no pair, or a key after the query
         s = torch.bmm(qt, kt.transpose(1, 2)).view(-1, nt, TILE, m).add_(bias_t).view(-1, TILE, m)
         top = lay.row_max(s.amax(-1, keepdim=True)).nan_to_num_(neginf=0.0)  # [b, h, lq, 1]
         p = s.sub_(lay.to_tiles(top)).clamp_(min=FLOOR).exp_()

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ...backend import dispatch, get_backend, register_path, select
+from ...backend import dispatch, get_backend, select
 from ..common import check_aha, default_scale
-from .fast import aha_attention_torch
-from .reference import aha_attention_reference
-from .triton_path import aha_attention_triton, triton_refusal
+from .triton_path import triton_refusal
 
 
 def _host_softmax(attend) -> str | None:
@@ -25,21 +23,14 @@ def _host_softmax(attend) -> str | None:
                                         "the reference path only")
 
 
-def _torch_takes(*args, attend=None, **kwargs) -> str | None:
+def torch_takes(*args, attend=None, **kwargs) -> str | None:
+    """None where the PyTorch path takes an ``aha_attention`` call, else why not."""
     return _host_softmax(attend)
 
 
-def _triton_takes(q, k, v, gate, *args, attend=None, sinks=0, **kwargs) -> str | None:
+def triton_takes(q, k, v, gate, *args, attend=None, sinks=0, **kwargs) -> str | None:
+    """None where the Triton kernels take an ``aha_attention`` call, else why not."""
     return _host_softmax(attend) or triton_refusal(q, k, v, gate, sinks)
-
-
-def _on_cuda(q, *args, **kwargs) -> bool:
-    return q.is_cuda
-
-
-register_path("aha", "reference", aha_attention_reference)
-register_path("aha", "torch", aha_attention_torch, takes=_torch_takes)
-register_path("aha", "triton", aha_attention_triton, takes=_triton_takes, auto=_on_cuda)
 
 
 def aha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, window: int,

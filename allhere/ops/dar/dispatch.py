@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...backend import dispatch, register_path
-from .blocked import dar_attention_torch
-from .reference import dar_attention_reference
-
-register_path("dar", "reference", dar_attention_reference)
-register_path("dar", "torch", dar_attention_torch)
+from ...backend import dispatch
 
 
 def dar_attention(q: torch.Tensor, k_near: torch.Tensor, v_near: torch.Tensor, k_far: torch.Tensor,

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from ... import kernels
-from ...backend import dispatch, register_path
+from ...backend import dispatch
 from .absorbed import dar_latent_attention_absorbed
+from .check import check_latent_call
 from .fused import dar_latent_attention_fused, fused_applies
 from .rebuilt import dar_latent_attention_rebuilt
-from .reference import dar_latent_attention_reference
 
 # queries per call up to which "torch" absorbs: absorbing costs ~2 d_c (e_c + d) per (query head, far key) where
 # rebuilding costs that once per (KV head, far key), so it pays while the queries sharing a key stay few
@@ -57,19 +57,11 @@ def triton_refusal(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int, scal
 
 def dar_latent_attention_triton(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int,
                                 scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton decode kernel (imported on first use: triton may be missing)."""
+    """The Triton decode kernel (imported on first use: triton may be missing), on arguments checked here."""
     from ...kernels.dar_latent_decode import dar_latent_decode_triton
 
+    check_latent_call(q, q_far, k_near, v_near, rows, w_uk, w_uv, window)
     return dar_latent_decode_triton(q, q_far, k_near, v_near, rows, w_uk, w_uv, window, scale, mask)
-
-
-def _on_cuda(q, *args, **kwargs) -> bool:
-    return q.is_cuda
-
-
-register_path("dar_latent", "reference", dar_latent_attention_reference)
-register_path("dar_latent", "torch", dar_latent_attention_torch)
-register_path("dar_latent", "triton", dar_latent_attention_triton, takes=triton_refusal, auto=_on_cuda)
 
 
 def dar_latent_attention(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int,

@@ -12,7 +12,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..common import default_scale
+from ...softmax import default_scale, merge_pair
 from .check import check_latent_call, split_rows
 from .reference import far_kv
 
@@ -38,19 +38,12 @@ def _attend(q, k, v, scale: float, causal: bool = False, bias=None):
     return out[..., :d], lse
 
 
-def _merge(a, b):
-    """One softmax over the keys of two parts (out [..., m, d], lse [..., m]) -> (out fp32, lse)."""
-    lse = torch.logaddexp(a[1], b[1])
-    out = a[0] * (a[1] - lse).exp().unsqueeze(-1)  # promoted to fp32
-    return out.addcmul_(b[0], (b[1] - lse).exp().unsqueeze(-1)), lse
-
-
 def _tail_causal(q, k, v, scale: float):
     """Queries [B, h, m, e] at the last m of n key positions, query i reading keys 0..n - m + i: the keys before
     the queries unmasked, the rest causal. Needs n >= m. Returns (out [B, h, m, d], lse [B, h, m] fp32)."""
     m, n = q.shape[2], k.shape[2]
     last = _attend(q, k[:, :, n - m:], v[:, :, n - m:], scale, causal=True)
-    return _merge(last, _attend(q, k[:, :, :n - m], v[:, :, :n - m], scale)) if n > m else last
+    return merge_pair(*last, *_attend(q, k[:, :, :n - m], v[:, :, :n - m], scale), fma=True) if n > m else last
 
 
 def _band(q, k, v, window: int, scale: float, block: int):
@@ -105,5 +98,5 @@ def dar_latent_attention_fused(q, q_far, k_near, v_near, rows, w_uk, w_uv, windo
     if len(parts) == 1:
         return next(iter(parts.values()))[0].to(q.dtype)
     (o_n, l_n), far = parts["near"], parts["far"]
-    merged = _merge((o_n[:, :, first_far:], l_n[:, :, first_far:]), far)[0].to(q.dtype)
+    merged = merge_pair(o_n[:, :, first_far:], l_n[:, :, first_far:], *far, fma=True)[0].to(q.dtype)
     return torch.cat([o_n[:, :, :first_far], merged], dim=2) if first_far else merged

@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...backend import dispatch, register_path
-from .blocked import sliding_window_attention_torch
-from .reference import sliding_window_attention_reference
-
-register_path("sliding", "reference", sliding_window_attention_reference)
-register_path("sliding", "torch", sliding_window_attention_torch)
+from ...backend import dispatch
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
