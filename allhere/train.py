@@ -3,7 +3,8 @@
 Reads top to bottom: set up the optimizer, resume if asked, then for every step draw the step's
 micro-batches (a pure function of the seed and the step, so a resumed run sees the same data), forward,
 backward, clip, step (and, with ``target_mu_f``, move lambda towards the share of full attention asked
-for), log, evaluate, checkpoint. The checkpoint's folder is locked for the run (``allhere.runlock``); Ctrl-C
+for), log, evaluate, checkpoint; the log steps and evaluations also go to TensorBoard where asked
+(``allhere.reporting``). The checkpoint's folder is locked for the run (``allhere.runlock``); Ctrl-C
 or SIGTERM finishes the step in flight, checkpoints and raises ``allhere.interrupt.Interrupted``.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +29,7 @@ from .losses import training_loss
 from .mechanisms.base import mechanism_layers
 from .model import Decoder
 from .progress import progress as progress_bar
+from .reporting import open_report
 from .routing import routed_layers
 from .runlock import run_lock
 from .validation import ConfigError
@@ -103,7 +106,7 @@ def adapt_lam(lam: float, mu_f: float, cfg: TrainConfig) -> float:
 
 def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | Path, resume: bool = False,
           eval_fn: EvalFn | None = None, progress: "bool | Callable" = True, extra_state: dict | None = None,
-          train_only: str | None = None, parallel: ParallelConfig | None = None) -> dict:
+          train_only: str | None = None, parallel: ParallelConfig | None = None, report_to: str | None = None) -> dict:
     """Train ``model`` in place; checkpoint to ``ckpt_path``; return the final state (history, metrics).
 
     ``model``: our ``Decoder`` or anything with its call interface (``allhere.hf.HFCausalLM``).
@@ -112,6 +115,10 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     whose name contains it (e.g. ".mechanism." for a new bottleneck); the others stay frozen.
     ``progress``: a bar (True), none (False), or a factory with ``allhere.progress.progress``'s signature
     that makes the bar (``allhere_recipes.job``: one that also tells the whole job's time left).
+    ``report_to``: "tensorboard" (event files in the checkpoint's folder, ``allhere.reporting``) or "none";
+    None (default): the innermost ``allhere.reporting.report_to`` block's choice, else none. An evaluation's
+    ``usage`` (mu_f per layer and head, as ``allhere.eval.evaluate_lm`` gives it) goes to the report as an
+    image, not into the state's ``evals``.
 
     Under torchrun with several processes (``allhere.distributed.training``) the model is sharded with
     FSDP2, each rank takes its share of every step's micro-batches (same global batch, same gradient),
@@ -132,10 +139,10 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     ckpt_path = Path(ckpt_path)
     with run_lock(ckpt_path.parent):
         return _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_state, train_only,
-                      parallel or ParallelConfig())
+                      parallel or ParallelConfig(), report_to)
 
 
-def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_state, train_only, parallel):
+def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_state, train_only, parallel, report_to):
     if parallel.context_parallel > 1:  # every layer must run through the ring: said before anything starts
         check_context_parallel(model)
     run = distributed_run(cfg.device, parallel, cfg.grad_accum)  # None with one process
@@ -181,8 +188,10 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
     save = save_checkpoint if run is None else run.save
     forward = torch.compile(model) if cfg.compile and run is None else model  # shares the model's parameters
     model.train()
-    with stop_signals() as stop:  # Ctrl-C / SIGTERM: finish the step, checkpoint, stop
+    report = open_report(report_to, ckpt_path, state["step"], cfg.steps, run is None or run.main)
+    with stop_signals() as stop, report:  # Ctrl-C / SIGTERM: finish the step, checkpoint, stop
         for step in range(state["step"], cfg.steps):
+            began, tokens = time.perf_counter(), 0
             for group in opt.param_groups:
                 group["lr"] = lr_at(cfg, step) * group["lr_mult"]
             # loss, lm and mu_f summed on the device in float64 (as Python floats would be), read once a step: no
@@ -194,6 +203,7 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
             for micro in micros:
                 batch = batches(step, micro, step_generator(cfg.seed, step, micro))
                 ids, loss_mask, kwargs = unpack_batch(batch, device)
+                tokens += ids.numel()
                 if cp:  # this rank's shard of every sequence
                     loss = shard_loss(model, ids, lam, cp, loss_mask, autocast, run.cp_group, **kwargs)
                 else:
@@ -211,6 +221,7 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            report.step(tokens * cfg.grad_accum / len(micros), time.perf_counter() - began)  # the whole step's tokens
             logged = {k: round(v, 5) for k, v in sums.items()}
             if cfg.target_mu_f is not None:  # every rank saw the same summed mu_f: the same lambda everywhere
                 logged["lam"] = float(f"{lam:.4g}")  # the lambda this step trained with
@@ -220,13 +231,17 @@ def _train(model, batches, cfg, ckpt_path, resume, eval_fn, progress, extra_stat
             bar.set_postfix(lm=f"{sums['lm']:.3f}", mu_f=f"{sums['mu_f']:.3f}")
             if state["step"] % cfg.log_every == 0 or state["step"] == cfg.steps:
                 state["history"].append({"step": state["step"], **logged})
+                report.log(state["step"], sums, logged.get("lam", lam), lr_at(cfg, step))
             if eval_fn is not None and cfg.eval_every and state["step"] % cfg.eval_every == 0:
-                state["evals"].append({"step": state["step"], **eval_fn(model)})
+                result = eval_fn(model)
+                report.evaluation(state["step"], result, model)
+                state["evals"].append({"step": state["step"], **{k: v for k, v in result.items() if k != "usage"}})
                 model.train()
             # a signal received by any rank stops every rank after this same step
             signum = stop.signum if run is None else run.agree(stop.signum)
             if state["step"] % cfg.ckpt_every == 0 or state["step"] == cfg.steps or signum:
                 save(ckpt_path, model, opt, state)
+                report.flush()  # the events of every step the checkpoint holds
             if signum:
                 bar.close()
                 raise Interrupted(signum, state["step"], cfg.steps, ckpt_path)

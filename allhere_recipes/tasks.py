@@ -75,7 +75,9 @@ def _sha(t: torch.Tensor) -> str:
 
 
 def _brief(metrics: dict, keys: tuple[str, ...]) -> dict:
-    return {k: round(metrics[k], 5) for k in keys}
+    """``keys`` of ``metrics``, rounded; and its mu_f per layer and head (``usage``) where it has one, for the
+    training report's heatmap (``allhere.train.train`` keeps it out of the state)."""
+    return {**{k: round(metrics[k], 5) for k in keys}, **({"usage": metrics["usage"]} if "usage" in metrics else {})}
 
 
 @dataclass

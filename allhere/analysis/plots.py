@@ -20,6 +20,16 @@ def usage_heatmaps(panels: dict[str, list[list[float]]], path: str | Path,
                    layers: dict[str, list[int]] | None = None) -> Path:
     """One panel per entry: rows = AHA layers, columns = heads, colour = mu_f in [0, 1]."""
     plt = require_matplotlib()
+    fig = usage_figure(panels, layers)
+    path = Path(path)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def usage_figure(panels: dict[str, list[list[float]]], layers: dict[str, list[int]] | None = None):
+    """The matplotlib figure of ``usage_heatmaps`` (the caller saves and closes it)."""
+    plt = require_matplotlib()
     tall = max(3.4, 0.28 * max(len(u) for u in panels.values()) + 1.2)  # a real model's 30 layers: taller
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), tall), squeeze=False)
     for ax, (title, usage) in zip(axes[0], panels.items()):
@@ -35,10 +45,7 @@ def usage_heatmaps(panels: dict[str, list[list[float]]], path: str | Path,
                 ax.text(j, i, f"{val:.2f}", ha="center", va="center", fontsize=7,
                         color="black" if val > 0.6 else "white")
     fig.colorbar(im, ax=axes[0].tolist(), label="mu_f (share of tokens on full attention)")
-    path = Path(path)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig
 
 
 def sorted_usage_curve(curves: dict[str, list[float]], path: str | Path) -> Path:

@@ -255,6 +255,26 @@ def preset_flag(p: argparse.ArgumentParser, presets: tuple[str, ...]) -> None:
                         "shipped bases, 10 with --pretrain), tiny (seconds), gpu")
 
 
+@_named("report")
+def report(value: str) -> str:
+    """--report-to: "tensorboard" only where the tensorboard package is installed (argparse checks the choices)."""
+    from ..reporting import INSTALL, tensorboard_installed
+
+    if value == "tensorboard" and not tensorboard_installed():
+        raise Bad(f"'tensorboard' needs the tensorboard package: {INSTALL} (or --report-to none)")
+    return value
+
+
+def report_flag(p: argparse.ArgumentParser) -> None:
+    from ..reporting import REPORT_TO
+
+    p.add_argument("--report-to", type=report, choices=REPORT_TO, default=None,
+                   help="training curves (loss, mu_f, lambda, learning rate, tokens/s, held-out numbers, mu_f "
+                        "heatmaps): tensorboard writes event files in each training run's folder "
+                        "(<run>/tensorboard/; see them with `tensorboard --logdir <out>`), none writes nothing "
+                        "(default: tensorboard when the tensorboard package is installed, else none)")
+
+
 def progress_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress reports (default: a bar on a terminal, else a line every 5%%)")

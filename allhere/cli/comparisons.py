@@ -77,6 +77,7 @@ def compare_arguments(p: argparse.ArgumentParser) -> None:
                         "blocks; one pretrained model for all); finished runs are reused (default 0 1 2)")
     a.data_flag(p)
     a.device_flag(p)
+    a.report_flag(p)
     a.progress_flag(p)
 
 
@@ -84,7 +85,10 @@ def compare(args) -> None:
     from allhere_recipes.compare import render, run_compare
     from allhere_recipes.plans import TASKS
 
-    report = run_compare(args.out, args.preset, tuple(args.tasks or TASKS), args.steps, args.data, args.device,
-                         not args.no_progress, seeds=args.seeds)
+    from ..reporting import report_to
+
+    with report_to(args.report_to, root=args.out):
+        report = run_compare(args.out, args.preset, tuple(args.tasks or TASKS), args.steps, args.data, args.device,
+                             not args.no_progress, seeds=args.seeds)
     print(render(report))
     print(f"Written to {args.out}/compare/: compare.md, compare.json, compare.png")

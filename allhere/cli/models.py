@@ -285,11 +285,13 @@ def sft_arguments(p: argparse.ArgumentParser) -> None:
                    help="how --context-parallel cuts a sequence: zigzag balances the causal work (default)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out where it stopped (default: start a new run)")
+    a.report_flag(p)
     a.progress_flag(p)
 
 
 def sft(args) -> None:
     from ..hf import sft as run_sft
+    from ..reporting import report_to
 
     mech = _mechanism(args)
     if args.target_mu_f is not None and args.mechanism != "aha":
@@ -299,13 +301,14 @@ def sft(args) -> None:
     from ..hf.io import check_causal_lm
 
     _print_notes(check_causal_lm(args.model, convertible=True, layers=args.layers, mechanism=mech), args.layers)
-    state = run_sft(args.model, args.data, args.out, window=args.window, seq_len=args.seq_len,
-                    batch_size=args.batch_size, global_batch=args.global_batch, epochs=args.epochs, lr=args.lr,
-                    lam=getattr(mech, "lam", 3e-4), tau=getattr(mech, "tau", 0.5), max_steps=args.max_steps,
-                    device=args.device, resume=args.resume, progress=not args.no_progress,
-                    d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr, target_mu_f=args.target_mu_f,
-                    layers=args.layers, context_parallel=args.context_parallel, cp_layout=args.cp_layout,
-                    sinks=getattr(mech, "sinks", 0))
+    with report_to(args.report_to, root=args.out):  # TensorBoard: <out>/tensorboard (DAR: a folder per stage)
+        state = run_sft(args.model, args.data, args.out, window=args.window, seq_len=args.seq_len,
+                        batch_size=args.batch_size, global_batch=args.global_batch, epochs=args.epochs, lr=args.lr,
+                        lam=getattr(mech, "lam", 3e-4), tau=getattr(mech, "tau", 0.5), max_steps=args.max_steps,
+                        device=args.device, resume=args.resume, progress=not args.no_progress,
+                        d_down=getattr(mech, "d_down", None), stage1_lr=args.stage1_lr,
+                        target_mu_f=args.target_mu_f, layers=args.layers, context_parallel=args.context_parallel,
+                        cp_layout=args.cp_layout, sinks=getattr(mech, "sinks", 0))
     from ..distributed.env import detect
 
     env = detect()

@@ -6,6 +6,7 @@ import argparse
 
 from allhere_recipes.plans import PRESETS, TASKS
 
+from ..reporting import report_to
 from ..validation import ConfigError
 from . import args as a
 
@@ -42,6 +43,7 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every training run's forward (default off: on 2 CPU cores a step takes "
                         "~0.87x after 10-20 s of compiling per model, which the cpu preset's runs do not win back)")
+    a.report_flag(p)
     a.progress_flag(p)
     p.add_argument("--mechanism", default="aha", choices=["aha", "dar"],
                    help="aha (default): the AHA demo; dar: DAR against vanilla and uniform reduction")
@@ -83,18 +85,20 @@ def demo(args) -> None:
     if args.mechanism == "dar":
         from allhere_recipes.dar_demo import render, run_dar_demo
 
-        report = run_dar_demo(out=args.out, preset=args.preset, data_path=args.data, device=args.device,
-                              progress=not args.no_progress, from_scratch=args.from_scratch,
-                              **({"windows": args.windows} if args.windows else {}))
+        with report_to(args.report_to, root=args.out):
+            report = run_dar_demo(out=args.out, preset=args.preset, data_path=args.data, device=args.device,
+                                  progress=not args.no_progress, from_scratch=args.from_scratch,
+                                  **({"windows": args.windows} if args.windows else {}))
         print(render(report))
         print(f"Report written to {args.out}/dar_report.md and dar_report.json")
         return
     from allhere_recipes.demo import render, run_demo
 
-    report = run_demo(out=args.out, preset=args.preset, tasks=tuple(args.tasks or TASKS), data_path=args.data,
-                      device=args.device, progress=not args.no_progress, pretrain=args.pretrain,
-                      window=args.window, lam=args.lam,
-                      pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps, compile=args.compile)
+    with report_to(args.report_to, root=args.out):  # each training run: <its folder>/tensorboard
+        report = run_demo(out=args.out, preset=args.preset, tasks=tuple(args.tasks or TASKS), data_path=args.data,
+                          device=args.device, progress=not args.no_progress, pretrain=args.pretrain,
+                          window=args.window, lam=args.lam, pretrain_steps=args.pretrain_steps,
+                          finetune_steps=args.finetune_steps, compile=args.compile)
     print(render(report))
     print(f"Report written to {args.out}/report.md, report.json and mu_f_heatmap.png")
 
@@ -124,13 +128,17 @@ def _real_demo(args) -> None:
         from allhere_recipes.real_dar import run_real_dar
         from allhere_recipes.real_report import render_dar
 
-        print(render_dar(run_real_dar(**settings)))
+        with report_to(args.report_to, root=out):
+            result = run_real_dar(**settings)
+        print(render_dar(result))
         print(f"Report written to {out}/dar/dar_report.md and dar_report.json")
         return
     from allhere_recipes.real_model import run_real_demo
     from allhere_recipes.real_report import render_aha
 
-    print(render_aha(run_real_demo(**settings)))
+    with report_to(args.report_to, root=out):
+        result = run_real_demo(**settings)
+    print(render_aha(result))
     print(f"Report written to {out}/aha/report.md, report.json and mu_f_heatmap.png")
 
 
@@ -169,14 +177,16 @@ def sweep_arguments(p: argparse.ArgumentParser) -> None:
     a.task_flag(p, "sweep", TASKS)
     a.data_flag(p)
     a.device_flag(p)
+    a.report_flag(p)
     a.progress_flag(p)
 
 
 def sweep(args) -> None:
     from allhere_recipes.sweep import render, run_sweep
 
-    res = run_sweep(args.out, args.preset, tuple(args.windows), tuple(args.lams), args.lam_window,
-                    tuple(args.tasks or TASKS), args.data, args.device, not args.no_progress)
+    with report_to(args.report_to, root=args.out):
+        res = run_sweep(args.out, args.preset, tuple(args.windows), tuple(args.lams), args.lam_window,
+                        tuple(args.tasks or TASKS), args.data, args.device, not args.no_progress)
     print(render(res))
     print(f"Written to {args.out}/: sweep.md, sweep.json, mu_f_vs_window.png")
 
@@ -211,13 +221,15 @@ def aamoe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", type=a.positive_number, nargs="+", default=None,
                    help="AA-MoE budgets B, resources per token (default: the preset's; cpu 1 2 4, cpu-long 2, "
                         "tiny 2)")
+    a.report_flag(p)
     a.progress_flag(p)
 
 
 def aamoe(args) -> None:
     from allhere_recipes.aamoe import render, run_aamoe
 
-    report = run_aamoe(args.out, args.preset, args.device, not args.no_progress, args.steps, args.budgets,
-                       wanted=args.models, seeds=args.seeds, task=args.task, train_runs=not args.report_only)
+    with report_to(args.report_to, root=args.out):
+        report = run_aamoe(args.out, args.preset, args.device, not args.no_progress, args.steps, args.budgets,
+                           wanted=args.models, seeds=args.seeds, task=args.task, train_runs=not args.report_only)
     print(render(report))
     print(f"Written to {args.out}/aamoe/: report.md, report.json and plots")

@@ -74,9 +74,10 @@ def chat(tmp_path_factory):
 
 
 def sft_args(chat, out, steps, global_batch=4):
+    # no TensorBoard report: its line on stderr is tests/core/test_reporting.py's, the stop's one line is this file's
     return ["sft", "--model", str(chat / "base"), "--data", str(chat / "chat.jsonl"), "--window", "4",
             "--seq-len", "16", "--batch-size", "2", "--global-batch", str(global_batch), "--max-steps", str(steps),
-            "--lr", "3e-3", "--device", "cpu", "--no-progress", "--out", str(out)]
+            "--lr", "3e-3", "--device", "cpu", "--no-progress", "--report-to", "none", "--out", str(out)]
 
 
 @pytest.fixture
