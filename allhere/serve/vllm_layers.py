@@ -12,7 +12,8 @@ hidden state (``allhere.mechanisms.aha.hidden_gate``), a pattern's mask predicat
   The host's softmax terms are kept: learned sink logits (gpt-oss) and soft-capped scores (Gemma-2). Where
   vLLM's CPU kernel reads allhere's block layout, the local rows and a decode token's global rows are its kernel's
   (in place, over the same blocks: ``allhere.serve.vllm_paged.aha_over_vllm``) and allhere's attention computes
-  the prefill tokens' global rows; with sinks allhere's attention computes every row (vLLM's window has none).
+  the prefill tokens' global rows; with one sink the decode tokens' windows stay vLLM's (the sink swapped in for
+  the call) and allhere's attention computes the prefill tokens' local rows; with more, every row.
   The layer's cache keeps every key either way (its vLLM spec is full attention: the global rows read them all).
 - sinks, dilated, Longformer, BigBird and any other causal pattern (``install_masked``): one class reading what
   the pattern's predicate allows.

@@ -16,9 +16,11 @@ keys transposed, then values; checked once per process by writing a few tokens b
 kernel is one of those, AHA's step runs mostly in vLLM's own kernel over the same blocks, in place: every row's
 window in its windowed kernel, a decode token's global rows in its full kernel, one request per (token, kv head)
 over that kv head's blocks (``vllm_global_decode``); allhere's attention computes the prefill tokens' global rows.
-An AHA layer with sinks (``AHAConfig.sinks``: its local rows also read the request's first tokens) runs every row
-on allhere's attention instead (``PagedAttention.compute`` says why). An AHA layer on CUDA runs allhere's Triton
-paged kernel for all its rows instead (``allhere.serve.paged_kernel``; its keys stored untransposed).
+With one sink (``AHAConfig.sinks = 1``: its local rows also read the request's first token) the decode tokens'
+windows are vLLM's too, the sink swapped in for the call (``vllm_sink_window_decode``), and allhere's attention
+computes the prefill tokens' local rows; with more sinks, every row (``PagedAttention.compute`` says why). An AHA
+layer on CUDA runs allhere's Triton paged kernel for all its rows instead (``allhere.serve.paged_kernel``; its keys
+stored untransposed).
 """
 
 from __future__ import annotations
@@ -126,27 +128,98 @@ def vllm_global_decode(q, cache, meta, glob, scale: float, softcap: float, isa: 
     return tok
 
 
+def read_slots(view: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) [m, kv_heads, d] stored at (block, row) pairs of a ``paged_view`` (keys transposed, as
+    ``allhere.serve.paged.write`` stores them)."""
+    nb, kv_heads, _, bs, d = view.shape
+    return view[:, :, 0].view(nb, kv_heads, d, bs)[blocks, :, :, rows], view[blocks, :, 1, rows]
+
+
+def vllm_sink_window_decode(q, cache, view, meta, window: int, scale: float, softcap: float, sinks, isa: str,
+                            out) -> torch.Tensor:
+    """The local rows of the step's decode tokens for AHA with one attention sink (a local row at position p reads
+    key 0 and keys p - window + 1 .. p) by vLLM's windowed kernel, which reads no sinks: for the call, the key and
+    value at position p - window (the one just before the window) are replaced by the request's first, so a window
+    of window + 1 reads exactly the sink and the window; they are put back after. A request whose swapped slot
+    another request of the call would read (blocks shared by prefix caching) is left out, with its reader. Every
+    head's row of the decode tokens done is written to ``out`` [tokens, heads, d]; returns those tokens [m]."""
+    starts = meta.query_start_loc.long()
+    dec = ((starts[1:] - starts[:-1]) == 1).nonzero().squeeze(1)
+    if dec.numel() == 0:
+        return dec
+    bs = view.shape[3]
+    pos = meta.seq_lens[dec].long() - 1
+    table = meta.block_table[dec].long()
+    at = pos - window  # the position swapped; at <= 0: the window of window + 1 reads the sink as it is
+    swap = (at >= 1).nonzero().squeeze(1)
+    blocks = table[swap, at[swap] // bs]
+    rows = at[swap] % bs
+    # who reads whose swapped slot: request i's keys at positions at_i .. pos_i, in blocks of its own table
+    first, last = at.clamp_min(0) // bs, pos // bs
+    cols = torch.arange(table.shape[1], device=table.device)
+    mine = (table[:, None, :] == blocks[None, :, None]) & (cols >= first[:, None])[:, None, :] & \
+        (cols <= last[:, None])[:, None, :]  # [requests, swaps, columns]
+    slot_pos = cols[None, None, :] * bs + rows[None, :, None]
+    reads = (mine & (slot_pos >= at.clamp_min(0)[:, None, None]) & (slot_pos <= pos[:, None, None])).any(-1)
+    reads[swap, torch.arange(swap.numel(), device=swap.device)] = False  # its own slot: that is the point
+    clash = reads.any(1)
+    clash[swap[reads.any(0)]] = True
+    if bool(clash.any()):
+        keep_swap = ~clash[swap]
+        swap, blocks, rows = swap[keep_swap], blocks[keep_swap], rows[keep_swap]
+        dec, table = dec[~clash], table[~clash]
+        if dec.numel() == 0:
+            return dec
+        swap = torch.searchsorted((~clash).nonzero().squeeze(1), swap)
+    tok = starts[dec]
+    saved = read_slots(view, blocks, rows)
+    sink = read_slots(view, table[swap, 0], torch.zeros_like(rows))
+    slots = blocks * bs + rows
+    write(view, slots, *sink, places=(None, blocks, rows))
+    try:
+        nb, kv_heads = cache.shape[:2]
+        every = tok.numel() == meta.num_actual_tokens  # a step of decode tokens only: q and out as they are
+        o = out[:tok.numel()] if every else q.new_empty(tok.numel(), *q.shape[1:])
+        vllm_attention(q[:tok.numel()] if every else q[tok], cache.view(nb, kv_heads, 2 * bs, q.shape[2]), o,
+                       torch.arange(tok.numel() + 1, dtype=torch.int32, device=q.device), meta.seq_lens[dec],
+                       meta.block_table[dec], window + 1 + VLLM_WINDOW_OFFSET, scale, softcap, sinks, isa)
+    finally:
+        write(view, slots, *saved, places=(None, blocks, rows))
+    if not every:
+        out[tok] = o
+    return tok
+
+
 def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, scale: float, softcap: float, sinks,
                   isa: str, out, workspace) -> None:
     """AHA's step on vLLM's CPU backend where its kernel reads allhere's layout: every row's window by vLLM's
-    windowed kernel; the decode tokens' global rows by its full kernel per (token, kv head)
-    (``vllm_global_decode``; with learned sink logits, by allhere's attention); the other global rows (prefill
-    tokens) by allhere's attention (``paged_attention`` with the layer's ``reads``). ``row_class`` [tokens,
-    heads]: ``local`` for a local row, whose one read is a ``window_read`` without sinks. ``out`` [tokens, heads,
-    d]: the first meta.num_actual_tokens rows."""
-    if reads[local][0].n_sinks:
-        raise ValueError("aha_over_vllm: vLLM's windowed kernel reads no sinks (AHA with sinks: paged_attention)")
+    windowed kernel (with one attention sink: the decode tokens' windows, ``vllm_sink_window_decode``; the prefill
+    tokens' local rows by allhere's attention); the decode tokens' global rows by its full kernel per (token, kv
+    head) (``vllm_global_decode``; with learned sink logits, by allhere's attention); the other rows by allhere's
+    attention (``paged_attention`` with the layer's ``reads``). ``row_class`` [tokens, heads]: ``local`` for a
+    local row, whose one read is a ``window_read`` with at most one sink. ``out`` [tokens, heads, d]: the first
+    meta.num_actual_tokens rows."""
+    window_read = reads[local][0]
+    if window_read.n_sinks > 1:
+        raise ValueError("aha_over_vllm: more than one sink is read by paged_attention")
     n = meta.num_actual_tokens
-    vllm_window(q, cache, meta, reads[local][0].window, scale, softcap, sinks, isa, out)
-    glob = row_class[:n] != local
-    if sinks is None and bool(glob.any()):
-        glob[vllm_global_decode(q, cache, meta, glob, scale, softcap, isa, out)] = False
-    if not bool(glob.any()):
+    is_local = row_class[:n] == local
+    done = torch.zeros_like(is_local)
+    if window_read.n_sinks:
+        tok = vllm_sink_window_decode(q, cache, view, meta, window_read.window, scale, softcap, sinks, isa, out)
+    else:
+        vllm_window(q, cache, meta, window_read.window, scale, softcap, sinks, isa, out)
+        tok = slice(None)
+    done[tok] = is_local[tok]
+    if sinks is None and not bool(is_local.all()):
+        tok = vllm_global_decode(q, cache, meta, ~is_local, scale, softcap, isa, out)
+        done[tok] |= ~is_local[tok]
+    if bool(done.all()):
         return
-    rest = torch.where(glob, row_class[:n], torch.full_like(row_class[:n], local))  # the rows done: local
-    paged_attention(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                    [[] if c == local else parts for c, parts in enumerate(reads)], scale, out, row_class=rest,
-                    sinks=None if sinks is None else sinks.float(), softcap=softcap, workspace=workspace)
+    rest = torch.where(done, len(reads), row_class[:n].long())  # class len(reads) reads nothing: rows done
+    paged_attention(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table, [*reads, []], scale, out,
+                    row_class=rest, sinks=None if sinks is None else sinks.float(), softcap=softcap,
+                    workspace=workspace)
 
 
 def host_softmax_terms(attn: Attention) -> tuple[float, torch.Tensor | None]:
@@ -257,10 +330,11 @@ class PagedAttention(nn.Module):
             return
         meta, view, q, out = step
         c, isa = self.window_class, getattr(self.owner, "isa", None)
-        # With sinks (AHA's local rows also reading the request's first tokens) every row stays on allhere's path:
-        # vLLM's windowed kernel reads no sinks and returns no log-sum-exp, so a piece of sink keys could not be
-        # merged into its output without computing the window's log-sum-exp again, which costs what the window does
-        if (self.path.backend == "torch" and c is not None and not self.reads[c][0].n_sinks
+        # With more than one sink (AHA's local rows also reading the request's first tokens) every row stays on
+        # allhere's path: vLLM's windowed kernel reads no sinks and returns no log-sum-exp, so a piece of sink keys
+        # could not be merged into its output without computing the window's log-sum-exp again; one sink is swapped
+        # in for the call (``vllm_sink_window_decode``)
+        if (self.path.backend == "torch" and c is not None and self.reads[c][0].n_sinks <= 1
                 and same_layout(isa, view.dtype)):
             aha_over_vllm(q, self.owner.kv_cache, view, meta, self.reads, row_class, c, self.scale, self.softcap,
                           self.sinks, isa, out, WORKSPACE)

@@ -130,7 +130,7 @@ def _convert_mostly_local(plain, out, mech):
 @pytest.fixture(scope="module")
 def vllm_sinks(tmp_path_factory):
     """(test_serve_vllm's helpers, folders: a Llama with N(0, 0.1^2) weights converted to AHA with window 8 and
-    sinks 2, the same without sinks; prompts: test_serve_vllm's and a long one)."""
+    sinks 1, 2 and none; prompts: test_serve_vllm's and a long one)."""
     pytest.importorskip("vllm")
     import transformers
 
@@ -143,7 +143,7 @@ def vllm_sinks(tmp_path_factory):
     plain = write_model("Llama-3.2-1B", root / "llama", init_std=0.1, **served.SIZES)
     folders = {k: _convert_mostly_local(plain, root / f"aha_sinks{k}",
                                         ah.AHAConfig(window=served.WINDOW, sinks=k, router_init="neutral"))
-               for k in (SINKS, 0)}
+               for k in (1, SINKS, 0)}
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(plain))
     prompts = [tokenizer.encode(t) for t in served.TEXTS + [served.LONG]]
     yield served, folders, prompts
@@ -152,13 +152,15 @@ def vllm_sinks(tmp_path_factory):
 
 @needs_vllm
 @pytest.mark.slow
-def test_vllm_serves_aha_with_sinks(vllm_sinks):
+@pytest.mark.parametrize("sinks", [1, SINKS])
+def test_vllm_serves_aha_with_sinks(vllm_sinks, sinks):
     """Routed (mostly local) and forced local: vLLM's greedy tokens = allhere's generate (fp32), again through
     the prefix cache (whose shared blocks hold the sinks), and with the long prompt read in chunks of 32 beside
     the others' decoding; the test can fail: without sinks the same model generates other tokens. The cache keeps
-    every key (KV bytes per token as the plain model's)."""
+    every key (KV bytes per token as the plain model's). One sink: the decode tokens' windows in vLLM's windowed
+    kernel with the sink swapped in; two: allhere's attention."""
     served, folders, prompts = vllm_sinks
-    folder = folders[SINKS]
+    folder = folders[sinks]
     out = served._vllm(folder, prompts, forced="none,false", again=True)
     routed, local = out["none"], out["false"]
     assert 0.0 < routed["routing"]["mu_f"] < 0.3, routed["routing"]  # mostly local: the sinks matter
