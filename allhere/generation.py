@@ -48,7 +48,7 @@ def load(path: str | Path, device: str = "cpu"):
     """(model, tokenizer) in eval mode on ``device``: an allhere checkpoint (``*.safetensors``, a byte-level
     Decoder) or a transformers causal LM folder (plain, or saved converted by allhere)."""
     if Path(path).suffix == ".safetensors" and not Path(path).is_dir():
-        from .checkpoint import load_model
+        from .runtime.model_checkpoint import load_model
 
         model, _ = load_model(path, device=device)
         if model.cfg.vocab_size != 256:

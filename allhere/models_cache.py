@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import CheckpointError
+from .runtime.model_checkpoint import CheckpointError
 from .validation import ConfigError
 
 CHUNK = 1 << 20
@@ -136,7 +136,7 @@ def _bar(total: int, desc: str, enabled: bool):
         from tqdm.auto import tqdm
 
         return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
-    from .progress import progress
+    from .runtime.progress import progress
 
     return progress(total, f"{desc} (bytes)", enabled=enabled, every_percent=25)  # off a terminal: a few lines
 

@@ -4,8 +4,8 @@ Reads top to bottom: set up the optimizer, resume if asked, then for every step 
 micro-batches (a pure function of the seed and the step, so a resumed run sees the same data), forward,
 backward, clip, step (and, with ``target_mu_f``, move lambda towards the share of full attention asked
 for), log, evaluate, checkpoint; the log steps and evaluations also go to TensorBoard where asked
-(``allhere.reporting``). The checkpoint's folder is locked for the run (``allhere.runlock``); Ctrl-C
-or SIGTERM finishes the step in flight, checkpoints and raises ``allhere.interrupt.Interrupted``.
+(``allhere.reporting``). The checkpoint's folder is locked for the run (``allhere.runtime.runlock``); Ctrl-C
+or SIGTERM finishes the step in flight, checkpoints and raises ``allhere.runtime.interrupt.Interrupted``.
 """
 
 from __future__ import annotations
@@ -18,20 +18,26 @@ from typing import Callable
 
 import torch
 
-from .checkpoint import CheckpointError, read_checkpoint, restore_model, restore_optimizer, save_checkpoint
 from .config import TrainConfig
 from .distributed.context import check_supported as check_context_parallel
 from .distributed.context import shard_loss
 from .distributed.parallel import ParallelConfig
 from .distributed.training import distributed_run
-from .interrupt import Interrupted, stop_signals
 from .losses import training_loss
 from .mechanisms.base import mechanism_layers
 from .model import Decoder
-from .progress import progress as progress_bar
 from .reporting import open_report
 from .routing import routed_layers
-from .runlock import run_lock
+from .runtime.interrupt import Interrupted, stop_signals
+from .runtime.model_checkpoint import (
+    CheckpointError,
+    read_checkpoint,
+    restore_model,
+    restore_optimizer,
+    save_checkpoint,
+)
+from .runtime.progress import progress as progress_bar
+from .runtime.runlock import run_lock
 from .validation import ConfigError
 
 # (step, micro-batch index, a generator seeded by both) -> token ids [batch, seq], or (ids, loss_mask), or
@@ -113,7 +119,7 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     ``resume=True`` continues from ``ckpt_path`` exactly where it stopped; without it an existing
     checkpoint there is an error (nothing good is overwritten). ``train_only``: train only the parameters
     whose name contains it (e.g. ".mechanism." for a new bottleneck); the others stay frozen.
-    ``progress``: a bar (True), none (False), or a factory with ``allhere.progress.progress``'s signature
+    ``progress``: a bar (True), none (False), or a factory with ``allhere.runtime.progress.progress``'s signature
     that makes the bar (``allhere_recipes.job``: one that also tells the whole job's time left).
     ``report_to``: "tensorboard" (event files in the checkpoint's folder, ``allhere.reporting``) or "none";
     None (default): the innermost ``allhere.reporting.report_to`` block's choice, else none. An evaluation's
@@ -131,7 +137,7 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     losses are the one-process ones. With cp > 1 the model is checked before anything starts, then the
     mesh against the processes and ``cfg.grad_accum``.
 
-    No other process may write ``ckpt_path``'s folder meanwhile (``allhere.runlock.RunLocked``). SIGINT
+    No other process may write ``ckpt_path``'s folder meanwhile (``allhere.runtime.runlock.RunLocked``). SIGINT
     (Ctrl-C) or SIGTERM during the loop: the step in flight is finished and checkpointed, then
     ``Interrupted`` is raised (``resume=True`` continues from there); a second signal stops at once.
     Under torchrun every rank stops after the same step.

@@ -16,7 +16,7 @@ json; those that train resume from their run directory:
   - ``sparse_patterns`` (``allhere patterns``), with its pieces ``sparse_family`` (the patterns compared),
     ``sparse_graph`` (receptive field and hops over the masks) and ``sparse_plot`` (its figures);
   - ``aamoe`` (``allhere aamoe``) with ``aamoe_grid``, ``aamoe_render`` and ``aamoe_plots``;
-  - ``bench`` (``allhere bench``) with ``bench_profile``, ``model_bench``, ``llama_bench`` and
+  - ``ops_bench`` (``allhere bench``) with ``bench_profile``, ``model_bench``, ``llama_bench`` and
     ``generate_bench``, and the benchmark helpers ``gates`` (gate patterns, FLOP and byte limits) and
     ``timing`` (timers), which the scripts in ``benchmarks/`` use too;
   - ``cost`` and ``model_cost``: the context-parallel cost models of ``benchmarks/ring_scale.py`` and

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from allhere.checkpoint import load_model
 from allhere.config import ModelConfig, TrainConfig
 from allhere.data.corpus import VOCAB_SIZE, eval_windows, sample_batch, stdlib_corpus
 from allhere.data.mixed_recall import KINDS, PAIR_ITEM, TABLE_ITEM, MixedTask, score
@@ -51,7 +50,8 @@ from allhere.mechanisms.aamoe import (
 from allhere.mechanisms.allattention import AllAttentionConfig
 from allhere.mechanisms.full import FullConfig
 from allhere.model import Decoder
-from allhere.runlock import run_lock
+from allhere.runtime.model_checkpoint import load_model
+from allhere.runtime.runlock import run_lock
 from allhere.train import train
 from allhere.validation import ConfigError
 

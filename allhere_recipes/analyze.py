@@ -19,10 +19,10 @@ from allhere.analysis.budget import calibrate_tau, set_tau
 from allhere.analysis.html import byte_tokens, token_page
 from allhere.analysis.static import set_static_heads, static_budget_k, top_k_heads
 from allhere.analysis.stats import StatsAccumulator
-from allhere.checkpoint import CheckpointError, load_model
-from allhere.data.recall import RecallTask
+from allhere.data.recall_task import RecallTask
 from allhere.routing import routed_layers
-from allhere.runlock import run_lock
+from allhere.runtime.model_checkpoint import CheckpointError, load_model
+from allhere.runtime.runlock import run_lock
 
 from .plans import TASKS, plan_from_dict
 from .report import goal_lines, percent, write_report

@@ -4,7 +4,7 @@ The AHA paper ("Learning When Not to Attend Globally") does not pretrain: it tak
 fine-tunes AHA onto it. The demo does the same. For every task of the default ``cpu`` preset the package
 holds the full-attention model that the preset's own pretraining produces (same settings, same seed), as
 ``bases/cpu-<task>.safetensors`` (bf16 weights, an allhere checkpoint without optimizer state, so
-``allhere.checkpoint.load_model`` reads it) and ``bases/cpu-<task>.json``, its provenance: the command and
+``allhere.runtime.model_checkpoint.load_model`` reads it) and ``bases/cpu-<task>.json``, its provenance: the command and
 commit that made it, the data and its fingerprint, Python and torch versions, the model and training
 configs, and the held-out numbers of the saved file. ``scripts/make_demo_bases.py`` makes them.
 
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from allhere.checkpoint import atomic_write, read_checkpoint, save_checkpoint
-from allhere.data.recall import RecallTask
+from allhere.data.recall_task import RecallTask
 from allhere.model import Decoder
+from allhere.runtime.model_checkpoint import atomic_write, read_checkpoint, save_checkpoint
 from allhere.validation import ConfigError
 
 from .plans import TaskPlan
@@ -176,7 +176,7 @@ def base_in_folder(ckpt: Path, record: dict, base: Base | None, task: str, plan:
     """The full model of a run started from the shipped base ``record``, and its pretraining curve: the
     run folder's copy at ``ckpt`` (fp32, no optimizer state), written from ``base`` (else from the shipped
     file, when it is the one ``record`` names) the first time."""
-    from allhere.checkpoint import load_model
+    from allhere.runtime.model_checkpoint import load_model
 
     if ckpt.exists():
         model, meta = load_model(ckpt)

@@ -47,7 +47,7 @@ from allhere.mechanisms import (
     bigbird_schedule,
     dilation_schedule,
 )
-from allhere.runlock import run_lock
+from allhere.runtime.runlock import run_lock
 from allhere.validation import check_int
 
 from .aamoe_grid import check_seeds, stat

@@ -18,7 +18,7 @@ from pathlib import Path
 from allhere.config import TrainConfig
 from allhere.eval.perplexity import rolling_perplexity
 from allhere.mechanisms import DARConfig, FullConfig
-from allhere.runlock import run_lock
+from allhere.runtime.runlock import run_lock
 
 from .plans import plans
 from .report import goal_lines, write_report

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from allhere.data.recall import RecallTask
+from allhere.data.recall_task import RecallTask
 from allhere.eval import evaluate_lm
 from allhere.mechanisms import FullConfig, SlidingConfig
 from allhere.model import swap_mechanism
 from allhere.routing import routed_layers
-from allhere.runlock import run_lock
+from allhere.runtime.runlock import run_lock
 
 from .bases import Base, choose_base, describe
 from .job import Job, step_cost

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from allhere.config import ModelConfig
-from allhere.progress import duration
-from allhere.progress import progress as progress_bar
+from allhere.runtime.progress import duration
+from allhere.runtime.progress import progress as progress_bar
 
 
 def step_cost(model: ModelConfig, batch: int, seq_len: int) -> float:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from allhere import registry
 from allhere.config import ModelConfig, TrainConfig
 from allhere.data.corpus import VOCAB_SIZE
-from allhere.data.recall import RecallTask
+from allhere.data.recall_task import RecallTask
 from allhere.mechanisms import AHAConfig
 from allhere.validation import ConfigError
 

@@ -35,7 +35,7 @@ from allhere.hf import cache_nbytes, new_cache
 from allhere.hf.cache import cache_kwargs
 from allhere.hf.io import check_causal_lm
 from allhere.mechanisms import DARConfig, DARLatentConfig
-from allhere.runlock import run_lock
+from allhere.runtime.runlock import run_lock
 
 from . import real_runs as runs
 from .job import Job

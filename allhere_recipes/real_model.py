@@ -34,7 +34,7 @@ from allhere.eval.passkey import passkey_accuracy, passkey_prompts
 from allhere.hf.io import check_causal_lm
 from allhere.mechanisms import AHAConfig
 from allhere.routing import set_forced_gate
-from allhere.runlock import run_lock
+from allhere.runtime.runlock import run_lock
 
 from . import real_probes as probes
 from .job import Job

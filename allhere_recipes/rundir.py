@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from allhere.checkpoint import atomic_write
-from allhere.runlock import LOCK_NAME
+from allhere.runtime.model_checkpoint import atomic_write
+from allhere.runtime.runlock import LOCK_NAME
 from allhere.validation import ConfigError
 
 SETTINGS = "settings.json"
@@ -26,7 +26,7 @@ def write_json(path: Path, data, indent: int | None = 1) -> None:
 def check_out(out: Path) -> None:
     """Refuse (ConfigError) an output folder that holds files but no allhere run: a model, a checkpoint,
     anybody's other files. A folder of runs (``*/settings.json``) is for ``claim`` to judge; the lock of the
-    run that writes it (``allhere.runlock``) is no file of anybody's."""
+    run that writes it (``allhere.runtime.runlock``) is no file of anybody's."""
     out = Path(out)
     if out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir()) and not any(out.glob(f"*/{SETTINGS}")):
         raise ConfigError(f"--out {out} holds files but no allhere run; choose a new or empty folder "

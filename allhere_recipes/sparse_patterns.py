@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from allhere import masks
 from allhere.ops.blocksparse import blocksparse_attention, plan_blocks
-from allhere.runlock import run_lock
+from allhere.runtime.runlock import run_lock
 from allhere.validation import ConfigError, check, check_int
 
 from . import sparse_graph as graph

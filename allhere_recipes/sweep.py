@@ -13,7 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from allhere.runlock import run_lock
+from allhere.runtime.runlock import run_lock
 
 from .plans import TASKS, plans
 from .report import percent, write_report

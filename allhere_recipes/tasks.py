@@ -19,7 +19,7 @@ import torch
 
 from allhere.config import ModelConfig, TrainConfig
 from allhere.data.corpus import eval_windows, sample_batch, stdlib_corpus, text_corpus
-from allhere.data.recall import RecallTask
+from allhere.data.recall_task import RecallTask
 from allhere.eval import evaluate_lm, evaluate_recall
 from allhere.model import Decoder, swap_mechanism
 from allhere.train import train

@@ -16,7 +16,7 @@ import time
 import torch
 
 from allhere.ops.aha.dispatch import aha_attention_fast
-from allhere_recipes.bench import bench_config, decode_inputs
+from allhere_recipes.ops_bench import bench_config, decode_inputs
 from allhere_recipes.timing import stream_time
 
 

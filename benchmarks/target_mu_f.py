@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import time
 
-from allhere.checkpoint import read_checkpoint
+from allhere.runtime.model_checkpoint import read_checkpoint
 from allhere_recipes.plans import TASKS, plans
 from allhere_recipes.tasks import finetune, start_task
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from ..checkpoint import atomic_write
+from ..runtime.model_checkpoint import atomic_write
 
 _STYLE = """body{font-family:sans-serif;margin:24px;max-width:1100px}
 .text{font-family:monospace;white-space:pre-wrap;line-height:1.7;border:1px solid #ccc;padding:12px}

@@ -50,7 +50,7 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def bench(args) -> None:
-    from allhere_recipes.bench import bench_config, render, run_bench, write_bench
+    from allhere_recipes.ops_bench import bench_config, render, run_bench, write_bench
 
     llama = dict(prefill_lengths=args.llama_prefill, contexts=args.llama_contexts, batch=args.llama_batch,
                  new_tokens=args.llama_new_tokens)

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..interrupt import Interrupted
+from ..runtime.interrupt import Interrupted
 from ..validation import ConfigError
 from . import args as a
 

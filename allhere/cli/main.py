@@ -3,8 +3,8 @@
 Every error a user can cause ends in one line ``allhere <command>: error: ...`` on stderr and exit code
 2: argparse's own errors (without the usage block), values refused by the argument types
 (``allhere.cli.args``), and the library's known errors (a run folder another process writes included:
-``allhere.runlock``). Ctrl-C and SIGTERM end in one line too, ``allhere <command>: interrupted ...`` with how
-to resume, and exit code 130 / 143 (``allhere.interrupt``). Third-party libraries (transformers, datasets,
+``allhere.runtime.runlock``). Ctrl-C and SIGTERM end in one line too, ``allhere <command>: interrupted ...`` with how
+to resume, and exit code 130 / 143 (``allhere.runtime.interrupt``). Third-party libraries (transformers, datasets,
 lm-eval) are kept quiet unless ``--verbose``.
 """
 
@@ -17,10 +17,10 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from ..checkpoint import CheckpointError
 from ..data.corpus import DataError
 from ..distributed.env import detect
-from ..interrupt import Interrupted, terminate_as_interrupt
+from ..runtime.interrupt import Interrupted, terminate_as_interrupt
+from ..runtime.model_checkpoint import CheckpointError
 from ..validation import ConfigError
 from .bench import bench, bench_arguments
 from .comparisons import compare, compare_arguments, patterns, patterns_arguments

@@ -49,7 +49,7 @@ def _check_out(out: str, model: str, resume: bool | None = None) -> None:
     if out_p in model_p.parents:  # e.g. sft --model RUN/model --out RUN: the run would write over its input
         raise ConfigError(f"--out {out} holds the input model ({model}); choose a folder outside it (nothing was "
                           "written)")
-    from ..runlock import LOCK_NAME, ensure_free
+    from ..runtime.runlock import LOCK_NAME, ensure_free
 
     ensure_free(out_p)  # a folder another process writes is refused as such
     busy = out_p.is_dir() and any(f.name != LOCK_NAME for f in out_p.iterdir())  # a lock left by a killed run
@@ -81,9 +81,9 @@ def perplexity_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def perplexity(args) -> None:
-    from ..checkpoint import load_model
     from ..data.corpus import stdlib_corpus, text_corpus
     from ..eval.perplexity import hf_perplexity, rolling_perplexity
+    from ..runtime.model_checkpoint import load_model
 
     corpus = stdlib_corpus() if args.data is None else text_corpus(args.data)
     docs = corpus.val_docs[: args.max_docs]
@@ -237,7 +237,7 @@ def _convert_card(model, args, taught) -> None:
 def _teach(model, tokenizer, text: str, mech, args):
     """AHA's routers taught from the calibration text (``allhere.teaching``), with a line per pass; what the teaching
     found (``allhere.teaching.Teaching``)."""
-    from ..progress import progress
+    from ..runtime.progress import progress
     from ..teaching import teach_routers, teaching_windows
 
     try:

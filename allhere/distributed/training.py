@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as sharded
+from . import sharded_checkpoint as sharded
 from .env import DistEnv, detect, init
 from .fsdp import shard_model
 from .parallel import ParallelConfig

@@ -28,7 +28,7 @@ require("lm_eval", "eval")
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
-from ..progress import progress  # noqa: E402
+from ..runtime.progress import progress  # noqa: E402
 from ..validation import ConfigError  # noqa: E402
 from .requests import chunks, cut_at_stops, encode_pair, gen_group_key, generation_settings, max_length_of, share_inputs  # noqa: E402
 
@@ -53,7 +53,7 @@ class AllhereLM(LM):
         if self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         if path.suffix == ".safetensors":
-            from ..checkpoint import load_model
+            from ..runtime.model_checkpoint import load_model
             from .runners import DecoderRunner
 
             model, _ = load_model(path, device=device)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import Decoder
-from ..progress import progress as progress_bar
+from ..runtime.progress import progress as progress_bar
 from ..validation import ConfigError
 
 
@@ -38,7 +38,7 @@ def rolling_windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, i
 def rolling_perplexity(model: Decoder, docs: list[torch.Tensor], seq_len: int, stride: int | None = None,
                        min_len: int = 0, device: str = "cpu", progress: bool = False) -> dict:
     """Mean next-token loss (nats), perplexity, bits per token and mu_f over every scored token.
-    ``progress``: report the documents done (``allhere.progress``)."""
+    ``progress``: report the documents done (``allhere.runtime.progress``)."""
     stride = stride or seq_len // 2
     model.eval().to(device)
     total, count, gates, gate_tokens, skipped = 0.0, 0, 0.0, 0, 0

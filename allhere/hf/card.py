@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import registry
-from ..checkpoint import atomic_write
 from ..hosts import CONFIG_KEY, LAYERS_KEY
+from ..runtime.model_checkpoint import atomic_write
 
 CARD = "README.md"
 BASE_HEADING = "## The base model's card"

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from .. import registry
-from ..checkpoint import CheckpointError
 from ..hosts import CONFIG_KEY, SUBMODULE
 from ..mechanisms.aha import AHAConfig
+from ..runtime.model_checkpoint import CheckpointError
 from ..validation import ConfigError
 from .convert import attention_layers, check_rope, convert, converted_mechanism
 from .files import weight_files

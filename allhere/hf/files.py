@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path, PurePath
 
-from ..checkpoint import CheckpointError
+from ..runtime.model_checkpoint import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 

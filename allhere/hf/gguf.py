@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .._optional import require
-from ..checkpoint import CheckpointError
+from ..runtime.model_checkpoint import CheckpointError
 from ..validation import ConfigError
 
 MAGIC = b"GGUF"  # a GGUF file's first four bytes

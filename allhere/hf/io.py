@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from .. import registry
-from ..checkpoint import CheckpointError
 from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from ..runtime.model_checkpoint import CheckpointError
 from ..validation import ConfigError
 from .convert import check_convertible, check_rope, convert
 from .files import weight_files

@@ -24,11 +24,11 @@ import torch
 
 from ..config import TrainConfig
 from ..data.chat import ensure_chat_template, load_chat, pack, tokenize_conversation
-from ..distributed.checkpoint import full_state_dict
 from ..distributed.env import detect
 from ..distributed.parallel import ParallelConfig
+from ..distributed.sharded_checkpoint import full_state_dict
 from ..mechanisms import AHAConfig, DARConfig
-from ..runlock import run_lock
+from ..runtime.runlock import run_lock
 from ..train import train
 from ..validation import ConfigError
 from .causal_lm import HFCausalLM

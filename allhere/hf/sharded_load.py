@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 
 from .. import registry
-from ..checkpoint import CheckpointError
 from ..distributed.fsdp import shard_model
 from ..hosts import CONFIG_KEY, LAYERS_KEY, SUBMODULE
+from ..runtime.model_checkpoint import CheckpointError
 from ..validation import ConfigError
 from .convert import convert, dims_of, init_mechanism
 from .files import weight_files, weight_map

@@ -2,7 +2,7 @@
 paged KV cache as a server keeps it (``aha_paged``: a served AHA layer's path on CUDA, through
 ``allhere.serve.paged_kernel``); and the absorbed decode of op family ``"dar_latent"`` (``dar_latent_decode``,
 its "triton" path). What the kernels share -- the window rule, the online softmax, the split-KV
-merge, the launch helpers -- is written once, in ``blocks``. The kernels are the ground floor: they import nothing
+merge, the launch helpers -- is written once, in ``aha_common``. The kernels are the ground floor: they import nothing
 of the ops, the mechanisms or the serving code (their callers check the arguments); what they share with those,
 such as the merge of partial results in torch, is in ``allhere.softmax``.
 
@@ -31,7 +31,7 @@ def triton_available() -> bool:
 def interpreted() -> bool:
     """Whether the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when triton was
     first imported), so that they run on CPU tensors. Imports the kernels; asked once."""
-    from .blocks import built_for_interpreter
+    from .aha_common import built_for_interpreter
 
     return built_for_interpreter()
 

@@ -12,15 +12,15 @@ Layout: q [b, h, 1, d], k/v [b, kv_heads, t, d] (the cache, every sequence t lon
 ``kv_len[i]`` long in a buffer of t; any strides but a unit-stride last dimension), gate [b, h] bool.
 
 Sinks (``sinks`` = S > 0): a local head also reads the first S keys of its sequence (from ``kv_start``); its
-first split folds the ones before its window (``blocks.sink_end``) in before its share of the window, so the
+first split folds the ones before its window (``aha_common.sink_end``) in before its share of the window, so the
 splits and the grid stay as they are. S is a constexpr: S = 0 compiles the kernel without them.
 
 With ``kv_len`` on the device the launch does not depend on the lengths at all (the grid follows the
 buffer's t, the splits past a sequence's length return at once): one launch setting serves every step of
 a growing cache, as a captured CUDA graph replays it.
 
-The key range (``blocks.first_key``), the split (``blocks.split_keys``), the single-query online softmax and
-the merge (``blocks.finish_split``) are ``blocks``', shared with the paged decode (``aha_paged``); this file
+The key range (``aha_common.first_key``), the split (``aha_common.split_keys``), the single-query online softmax and
+the merge (``aha_common.finish_split``) are ``aha_common``', shared with the paged decode (``aha_paged``); this file
 holds the kernel over a dense cache and its launch.
 """
 
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .blocks import (
+from .aha_common import (
     LOG2E,
     MERGE_CHUNK,
     arrived_counters,

@@ -8,14 +8,14 @@ hard gate: global reads every key up to its position, local only the ``window`` 
 included). Two kernels share the call, the requests split between them on the GPU with nothing read
 back (the grids come from the shapes alone, so a call can be captured in a CUDA graph):
 
-- decode (requests with one query), as ``aha_decode`` and from the same pieces (``blocks``): the keys of
+- decode (requests with one query), as ``aha_decode`` and from the same pieces (``aha_common``): the keys of
   every (request, head) are split across programs, SPLIT keys each (flash decoding), so that a long global
   head is read by many thread blocks at once; a local head's window fits in its first split(s) and its
   other programs return at once. A head whose keys fit one split writes its output; the splits of a
   longer one are merged by their log-sum-exp by the last of them to finish, reading only the splits that
   had keys.
 - prefill (requests with several queries), grown from ``aha_prefill`` (the window rule, edge masks and online
-  softmax of ``blocks``), in two passes of one kernel whose program is a tile of BLOCK_M queries of one
+  softmax of ``aha_common``), in two passes of one kernel whose program is a tile of BLOCK_M queries of one
   (request, head) sharing the keys they read through ``tl.dot``. The window pass: consecutive queries, every
   one over its window (the tile visits only the blocks its windows cover, about BLOCK_M + window keys, never
   the prefix). The global pass: the head's global queries of the request packed in order
@@ -30,8 +30,8 @@ back (the grids come from the shapes alone, so a call can be captured in a CUDA 
 
 Sinks (``sinks`` = S > 0, AHA's local branch with attention sinks): a local query also reads the request's
 first S keys (its positions 0 .. S - 1: each request is its own sequence). Both kernels fold the ones outside a
-row's window in before the window (``blocks.sink_end``): the decode in its first split, the window pass in a
-pass over the sink blocks of the tile (``blocks.sink_blocks``); the grids do not change. S is a constexpr:
+row's window in before the window (``aha_common.sink_end``): the decode in its first split, the window pass in a
+pass over the sink blocks of the tile (``aha_common.sink_blocks``); the grids do not change. S is a constexpr:
 S = 0 compiles the kernels without them.
 
 Keys are gathered through the block table one key at a time (block ``block_table[r, p // BLOCK_SIZE]``,
@@ -61,8 +61,7 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .aha_pack import pack_global
-from .blocks import (
+from .aha_common import (
     LOG2E,
     MERGE_CHUNK,
     arrived_counters,
@@ -80,6 +79,7 @@ from .blocks import (
     split_scratch,
     strided,
 )
+from .aha_pack import pack_global
 
 DECODE = "decode"  # the candidate lists (``tiles.SPACES``) the paged decode kernel is tuned over,
 WINDOW = "sliding"  # the prefill's window pass (every query over its window)
@@ -216,7 +216,7 @@ def _prefill_kernel(Q, K, V, BT, QSTART, SEQLEN, CUM, PACKED, O, sm_scale, R, sc
 @triton.jit
 def _decode_range(QSTART, SEQLEN, GATE, r, h, W, sgt):
     """(query row, whether the request is a decode step, its first key, its end) of (request r, head h):
-    a global head reads from key 0, a local one the last W keys (and its sinks: ``blocks.sink_end``)."""
+    a global head reads from key 0, a local one the last W keys (and its sinks: ``aha_common.sink_end``)."""
     qs = tl.load(QSTART + r)
     one = tl.load(QSTART + r + 1) - qs == 1
     n = tl.load(SEQLEN + r)

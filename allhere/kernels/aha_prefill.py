@@ -21,7 +21,7 @@ start on; all segments run in the same launch.
 
 Sinks (``sinks`` = S > 0, AHA's local branch with attention sinks): a local query also reads the first S keys
 of its segment. The sliding kernel folds the ones outside a row's window into its online softmax in a pass of
-their own before the window's (``blocks.sink_blocks``: the one or few key blocks they lie in, skipped where
+their own before the window's (``aha_common.sink_blocks``: the one or few key blocks they lie in, skipped where
 every window of the tile holds its sinks). S is a constexpr: S = 0 compiles the kernel without that pass.
 
 Layout: q [b, h, n, d], k/v [b, kv_heads, n, d] (queries and keys over the same n positions), head dim
@@ -29,7 +29,7 @@ a power of two >= 16 (the op sends 16 to 128 here: at 256 the default tiles need
 a GPU gives a block). Online softmax in fp32 (base 2), output in q's dtype.
 
 The pieces the kernels share (the window rule, the online softmax, key loads, the rows a program takes, the
-launch helpers) are ``blocks``'; this file holds the two prefill kernels and their launches
+launch helpers) are ``aha_common``'; this file holds the two prefill kernels and their launches
 (``sliding_forward``, ``global_forward``), which the training forward (``aha_train``) runs too.
 """
 
@@ -39,8 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .aha_pack import pack_global, work_order
-from .blocks import (
+from .aha_common import (
     LN2,
     LOG2E,
     choose,
@@ -62,6 +61,7 @@ from .blocks import (
     window_block,
     window_start,
 )
+from .aha_pack import pack_global, work_order
 
 
 @triton.jit

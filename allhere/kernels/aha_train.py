@@ -15,7 +15,7 @@ only into the output that was used, so each row is differentiated through its ow
     it (rows are sorted by position, so a packed block ending before the key block is skipped).
 With sinks (``sinks`` = S > 0: a local row also reads the first S keys of its segment), the (row, sink) pairs
 outside the rows' windows are differentiated where their rows are, in the local dQ kernel, in a pass of its
-own over the sink blocks (``blocks.sink_blocks``): their dQ directly, their dK / dV added atomically to an
+own over the sink blocks (``aha_common.sink_blocks``): their dQ directly, their dK / dV added atomically to an
 fp32 scratch that the dK / dV kernel adds to the keys' gradients. Every later local row of a segment reads
 its sinks: a dK / dV program looping over all of them would run on alone, as long as the sequence, after
 the others; the query blocks share that work instead. S is a constexpr: S = 0 compiles the kernels without
@@ -24,7 +24,7 @@ No work is done for the full attention of local rows: the op computes ``a_full``
 gradient separately, with dense SDPA and without autograd (a forward pass only).
 
 Layout as in ``aha_prefill``: q [b, h, n, d], k/v [b, kv_heads, n, d], head dim a power of two >= 16. The
-backward's kernels are built from ``blocks`` as the forward's are (the window rule, the edge masks, the key
+backward's kernels are built from ``aha_common`` as the forward's are (the window rule, the edge masks, the key
 loads, the rows a program takes).
 """
 
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, blocks
+from . import aha_common, autotune
 from .aha_pack import pack_global, work_order
 from .aha_prefill import global_forward, sliding_forward
 
@@ -57,9 +57,9 @@ def _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, 
                MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """``dq`` (unscaled) plus the key blocks [lo, hi) of ``rows``; MASKED as in ``aha_prefill._attend``."""
     for start in range(lo, hi, BLOCK_N):
-        offs_n, k, v = blocks.load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED, BLOCK_N, D, TMA)
+        offs_n, k, v = aha_common.load_keys(K, V, kbase, kb, kh, skn, start, N, MASKED, BLOCK_N, D, TMA)
         if MASKED:
-            valid = blocks.edge_mask(rows, offs_n, first, rmask, N, W)
+            valid = aha_common.edge_mask(rows, offs_n, first, rmask, N, W)
         else:
             valid = rmask  # not read
         p, ds = _grad_block(q, k, v, do, lse, delta, valid, sm_scale, MASKED)
@@ -71,7 +71,7 @@ def _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, 
 def _dq_rows(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, hi, sm_scale,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
     """dQ (unscaled, fp32) of ``rows`` over the key blocks [lo, hi), masked on the edges only."""
-    inner_lo, inner_hi = blocks.inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
+    inner_lo, inner_hi = aha_common.inner_blocks(rows, first, rmask, N, W, lo, hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     dq = _dq_blocks(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, rmask, N, W, lo, inner_lo, dq,
                     sm_scale, True, BLOCK_N, D, TMA)
@@ -107,11 +107,11 @@ def _sink_grads(q, do, lse, delta, K, V, kbase, kb, kh, skn, rows, first, local,
     """The pairs of the local ``rows`` (mask ``local``) with the first S keys of their segments (from ``first``)
     that their windows do not hold (``aha_prefill._attend_sinks``' keys): returns ``dq`` plus theirs, and adds
     their dK (unscaled) and dV atomically to the fp32 SCRATCH, key j's at ``sbase`` + j * D and ``half`` on."""
-    end = blocks.sink_end(first, blocks.window_start(rows, W), S)
-    lo, hi = blocks.sink_blocks(first, end, local, N, BLOCK_N)
+    end = aha_common.sink_end(first, aha_common.window_start(rows, W), S)
+    lo, hi = aha_common.sink_blocks(first, end, local, N, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
-        offs_n, k, v = blocks.load_keys(K, V, kbase, kb, kh, skn, start, hi, True, BLOCK_N, D, TMA)
-        p, ds = _grad_block(q, k, v, do, lse, delta, blocks.sink_mask(offs_n, first, end, local), sm_scale)
+        offs_n, k, v = aha_common.load_keys(K, V, kbase, kb, kh, skn, start, hi, True, BLOCK_N, D, TMA)
+        p, ds = _grad_block(q, k, v, do, lse, delta, aha_common.sink_mask(offs_n, first, end, local), sm_scale)
         dq += tl.dot(ds.to(k.dtype), k)
         at = SCRATCH + sbase + offs_n[:, None] * D + tl.arange(0, D)[None, :]
         keys = (offs_n < hi)[:, None]
@@ -125,14 +125,14 @@ def _local_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, HARD, SCRATCH, sm_scale
                      sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
                      TMA: tl.constexpr = False, SINKS: tl.constexpr = 0):
-    bh, b, h, kh, offs_m, lo, hi = blocks.window_block(N, H, G, W, BLOCK_M, BLOCK_N)
-    K, V = blocks.key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
+    bh, b, h, kh, offs_m, lo, hi = aha_common.window_block(N, H, G, W, BLOCK_M, BLOCK_N)
+    K, V = aha_common.key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     mmask = offs_m < N
     qo = b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
     doo = b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :]  # dO and dQ share a layout
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + offs_m, mmask)
-    first = blocks.row_starts(START, b, N, offs_m, mmask, SEGMENTS)
+    first = aha_common.row_starts(START, b, N, offs_m, mmask, SEGMENTS)
     # Every row, global ones too (no gate test per pair): the global dQ kernel overwrites those rows.
     dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, offs_m, first, mmask, N, W,
                   lo, hi, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
@@ -148,15 +148,15 @@ def _global_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWS, CUM, ORDER, START, sm_s
                       sqb, sqh, sqn, skb, skh, skn, sdb, sdh, sdn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, SEGMENTS: tl.constexpr,
                       ORDERED: tl.constexpr, TMA: tl.constexpr = False):
-    count, bh, b, h, kh, rmask, pos = blocks.packed_block(ROWS, CUM, ORDER, B, N, H, G, BLOCK_M, ORDERED)
+    count, bh, b, h, kh, rmask, pos = aha_common.packed_block(ROWS, CUM, ORDER, B, N, H, G, BLOCK_M, ORDERED)
     if count <= 0:
         return
-    K, V = blocks.key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
+    K, V = aha_common.key_sources(K, V, B, H // G, N, skb, skh, skn, BLOCK_N, D, TMA)
     offs_d = tl.arange(0, D)
     qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
     doo = b * sdb + h * sdh + pos[:, None] * sdn + offs_d[None, :]
     q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + pos, rmask)
-    first, lo, last = blocks.packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
+    first, lo, last = aha_common.packed_keys(START, b, N, pos, rmask, SEGMENTS, BLOCK_N)
     dq = _dq_rows(q, do, lse, delta, K, V, b * skb + kh * skh, b.to(tl.int32), kh, skn, pos, first, rmask, N, N, lo,
                   last + 1, sm_scale, BLOCK_M, BLOCK_N, D, TMA)
     tl.store(DQ + doo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
@@ -182,7 +182,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     lo = (n0 // BLOCK_M) * BLOCK_M
-    hi = tl.minimum(blocks.last_reader(n0 + BLOCK_N - 1, W) + 1, N)  # the local rows whose window reaches the block
+    hi = tl.minimum(aha_common.last_reader(n0 + BLOCK_N - 1, W) + 1, N)  # the local rows whose window reaches the block
     i = tl.arange(0, BLOCK_M)
     # No query at or after ``stop`` sees a key of this block (the end of the last key's segment).
     if SEGMENTS:
@@ -200,8 +200,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             doo = b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :]
             q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + offs_m, mmask)
             local = tl.load(HARD + bh * N + offs_m, mask=mmask, other=1) == 0
-            first = blocks.row_starts(START, b, N, offs_m, mmask, SEGMENTS)
-            valid = blocks.edge_mask(offs_m, offs_n, first, local, N, W)  # local: a real row (padding loads as global)
+            first = aha_common.row_starts(START, b, N, offs_m, mmask, SEGMENTS)
+            # local: a real row (padding loads as global)
+            valid = aha_common.edge_mask(offs_m, offs_n, first, local, N, W)
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
         # This head's global queries (its packed list, BLOCK_M at a time) that reach the key block: from
         # the tile holding its first global query at or after n0 (the count before n0, divided by
@@ -214,7 +215,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, HARD, DK, DV, ROWS, CUM, START, SEG_EN
             qo = b * sqb + h * sqh + pos[:, None] * sqn + offs_d[None, :]
             doo = b * sdb + h * sdh + pos[:, None] * sdn + offs_d[None, :]
             q, do, lse, delta = _rows(Q, DO, LSE, DELTA, qo, doo, bh * N + pos, rmask)
-            first = blocks.row_starts(START, b, N, pos, rmask, SEGMENTS)
+            first = aha_common.row_starts(START, b, N, pos, rmask, SEGMENTS)
             valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= first[:, None]) & rmask[:, None] \
                 & nmask[None, :]
             dk, dv = _kv_grads(q, k, v, do, lse, delta, valid, dk, dv, sm_scale)
@@ -231,13 +232,13 @@ class _AHATrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, hard, window, scale, tiles, dkdv, start, sinks):
         b, h, n, _ = q.shape
-        q, k, v = blocks.strided(q, k, v)
+        q, k, v = aha_common.strided(q, k, v)
         a_local = torch.empty_like(q)
         lse = torch.empty(b * h, n, device=q.device, dtype=torch.float32)
-        sliding_forward(q, k, v, a_local, lse, start, window, scale, blocks.pinned_tiles("sliding", tiles), sinks)
+        sliding_forward(q, k, v, a_local, lse, start, window, scale, aha_common.pinned_tiles("sliding", tiles), sinks)
         out = a_local.clone()
         packed = pack_global(hard)
-        global_forward(q, k, v, out, lse, start, packed, scale, blocks.pinned_tiles("global", tiles))
+        global_forward(q, k, v, out, lse, start, packed, scale, aha_common.pinned_tiles("global", tiles))
         ctx.save_for_backward(q, k, v, out, lse, hard, start, *packed)
         ctx.config = (window, scale, tiles, dkdv, sinks, autotune.pins())  # the backward may run on another thread
         ctx.mark_non_differentiable(a_local)
@@ -256,7 +257,7 @@ class _AHATrain(torch.autograd.Function):
         hard8 = hard.reshape(b * h, n).to(torch.int8)
         strides = (*q.stride()[:3], *k.stride()[:3], *dq.stride()[:3])
         seg_end = cum if start is None else segment_end(start)
-        start, segments = blocks.segment_args(start, cum)
+        start, segments = aha_common.segment_args(start, cum)
         common = dict(D=d, SEGMENTS=segments)
         # The sink keys' dK / dV from the local dQ kernel (fp32 [2, b, hkv, keys, d] by key position, zero past the
         # sinks: the first ``sinks`` keys, or every key where segments put sinks anywhere); without sinks unused.
@@ -270,13 +271,13 @@ class _AHATrain(torch.autograd.Function):
             _local_dq_kernel[(triton.cdiv(n, t["BLOCK_M"]), b * h)](q, k, v, dout, lse, delta, dq, start, hard8,
                                                                     scratch, scale, b, n, h, h // hkv, window,
                                                                     *sink_args, *strides, **common, SINKS=sinks,
-                                                                    **blocks.tma_checked(t, k))
+                                                                    **aha_common.tma_checked(t, k))
 
         def global_dq(t: dict) -> None:
             order, programs = work_order(rows, cum, t["BLOCK_M"])
             _global_dq_kernel[(programs,)](q, k, v, dout, lse, delta, dq, rows, cum, cum if order is None else order,
                                            start, scale, b, n, h, h // hkv, *strides, **common,
-                                           ORDERED=order is not None, **blocks.tma_checked(t, k))
+                                           ORDERED=order is not None, **aha_common.tma_checked(t, k))
 
         def dkdv_grads(t: dict) -> None:
             _dkdv_kernel[(triton.cdiv(n, t["BLOCK_N"]), b * hkv)](q, k, v, dout, lse, delta, hard8, dk, dv, rows, cum,
@@ -287,7 +288,7 @@ class _AHATrain(torch.autograd.Function):
         with contextlib.nullcontext() if pins is None else autotune.pinned(pins):
             for name, launch, pinned in (("local_dq", local_dq, tiles), ("global_dq", global_dq, tiles),
                                          ("dkdv", dkdv_grads, dkdv)):
-                launch(blocks.pinned_tiles(name, pinned) or blocks.choose(name, q, k, launch))
+                launch(aha_common.pinned_tiles(name, pinned) or aha_common.choose(name, q, k, launch))
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -309,10 +310,10 @@ def aha_train_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hard: to
     """(out, a_local): ``out`` is AHA's output under the hard gate [b, h, n] (True = global),
     differentiable in q, k, v through the used path only; ``a_local`` is every query's sliding-window
     output, without gradient (for the straight-through term). q, k, v are read where they lie
-    (``blocks.strided``). tiles: None, each kernel's setting from ``allhere.kernels.autotune``; or one
+    (``aha_common.strided``). tiles: None, each kernel's setting from ``allhere.kernels.autotune``; or one
     pinned for the forward and dQ kernels, as in ``aha_prefill_triton``; dkdv: the same for the dK / dV
     kernel (BLOCK_M: query rows at a time, BLOCK_N: keys per program). ``row_start``: segments, as in
     ``aha_prefill_triton``; sinks: a local row also reads the first ``sinks`` keys of its segment (forward and
     backward)."""
-    return _AHATrain.apply(q, k, v, hard, window, scale, tiles, dkdv, blocks.segment_start(row_start, q.shape[2]),
+    return _AHATrain.apply(q, k, v, hard, window, scale, tiles, dkdv, aha_common.segment_start(row_start, q.shape[2]),
                            sinks)

@@ -8,7 +8,7 @@ Query i (at position p_i, the last lq of the lk positions) reads key j <= p_i
     row of position j, where q~_i = q_far_i[e_r:] W_UK_g (folded once per call, in torch) and q^R_i =
     q_far_i[:e_r];
 
-one softmax (base 2, as ``blocks``) over both kinds. A program keeps two accumulators, acc_near [rows, d] (the
+one softmax (base 2, as ``aha_common``) over both kinds. A program keeps two accumulators, acc_near [rows, d] (the
 near values) and acc_lat [rows, d_c] (the far latents); after the launch torch merges the splits by their
 log-sum-exps and up-projects the latent sum once: out = acc_near / l + (acc_lat / l) W_UV_g^T.
 
@@ -24,7 +24,7 @@ for the whole group (grouped and multi-query heads). The keys a call reads are l
 as flash decoding); the two ranges overlap by lq - 1 positions, where each (row, key) pair takes exactly one of
 its two scores by the window rule. Every split writes its normalised partials and log-sum-exp (base 2) to fp32
 scratch; ``allhere.softmax.merge_splits`` combines them in torch (one split: a plain copy of the weights).
-``blocks.finish_split`` (the last split merges, in the kernel) is written for one row and one accumulator, so it
+``aha_common.finish_split`` (the last split merges, in the kernel) is written for one row and one accumulator, so it
 is not used here.
 """
 
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ..softmax import default_scale, merge_splits
 from . import interpreted
-from .blocks import LOG2E
+from .aha_common import LOG2E
 
 
 @triton.jit

@@ -22,8 +22,8 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from allhere.cli import main  # noqa: E402
 from allhere.config import TrainConfig  # noqa: E402
-from allhere.interrupt import Interrupted  # noqa: E402
-from allhere.runlock import LOCK_NAME  # noqa: E402
+from allhere.runtime.interrupt import Interrupted  # noqa: E402
+from allhere.runtime.runlock import LOCK_NAME  # noqa: E402
 from allhere.train import train  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)]
@@ -214,7 +214,7 @@ def signalling_batches(signals):
 
 
 def test_train_stops_after_the_step_in_flight_and_restores_handlers(tmp_path):
-    from allhere.checkpoint import read_checkpoint
+    from allhere.runtime.model_checkpoint import read_checkpoint
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     path = tmp_path / "run" / "checkpoint.safetensors"
@@ -230,7 +230,7 @@ def test_train_stops_after_the_step_in_flight_and_restores_handlers(tmp_path):
 
 
 def test_second_signal_stops_at_once_and_keeps_the_last_checkpoint(tmp_path):
-    from allhere.checkpoint import read_checkpoint
+    from allhere.runtime.model_checkpoint import read_checkpoint
 
     path = tmp_path / "run" / "checkpoint.safetensors"
     cfg = dataclasses.replace(CFG, ckpt_every=2)

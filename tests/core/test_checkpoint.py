@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-import allhere.checkpoint as ckpt_mod
+import allhere.runtime.model_checkpoint as ckpt_mod
 from allhere import AHAConfig, Decoder, ModelConfig
-from allhere.checkpoint import CheckpointError, load_model, save_checkpoint
 from allhere.config import TrainConfig
+from allhere.runtime.model_checkpoint import CheckpointError, load_model, save_checkpoint
 from allhere.train import make_optimizer, train
 
 

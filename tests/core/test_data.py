@@ -8,7 +8,7 @@ from allhere.data.corpus import (
     stdlib_corpus,
     text_corpus,
 )
-from allhere.data.recall import RecallTask
+from allhere.data.recall_task import RecallTask
 
 
 def test_stdlib_corpus_is_deterministic_and_split_by_file():

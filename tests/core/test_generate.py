@@ -12,7 +12,6 @@ tokenizers = pytest.importorskip("tokenizers")
 
 import allhere  # noqa: E402
 import allhere.hf  # noqa: E402
-from allhere.checkpoint import load_model, save_checkpoint  # noqa: E402
 from allhere.cli import main  # noqa: E402
 from allhere.data.chat import FALLBACK_CHAT_TEMPLATE  # noqa: E402
 from allhere.generation import (  # noqa: E402
@@ -23,6 +22,7 @@ from allhere.generation import (  # noqa: E402
     load,
     template_ids,
 )
+from allhere.runtime.model_checkpoint import load_model, save_checkpoint  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)]
 TEXTS = ["café € 日本語 naïve wörld", "héllo wörld, ça va? 日本 über € 12.5", "second line: ünïcode ok."]

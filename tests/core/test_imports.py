@@ -18,18 +18,19 @@ PACKAGES = ("allhere", "allhere_recipes")
 # import modules of its own layer and of the layers below it. A module belongs to the entry with the longest
 # matching prefix; ``allhere`` alone is the package's public face (it gathers names up to the model). The
 # kernels are the ground floor of the ops: they import nothing of ops/, mechanisms/ or serve/ (what they share
-# with the ops, such as the softmax merges of ``allhere.softmax``, lies below them).
+# with the ops, such as the softmax merges of ``allhere.softmax``, lies below them). The run utilities of
+# ``allhere.runtime`` (run lock, stop signals, progress) are foundation, all but the checkpoints, which hold a model.
 LAYERS = [
     ("foundation", ["allhere.validation", "allhere._optional", "allhere._deprecated", "allhere.backend",
-                    "allhere.hosts", "allhere.progress", "allhere.interrupt", "allhere.runlock", "allhere.masks",
-                    "allhere.softmax", "allhere.distributed.env", "allhere.distributed.layouts"]),
+                    "allhere.hosts", "allhere.runtime", "allhere.masks", "allhere.softmax", "allhere.distributed.env",
+                    "allhere.distributed.layouts"]),
     ("kernel", ["allhere.kernels"]),
     ("op", ["allhere.ops", "allhere.distributed.ring", "allhere.distributed.ring_blocks",
             "allhere.distributed.ring_plan", "allhere.distributed.ring_far"]),
     ("mechanism", ["allhere.registry", "allhere.mechanisms"]),
     ("config", ["allhere.config", "allhere.distributed.parallel"]),
-    ("model", ["allhere", "allhere.model", "allhere.routing", "allhere.losses", "allhere.checkpoint",
-               "allhere.data", "allhere.analysis", "allhere.teaching"]),
+    ("model", ["allhere", "allhere.model", "allhere.routing", "allhere.losses", "allhere.runtime.model_checkpoint",
+               "allhere.checkpoint", "allhere.data", "allhere.analysis", "allhere.teaching"]),
     ("train", ["allhere.train", "allhere.reporting", "allhere.distributed"]),
     ("host", ["allhere.hf", "allhere.serve", "allhere.models_cache"]),
     ("application", ["allhere.eval", "allhere.generation"]),
@@ -166,12 +167,12 @@ def test_no_private_name_imported_from_another_module():
     assert private == []
 
 
-@pytest.mark.parametrize("name", ["allhere.ops.aha.dispatch", "allhere.hf", "allhere_recipes.bench"])
+@pytest.mark.parametrize("name", ["allhere.ops.aha.dispatch", "allhere.hf", "allhere_recipes.ops_bench"])
 def test_the_parser_sees_relative_and_lazy_imports(name):
     """The checks above rest on ``imports``: it resolves relative imports and sees those inside functions."""
     found = {t for t, _ in imports(name)}
     assert found and all(t.split(".")[0] in PACKAGES for t in found)
-    if name == "allhere_recipes.bench":
+    if name == "allhere_recipes.ops_bench":
         assert "allhere_recipes.bench_profile" in found  # imported inside run_bench
 
 
@@ -180,6 +181,16 @@ def test_import_allhere_leaves_the_serving_code_alone():
     ``import allhere`` and reading every registered kind's spec import neither vLLM nor ``allhere.serve``."""
     code = ("import sys, allhere; from allhere import registry; [registry.get(k).serving for k in registry.kinds()]; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm' or m.startswith('allhere.serve')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
+
+
+def test_import_allhere_loads_no_run_utility():
+    """``import allhere`` gathers the model's names; the run utilities (``allhere.runtime``: checkpoints, run lock,
+    stop signals, progress) load where a command uses them, and the old checkpoint path only where it is asked for."""
+    code = ("import sys, allhere; print(sorted(m for m in sys.modules if m.startswith(('allhere.runtime', "
+            "'allhere.checkpoint', 'allhere.train', 'allhere.reporting'))))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "[]"

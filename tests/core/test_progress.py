@@ -7,7 +7,7 @@ import torch
 
 from allhere.config import ModelConfig, TrainConfig
 from allhere.model import Decoder
-from allhere.progress import LineProgress
+from allhere.runtime.progress import LineProgress
 from allhere.train import train
 
 

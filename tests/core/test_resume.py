@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from allhere.checkpoint import CheckpointError, load_model
+from allhere.runtime.model_checkpoint import CheckpointError, load_model
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))

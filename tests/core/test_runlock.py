@@ -1,4 +1,4 @@
-"""One writer per run folder (``allhere.runlock``): reentrant in a process, refused to a second one with its
+"""One writer per run folder (``allhere.runtime.runlock``): reentrant in a process, refused to a second one with its
 PID named, taken over from a process that died holding it, gone without a trace when released."""
 
 import os
@@ -8,13 +8,13 @@ import sys
 import pytest
 
 from allhere.cli import main
-from allhere.runlock import LOCK_NAME, RunLocked, run_lock
+from allhere.runtime.runlock import LOCK_NAME, RunLocked, run_lock
 from allhere.validation import ConfigError
 
 # Holds the lock on argv[1], says so on stdout, then waits to be killed.
 HOLDER = """
 import sys, time
-from allhere.runlock import run_lock
+from allhere.runtime.runlock import run_lock
 with run_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(600)
@@ -70,7 +70,7 @@ def test_lock_of_a_killed_process_is_taken_over(holder, tmp_path):
 def test_under_torchrun_only_rank_0_checks(holder, tmp_path, monkeypatch):
     """A torchrun job is one writer: its rank 0 holds the lock, so the other ranks' check before the run must
     not see the folder as busy (it races with rank 0 taking the lock)."""
-    from allhere.runlock import ensure_free
+    from allhere.runtime.runlock import ensure_free
 
     run = tmp_path / "run"
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -85,7 +85,7 @@ def test_under_torchrun_only_rank_0_checks(holder, tmp_path, monkeypatch):
 def test_a_lock_path_that_is_a_symbolic_link_is_refused(tmp_path, target):
     """The lock file is never opened through a symbolic link: the file it points to keeps its content (or is
     not created), and the refusal is one line naming the link."""
-    from allhere.runlock import ensure_free
+    from allhere.runtime.runlock import ensure_free
 
     run, other = tmp_path / "run", tmp_path / "elsewhere.txt"
     run.mkdir()

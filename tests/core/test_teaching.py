@@ -90,10 +90,10 @@ def test_taught_routers_find_the_costly_pairs_on_held_out_text():
     on held-out code its routers send global more than twice the chance share of the (token, head) pairs the full
     model's attention needs most, and its loss lies between every gate local and every gate global."""
     from allhere import swap_mechanism
-    from allhere.checkpoint import load_model
     from allhere.data.corpus import stdlib_corpus
     from allhere.losses import lm_loss
     from allhere.routing import set_forced_gate
+    from allhere.runtime.model_checkpoint import load_model
     from allhere.teaching.observe import observe_routed
     from allhere_recipes.bases import base_files
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from allhere.checkpoint import load_model
 from allhere.config import TrainConfig
+from allhere.runtime.model_checkpoint import load_model
 from allhere.validation import ConfigError
 
 import train_worker  # noqa: E402

@@ -15,12 +15,12 @@ if not dist.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from allhere import ConfigError  # noqa: E402
-from allhere.checkpoint import load_model  # noqa: E402
 from allhere.config import ModelConfig  # noqa: E402
 from allhere.distributed import layouts  # noqa: E402
 from allhere.distributed.context import IGNORE, context_parallel, shard_batch  # noqa: E402
 from allhere.mechanisms import AAMoEConfig, FullConfig  # noqa: E402
 from allhere.model import Decoder  # noqa: E402
+from allhere.runtime.model_checkpoint import load_model  # noqa: E402
 
 import dist_context_worker as W  # noqa: E402
 import dist_worker  # noqa: E402

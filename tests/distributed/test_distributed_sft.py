@@ -17,8 +17,8 @@ if not dist.is_available():
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 from allhere import ConfigError  # noqa: E402
-from allhere.checkpoint import read_checkpoint  # noqa: E402
 from allhere.hf import load_pretrained  # noqa: E402
+from allhere.runtime.model_checkpoint import read_checkpoint  # noqa: E402
 
 import dist_worker  # noqa: E402
 from hf_fixtures import write_chat, write_model  # noqa: E402

@@ -18,7 +18,7 @@ if not dist.is_available():
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
-from allhere.checkpoint import load_model  # noqa: E402
+from allhere.runtime.model_checkpoint import load_model  # noqa: E402
 
 import dist_train_worker  # noqa: E402
 import dist_worker  # noqa: E402

@@ -14,10 +14,10 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from allhere import AHAConfig, DARConfig  # noqa: E402
-from allhere.checkpoint import CheckpointError  # noqa: E402
 from allhere.cli import main  # noqa: E402
 from allhere.hf import collect_routing, convert, load_pretrained, save_pretrained  # noqa: E402
 from allhere.hf.io import check_causal_lm, load_local  # noqa: E402
+from allhere.runtime.model_checkpoint import CheckpointError  # noqa: E402
 from allhere.validation import ConfigError  # noqa: E402
 
 from helpers import rel_err  # noqa: E402

@@ -19,9 +19,9 @@ pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
 from allhere import models_cache  # noqa: E402
-from allhere.checkpoint import CheckpointError  # noqa: E402
 from allhere.cli import main  # noqa: E402
 from allhere.hf.io import check_causal_lm, load_local, saved_dtype  # noqa: E402
+from allhere.runtime.model_checkpoint import CheckpointError  # noqa: E402
 from allhere.validation import ConfigError  # noqa: E402
 
 from gguf_fixture import dequantized, tiny_llama, write_gguf  # noqa: E402

@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("lm_eval")
 
 from allhere import AHAConfig, Decoder, ModelConfig  # noqa: E402
-from allhere.checkpoint import save_checkpoint  # noqa: E402
 from allhere.cli import main  # noqa: E402
+from allhere.runtime.model_checkpoint import save_checkpoint  # noqa: E402
 
 TASKS = Path(__file__).resolve().parents[1] / "lm_eval_tasks"
 

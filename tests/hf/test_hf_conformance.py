@@ -15,7 +15,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
 from allhere import AHAConfig, DARConfig, SinksConfig, SlidingConfig, set_forced_gate  # noqa: E402
-from allhere.checkpoint import read_checkpoint  # noqa: E402
 from allhere.cli import main  # noqa: E402
 from allhere.hf import convert, load_pretrained, save_pretrained  # noqa: E402
 from allhere.hf.convert import (  # noqa: E402
@@ -25,6 +24,7 @@ from allhere.hf.convert import (  # noqa: E402
     softmax_extras,
 )
 from allhere.hf.io import saved_dtype  # noqa: E402
+from allhere.runtime.model_checkpoint import read_checkpoint  # noqa: E402
 from allhere.validation import ConfigError  # noqa: E402
 
 from helpers import rel_err  # noqa: E402

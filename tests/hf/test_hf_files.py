@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from allhere.checkpoint import CheckpointError  # noqa: E402
 from allhere.hf.files import weight_files  # noqa: E402
 from allhere.hf.sharded_load import _index  # noqa: E402
+from allhere.runtime.model_checkpoint import CheckpointError  # noqa: E402
 
 
 def with_index(tmp_path, index) -> tuple:

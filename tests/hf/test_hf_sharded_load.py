@@ -13,12 +13,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from allhere import AHAConfig, ConfigError, DARConfig, registry  # noqa: E402
-from allhere.checkpoint import CheckpointError  # noqa: E402
 from allhere.hf import convert, save_pretrained  # noqa: E402
 from allhere.hf.convert import init_mechanism  # noqa: E402
 from allhere.hf.io import load_local  # noqa: E402
 from allhere.hf.sharded_load import PeakRSS, load_sharded  # noqa: E402
 from allhere.mechanisms.base import AttentionDims  # noqa: E402
+from allhere.runtime.model_checkpoint import CheckpointError  # noqa: E402
 
 from dist_worker import launch  # noqa: E402
 from hf_fixtures import write_model  # noqa: E402

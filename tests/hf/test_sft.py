@@ -8,7 +8,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from allhere.checkpoint import read_checkpoint  # noqa: E402
 from allhere.data.chat import (  # noqa: E402
     FALLBACK_CHAT_TEMPLATE,
     load_chat,
@@ -18,6 +17,7 @@ from allhere.data.chat import (  # noqa: E402
 from allhere.data.corpus import DataError  # noqa: E402
 from allhere.hf import HFCausalLM, load_pretrained, sft  # noqa: E402
 from allhere.losses import training_loss  # noqa: E402
+from allhere.runtime.model_checkpoint import read_checkpoint  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
 
@@ -189,7 +189,7 @@ def test_cli_convert_and_sft(local_model, capsys):
 
 
 def test_dar_two_stage_sft(local_model):
-    from allhere.checkpoint import read_checkpoint
+    from allhere.runtime.model_checkpoint import read_checkpoint
 
     out = local_model / "dar"
     state = sft(local_model / "base", local_model / "chat.jsonl", out, window=4, seq_len=32, batch_size=4,

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from allhere import ConfigError, Decoder, ModelConfig
-from allhere.checkpoint import load_model, save_checkpoint
 from allhere.masks import starts_from
 from allhere.mechanisms.allattention import AllAttention, AllAttentionConfig
 from allhere.mechanisms.base import AttentionCall, AttentionDims
 from allhere.model import apply_rope, rope_cos_sin
+from allhere.runtime.model_checkpoint import load_model, save_checkpoint
 
 from helpers import rel_err
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from allhere import Decoder, FullConfig, ModelConfig, registry, swap_mechanism
-from allhere.checkpoint import load_model, save_checkpoint
 from allhere.distributed.context import check_supported
 from allhere.masks import dense_mask, starts_from
 from allhere.mechanisms import ContextParallelPlan, mechanism_layers
 from allhere.ops.common import default_scale, repeat_kv
+from allhere.runtime.model_checkpoint import load_model, save_checkpoint
 
 from helpers import rel_err
 from mechanism_examples import (

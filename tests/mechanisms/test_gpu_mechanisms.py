@@ -192,10 +192,10 @@ def test_fsdp2_step_and_sharded_checkpoint_on_one_rank(one_rank_group, tmp_path)
     gradient reduction over NCCL, on the CPU fp32 over gloo): one step's loss and every gradient against
     the unsharded fp32 model on the same device; then the sharded checkpoint (DCP) after an optimizer step,
     read back into a differently initialised sharded model, and its export to one file."""
-    from allhere.checkpoint import load_model
-    from allhere.distributed import checkpoint as sharded
+    from allhere.distributed import sharded_checkpoint as sharded
     from allhere.distributed.env import DistEnv
     from allhere.distributed.fsdp import shard_model
+    from allhere.runtime.model_checkpoint import load_model
 
     cfg = ModelConfig(vocab_size=40, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       mechanism=SlidingConfig(window=5))  # no router: bf16 cannot flip a gate here

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from allhere import ConfigError, Decoder, ModelConfig, register
-from allhere.checkpoint import load_model, save_checkpoint
 from allhere.masks import and_masks, causal, starts_from
 from allhere.mechanisms import AttentionCall, AttentionDims, AttentionMechanism
 from allhere.ops.common import segment_mask
 from allhere.ops.full import full_attention
 from allhere.registry import from_dict, get, kinds
+from allhere.runtime.model_checkpoint import load_model, save_checkpoint
 
 from helpers import rel_err
 

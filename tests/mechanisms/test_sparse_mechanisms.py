@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from allhere import ConfigError, Decoder, ModelConfig, use_backend
-from allhere.checkpoint import load_model, save_checkpoint
 from allhere.masks import dense_mask, starts_from
 from allhere.mechanisms import (
     AttentionCall,
@@ -22,6 +21,7 @@ from allhere.mechanisms import (
 )
 from allhere.ops.full import masked_attention, pattern_attention_reference
 from allhere.registry import build, from_dict, to_dict
+from allhere.runtime.model_checkpoint import load_model, save_checkpoint
 
 from helpers import rel_err
 

@@ -8,11 +8,11 @@ import torch
 pytest.importorskip("triton")  # on the CPU, conftest.py has chosen Triton's interpreter
 
 from allhere.kernels import aha_pack  # noqa: E402
+from allhere.kernels.aha_common import tma_checked  # noqa: E402
 from allhere.kernels.aha_decode import aha_decode_triton  # noqa: E402
 from allhere.kernels.aha_pack import longest_first, longest_first_torch, pack_global, pack_global_torch  # noqa: E402
 from allhere.kernels.aha_prefill import aha_prefill_triton  # noqa: E402
 from allhere.kernels.aha_train import aha_train_triton, segment_end  # noqa: E402
-from allhere.kernels.blocks import tma_checked  # noqa: E402
 from allhere.masks import segment_starts  # noqa: E402
 from allhere.ops.aha import aha_attention, aha_attention_reference, fast, triton_path  # noqa: E402
 from allhere.ops.sliding import sliding_window_attention_reference  # noqa: E402
@@ -207,7 +207,7 @@ def test_decode_equals_reference(b, h, hkv, t, d, w, split):
 def test_decode_merges_in_its_last_split_and_leaves_the_counters_zero():
     """One launch: the last split of a head to finish merges its splits (an atomic count per (sequence, head),
     set back to zero for the next call); the same call twice gives the same output."""
-    from allhere.kernels import blocks
+    from allhere.kernels import aha_common
 
     q, k, v = inputs(2, 4, 2, 1, 150, 16)
     gate = torch.tensor([[True, False, True, True], [False, True, False, False]])
@@ -215,7 +215,7 @@ def test_decode_merges_in_its_last_split_and_leaves_the_counters_zero():
              for _ in range(2)]
     assert torch.equal(calls[0], calls[1])
     assert rel_err(calls[0], aha_attention_reference(q, k, v, gate[..., None], 20)) < TOL
-    assert blocks._ARRIVED and not any(c.any() for c in blocks._ARRIVED.values())
+    assert aha_common._ARRIVED and not any(c.any() for c in aha_common._ARRIVED.values())
     empty = run(aha_decode_triton, q, k[:, :, :0], v[:, :, :0], gate.to(DEVICE), 20, 16 ** -0.5)
     assert empty.shape == (2, 4, 1, 16) and not empty.any()  # no key at all: zero
 
@@ -240,7 +240,7 @@ def test_decode_with_lengths_on_the_device_reads_each_sequence_and_launches_the_
     """kv_len: each sequence's own length in a longer buffer (what lies past it, here NaN, is never read);
     the launch (grid and every argument but the tensors' contents) is the same whatever the lengths, as a
     captured CUDA graph replays it; with kv_start too, each sequence reads [start, length)."""
-    from allhere.kernels import aha_decode, blocks
+    from allhere.kernels import aha_common, aha_decode
 
     launches = []
     real = aha_decode._decode_kernel
@@ -273,7 +273,7 @@ def test_decode_with_lengths_on_the_device_reads_each_sequence_and_launches_the_
             want = aha_attention_reference(q[i:i + 1], k[i:i + 1, :, lo:n], v[i:i + 1, :, lo:n], gate[i:i + 1], 9)
             assert rel_err(out[i:i + 1], want) < TOL, (lens, starts, i)
     assert len({repr(launch) for launch in launches[:2]}) == 1  # the same launch for other lengths
-    assert not any(c.any() for c in blocks._ARRIVED.values())  # every count back to zero
+    assert not any(c.any() for c in aha_common._ARRIVED.values())  # every count back to zero
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "triton"])

@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from allhere.cli import main
-from allhere.interrupt import Interrupted
+from allhere.runtime.interrupt import Interrupted
 from allhere.validation import ConfigError
 from allhere_recipes import aamoe
 from allhere_recipes.aamoe_grid import check_seeds, compare, select_models, stat

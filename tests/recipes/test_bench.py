@@ -125,7 +125,7 @@ def test_a_decode_row_out_of_memory_leaves_the_others(monkeypatch):
 
 
 def test_launch_settings_section_names_each_choice_and_the_tuning_cost():
-    from allhere_recipes.bench import render_launch_settings
+    from allhere_recipes.ops_bench import render_launch_settings
 
     choices = [{"id": "H100 sm90|triton 3.6.0|global|d128-bfloat16-g1-n32768", "setting": dict(BLOCK_M=128, BLOCK_N=128,
                 num_warps=8, num_stages=3), "ms": 1.9, "tried": 8, "tuning_s": 4.5, "source": "tuned"},
@@ -151,7 +151,7 @@ def test_bench_pin_tiles_is_recorded(tmp_path):
 def test_back_to_back_columns_line_up_with_their_header():
     """On CUDA each prefill / decode row also has its calls timed back to back (``stream_time``); the
     table then grows three columns, header, rule and rows alike (rendered here from such rows)."""
-    from allhere_recipes.bench import render
+    from allhere_recipes.ops_bench import render
     from allhere_recipes.timing import stream_time
 
     assert stream_time(lambda: None, device="cpu") is None  # off CUDA: nothing to add

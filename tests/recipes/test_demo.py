@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from allhere.checkpoint import load_model
 from allhere.cli import main
 from allhere.data.corpus import eval_windows, stdlib_corpus, text_corpus
 from allhere.eval.perplexity import rolling_perplexity
+from allhere.runtime.model_checkpoint import load_model
 
 
 def run(*args):

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from allhere.checkpoint import load_model
 from allhere.cli import main
 from allhere.data.corpus import eval_windows, stdlib_corpus
+from allhere.runtime.model_checkpoint import load_model
 from allhere_recipes import bases
 from allhere_recipes.plans import TASKS, plans
 from allhere_recipes.tasks import task_data

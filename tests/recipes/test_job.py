@@ -3,7 +3,7 @@
 import io
 
 from allhere.config import ModelConfig
-from allhere.progress import LineProgress
+from allhere.runtime.progress import LineProgress
 from allhere_recipes.job import Job, step_cost
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..common import default_scale
-from .blocks import attend_in_blocks
 from .check import check_latent_call, query_rows
+from .query_blocks import attend_in_blocks
 
 
 def dar_latent_attention_absorbed(q, q_far, k_near, v_near, rows, w_uk, w_uv, window: int,

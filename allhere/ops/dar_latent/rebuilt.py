@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..common import default_scale
-from .blocks import attend_in_blocks
 from .check import check_latent_call, split_rows
+from .query_blocks import attend_in_blocks
 from .reference import far_kv
 
 

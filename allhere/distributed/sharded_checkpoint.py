@@ -11,7 +11,8 @@ function of (seed, step, micro-batch index).
 
 Resuming on another number of ranks works (DCP reshards); the RNG states are then left as they are.
 The export gathers the full model on rank 0 and writes our ordinary checkpoint format
-(``allhere.checkpoint.save_checkpoint``, so ``allhere.checkpoint.load_model`` reads it), model only.
+(``allhere.runtime.model_checkpoint.save_checkpoint``, so ``allhere.runtime.model_checkpoint.load_model``
+reads it), model only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointError, atomic_write, save_checkpoint
+from ..runtime.model_checkpoint import CheckpointError, atomic_write, save_checkpoint
 from .env import DistEnv
 
 

@@ -49,10 +49,10 @@ def stop_signals():
 
     A second signal raises ``Interrupted`` at once, wherever the loop is: whoever presses Ctrl-C twice wants
     out now, even in the middle of a long checkpoint write. That corrupts nothing: checkpoints are written to
-    a temporary file and renamed (``allhere.checkpoint.atomic_write``; the sharded ones switch ``latest.json``
-    last), so an aborted write leaves the previous checkpoint in place. Under torchrun a rank stopped at once
-    leaves the others waiting in a collective until torchrun ends them. A signal ignored when the run started
-    (SIG_IGN, e.g. SIGINT of a background job) stays ignored.
+    a temporary file and renamed (``allhere.runtime.model_checkpoint.atomic_write``; the sharded ones switch
+    ``latest.json`` last), so an aborted write leaves the previous checkpoint in place. Under torchrun a rank
+    stopped at once leaves the others waiting in a collective until torchrun ends them. A signal ignored when
+    the run started (SIG_IGN, e.g. SIGINT of a background job) stays ignored.
     """
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():

@@ -22,8 +22,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from .distributed.env import detect
-from .validation import ConfigError
+from ..distributed.env import detect
+from ..validation import ConfigError
 
 LOCK_NAME = ".allhere.lock"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data.recall import RecallTask
+from ..data.recall_task import RecallTask
 from ..model import Decoder
 from .heldout import static_mu_f
 
