@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib.util
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -71,6 +72,27 @@ def events_dir(ckpt_path: str | Path) -> Path:
     ckpt_path = Path(ckpt_path)
     folder = ckpt_path.parent / "tensorboard"
     return folder if ckpt_path.stem == "checkpoint" else folder / ckpt_path.stem
+
+
+EVENTS_PREFIX = "events.out.tfevents."  # how TensorBoard's writers name their files
+
+
+def stale_events(run: str | Path) -> Path | None:
+    """``run/tensorboard`` when it is all ``run`` holds beside a run lock, and it holds TensorBoard event files
+    only: what a training run killed before its first checkpoint leaves (a new run there replaces them); None
+    otherwise."""
+    from .runtime.runlock import LOCK_NAME
+
+    run = Path(run)
+    folder = run / "tensorboard"
+    if not folder.is_dir() or folder.is_symlink() or any(f.name not in (LOCK_NAME, folder.name) for f in run.iterdir()):
+        return None
+    for root, dirs, files in os.walk(folder):
+        if any(os.path.islink(os.path.join(root, d)) for d in dirs):
+            return None
+        if any(not f.startswith(EVENTS_PREFIX) or os.path.islink(os.path.join(root, f)) for f in files):
+            return None
+    return folder
 
 
 def say_on_stderr(line: str) -> None:

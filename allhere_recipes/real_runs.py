@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -138,17 +137,16 @@ def save_model(model, folder: Path, tokenizer, card: dict | None = None) -> None
     ``source``, ``settings`` and ``results``)."""
     from allhere.hf import converted_mechanism, save_pretrained
     from allhere.hf.card import write_card
+    from allhere.runtime.atomic_folder import write_folder
 
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     model.to(SAVED_DTYPE)
-    if converted_mechanism(model) is not None:
-        save_pretrained(model, tmp)
-        write_card(tmp, model.config, "allhere demo --model (the real-model job)", shown_as=folder, **(card or {}))
-    else:
-        model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    tmp.replace(folder)
+    with write_folder(folder) as tmp:  # a temporary sibling, fsynced, renamed (the job holds its run lock)
+        if converted_mechanism(model) is not None:
+            save_pretrained(model, tmp)
+            write_card(tmp, model.config, "allhere demo --model (the real-model job)", shown_as=folder, **(card or {}))
+        else:
+            model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
 
 
 def train_config(plan, steps: int, lr: float, lam: float = 0.0, target_mu_f: float | None = None,

@@ -49,10 +49,14 @@ def _check_out(out: str, model: str, resume: bool | None = None) -> None:
     if out_p in model_p.parents:  # e.g. sft --model RUN/model --out RUN: the run would write over its input
         raise ConfigError(f"--out {out} holds the input model ({model}); choose a folder outside it (nothing was "
                           "written)")
-    from ..runtime.runlock import LOCK_NAME, ensure_free
+    from ..reporting import stale_events
+    from ..runtime.atomic_folder import holds_files
+    from ..runtime.runlock import ensure_free
 
     ensure_free(out_p)  # a folder another process writes is refused as such
-    busy = out_p.is_dir() and any(f.name != LOCK_NAME for f in out_p.iterdir())  # a lock left by a killed run
+    busy = holds_files(out_p)  # a lock left by a killed run does not count
+    if busy and resume is not None and stale_events(out_p) is not None:
+        busy = False  # the TensorBoard events of a run killed before its first checkpoint: sft replaces them
     if busy and not resume:
         hint = "choose" if resume is None else "pass --resume to continue the run there, or choose"
         raise ConfigError(f"--out {out} already holds files; {hint} a new folder (nothing was written)")
@@ -165,9 +169,18 @@ def convert_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def convert(args) -> None:
+    from ..runtime.runlock import run_lock
+
+    _check_out(args.out, args.model)  # before the lock creates --out: a refused folder is left as it is
+    with run_lock(args.out):  # one writer: a second convert or sft into the same --out is refused in one line
+        _convert(args)
+
+
+def _convert(args) -> None:
     from ..hf import convert as hf_convert
     from ..hf import save_pretrained
     from ..hf.io import check_causal_lm, load_local, saved_mechanism
+    from ..runtime.atomic_folder import write_folder
 
     mech = _mechanism(args)
     if args.format == "faolmo":  # the AHA authors' format: the paper's router, no bias, gate at 0.5
@@ -175,7 +188,7 @@ def convert(args) -> None:
 
         mech = dataclasses.replace(mech, router_bias=False) if getattr(mech, "kind", None) == "aha" else mech
         check_mechanism(mech)
-    _check_out(args.out, args.model)
+    _check_out(args.out, args.model)  # again, holding the lock: another run may have filled it meanwhile
     config = check_causal_lm(args.model)
     if args.format == "faolmo" and config.model_type != "olmo2":
         raise ConfigError(f"--format faolmo holds OLMo-2 models; {args.model} holds model_type {config.model_type!r}")
@@ -208,9 +221,10 @@ def convert(args) -> None:
     _print_notes(model.config, args.layers)
     hf_convert(model, mech, layers=args.layers, calibration=calibration)
     taught = _teach(model, tokenizer, text, mech, args) if teach else None
-    save_pretrained(model, args.out, format=args.format)
-    tokenizer.save_pretrained(args.out)
-    _convert_card(model, args, taught)
+    with write_folder(args.out) as partial:  # whole or not at all: a killed convert leaves no half model
+        save_pretrained(model, partial, format=args.format)
+        tokenizer.save_pretrained(str(partial))
+        _convert_card(model, args, taught, partial)
     fmt = " in the AHA authors' faolmo format" if args.format == "faolmo" else ""
     print(f"{args.mechanism.upper()} model ({mech}) saved to {args.out}{fmt}; load it with allhere.hf.load_pretrained")
 
@@ -219,8 +233,9 @@ def _taught_mu_f(args) -> float:
     return 0.1 if args.mu_f is None else args.mu_f  # --mu-f's default
 
 
-def _convert_card(model, args, taught) -> None:
-    """The converted folder's README.md (``allhere.hf.card``): the settings, the teaching's numbers where it taught."""
+def _convert_card(model, args, taught, folder) -> None:
+    """The converted model's README.md (``allhere.hf.card``) in ``folder`` (the one written before it becomes
+    ``--out``): the settings, the teaching's numbers where it taught."""
     from pathlib import Path
 
     from ..hf.card import teaching_results, write_card
@@ -231,7 +246,8 @@ def _convert_card(model, args, taught) -> None:
     if taught is not None:
         settings["mu_f_target"] = _taught_mu_f(args)
         results = teaching_results(taught)
-    write_card(args.out, model.config, "allhere convert", source=args.model, settings=settings, results=results)
+    write_card(folder, model.config, "allhere convert", source=args.model, settings=settings, results=results,
+               shown_as=args.out)
 
 
 def _teach(model, tokenizer, text: str, mech, args):

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -28,6 +29,8 @@ from ..distributed.env import detect
 from ..distributed.parallel import ParallelConfig
 from ..distributed.sharded_checkpoint import full_state_dict
 from ..mechanisms import AHAConfig, DARConfig
+from ..reporting import stale_events
+from ..runtime.atomic_folder import write_folder
 from ..runtime.runlock import run_lock
 from ..train import train
 from ..validation import ConfigError
@@ -82,8 +85,9 @@ def _load_report(model) -> dict:
 
 
 def _card(folder: Path, model, model_path, data_path, state: dict, cfg: TrainConfig, sequences: int, seq_len: int,
-          d_down, stage1_lr: float) -> None:
-    """The saved model's README.md (``allhere.hf.card``): the run's settings and the numbers its training logged."""
+          d_down, stage1_lr: float, shown_as: Path) -> None:
+    """The saved model's README.md (``allhere.hf.card``) in ``folder`` (written before it becomes ``shown_as``): the
+    run's settings and the numbers its training logged."""
     from ..routing import routed_layers
     from .card import training_results, write_card
 
@@ -92,7 +96,7 @@ def _card(folder: Path, model, model_path, data_path, state: dict, cfg: TrainCon
                 "stage1_lr": stage1_lr if d_down is not None else None, "target_mu_f": cfg.target_mu_f,
                 "stages": "2 (the bottleneck alone, then everything); the results are stage 2's" if d_down else None}
     write_card(folder, model.config, "allhere sft", source=model_path, settings=settings,
-               results=training_results(state, routed=bool(routed_layers(model))))
+               results=training_results(state, routed=bool(routed_layers(model))), shown_as=shown_as)
 
 
 def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: int, seq_len: int = 2048,
@@ -140,6 +144,9 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
         refuse_gguf(Path(model_path))
     out = Path(out)
     with run_lock(out):  # one writer per run folder; train() takes it again (reentrant)
+        stale = None if resume or (env is not None and not env.main) else stale_events(out)
+        if stale is not None:  # the events of a run killed before its first checkpoint: this run writes anew
+            shutil.rmtree(stale)
         rows = load_chat(data_path)  # the data first: a bad file is reported before a model is loaded
         mech = (AHAConfig(window=window, tau=tau, lam=lam, sinks=sinks) if d_down is None
                 else DARConfig(window=window, d_down=d_down))
@@ -188,9 +195,12 @@ def sft(model_path: str | Path, data_path: str | Path, out: str | Path, window: 
             if not env.main:
                 torch.distributed.barrier()
                 return state
-        save_pretrained(model.to(published), out / "model")  # in the dtype the input model was published in
-        tokenizer.save_pretrained(str(out / "model"))
-        _card(out / "model", model, model_path, data_path, state, cfg, n, seq_len, d_down, stage1_lr)
+        # whole or not at all: a killed save leaves the checkpoint, from which --resume saves it again (replace: that
+        # of a finished run, saved again by --resume)
+        with write_folder(out / "model", replace=True) as partial:
+            save_pretrained(model.to(published), partial)  # in the dtype the input model was published in
+            tokenizer.save_pretrained(str(partial))
+            _card(partial, model, model_path, data_path, state, cfg, n, seq_len, d_down, stage1_lr, out / "model")
         if env is not None:
             torch.distributed.barrier()
         return state
