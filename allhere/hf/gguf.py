@@ -13,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import hashlib
+import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -191,25 +194,124 @@ def load(path: str | Path, dtype: torch.dtype | str = "auto"):
     return tokenizer, model.eval()
 
 
+# A copy's record (in its folder): the file's sha256, and each path it was copied or found for with that path's
+# (device, inode, size, mtime_ns, ctime_ns) when it was hashed.
+RECORD = "allhere-gguf.json"
+
+
+def _stat_of(p: Path) -> list[int]:
+    st = p.stat()
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _record(folder: Path) -> dict | None:
+    try:
+        record = json.loads((folder / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("sources"), dict) else None
+
+
+def _write_record(folder: Path, record: dict) -> None:
+    tmp = folder / f".{RECORD}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, folder / RECORD)
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _content_key(p: Path, stat: list[int], copies: Path) -> str:
+    """The sha256 of the file ``p`` (resolved; ``stat``: its ``_stat_of``): read from a copy's record where it holds
+    this path with the same device, inode, size, mtime and ctime (the ctime no tool sets back: a file rewritten with
+    its mtime kept, by ``cp -p`` or ``rsync -t``, has another), else hashed."""
+    for folder in copies.iterdir() if copies.is_dir() else ():
+        record = _record(folder)
+        if record is not None and record["sources"].get(str(p)) == stat and isinstance(record.get("sha256"), str):
+            return record["sha256"]
+    return _sha256(p)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale(copies: Path, p: Path, keep: Path) -> None:
+    """Remove the copies of ``copies`` no file stands for any more: the one this path ``p`` held before its content
+    changed, those of files gone, the folders of the earlier naming (name, size, mtime), and the temporary folders
+    of processes that died while writing one."""
+    for folder in copies.iterdir():
+        if folder == keep or not folder.is_dir() or folder.is_symlink():
+            continue
+        if folder.name.startswith("."):  # ".<name>.partial-<pid>-...": a copy being written
+            pid = folder.name.rsplit(".partial-", 1)[-1].split("-")[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+            continue
+        record = _record(folder)
+        if record is None:
+            if re.fullmatch(r".+-\d+-\d+", folder.name):  # keyed by name, size and mtime (earlier versions)
+                shutil.rmtree(folder, ignore_errors=True)
+            continue
+        sources = {k: v for k, v in record["sources"].items() if k != str(p) and Path(k).is_file()}
+        if not sources:
+            shutil.rmtree(folder, ignore_errors=True)
+        elif sources != record["sources"]:
+            with contextlib.suppress(OSError):
+                _write_record(folder, {**record, "sources": sources})
+
+
 def as_folder(path: str | Path) -> Path:
     """An ordinary model folder (float32 safetensors, the tokenizer and chat template) holding the GGUF file
     ``path``: written once into allhere's cache (``allhere.models_cache.cache_dir() / "gguf-folders"``), keyed by
-    the file's name, size and modification time, and reused while the file is unchanged. For hosts that read
-    folders only (vLLM with allhere's plugin)."""
+    the file's content (its sha256), and reused while the file holds the same bytes. Copies no file stands for any
+    more (the path's earlier content, a file removed) are removed. For hosts that read folders only (vLLM with
+    allhere's plugin).
+
+    Keyed by the whole file's sha256, not by its size, modification time or first bytes: two fine-tunes of one
+    model in one quantization have the same size and the same header (metadata and tensor table), and a file
+    rewritten by ``cp -p`` or ``rsync -t`` keeps its mtime. Hashing reads the file once (about a second per GB); a
+    copy's record keeps the hash with the file's inode, mtime and ctime, so an unchanged file is not read again."""
     from ..models_cache import cache_dir
+    from ..runtime.atomic_folder import fsync_tree
 
     check(path)
-    p = Path(path)
-    _, size, mtime_ns = _key(p)
-    folder = cache_dir() / "gguf-folders" / f"{p.stem}-{size}-{mtime_ns}"
+    p = Path(path).resolve()
+    copies = cache_dir() / "gguf-folders"
+    stat = _stat_of(p)
+    sha = _content_key(p, stat, copies)
+    if _stat_of(p) != stat:
+        raise ConfigError(f"{path} changed while it was read; serve it again once it is written")
+    folder = copies / f"{p.stem}-{sha[:16]}"
     if (folder / "config.json").is_file():
+        record = _record(folder) or {"sha256": sha, "sources": {}}
+        if record["sources"].get(str(p)) != stat:
+            with contextlib.suppress(OSError):  # a read-only cache serves all the same
+                _write_record(folder, {**record, "sources": {**record["sources"], str(p): stat}})
+        _remove_stale(copies, p, folder)
         return folder
     tokenizer, model = load(p)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    if _stat_of(p) != stat:
+        raise ConfigError(f"{path} changed while it was read; serve it again once it is written")
+    copies.mkdir(parents=True, exist_ok=True)
+    _remove_stale(copies, p, folder)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-{os.getpid()}-", dir=copies))
     try:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        _write_record(tmp, {"sha256": sha, "sources": {str(p): stat}})
+        fsync_tree(tmp)
         os.rename(tmp, folder)  # whole or not at all
     except OSError:
         if not (folder / "config.json").is_file():  # not another process having written it first

@@ -181,6 +181,41 @@ def test_serve_copies_the_file_once(files, cache, capsys, monkeypatch):
         assert not (cache / "other").exists()
 
 
+def test_serve_copies_are_keyed_by_the_files_content(files, cache, tmp_path, monkeypatch):
+    """Another model written at the same path with the same size and modification time (``cp -p``, ``rsync -t``; two
+    fine-tunes of one model in one quantization have the same header too) is not served from the first one's copy,
+    which goes; an unchanged file is not read again; the copies of files gone, the earlier naming's folders and a
+    killed writer's temporary folder go as well."""
+    import os
+
+    from allhere.hf import gguf
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(files["q8"].read_bytes())
+    first = gguf.as_folder(path)
+    hashed = []
+    real_sha = gguf._sha256
+    monkeypatch.setattr(gguf, "_sha256", lambda p: hashed.append(p) or real_sha(p))
+    assert gguf.as_folder(path) == first and hashed == []  # unchanged: its record stands for the hash
+    tok, other = tiny_llama(seed=1)
+    stamp = path.stat()
+    write_gguf(path, tok, other)
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert path.stat().st_size == stamp.st_size and path.stat().st_mtime_ns == stamp.st_mtime_ns
+    (cache / "gguf-folders" / "model-1234-5678").mkdir()  # keyed by name, size and mtime: an earlier version's
+    (cache / "gguf-folders" / ".model-x.partial-999999999-ab").mkdir()  # a writer that died (no such process)
+    second = gguf.as_folder(path)
+    assert second != first and not first.exists() and hashed == [path]
+    assert sorted(p.name for p in (cache / "gguf-folders").iterdir()) == [second.name]
+    tok2, model = load_local(second)
+    assert torch.equal(logits(model, tok2), logits(dequantized(other), tok2))
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(files["q8"].read_bytes())
+    third = gguf.as_folder(copy)
+    path.unlink()  # the file gone: its copy goes the next time a copy is looked up
+    assert gguf.as_folder(copy) == third and not second.exists()
+
+
 # fetch --------------------------------------------------------------------------------------------------
 
 @pytest.fixture
