@@ -32,7 +32,16 @@ from pathlib import Path
 
 from ..validation import ConfigError
 from . import serving
-from .server_process import PARENT_ENV, child_command, stop, wait_ready, why_stopped
+from .server_process import (
+    KEEP_WORK,
+    PARENT_ENV,
+    WORK_PREFIX,
+    child_command,
+    prune_work_folders,
+    stop,
+    wait_ready,
+    why_stopped,
+)
 from .serving import BACKEND_ENV, SERVE_BACKENDS
 from .vllm_metrics import MULTIPROC_ENV
 from .vllm_plugin import CPU_HEAD_SIZES, MODELS, RESET_SUFFIX, STATS_ENV, TRANSFORMERS_BACKEND
@@ -252,7 +261,12 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
         import vllm  # noqa: F401
     except ImportError:
         raise ImportError(INSTALL) from None
-    work = Path(tempfile.mkdtemp(prefix="allhere-serve-"))
+    from ..runtime.runlock import run_lock
+
+    prune_work_folders(keep=KEEP_WORK - 1)  # the older servers' folders, beyond the last ones (never a running one's)
+    work = Path(tempfile.mkdtemp(prefix=WORK_PREFIX))
+    held = run_lock(work)  # while this server runs: another serve's pruning leaves its folder alone
+    held.__enter__()
     log, stats_file, metrics = work / "vllm.log", work / "routing.json", work / "prometheus"
     metrics.mkdir()  # new for each server: the API server's /metrics reads every process's files there
     cmd = [*child_command(), "--model", str(model), "--host", host, "--port", str(port), "--dtype", dtype,
@@ -272,8 +286,12 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
     if key:
         env[KEY_ENV] = key
     out = None if verbose else open(log, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    except BaseException:
+        held.__exit__(None, None, None)
+        raise
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     # this machine reaches a server listening on every address through the loopback one
     local = {"0.0.0.0": "http://127.0.0.1", "::": "http://[::1]"}.get(host, url.rsplit(":", 1)[0]) + f":{port}"
@@ -306,6 +324,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
         if out is not None:
             out.close()
         shutil.rmtree(metrics, ignore_errors=True)
+        held.__exit__(None, None, None)
 
 
 def _read_stats(path: Path) -> dict | None:

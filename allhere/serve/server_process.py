@@ -35,6 +35,45 @@ if os.environ.pop("{parent}", str(os.getppid())) != str(os.getppid()):
 VLLM = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
 
 
+# Each server's folder in the temp dir (vLLM's log, the routing statistics, /metrics' files), whose path is printed.
+# They are kept for reading after the server stopped, and pruned by count, not by age: the log one reads is that of
+# the server that just stopped or failed, a day of retries can start dozens, and a count bounds the disk whatever the
+# pace (an age alone would not, and would remove the only log of a long-running server the day it fails).
+WORK_PREFIX = "allhere-serve-"
+KEEP_WORK = 10
+
+
+def prune_work_folders(root: str | Path | None = None, keep: int = KEEP_WORK) -> list[Path]:
+    """Remove this user's server folders (``WORK_PREFIX`` in ``root``, default the temp dir) but the ``keep`` most
+    recent (by their own or their files' modification time), never one a running server holds (its run lock,
+    ``allhere.runtime.runlock``). Returns those removed. Never raises for a folder it cannot read or remove."""
+    import shutil
+    import tempfile
+
+    from ..runtime.runlock import RunLocked, ensure_free
+
+    root = Path(tempfile.gettempdir() if root is None else root)
+    found = []
+    for entry in root.glob(f"{WORK_PREFIX}*"):
+        try:
+            if entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.getuid():
+                continue
+            found.append((max([entry.stat().st_mtime, *(f.stat().st_mtime for f in entry.iterdir())]), entry))
+        except OSError:  # removed meanwhile, or unreadable
+            continue
+    removed = []
+    for _, entry in sorted(found, reverse=True)[keep:]:
+        try:
+            ensure_free(entry)
+        except RunLocked:  # a server still runs there
+            continue
+        except (OSError, ConfigError):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
 def child_command(main: str = VLLM) -> list[str]:
     """The server process's command line (``main``: the Python it runs once set up); PARENT_ENV must name this
     process in its environment."""

@@ -150,3 +150,73 @@ time.sleep(60)
     orphan = start("import time; time.sleep(60)", tmp_path / "log", parent=1)  # "started" by a process long gone
     assert orphan.wait(10) == 1
     assert "the process that started this server is gone" in (tmp_path / "log").read_text()
+
+
+def test_old_server_folders_are_pruned_but_never_a_running_ones(tmp_path):
+    """``allhere serve``'s folders in the temp dir (vLLM's log): the last ones kept, older ones removed, never the
+    folder of a server that still runs (it holds the folder's run lock), nor anything not named as one."""
+    import fcntl
+
+    from allhere.runtime.runlock import LOCK_NAME
+    from allhere.serve.server_process import WORK_PREFIX, prune_work_folders
+
+    folders = []
+    for i in range(6):
+        folder = tmp_path / f"{WORK_PREFIX}{i}"
+        folder.mkdir()
+        (folder / "vllm.log").write_text(f"server {i}\n")
+        (folder / LOCK_NAME).write_text("1\n")  # as a server writes it (removed when it stops)
+        for p in (folder / "vllm.log", folder / LOCK_NAME, folder):
+            os.utime(p, (1000 + i, 1000 + i))  # folder i started at second i
+        folders.append(folder)
+    os.utime(folders[2] / "vllm.log", (9999, 9999))  # an old server whose log grew last: among the recent ones
+    held = os.open(folders[0] / LOCK_NAME, os.O_RDWR)  # the oldest still runs
+    fcntl.flock(held, fcntl.LOCK_EX)
+    (tmp_path / "other").mkdir()
+    (tmp_path / f"{WORK_PREFIX}file").write_text("not a server's folder")
+    try:
+        removed = prune_work_folders(tmp_path, keep=3)
+    finally:
+        os.close(held)
+    assert sorted(removed) == [folders[1], folders[3]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["other", f"{WORK_PREFIX}file"] + [f.name for f in folders if f not in removed])
+    assert prune_work_folders(tmp_path, keep=3) == [folders[0]]  # stopped since: removed the next time
+
+
+def test_serve_holds_its_folder_and_prunes_the_old_ones(tmp_path, monkeypatch):
+    """``allhere.serve.launch.serve`` with a stand-in for vLLM (a module that imports, a server that fails at once):
+    the old folders beyond the last ones go at the start, the new one is locked while the server runs and keeps
+    its log afterwards."""
+    import json
+    import tempfile
+    import types
+
+    from allhere.runtime.runlock import LOCK_NAME
+    from allhere.serve import launch
+    from allhere.serve.server_process import KEEP_WORK, WORK_PREFIX
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    old = []
+    for i in range(KEEP_WORK + 2):
+        folder = tmp_path / f"{WORK_PREFIX}old{i:02d}"
+        folder.mkdir()
+        os.utime(folder, (1000 + i, 1000 + i))
+        old.append(folder)
+    seen = tmp_path / "seen.json"  # what the stand-in server finds in its folder
+    main = (f"import json, os, pathlib; work = pathlib.Path(os.environ['{launch.MULTIPROC_ENV}']).parent; "
+            f"pathlib.Path({str(seen)!r}).write_text(json.dumps(sorted(os.listdir(work)))); "
+            "print('ValueError: no such server'); raise SystemExit(3)")
+    monkeypatch.setattr(launch, "child_command", lambda: [sys.executable, "-c", main])
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 2,
+                                                   "hidden_size": 128, "max_position_embeddings": 64}))
+    with pytest.raises(ConfigError, match="no such server"):
+        launch.serve(str(model), port=free_port(), stats_every=30)
+    assert LOCK_NAME in json.loads(seen.read_text())  # held while the server ran
+    left = set(tmp_path.glob(f"{WORK_PREFIX}*"))
+    new = left - set(old)
+    assert left == set(old[3:]) | new and len(new) == 1  # the last KEEP_WORK, the new one included
+    assert [p.name for p in new.pop().iterdir()] == ["vllm.log"]  # its log kept; its lock and metrics gone
