@@ -17,10 +17,10 @@ kernel is one of those, AHA's step runs mostly in vLLM's own kernel over the sam
 window in its windowed kernel, a decode token's global rows in its full kernel, one request per (token, kv head)
 over that kv head's blocks (``vllm_global_decode``); allhere's attention computes the prefill tokens' global rows.
 With one sink (``AHAConfig.sinks = 1``: its local rows also read the request's first token) the decode tokens'
-windows are vLLM's too, the sink swapped in for the call (``vllm_sink_window_decode``), and allhere's attention
-computes the prefill tokens' local rows; with more sinks, every row (``PagedAttention.compute`` says why). An AHA
-layer on CUDA runs allhere's Triton paged kernel for all its rows instead (``allhere.serve.paged_kernel``; its keys
-stored untransposed).
+windows are vLLM's too, the sink swapped in for the call (``vllm_sink_window_decode``), and the prefill tokens'
+rows are a few calls of torch's fused attention per request (``allhere.serve.paged_prefill``); with more sinks,
+allhere's attention computes every row (``PagedAttention.compute`` says why). An AHA layer on CUDA runs allhere's
+Triton paged kernel for all its rows instead (``allhere.serve.paged_kernel``; its keys stored untransposed).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from ..backend import OpPath, get_backend, select
 from .paged import Read, paged_attention, paged_view, slot_places, write
 from .paged_chunks import Workspace
 from .paged_paths import OP, transposed_for
+from .paged_prefill import aha_prefill
 from .serving import BACKEND_ENV
 from .step_memo import memo, step_values
 
@@ -193,12 +194,13 @@ def vllm_sink_window_decode(q, cache, view, meta, window: int, scale: float, sof
 def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, scale: float, softcap: float, sinks,
                   isa: str, out, workspace) -> None:
     """AHA's step on vLLM's CPU backend where its kernel reads allhere's layout: every row's window by vLLM's
-    windowed kernel (with one attention sink: the decode tokens' windows, ``vllm_sink_window_decode``; the prefill
-    tokens' local rows by allhere's attention); the decode tokens' global rows by its full kernel per (token, kv
-    head) (``vllm_global_decode``; with learned sink logits, by allhere's attention); the other rows by allhere's
-    attention (``paged_attention`` with the layer's ``reads``). ``row_class`` [tokens, heads]: ``local`` for a
-    local row, whose one read is a ``window_read`` with at most one sink. ``out`` [tokens, heads, d]: the first
-    meta.num_actual_tokens rows."""
+    windowed kernel (with one attention sink: the decode tokens' windows, ``vllm_sink_window_decode``); the decode
+    tokens' global rows by its full kernel per (token, kv head) (``vllm_global_decode``); with a sink, the prefill
+    tokens' rows in a few large calls of torch's fused attention (``allhere.serve.paged_prefill``); what is left
+    (the prefill tokens' global rows without a sink, learned sink logits, a soft cap, decode tokens sharing a
+    swapped slot) by allhere's general attention (``paged_attention`` with the layer's ``reads``). ``row_class``
+    [tokens, heads]: ``local`` for a local row, whose one read is a ``window_read`` with at most one sink. ``out``
+    [tokens, heads, d]: the first meta.num_actual_tokens rows."""
     window_read = reads[local][0]
     if window_read.n_sinks > 1:
         raise ValueError("aha_over_vllm: more than one sink is read by paged_attention")
@@ -214,6 +216,12 @@ def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, scale: flo
     if sinks is None and not bool(is_local.all()):
         tok = vllm_global_decode(q, cache, meta, ~is_local, scale, softcap, isa, out)
         done[tok] |= ~is_local[tok]
+    if window_read.n_sinks and sinks is None and not softcap and not bool(done.all()):
+        # the prefill tokens' rows in a few large calls (without a sink, vLLM's window kernel has their local rows
+        # and ``paged_attention`` their global ones, which measured no slower than these calls)
+        written = aha_prefill(q, view, meta.query_start_loc, meta.seq_lens, meta.block_table, is_local,
+                              window_read.window, window_read.n_sinks, scale, out)
+        done |= written[:n, None]
     if bool(done.all()):
         return
     rest = torch.where(done, len(reads), row_class[:n].long())  # class len(reads) reads nothing: rows done

@@ -431,3 +431,36 @@ def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     readers = ((torch.tensor(LENGTHS) - window) > 0).nonzero().flatten().tolist()
     assert sorted(i for ids in read for i in ids.tolist()) == readers  # each far reader's row, asked for once
+
+
+@pytest.mark.parametrize("window, n_sinks, dtype", [(40, 0, torch.float32), (40, 1, torch.float32),
+                                                     (40, 2, torch.float32), (200, 1, torch.float32),
+                                                     (40, 1, torch.bfloat16)])
+def test_aha_prefill_in_large_calls_equals_paged_attention(window, n_sinks, dtype):
+    """``paged_prefill.aha_prefill`` (AHA's prefill rows per request in a few calls of torch's fused attention)
+    = ``paged_attention`` on every row it writes: a whole prompt, a later chunk of one (keys before the chunk,
+    blocks scattered), a chunk shorter than a tile, a decode token beside them (not written); a window wider than
+    a tile; with and without sinks."""
+    from allhere.serve.paged_prefill import aha_prefill
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, bs = 6, 2, 16, 32
+    lens, q_lens = [300, 77, 130, 20], [250, 1, 130, 20]
+    cache = torch.zeros(40, kv_heads, bs, 2 * d, dtype=dtype)
+    view = paged_view(cache, bs, kv_heads, d)
+    table = torch.randperm(40, generator=gen).to(torch.int32).view(4, 10)
+    for r, n in enumerate(lens):
+        slots = torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(n)])
+        write(view, slots, torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen))
+    q = torch.randn(sum(q_lens), heads, d, generator=gen).to(dtype)
+    starts, seq_lens = torch.tensor([0, 250, 251, 381, 401], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    glob = torch.rand(q.shape[0], heads, generator=gen) < 0.2
+    ref = torch.zeros_like(q)
+    paged_attention(q, view, starts, seq_lens, table, [[window_read(window, n_sinks=n_sinks)], [causal_read()]],
+                    d ** -0.5, ref, row_class=glob)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    ours = torch.full_like(q, 7.0)
+    done = aha_prefill(q, view, starts, seq_lens, table, ~glob, window, n_sinks, d ** -0.5, ours)
+    assert done.tolist() == [True] * 250 + [False] + [True] * 150
+    torch.testing.assert_close(ours[done].float(), ref[done].float(), **tol)
+    assert bool((ours[~done] == 7.0).all())  # the decode token's rows are left as they were
