@@ -136,51 +136,57 @@ def read_slots(view: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) -> 
     return view[:, :, 0].view(nb, kv_heads, d, bs)[blocks, :, :, rows], view[blocks, :, 1, rows]
 
 
+def sink_swaps(meta, window: int, bs: int):
+    """Which of the step's decode requests ``vllm_sink_window_decode`` computes, and where it swaps: (requests [m],
+    the swaps' index among them [s], their block [s] and row [s]); the same for every layer of the step. A request
+    at position p swaps position p - window where that is >= 1 (else a window of window + 1 reads the sink as it
+    is); a request whose swapped slot another request would read (blocks shared by prefix caching), and that
+    reader, are left out."""
+    starts = meta.query_start_loc.long()
+    dec = ((starts[1:] - starts[:-1]) == 1).nonzero().squeeze(1)
+    pos = meta.seq_lens[dec].long() - 1
+    table = meta.block_table[dec].long()
+    at = pos - window
+    swap = (at >= 1).nonzero().squeeze(1)
+    blocks, rows = table[swap, at[swap] // bs], at[swap] % bs
+    # who reads whose swapped slot: request i's keys at positions at_i .. pos_i, in blocks of its own table
+    low = at.clamp_min(0)
+    cols = torch.arange(table.shape[1], device=table.device)
+    span = (cols >= (low // bs)[:, None]) & (cols <= (pos // bs)[:, None])  # [requests, columns]
+    slot_pos = cols[None, None, :] * bs + rows[None, :, None]  # [1, swaps, columns]: the slot's position in i
+    reads = ((table[:, None, :] == blocks[None, :, None]) & span[:, None, :] & (slot_pos >= low[:, None, None])
+             & (slot_pos <= pos[:, None, None])).any(-1)  # [requests, swaps]
+    reads[swap, torch.arange(swap.numel(), device=swap.device)] = False  # its own slot: that is the point
+    clash = reads.any(1)
+    clash[swap[reads.any(0)]] = True
+    if bool(clash.any()):
+        keep = ~clash[swap]
+        swap = torch.searchsorted((~clash).nonzero().squeeze(1), swap[keep])
+        dec, blocks, rows = dec[~clash], blocks[keep], rows[keep]
+    return dec, swap, blocks, rows
+
+
 def vllm_sink_window_decode(q, cache, view, meta, window: int, scale: float, softcap: float, sinks, isa: str,
                             out) -> torch.Tensor:
     """The local rows of the step's decode tokens for AHA with one attention sink (a local row at position p reads
     key 0 and keys p - window + 1 .. p) by vLLM's windowed kernel, which reads no sinks: for the call, the key and
     value at position p - window (the one just before the window) are replaced by the request's first, so a window
-    of window + 1 reads exactly the sink and the window; they are put back after. A request whose swapped slot
-    another request of the call would read (blocks shared by prefix caching) is left out, with its reader. Every
-    head's row of the decode tokens done is written to ``out`` [tokens, heads, d]; returns those tokens [m]."""
-    starts = meta.query_start_loc.long()
-    dec = ((starts[1:] - starts[:-1]) == 1).nonzero().squeeze(1)
+    of window + 1 reads exactly the sink and the window; they are put back after (``sink_swaps`` says which
+    requests and slots). Every head's row of the decode tokens done is written to ``out`` [tokens, heads, d];
+    returns those tokens [m]."""
+    bs = view.shape[3]
+    dec, swap, blocks, rows = memo(step_values(meta), ("sink_swaps", window, bs), lambda: sink_swaps(meta, window, bs))
     if dec.numel() == 0:
         return dec
-    bs = view.shape[3]
-    pos = meta.seq_lens[dec].long() - 1
-    table = meta.block_table[dec].long()
-    at = pos - window  # the position swapped; at <= 0: the window of window + 1 reads the sink as it is
-    swap = (at >= 1).nonzero().squeeze(1)
-    blocks = table[swap, at[swap] // bs]
-    rows = at[swap] % bs
-    # who reads whose swapped slot: request i's keys at positions at_i .. pos_i, in blocks of its own table
-    first, last = at.clamp_min(0) // bs, pos // bs
-    cols = torch.arange(table.shape[1], device=table.device)
-    mine = (table[:, None, :] == blocks[None, :, None]) & (cols >= first[:, None])[:, None, :] & \
-        (cols <= last[:, None])[:, None, :]  # [requests, swaps, columns]
-    slot_pos = cols[None, None, :] * bs + rows[None, :, None]
-    reads = (mine & (slot_pos >= at.clamp_min(0)[:, None, None]) & (slot_pos <= pos[:, None, None])).any(-1)
-    reads[swap, torch.arange(swap.numel(), device=swap.device)] = False  # its own slot: that is the point
-    clash = reads.any(1)
-    clash[swap[reads.any(0)]] = True
-    if bool(clash.any()):
-        keep_swap = ~clash[swap]
-        swap, blocks, rows = swap[keep_swap], blocks[keep_swap], rows[keep_swap]
-        dec, table = dec[~clash], table[~clash]
-        if dec.numel() == 0:
-            return dec
-        swap = torch.searchsorted((~clash).nonzero().squeeze(1), swap)
-    tok = starts[dec]
+    tok = meta.query_start_loc[dec].long()
     saved = read_slots(view, blocks, rows)
-    sink = read_slots(view, table[swap, 0], torch.zeros_like(rows))
+    sink = read_slots(view, meta.block_table[dec[swap], 0].long(), torch.zeros_like(rows))
     slots = blocks * bs + rows
-    write(view, slots, *sink, places=(None, blocks, rows))
+    every = tok.numel() == meta.num_actual_tokens  # a step of decode tokens only: q and out as they are
+    o = out[:tok.numel()] if every else q.new_empty(tok.numel(), *q.shape[1:])
     try:
+        write(view, slots, *sink, places=(None, blocks, rows))
         nb, kv_heads = cache.shape[:2]
-        every = tok.numel() == meta.num_actual_tokens  # a step of decode tokens only: q and out as they are
-        o = out[:tok.numel()] if every else q.new_empty(tok.numel(), *q.shape[1:])
         vllm_attention(q[:tok.numel()] if every else q[tok], cache.view(nb, kv_heads, 2 * bs, q.shape[2]), o,
                        torch.arange(tok.numel() + 1, dtype=torch.int32, device=q.device), meta.seq_lens[dec],
                        meta.block_table[dec], window + 1 + VLLM_WINDOW_OFFSET, scale, softcap, sinks, isa)

@@ -433,15 +433,23 @@ def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
     assert sorted(i for ids in read for i in ids.tolist()) == readers  # each far reader's row, asked for once
 
 
-@pytest.mark.parametrize("window, n_sinks, dtype", [(40, 0, torch.float32), (40, 1, torch.float32),
-                                                     (40, 2, torch.float32), (200, 1, torch.float32),
-                                                     (40, 1, torch.bfloat16)])
-def test_aha_prefill_in_large_calls_equals_paged_attention(window, n_sinks, dtype):
+@pytest.mark.parametrize("window, n_sinks, dtype, small", [(40, 0, torch.float32, False),
+                                                            (40, 1, torch.float32, False),
+                                                            (40, 2, torch.float32, False),
+                                                            (200, 1, torch.float32, False),
+                                                            (40, 1, torch.bfloat16, False),
+                                                            (40, 1, torch.float32, True)])
+def test_aha_prefill_in_large_calls_equals_paged_attention(window, n_sinks, dtype, small, monkeypatch):
     """``paged_prefill.aha_prefill`` (AHA's prefill rows per request in a few calls of torch's fused attention)
     = ``paged_attention`` on every row it writes: a whole prompt, a later chunk of one (keys before the chunk,
     blocks scattered), a chunk shorter than a tile, a decode token beside them (not written); a window wider than
-    a tile; with and without sinks."""
+    a tile; with and without sinks; ``small``: tiles of 48 and global rows 16 to a call (many of each)."""
+    from allhere.serve import paged_prefill
     from allhere.serve.paged_prefill import aha_prefill
+
+    if small:
+        monkeypatch.setattr(paged_prefill, "TILE", 48)
+        monkeypatch.setattr(paged_prefill, "GLOBAL_ROWS", 16)
 
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, d, bs = 6, 2, 16, 32

@@ -461,27 +461,28 @@ def test_aha_sinks_step_over_vllms_kernels_equals_allheres_attention(dtype):
     """AHA with one sink on vLLM's kernels (``aha_over_vllm``): the decode tokens' windows by its windowed kernel
     with the request's first key swapped in just before the window, put back after (the cache unchanged), against
     allhere's own attention for every row. Decode requests far past the window, one within it (no swap), one at
-    exactly window + 1, a prefill chunk beside them, and two requests sharing their first blocks (prefix caching)
-    where one's window reads the other's swapped slot: those two are left to allhere's attention."""
+    exactly window + 1, a prefill chunk beside them, two requests sharing their first blocks (prefix caching)
+    where one's window reads the other's swapped slot (those two are left to allhere's attention), a request that
+    swaps after them (its swap's index moves), and a swapped slot at row 0 of its block."""
     from types import SimpleNamespace
 
     from allhere.serve.paged import causal_read, paged_attention, paged_view, window_read, write
     from allhere.serve.paged_chunks import Workspace
-    from allhere.serve.vllm_paged import aha_over_vllm, same_layout, vllm_sink_window_decode
+    from allhere.serve.vllm_paged import aha_over_vllm, same_layout, sink_swaps, vllm_sink_window_decode
 
     if not same_layout("vec", dtype):
         pytest.skip("this build's vLLM CPU kernel stores its blocks otherwise")
     heads, kv_heads, d, bs, window = 6, 2, 64, 32, 40
     gen = torch.Generator().manual_seed(1)
-    lens, q_lens = [100, 70, 130, 30, 41, 90, 96], [60, 1, 1, 1, 1, 1, 1]
-    # requests 5 and 6 share blocks 14 and 15 (their first 64 positions): 5's window (49 .. 89) reads position 55,
-    # which 6 (at 95) swaps for its sink
-    table = torch.tensor([[7, 2, 5, 0, 0], [1, 8, 3, 0, 0], [4, 9, 10, 11, 12], [13, 0, 0, 0, 0], [6, 16, 0, 0, 0],
-                          [14, 15, 17, 0, 0], [14, 15, 18, 0, 0]], dtype=torch.int32)
-    cache = torch.zeros(20, kv_heads, bs, 2 * d, dtype=dtype)
+    lens, q_lens = [100, 130, 30, 41, 90, 96, 70, 105], [60, 1, 1, 1, 1, 1, 1, 1]
+    # requests 4 and 5 share blocks 14 and 15 (their first 64 positions): 4's window (49 .. 89) reads position 55,
+    # which 5 (at 95) swaps for its sink; request 7 (at 104) swaps position 64, row 0 of its third block
+    table = torch.tensor([[7, 2, 5, 0, 0], [4, 9, 10, 11, 12], [13, 0, 0, 0, 0], [6, 16, 0, 0, 0], [14, 15, 17, 0, 0],
+                          [14, 15, 18, 0, 0], [1, 8, 3, 0, 0], [19, 20, 21, 22, 0]], dtype=torch.int32)
+    cache = torch.zeros(23, kv_heads, bs, 2 * d, dtype=dtype)
     view = paged_view(cache, bs, kv_heads, d)
     for r, n in enumerate(lens):
-        first = 64 if r == 6 else 0  # the shared blocks are written once, by request 5
+        first = 64 if r == 5 else 0  # the shared blocks are written once, by request 4
         slots = torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(first, n)])
         write(view, slots, torch.randn(n - first, kv_heads, d, generator=gen).to(dtype),
               torch.randn(n - first, kv_heads, d, generator=gen).to(dtype))
@@ -489,12 +490,14 @@ def test_aha_sinks_step_over_vllms_kernels_equals_allheres_attention(dtype):
     q = torch.randn(sum(q_lens), heads, d, generator=gen).to(dtype)
     gate = torch.rand(q.shape[0], heads, generator=gen) < 0.3
     meta = SimpleNamespace(num_actual_tokens=q.shape[0],
-                           query_start_loc=torch.tensor([0, 60, 61, 62, 63, 64, 65, 66], dtype=torch.int32),
+                           query_start_loc=torch.tensor([0, 60, 61, 62, 63, 64, 65, 66, 67], dtype=torch.int32),
                            seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table)
     reads = [[window_read(window, n_sinks=1)], [causal_read()]]
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    dec, swap, blocks, rows = sink_swaps(meta, window, bs)
+    assert dec.tolist() == [1, 2, 3, 6, 7] and swap.tolist() == [0, 3, 4] and rows.tolist() == [25, 29, 0]
     done = vllm_sink_window_decode(q, cache, view, meta, window, d ** -0.5, 0.0, None, "vec", torch.zeros_like(q))
-    assert done.tolist() == [60, 61, 62, 63]  # the decode tokens but the two that share a swapped slot
+    assert done.tolist() == [60, 61, 62, 65, 66]  # the decode tokens but the two that share a swapped slot
     assert torch.equal(cache, before)
     for sinks, cap in ((None, 0.0), (None, 3.0), (torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5]), 0.0)):
         theirs, ours = torch.zeros_like(q), torch.zeros_like(q)
