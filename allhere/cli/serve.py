@@ -34,7 +34,7 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=a.port, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", type=api_key, default=None, metavar="KEY",
                    help="clients must send 'Authorization: Bearer KEY' to /v1/... (401 otherwise; /health and "
-                        "/metrics stay open). Default: $VLLM_API_KEY, else no key. vLLM gets the key in its "
+                        "/metrics stay open; default: $VLLM_API_KEY, else no key). vLLM gets the key in its "
                         "environment, never on its command line; VLLM_API_KEY keeps it off this one too (ps)")
     p.add_argument("--max-model-len", type=a.positive, default=None, metavar="N",
                    help="longest prompt + completion in tokens; a longer request gets 400 (default: the model's own "

@@ -38,7 +38,7 @@ def test_sigterm_stops_every_rank_at_the_same_step(tmp_path):
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    stops = {rank: int(step) for rank, step in re.findall(r"\[rank(\d)\]: allhere\.interrupt\.Interrupted: "
+    stops = {rank: int(step) for rank, step in re.findall(r"\[rank(\d)\]: allhere\.runtime\.interrupt\.Interrupted: "
                                                           r"interrupted at step (\d+) of 20", out)}
     assert stops.keys() == {"0", "1"} and len(set(stops.values())) == 1, out[-3000:]
     step = stops["0"]
