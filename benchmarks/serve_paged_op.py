@@ -10,6 +10,7 @@ of 64 latent + 4 x 8 rotated numbers).
     .venv-serve/bin/python benchmarks/serve_paged_op.py             # decode 16 x 8k, decode 1 x 8k, a prefill chunk
     .venv-serve/bin/python benchmarks/serve_paged_op.py --threads 1
     .venv-serve/bin/python benchmarks/serve_paged_op.py --dtype bfloat16 --heads 9 --kv-heads 3   # SmolLM2's GQA
+    .venv-serve/bin/python benchmarks/serve_paged_op.py --dtype bfloat16 --heads 9 --kv-heads 3 --only sink
 
 Shapes: 4 heads of 64 (4 kv heads; --heads, --kv-heads), fp32 (--dtype), blocks of 128 (vLLM's CPU default), blocks
 scattered at random. Scenarios: "decode16": 16 requests of 8192 tokens, one query each; "decode1": one such
@@ -77,10 +78,11 @@ def vllm_aha(s):
     s["out"].copy_(local)
 
 
-def aha_served(s, workspace):
+def aha_served(s, workspace, n_sinks: int = 0):
     """AHA as ``allhere serve`` computes it on this CPU (``aha_over_vllm``): vLLM's windowed kernel for every row
     in place, its full kernel per (token, kv head) for the decode tokens' global rows, allhere's attention for the
-    prefill tokens' global rows."""
+    prefill tokens' global rows; with one sink, the decode tokens' windows with the sink swapped in, the prefill
+    tokens' rows in a few calls of torch's fused attention (``allhere.serve.paged_prefill``)."""
     from types import SimpleNamespace
 
     from allhere.serve.paged import causal_read, window_read
@@ -89,7 +91,7 @@ def aha_served(s, workspace):
 
     meta = SimpleNamespace(num_actual_tokens=s["q"].shape[0], query_start_loc=s["qs"], seq_lens=s["seq"],
                            block_table=s["table"])
-    reads = [[window_read(256, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]]
+    reads = [[window_read(256, q_tile=WINDOW_TILE, n_sinks=n_sinks)], [causal_read(q_tile=WIDE_TILE)]]
     aha_over_vllm(s["q"], s["cache"], s["view"], meta, reads, s["gate"], 0, D ** -0.5, 0.0, None, "vec", s["out"],
                   workspace)
 
@@ -155,6 +157,8 @@ def allhere_reads():
 
     return {"full": ([[causal_read(q_tile=WIDE_TILE)]], False),
             "aha": ([[window_read(256, q_tile=WINDOW_TILE)], [causal_read(q_tile=WIDE_TILE)]], True),
+            "aha, one sink": ([[window_read(256, q_tile=WINDOW_TILE, n_sinks=1)], [causal_read(q_tile=WIDE_TILE)]],
+                              True),
             "sinks": (pattern(ah.SinksConfig(window=252, n_sinks=4)), False),
             "dilated": (pattern(ah.DilatedConfig(window=128, dilation=(1, 2, 3, 4))), False),
             "longformer": (pattern(ah.LongformerConfig(window=256, global_first=4)), False),
@@ -196,6 +200,8 @@ def main() -> None:
                 row_class=s["gate"] if routed else None, workspace=workspace))
         runs["allhere aha, as served (vLLM's kernels: windows, decode's global rows)"] = (
             lambda: aha_served(s, workspace))
+        runs["allhere aha, one sink, as served (vLLM's windows with the sink swapped in; prefill in large calls)"] = (
+            lambda: aha_served(s, workspace, n_sinks=1))
         runs["allhere dar, as served (far keys rebuilt from latents)"] = lambda: dar_served(s, kv, workspace)
         if SCENARIOS[scenario][2] == 1:  # dar_latent's decode (a prefill rebuilds its far keys, as DAR does)
             runs["allhere dar_latent, as served (window and latent rows read absorbed)"] = (
