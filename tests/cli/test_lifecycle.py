@@ -20,6 +20,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from gated_process import launch_gated, stop_all  # noqa: E402
+
 from allhere.cli import main  # noqa: E402
 from allhere.config import TrainConfig  # noqa: E402
 from allhere.runtime.interrupt import Interrupted  # noqa: E402
@@ -96,23 +98,10 @@ def start_gated():
     started = []
 
     def start(args, gate, step):
-        gate.write_text("")
-        env = dict(os.environ, GATE=str(gate), GATE_STEP=str(step), OMP_NUM_THREADS="1")
-        proc = subprocess.Popen([sys.executable, "-c", GATED, *args], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        started.append(proc)
-        reached, deadline = gate.with_name(gate.name + ".reached"), time.time() + 120
-        while not reached.exists():
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.time() < deadline, "training never reached the gate"
-            time.sleep(0.02)
-        return proc
+        return launch_gated(started, GATED, args, gate, {"GATE_STEP": str(step)}, "the gate")
 
     yield start
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    stop_all(started)
 
 
 def final_weights(out):

@@ -7,17 +7,15 @@ The subprocesses are ``allhere`` as its console script runs it, held at one poin
 long as a gate file exists, so that the kill arrives at a known point without a race."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
+
+from gated_process import launch_gated, stop_all  # noqa: E402
 
 from allhere.cli import main  # noqa: E402
 from allhere.hf import load_pretrained  # noqa: E402
@@ -104,24 +102,10 @@ def start_gated(tmp_path):
     started = []
 
     def start(args, at):
-        gate = tmp_path / f"gate{len(started)}"
-        gate.write_text("")
-        env = dict(os.environ, GATE=str(gate), AT=at, OMP_NUM_THREADS="1")
-        proc = subprocess.Popen([sys.executable, "-c", GATED, *args], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        started.append(proc)
-        reached, deadline = gate.with_name(gate.name + ".reached"), time.time() + 120
-        while not reached.exists():
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.time() < deadline, f"never reached {at}"
-            time.sleep(0.02)
-        return proc
+        return launch_gated(started, GATED, args, tmp_path / f"gate{len(started)}", {"AT": at}, at)
 
     yield start
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
+    stop_all(started)
 
 
 def kill9(proc):
