@@ -6,11 +6,9 @@ TensorBoard events that a new run replaces.
 The subprocesses are ``allhere`` as its console script runs it, held at one point of the write (``GATED``) for as
 long as a gate file exists, so that the kill arrives at a known point without a race."""
 
-import json
 import signal
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -22,7 +20,7 @@ from allhere.hf import load_pretrained  # noqa: E402
 from allhere.runtime.atomic_folder import partial_path  # noqa: E402
 from allhere.runtime.runlock import LOCK_NAME  # noqa: E402
 
-WORDS = [f"w{i}" for i in range(40)]
+from hf_fixtures import write_chat, write_model  # noqa: E402
 
 # ``allhere`` held at AT while the file GATE exists, after writing GATE.reached: "weights" (the temporary folder
 # holds the weights and config.json, not yet the tokenizer), "written" (every file, before the fsync and rename),
@@ -61,27 +59,10 @@ sys.exit(main())
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A tiny Llama (2 layers, width 32), its WordLevel tokenizer and 16 conversations."""
+    """A tiny Llama (the test configurations' Llama-3.2-1B shrunk), its tokenizer and 16 conversations."""
     root = tmp_path_factory.mktemp("whole")
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + WORDS)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="<s>",
-                                               pad_token="<pad>", unk_token="<unk>")
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                                   pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(root / "base"))
-    tok.save_pretrained(str(root / "base"))
-    g = torch.Generator().manual_seed(0)
-    with open(root / "chat.jsonl", "w") as f:
-        for _ in range(16):
-            q = [WORDS[i] for i in torch.randint(0, len(WORDS), (4,), generator=g).tolist()]
-            msgs = [{"role": "user", "content": " ".join(q)}, {"role": "assistant", "content": " ".join(q[::-1])}]
-            f.write(json.dumps({"messages": msgs}) + "\n")
+    write_model("Llama-3.2-1B", root / "base")
+    write_chat(root / "chat.jsonl", 16)
     return root
 
 
