@@ -105,7 +105,7 @@ def paths(op: str) -> dict[str, OpPath]:
 
 def ops() -> tuple[str, ...]:
     """Every op family registered so far: allhere's are registered by ``allhere.ops.families`` (which names them
-    all in ``FAMILIES``), "patterns" and "paged" once the code that holds their paths is imported."""
+    all in ``FAMILIES``), "patterns" once the code that holds its paths is imported."""
     return tuple(sorted(_PATHS))
 
 

@@ -1,5 +1,5 @@
-"""Peak memory and time of one long prefill chunk through ``allhere.serve.paged.paged_attention``, with the
-pieces merged as they come past ``paged_chunks.MERGE_BUDGET`` against all of them held until the end.
+"""Peak memory and time of one long prefill chunk through ``allhere.ops.paged.attention.paged_attention``, with the
+pieces merged as they come past ``allhere.ops.paged.chunks.MERGE_BUDGET`` against all of them held until the end.
 
     python benchmarks/serve_merge_memory.py            # 2048 queries at 32k context, full attention
 
@@ -21,11 +21,11 @@ HELD = 1 << 40  # a budget nothing reaches: every piece held until the end
 def one(budget: int, ctx: int, chunk: int) -> None:
     import torch
 
-    from allhere.serve import paged_chunks
-    from allhere.serve.paged import causal_read, paged_attention, paged_view
+    from allhere.ops.paged import chunks
+    from allhere.ops.paged.attention import causal_read, paged_attention, paged_view
 
     torch.set_num_threads(1)
-    paged_chunks.MERGE_BUDGET = budget
+    chunks.MERGE_BUDGET = budget
     heads, kv_heads, d, bs = 16, 4, 64, 128
     blocks = ctx // bs
     view = paged_view(torch.randn(blocks * kv_heads * 2 * bs * d), bs, kv_heads, d)
@@ -47,7 +47,7 @@ def main() -> None:
     args = p.parse_args()
     if args.one is not None:
         return one(args.one, args.context, args.chunk)
-    from allhere.serve.paged_chunks import MERGE_BUDGET
+    from allhere.ops.paged.chunks import MERGE_BUDGET
 
     print(f"# {args.chunk} queries at {args.context} context, 16 heads / 4 KV heads of 64, full attention, "
           f"fp32, 1 thread; load average {os.getloadavg()[0]:.2f}")

@@ -1,11 +1,11 @@
 """One layer's attention over a paged KV cache, as served: allhere's batched paged attention
-(``allhere.serve.paged``) per mechanism against vLLM's own CPU attention kernel (``cpu_attention_with_kv_cache``)
-over the same blocks, and AHA computed with vLLM's kernel on the subsets (the windowed kernel for every token, the
-full kernel again for the tokens with a global head, joined per head), and AHA as served (vLLM's windowed kernel for
-every row's window, its full kernel per (token, kv head) for the decode tokens' global rows, allhere's attention
-for the prefill tokens' global rows), DAR as served (the window from the paged K/V, the far keys rebuilt from
-a paged cache of d_down = 64 latents), and dar_latent's decode as served (the far keys read absorbed from paged rows
-of 64 latent + 4 x 8 rotated numbers).
+(``allhere.ops.paged.attention``) per mechanism against vLLM's own CPU attention kernel
+(``cpu_attention_with_kv_cache``) over the same blocks, and AHA computed with vLLM's kernel on the subsets (the
+windowed kernel for every token, the full kernel again for the tokens with a global head, joined per head), and AHA
+as served (vLLM's windowed kernel for every row's window, its full kernel per (token, kv head) for the decode
+tokens' global rows, allhere's attention for the prefill tokens' global rows), DAR as served (the window from the
+paged K/V, the far keys rebuilt from a paged cache of d_down = 64 latents), and dar_latent's decode as served (the
+far keys read absorbed from paged rows of 64 latent + 4 x 8 rotated numbers).
 
     .venv-serve/bin/python benchmarks/serve_paged_op.py             # decode 16 x 8k, decode 1 x 8k, a prefill chunk
     .venv-serve/bin/python benchmarks/serve_paged_op.py --threads 1
@@ -37,7 +37,7 @@ SCENARIOS = {"decode16": (16, 8192, 1), "decode1": (1, 8192, 1), "prefill": (1, 
 
 
 def setup(requests: int, length: int, q_len: int, dtype: torch.dtype = torch.float32):
-    from allhere.serve.paged import paged_view
+    from allhere.ops.paged.attention import paged_view
 
     torch.manual_seed(0)
     nb = requests * (length // BS) + 4
@@ -55,7 +55,7 @@ def setup(requests: int, length: int, q_len: int, dtype: torch.dtype = torch.flo
 def vllm_attention(s, q, qs, seq, table, window, out):
     """vLLM's CPU kernel over the same blocks (allhere's layout is the kernel's "vec" layout), causal,
     ``window`` keys (-1: all)."""
-    from allhere.serve.vllm_paged import vllm_attention as kernel
+    from allhere.serve.vllm.attention import vllm_attention as kernel
 
     kernel(q, s["cache"].view(s["nb"], KVH, BS * 2, D), out, qs, seq, table, window, D ** -0.5, 0.0, None, "vec")
 
@@ -82,12 +82,12 @@ def aha_served(s, workspace, n_sinks: int = 0):
     """AHA as ``allhere serve`` computes it on this CPU (``aha_over_vllm``): vLLM's windowed kernel for every row
     in place, its full kernel per (token, kv head) for the decode tokens' global rows, allhere's attention for the
     prefill tokens' global rows; with one sink, the decode tokens' windows with the sink swapped in, the prefill
-    tokens' rows in a few calls of torch's fused attention (``allhere.serve.paged_prefill``)."""
+    tokens' rows in a few calls of torch's fused attention (``allhere.ops.paged.aha_prefill``)."""
     from types import SimpleNamespace
 
-    from allhere.serve.paged import causal_read, window_read
-    from allhere.serve.vllm_layers import WIDE_TILE, WINDOW_TILE
-    from allhere.serve.vllm_paged import aha_over_vllm
+    from allhere.ops.paged.attention import causal_read, window_read
+    from allhere.serve.vllm.attention import aha_over_vllm
+    from allhere.serve.vllm.layers import WIDE_TILE, WINDOW_TILE
 
     meta = SimpleNamespace(num_actual_tokens=s["q"].shape[0], query_start_loc=s["qs"], seq_lens=s["seq"],
                            block_table=s["table"])
@@ -100,7 +100,7 @@ def latent_kv():
     """DAR's far keys as a Llama block makes them from latents under ``allhere serve``: W_K W_up [256, 64] and
     the rotary embedding from a cos/sin table (GPT-NeoX pairs, as Llama's), one complex multiply
     (``rotary_projection``); far values through W_V W_up."""
-    from allhere.serve.paged_far import LatentKV, rotary_projection
+    from allhere.ops.paged.dar_far import LatentKV, rotary_projection
 
     g = torch.Generator().manual_seed(1)
     a_k = torch.randn(KVH * D, D_DOWN, generator=g) * D_DOWN ** -0.5
@@ -120,11 +120,11 @@ def latent_rows_kv():
 
 def dar_latent_served(s, maps):
     """dar_latent's decode step as ``allhere serve`` computes it (every request decoding): the window from the
-    paged K/V and the far rows read absorbed, written to out (``paged_latent.decode_latent``: in bf16 with vLLM's
+    paged K/V and the far rows read absorbed, written to out (``dar_latent_decode.decode_latent``: in bf16 with vLLM's
     CPU kernel for latent caches, two calls merged by log-sum-exp; the far queries are drawn here, not made from
     the queries by the rotary table, and laid out as rows through W_UK: the served layer's one matmul)."""
     from allhere.ops.dar_latent.check import query_rows
-    from allhere.serve.paged_latent import decode_latent
+    from allhere.ops.paged.dar_latent_decode import decode_latent
 
     w_uk, w_uv = maps
     m = s["q"].shape[0]
@@ -137,9 +137,9 @@ def dar_latent_served(s, maps):
 def dar_served(s, kv, workspace):
     """DAR as ``allhere serve`` computes it: the window from the paged K/V, the far keys rebuilt from the paged
     latents (the same block table here), one softmax."""
-    from allhere.serve.paged import paged_attention, window_read
-    from allhere.serve.paged_far import far_pieces
-    from allhere.serve.vllm_layers import WINDOW_TILE
+    from allhere.ops.paged.attention import paged_attention, window_read
+    from allhere.ops.paged.dar_far import far_pieces
+    from allhere.serve.vllm.layers import WINDOW_TILE
 
     far = far_pieces(s["q"], s["latents"], s["qs"], s["seq"], s["table"], WINDOW, kv, D ** -0.5)
     paged_attention(s["q"], s["view"], s["qs"], s["seq"], s["table"], [[window_read(WINDOW, q_tile=WINDOW_TILE)]],
@@ -149,8 +149,8 @@ def dar_served(s, kv, workspace):
 def allhere_reads():
     import allhere as ah
     from allhere import registry
-    from allhere.serve.paged import Read, causal_read, window_read
-    from allhere.serve.vllm_layers import WIDE_TILE, WINDOW_TILE
+    from allhere.ops.paged.attention import Read, causal_read, window_read
+    from allhere.serve.vllm.layers import WIDE_TILE, WINDOW_TILE
 
     def pattern(cfg):
         return [[Read(registry.from_dict(registry.to_dict(cfg)).mask_fn(None), WINDOW_TILE)]]
@@ -180,8 +180,8 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from allhere.serve.paged import paged_attention
-    from allhere.serve.paged_chunks import Workspace
+    from allhere.ops.paged.attention import paged_attention
+    from allhere.ops.paged.chunks import Workspace
 
     workspace = Workspace()
     kv, rows_kv = latent_kv(), latent_rows_kv()

@@ -36,7 +36,7 @@ def main() -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from allhere.serve.vllm_plugin import register
+    from allhere.serve.vllm.plugin import register
 
     register()
     steps = 5 + 20 + a.steps

@@ -19,4 +19,4 @@ else
   "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
 "${pip[@]}" -e '.[serve]'
-"$venv/bin/python" -c "import vllm, allhere.serve.vllm_plugin; print('vLLM', vllm.__version__, 'with allhere in $venv')"
+"$venv/bin/python" -c "import vllm, allhere.serve.vllm.plugin; print('vLLM', vllm.__version__, 'with allhere in $venv')"

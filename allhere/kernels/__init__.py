@@ -1,6 +1,6 @@
 """Triton kernels for AHA on the GPU: prefill, decode and training (forward + backward), and attention over a
 paged KV cache as a server keeps it (``aha_paged``: a served AHA layer's path on CUDA, through
-``allhere.serve.paged_kernel``); and the absorbed decode of op family ``"dar_latent"`` (``dar_latent_decode``,
+``allhere.ops.paged.aha_triton``); and the absorbed decode of op family ``"dar_latent"`` (``dar_latent_decode``,
 its "triton" path). What the kernels share -- the window rule, the online softmax, the split-KV
 merge, the launch helpers -- is written once, in ``aha_common``. The kernels are the ground floor: they import nothing
 of the ops, the mechanisms or the serving code (their callers check the arguments); what they share with those,

@@ -358,7 +358,7 @@ HEAD_DIMS = (16, 128)
 def refusal(head_dim: int, softcap: float = 0.0, sinks: bool = False) -> str | None:
     """None where the paged kernels take a layer of head dim ``head_dim`` whose scores are soft-capped at
     ``softcap`` (0: none) and whose softmax has learned sink logits (``sinks``), else why not (one line): the
-    static rule of ``paged_aha_attention`` (``_check``) and of a served layer (``allhere.serve.paged_kernel``)."""
+    static rule of ``paged_aha_attention`` (``_check``) and of a served layer (``allhere.ops.paged.aha_triton``)."""
     lo, hi = HEAD_DIMS
     if not lo <= head_dim <= hi or head_dim & (head_dim - 1):
         return f"head dim {head_dim}: the paged kernels take a power of two from {lo} to {hi}"

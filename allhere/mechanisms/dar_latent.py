@@ -94,7 +94,7 @@ def far_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, channels:
     """The queries of the far keys, [q^R ; q^C]: q [b, heads, n, d] as the host rotated it (cos, sin: its
     rotary table at the queries' positions, as ``unrotate`` takes them) -> [b, heads, n, d] in ``channels``
     order, the first ``r2`` channels (the kept pairs) as they are, the others unrotated. The mechanism and its
-    served layer (``allhere.serve.vllm_dar_latent``) both read far keys with these."""
+    served layer (``allhere.serve.vllm.dar_latent``) both read far keys with these."""
     return torch.cat([in_channel_order(q, channels)[..., :r2], in_channel_order(unrotate(q, cos, sin),
                                                                                 channels)[..., r2:]], dim=-1)
 

@@ -1,15 +1,12 @@
 """Every op family of allhere, and the paths each registers with ``allhere.backend``: written here and nowhere
 else. ``FAMILIES`` names them all, with what each computes and where its entry is.
 
-The families whose paths are ops (``allhere.ops``) are registered when this module is imported, which
-``allhere.ops`` does. Two families compute with state that lives above the ops, so their code hands its paths in
-through the function of its family here, which fixes the family's backends and its ``"auto"`` rule:
-
-- ``"patterns"``: the paths are methods of the sparse-pattern layer (its predicate, tile plans and FlexAttention
-  block masks are cached on it), taken with the layer as first argument (``register_patterns``, called by
-  ``allhere.mechanisms.masked_base``);
-- ``"paged"``: a served layer's attention over its paged KV cache, whose paths live with the serving code
-  (``register_paged``, called by ``allhere.serve.paged_paths`` when it is imported).
+The families whose paths are ops (``allhere.ops``, the paged one included: ``allhere.ops.paged``) are registered
+when this module is imported, which ``allhere.ops`` does. One family computes with state that lives above the ops,
+so its code hands its paths in through ``register_patterns``, which fixes the family's backends and its ``"auto"``
+rule: ``"patterns"``, whose paths are methods of the sparse-pattern layer (its predicate, tile plans and
+FlexAttention block masks are cached on it), taken with the layer as first argument (called by
+``allhere.mechanisms.masked_base``).
 """
 
 from __future__ import annotations
@@ -30,6 +27,8 @@ from .dar.reference import dar_attention_reference
 from .dar_latent.dispatch import dar_latent_attention_torch, dar_latent_attention_triton, triton_refusal
 from .dar_latent.reference import dar_latent_attention_reference
 from .full import full_attention_reference, full_attention_torch
+from .paged.dispatch import paged_reference, paged_torch, paged_triton
+from .paged.dispatch import triton_takes as paged_triton_takes
 from .sliding.blocked import sliding_window_attention_torch
 from .sliding.reference import sliding_window_attention_reference
 
@@ -42,7 +41,7 @@ FAMILIES = {
     "aamoe": "AA-MoE: each query reads the resources it chose (ops.aamoe.aamoe_attention)",
     "all_attention": "causal context and persistent memory in one softmax (mechanism all_attention's forward)",
     "patterns": "the sparse-pattern layers' attention under their mask predicate (mechanisms.masked_base)",
-    "paged": "a served layer's attention over its paged KV cache (serve.paged_paths, with the serving code)",
+    "paged": "a served layer's attention over its paged KV cache (ops.paged.attention.paged_attention)",
 }
 
 register_path("full", "reference", full_attention_reference)
@@ -60,6 +59,9 @@ register_path("dar_latent", "triton", dar_latent_attention_triton, takes=triton_
 register_path("aamoe", "reference", aamoe_attention_reference)
 register_path("aamoe", "torch", aamoe_attention_torch)
 register_path("all_attention", "reference", all_attention_reference)
+register_path("paged", "reference", paged_reference)
+register_path("paged", "torch", paged_torch)
+register_path("paged", "triton", paged_triton, takes=paged_triton_takes, auto=on_cuda)
 
 
 def register_patterns(reference: Callable, torch_path: Callable, flex: Callable) -> None:
@@ -68,12 +70,3 @@ def register_patterns(reference: Callable, torch_path: Callable, flex: Callable)
     register_path("patterns", "reference", reference)
     register_path("patterns", "torch", torch_path)
     register_path("patterns", "flex", flex, auto=on_cuda)
-
-
-def register_paged(reference: Callable, torch_path: Callable, triton: Callable,
-                   triton_takes: Callable[..., str | None]) -> None:
-    """Op family ``"paged"``: its paths, each called with ``allhere.serve.paged.paged_attention``'s arguments
-    (``allhere.serve.paged_paths``); ``"auto"`` takes the Triton kernel on CUDA only, where it takes the call."""
-    register_path("paged", "reference", reference)
-    register_path("paged", "torch", torch_path)
-    register_path("paged", "triton", triton, takes=triton_takes, auto=on_cuda)

@@ -1,7 +1,6 @@
-"""Serving converted models with other engines.
-
-``allhere.serve.vllm_plugin``: a vLLM general plugin (entry point group ``vllm.general_plugins``) that lets
-vLLM load a folder written by ``allhere convert`` (its config.json carries ``allhere_mechanism``) with no
-user code; ``allhere.serve.vllm_model`` holds the model classes it registers. Nothing here is imported by
-``import allhere``: vLLM is an optional dependency.
+"""Serving converted models with other engines: ``serving`` (which kinds are served, and how: each kind's
+registered ``Serving``), ``launch`` (``allhere serve``: vLLM's OpenAI-compatible server with allhere's plugin) and
+``server_process`` (the server's process); the vLLM glue in ``allhere.serve.vllm``. What a served layer computes
+over its paged cache is an op, ``allhere.ops.paged``. Nothing here is imported by ``import allhere``: vLLM is an
+optional dependency.
 """

@@ -43,8 +43,8 @@ from .server_process import (
     why_stopped,
 )
 from .serving import BACKEND_ENV, SERVE_BACKENDS
-from .vllm_metrics import MULTIPROC_ENV
-from .vllm_plugin import CPU_HEAD_SIZES, MODELS, RESET_SUFFIX, STATS_ENV, TRANSFORMERS_BACKEND
+from .vllm.metrics import MULTIPROC_ENV
+from .vllm.plugin import CPU_HEAD_SIZES, MODELS, RESET_SUFFIX, STATS_ENV, TRANSFORMERS_BACKEND
 
 KEY_ENV = "VLLM_API_KEY"  # vLLM's own: its server requires the key on /v1/... where this is set
 MAX_QUEUED = 1024  # requests in flight (computed or waiting) by default: beyond, vLLM answers 503 at once

@@ -1,7 +1,7 @@
 """Which mechanisms allhere's vLLM plugin serves, and how: each kind's ``allhere.registry.Serving``, declared once
 where the mechanism registers (``register(..., serving=Serving(...))``). A kind registered without it is not
 served. Plain Python, no vLLM import: read by ``allhere serve``'s checks before vLLM starts
-(``allhere.serve.launch``) and by the layer installer inside it (``allhere.serve.vllm_install``), so both refuse
+(``allhere.serve.launch``) and by the layer installer inside it (``allhere.serve.vllm.install``), so both refuse
 the same things in the same words.
 """
 
@@ -11,7 +11,7 @@ from .. import registry
 from ..registry import Serving
 
 BACKENDS = {"cpu": "CPU", "cuda": "CUDA"}  # vLLM device type -> how the messages name its backend
-# the path of the layers allhere computes (op family "paged" of allhere.backend: allhere.serve.paged_paths), chosen
+# the path of the layers allhere computes (op family "paged" of allhere.backend: allhere.ops.paged.dispatch), chosen
 # by ``allhere serve --backend`` and handed to the engine in this variable
 BACKEND_ENV = "ALLHERE_SERVE_BACKEND"
 SERVE_BACKENDS = ("auto", "torch", "triton", "reference")

@@ -1,5 +1,5 @@
 """``allhere.softmax``, the one home of the partial-softmax arithmetic, gives to the bit what the formulas it
-replaced gave where each was written before: in the paged cache's reference and torch paths (``allhere.serve``), in
+replaced gave where each was written before: in the paged cache's reference and torch paths (``allhere.ops.paged``), in
 the ring (``allhere.distributed.ring`` and ``ring_far``), in dar_latent's fused prefill (``allhere.ops``), in the
 decode kernel's split merge (``allhere.kernels``) and in AA-MoE's cache. Each old formula stands below, inline, as
 it was; the paths are run once as they are and once with the old formulas put back in their modules' place, and
@@ -18,26 +18,29 @@ from allhere.mechanisms.aamoe_cache import AAMoECache
 from allhere.mechanisms.base import ContextParallelPlan, FarKV
 from allhere.ops.dar_latent import fused
 from allhere.ops.dar_latent.check import pack_rows
-from allhere.serve import paged_chunks, paged_decode, paged_far, paged_paths
-from allhere.serve.paged import causal_read, paged_attention, paged_view, window_read, write
-from allhere.serve.paged_far import LatentKV, far_pieces, write_latents
+from allhere.ops.paged import chunks as paged_chunks
+from allhere.ops.paged import dar_far
+from allhere.ops.paged import decode as paged_decode
+from allhere.ops.paged import dispatch as paged_dispatch
+from allhere.ops.paged.attention import causal_read, paged_attention, paged_view, window_read, write
+from allhere.ops.paged.dar_far import LatentKV, far_pieces, write_latents
 
 # -- the formulas as they were written before ------------------------------------------------------------------
 
 
-def old_serve_softmax(s):  # serve: paged_chunks.attend, paged_decode._attend_t, paged_paths.paged_reference
+def old_serve_softmax(s):  # paged: chunks.attend, decode._attend_t, dispatch.paged_reference
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
     return p, lse
 
 
-def old_far_softmax(s, inplace=True):  # serve: paged_far._weigh, in place
+def old_far_softmax(s, inplace=True):  # paged: dar_far._weigh, in place
     lse = torch.logsumexp(s, -1)
     p = s.sub_(lse.clamp_min(torch.finfo(torch.float32).min)[..., None]).exp_()
     return p, lse
 
 
-def old_paged_merge(found, n_rows: int, d: int, device):  # serve: paged_chunks.merge
+def old_paged_merge(found, n_rows: int, d: int, device):  # paged: chunks.merge
     _NEG = float("-inf")
     m = torch.full((n_rows + 1,), _NEG, device=device)  # the last entry takes the padding
     rows = [r.flatten().where(r.flatten() >= 0, n_rows) for r, _, _ in found]
@@ -198,14 +201,14 @@ def test_the_paged_reference_as_before(monkeypatch):
     def run():
         out = torch.zeros(q.shape[0], HEADS, D)
         extra = list(far_pieces(q, latents, starts, lens, table, 3, kv, D ** -0.5))
-        paged_paths.paged_reference(q, view, starts, lens, table, [[window_read(3)], [causal_read()]], D ** -0.5,
-                                    out, row_class=gate.long(), sinks=sinks, extra=extra)
+        paged_dispatch.paged_reference(q, view, starts, lens, table, [[window_read(3)], [causal_read()]], D ** -0.5,
+                                       out, row_class=gate.long(), sinks=sinks, extra=extra)
         return out
 
     new, calls = run(), []
-    monkeypatch.setattr(paged_paths, "softmax_lse", counted(old_serve_softmax, calls, "softmax"))
-    monkeypatch.setattr(paged_paths, "merge_pieces", counted(old_paged_merge, calls, "merge"))
-    monkeypatch.setattr(paged_far, "softmax_lse", counted(old_far_softmax, calls, "far"))
+    monkeypatch.setattr(paged_dispatch, "softmax_lse", counted(old_serve_softmax, calls, "softmax"))
+    monkeypatch.setattr(paged_dispatch, "merge_pieces", counted(old_paged_merge, calls, "merge"))
+    monkeypatch.setattr(dar_far, "softmax_lse", counted(old_far_softmax, calls, "far"))
     assert torch.equal(new, run())
     assert {"softmax", "merge", "far"} <= set(calls)
 
@@ -228,7 +231,7 @@ def test_the_paged_torch_path_as_before(softcap, monkeypatch):
     new, calls = run(), []
     for module in (paged_chunks, paged_decode):
         monkeypatch.setattr(module, "softmax_lse", counted(old_serve_softmax, calls, "softmax"))
-    monkeypatch.setattr(paged_far, "softmax_lse", counted(old_far_softmax, calls, "far"))
+    monkeypatch.setattr(dar_far, "softmax_lse", counted(old_far_softmax, calls, "far"))
     monkeypatch.setattr(paged_chunks, "merge_pieces", counted(old_paged_merge, calls, "merge"))
     assert torch.equal(new, run())
     assert {"softmax", "merge", "far"} <= set(calls)

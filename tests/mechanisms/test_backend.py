@@ -38,13 +38,12 @@ def test_every_op_family_has_a_reference_path():
 
 def test_every_op_family_is_registered_in_one_place_that_names_them_all():
     """``allhere.ops.families`` is the one module that calls ``register_path`` (read from the source: every call
-    in the package), and its ``FAMILIES`` names every family registered once the mechanisms and the serving
-    code's paged paths are imported -- no more, no fewer."""
+    in the package), and its ``FAMILIES`` names every family registered once the mechanisms are imported -- no
+    more, no fewer."""
     import ast
     from pathlib import Path
 
     import allhere.mechanisms  # noqa: F401
-    import allhere.serve.paged_paths  # noqa: F401  (hands op family "paged" its paths)
     from allhere.ops import FAMILIES
 
     root = Path(allhere.__file__).parent

@@ -174,8 +174,8 @@ def test_bad_arguments_are_named():
 
 
 def test_one_rule_for_the_kernels_and_a_served_layer():
-    """``refusal``: what ``paged_aha_attention`` checks and ``allhere.serve.paged_kernel.kernel_refusal`` asks."""
-    from allhere.serve.paged_kernel import kernel_refusal
+    """``refusal``: what ``paged_aha_attention`` checks and ``allhere.ops.paged.aha_triton.kernel_refusal`` asks."""
+    from allhere.ops.paged.aha_triton import kernel_refusal
 
     assert refusal(16) is None and refusal(128) is None
     for d in (8, 96, 256):

@@ -271,7 +271,7 @@ def test_metrics_of_each_kind_through_the_multiprocess_folder(tmp_path):
     script = """
 import math
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
-from allhere.serve.vllm_metrics import metrics
+from allhere.serve.vllm.metrics import metrics
 kv = {"per_token": 96, "per_request": 4096, "plain_per_token": 512}
 metrics("dar", kv, routed=False).publish({"layers": {}, "mu_f": None, "tokens": 0})
 aha = metrics("aha", kv, routed=True)

@@ -1,6 +1,6 @@
-"""allhere's batched attention over a paged KV cache (allhere.serve.paged; what vLLM serving runs for AHA, sinks,
-the other masked patterns and DAR) equals the dense references: requests written in chunks to scattered blocks
-(chunked prefill, then decode steps beside other requests' prefill), a request whose first blocks come from
+"""allhere's batched attention over a paged KV cache (allhere.ops.paged.attention; what vLLM serving runs for AHA,
+sinks, the other masked patterns and DAR) equals the dense references: requests written in chunks to scattered
+blocks (chunked prefill, then decode steps beside other requests' prefill), a request whose first blocks come from
 another's (a prefix-cache hit), padding slots and rows. No vLLM needed."""
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from allhere.ops.aha import aha_attention_reference
 from allhere.ops.dar import dar_attention_reference
 from allhere.ops.dar_latent.check import query_rows
 from allhere.ops.full import pattern_attention_reference
-from allhere.serve import paged_chunks, paged_far, paged_paths  # noqa: F401  (registers op family "paged")
-from allhere.serve.paged import (
+from allhere.ops.paged import chunks as paged_chunks
+from allhere.ops.paged.aha_triton import aha_paged, kernel_refusal
+from allhere.ops.paged.attention import (
     causal_read,
     paged_attention,
     paged_view,
     window_read,
     write,
 )
-from allhere.serve.paged_far import LatentKV, far_pieces, rotary_projection, write_latents
-from allhere.serve.paged_kernel import aha_paged, kernel_refusal
+from allhere.ops.paged.dar_far import LatentKV, far_pieces, rotary_projection, write_latents
 from allhere.softmax import merge_pieces
 
 HEADS, KV_HEADS, D, BS = 4, 2, 8, 4  # 2 query heads per kv head; blocks of 4 tokens
@@ -67,8 +67,8 @@ def _serve(reads, gen, gate=None, q_tile=4, latent=None, d=D, kernel_window=None
     also latents of D_DOWN per token in a cache of their own (blocks of BS_LATENT, another table), their far
     rows (``far_pieces``) joined. Returns per request its outputs [length, heads, d] (rows before SHARED of
     request 3: never computed) and [q, (k, v), gate [length, heads] or None, latents or None]. ``kernel_window``:
-    AHA with this window through the Triton paged kernel (``paged_kernel.aha_paged``) instead of ``reads``;
-    ``path``: the backend of op family "paged" that computes the others (``allhere.serve.paged_paths``)."""
+    AHA with this window through the Triton paged kernel (``aha_triton.aha_paged``) instead of ``reads``;
+    ``path``: the backend of op family "paged" that computes the others (``allhere.ops.paged.dispatch``)."""
     lengths = LENGTHS + [PREFIXED]
     table, pool = _table(gen, BS)
     view = paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * d), BS, KV_HEADS, d)
@@ -233,7 +233,7 @@ def test_class_without_reads_keeps_out():
 
 def test_matmul_path_equals_reference(monkeypatch):
     """Scores by matmul (soft-capped layers; devices without the CPU's fused kernel) instead of the fused kernel."""
-    import allhere.serve.paged_chunks as chunks
+    import allhere.ops.paged.chunks as chunks
 
     monkeypatch.setattr(chunks, "FUSED", False)
     gen = torch.Generator().manual_seed(4)
@@ -363,7 +363,7 @@ def test_view_refuses_partial_blocks():
 
 def latent_decode_case(window: int, dtype: torch.dtype):
     """A dar_latent decode step over paged caches (requests of LENGTHS tokens, each decoding its last): returns
-    (the arguments of ``paged_latent.decode_latent`` but ``out``, the expected output by
+    (the arguments of ``dar_latent_decode.decode_latent`` but ``out``, the expected output by
     ``dar_latent_attention_reference`` per request in fp32, and (the far queries, W_UK, e_r)). Unwritten row
     slots hold 1e4 (weight 0, finite); the rows' pages are padded as vLLM pads them."""
     from allhere.ops.dar_latent import dar_latent_attention_reference
@@ -400,23 +400,23 @@ def latent_decode_case(window: int, dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("piece", [4 << 20, 1], ids=["one_piece", "a_request_a_piece"])
 def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
-    """dar_latent's decode step as served, both ways: all requests at once into ``out`` (``paged_latent``: the
-    far rows gathered for all requests in one piece, or request by request), and the window through op family
+    """dar_latent's decode step as served, both ways: all requests at once into ``out`` (``dar_latent_decode``:
+    the far rows gathered for all requests in one piece, or request by request), and the window through op family
     "paged" with the far rows read absorbed as pieces (``far_pieces`` with ``absorbed``, as a step with a prefill
     serves its decode rows), each = ``dar_latent_attention_reference`` per request (window from the paged K/V, far
     keys from the paged rows [c ; k^R], other blocks and another block size). (vLLM's kernel for the far rows:
     tests/serve/test_serve_vllm.py.)"""
-    from allhere.serve import paged_latent
+    from allhere.ops.paged import dar_latent_decode
 
-    monkeypatch.setattr(paged_latent, "PIECE_BYTES", piece)
-    monkeypatch.setattr(paged_latent, "USE_KERNEL", False)
+    monkeypatch.setattr(dar_latent_decode, "PIECE_BYTES", piece)
+    monkeypatch.setattr(dar_latent_decode, "USE_KERNEL", False)
     args, want, e_r = latent_decode_case(window, dtype)
     q, q_row, pos, view, table, rows, rows_table, _, w_uv, _ = args
     m = len(LENGTHS)
     direct, again = (torch.full((m, HEADS, D), 7.0, dtype=dtype) for _ in range(2))
     step = {}  # a second layer of the step reads what the first kept
-    paged_latent.decode_latent(*args, direct, step=step)
-    paged_latent.decode_latent(*args, again, step=step)
+    dar_latent_decode.decode_latent(*args, direct, step=step)
+    dar_latent_decode.decode_latent(*args, again, step=step)
     assert step
     kv = LatentKV(None, w_uv)
     starts, lens = torch.arange(m + 1), torch.tensor(LENGTHS)
@@ -440,16 +440,16 @@ def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
                                                             (40, 1, torch.bfloat16, False),
                                                             (40, 1, torch.float32, True)])
 def test_aha_prefill_in_large_calls_equals_paged_attention(window, n_sinks, dtype, small, monkeypatch):
-    """``paged_prefill.aha_prefill`` (AHA's prefill rows per request in a few calls of torch's fused attention)
+    """``aha_prefill.aha_prefill`` (AHA's prefill rows per request in a few calls of torch's fused attention)
     = ``paged_attention`` on every row it writes: a whole prompt, a later chunk of one (keys before the chunk,
     blocks scattered), a chunk shorter than a tile, a decode token beside them (not written); a window wider than
     a tile; with and without sinks; ``small``: tiles of 48 and global rows 16 to a call (many of each)."""
-    from allhere.serve import paged_prefill
-    from allhere.serve.paged_prefill import aha_prefill
+    from allhere.ops.paged import aha_prefill as prefill_module
+    from allhere.ops.paged.aha_prefill import aha_prefill
 
     if small:
-        monkeypatch.setattr(paged_prefill, "TILE", 48)
-        monkeypatch.setattr(paged_prefill, "GLOBAL_ROWS", 16)
+        monkeypatch.setattr(prefill_module, "TILE", 48)
+        monkeypatch.setattr(prefill_module, "GLOBAL_ROWS", 16)
 
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, d, bs = 6, 2, 16, 32

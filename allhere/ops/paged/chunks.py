@@ -1,13 +1,13 @@
-"""The prefill work of ``allhere.serve.paged.paged_attention`` (query tiles, the key blocks each reads, their
-attention in few fused calls) and what both paths share: the gather of blocks, the workspace, the merge of a
+"""The prefill work of ``attention.paged_attention`` (query tiles, the key blocks each reads, their attention in few
+fused calls) and what both paths share: the gather of blocks, the workspace, the merge of a
 row's pieces by log-sum-exp as they come (``Merger``, on ``allhere.softmax.merge_pieces``). Plain torch."""
 
 from __future__ import annotations
 
 import torch
 
-from ..masks import Mask
-from ..softmax import NEG_INF, merge_pieces, softmax_lse
+from ...masks import Mask
+from ...softmax import NEG_INF, merge_pieces, softmax_lse
 
 MAX_GATHER_BYTES = 32 << 20  # keys and values gathered for one call (a longer batch runs in pieces)
 MAX_MASK_ELEMENTS = 4 << 20  # (row, key) pairs of the predicate evaluated at once

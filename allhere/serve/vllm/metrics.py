@@ -8,12 +8,12 @@ serve`` gives each server a new, empty folder and removes it when the server sto
 is exported here (metrics in the engine's own registry would reach no endpoint); the statistics file and
 ``routing_stats`` stay.
 
-Gauges (``mostrecent``: the engine's last value), written with the statistics file (``vllm_model.StatsFile``), so
+Gauges (``mostrecent``: the engine's last value), written with the statistics file (``model.StatsFile``), so
 they carry the numbers of ``allhere serve``'s routing line:
 
 - ``allhere_mechanism_info{mechanism="aha"}`` 1: the served folder's mechanism;
 - ``allhere_kv_cache_bytes_per_token``, ``allhere_kv_cache_bytes_per_request``,
-  ``allhere_kv_cache_unconverted_bytes_per_token``: ``vllm_model.kv_bytes``;
+  ``allhere_kv_cache_unconverted_bytes_per_token``: ``model.kv_bytes``;
 - AHA only: ``allhere_mu_f`` (the share of (token, head) pairs on full attention since the server was ready, NaN
   before its first token), ``allhere_layer_mu_f{layer="i"}`` (the same per AHA layer) and ``allhere_routed_tokens``
   (the tokens counted; vLLM's warm-up passes are not).
@@ -61,7 +61,7 @@ class Metrics:
             self.tokens.set(0)
 
     def publish(self, stats: dict) -> None:
-        """Set the routing gauges from ``vllm_model.routing_stats``."""
+        """Set the routing gauges from ``model.routing_stats``."""
         if not self.routed:
             return
         mu_f = stats.get("mu_f")

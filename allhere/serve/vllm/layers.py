@@ -1,8 +1,8 @@
 """What each served mechanism puts on a converted vLLM attention block: its rule for ``PagedAttention``
-(``allhere.serve.vllm_paged``) and the weights and hooks it needs. Imported by ``allhere.serve.vllm_install``
-(which runs the installer a kind's ``Serving`` names), never by ``import allhere``. Each takes the kind's config
-object (``allhere.registry.from_dict``), and the mechanisms' own pure pieces give the rules: AHA's gate from the
-hidden state (``allhere.mechanisms.aha.hidden_gate``), a pattern's mask predicate (``cfg.mask_fn``).
+(``allhere.serve.vllm.attention``) and the weights and hooks it needs, put there by ``install`` (which runs the
+installer a kind's ``Serving`` names). Each takes the kind's config object (``allhere.registry.from_dict``), and
+the mechanisms' own pure pieces give the rules: AHA's gate from the hidden state
+(``allhere.mechanisms.aha.hidden_gate``), a pattern's mask predicate (``cfg.mask_fn``).
 
 - AHA: one attention over the layer's cache, two row classes: a local (token, head) reads its ``window`` most
   recent keys (and its request's first ``sinks`` tokens, ``AHAConfig.sinks``: one ``window_read`` holding both), a
@@ -11,13 +11,13 @@ hidden state (``allhere.mechanisms.aha.hidden_gate``), a pattern's mask predicat
   ``...self_attn.allhere.router.{weight,bias}``) gives the gate per (token, query head) in a forward pre-hook.
   The host's softmax terms are kept: learned sink logits (gpt-oss) and soft-capped scores (Gemma-2). Where
   vLLM's CPU kernel reads allhere's block layout, the local rows and a decode token's global rows are its kernel's
-  (in place, over the same blocks: ``allhere.serve.vllm_paged.aha_over_vllm``) and allhere's attention computes
+  (in place, over the same blocks: ``allhere.serve.vllm.attention.aha_over_vllm``) and allhere's attention computes
   the prefill tokens' global rows; with one sink the decode tokens' windows stay vLLM's (the sink swapped in for
   the call) and allhere's attention computes the prefill tokens' local rows; with more, every row.
   The layer's cache keeps every key either way (its vLLM spec is full attention: the global rows read them all).
 - sinks, dilated, Longformer, BigBird and any other causal pattern (``install_masked``): one class reading what
   the pattern's predicate allows.
-- DAR: ``allhere.serve.vllm_dar``.
+- DAR: ``allhere.serve.vllm.dar``.
 
 Query tiles: rows that read a window go in tiles of 64 (their keys span the tile plus the window); rows that
 read every earlier key in tiles of 256 (the keys they gather are shared by more rows).
@@ -32,10 +32,10 @@ from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 
-from ..hosts import SUBMODULE
-from ..mechanisms.aha import AHAConfig, hidden_gate
-from .paged import Read, causal_read, window_read
-from .vllm_paged import PagedAttention
+from ...hosts import SUBMODULE
+from ...mechanisms.aha import AHAConfig, hidden_gate
+from ...ops.paged.attention import Read, causal_read, window_read
+from .attention import PagedAttention
 
 WINDOW_TILE, WIDE_TILE = 64, 256  # query rows per tile: rows reading a window, rows reading every earlier key
 

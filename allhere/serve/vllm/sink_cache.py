@@ -10,13 +10,12 @@ the window's blocks sliding, as vLLM's own sliding-window layers do for a plain 
   are processed (the next query, at position n, reads keys ``j > n - w`` and ``j < n_sinks``). A prefix-cache
   hit is the sliding window's hit with the sink blocks taken from the cache too (no hit if one is gone).
 - ``SinkAttention``: a vLLM ``Attention`` whose only change is the spec it reports (vLLM's ``RSWAAttention``
-  is the same pattern); allhere's attention (``allhere.serve.vllm_paged``) reads its cache and never touches
+  is the same pattern); allhere's attention (``allhere.serve.vllm.attention``) reads its cache and never touches
   a freed block: the sinks' mask excludes every block of the gap, and the block test skips them.
 
 Registered in vLLM's public KV spec registry when this module is imported: by the worker through
-``allhere.serve.vllm_install``, by the engine core when it unpickles the workers' specs. Needs vLLM's hybrid KV
-cache manager (``allhere.serve.vllm_install.install`` refuses sinks without it: their ``Serving.own_cache_group``).
-Never imported by ``import allhere``.
+``allhere.serve.vllm.install``, by the engine core when it unpickles the workers' specs. Needs vLLM's hybrid KV
+cache manager (``allhere.serve.vllm.install.install`` refuses sinks without it: their ``Serving.own_cache_group``).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager, regi
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from .vllm_paged import VLLM_WINDOW_OFFSET
+from .attention import VLLM_WINDOW_OFFSET
 
 
 @dataclass(frozen=True, kw_only=True)

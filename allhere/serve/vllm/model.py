@@ -1,26 +1,26 @@
 """vLLM model classes for folders written by ``allhere convert``: vLLM's own implementation of the family
 (Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3, gpt-oss, Granite, Phi-3/4; OLMo-2/3, SmolLM3 and GPT-NeoX through
 vLLM's Transformers backend), with the converted layers' attention replaced after vLLM has built the model.
-Imported by vLLM (lazily, through ``allhere.serve.vllm_plugin``), never by ``import allhere``.
+vLLM imports them lazily, by the names ``allhere.serve.vllm.plugin`` registers.
 
 A folder without allhere settings (config.json lacks ``allhere_mechanism``) gets vLLM's own model,
 unchanged: the classes below only add to ``__init__``.
 
 Mechanisms served (per converted layer, ``config.allhere_layers``): every kind registered with a ``Serving``
-(``allhere.registry``), put on the layers by the installer it names (``allhere.serve.vllm_install``):
+(``allhere.registry``), put on the layers by the installer it names (``allhere.serve.vllm.install``):
 
 - AHA (All-or-Here attention, "Learning When Not to Attend Globally"), sinks, dilated, Longformer, BigBird
   (causal) and DAR: allhere's own attention over the layer's paged cache, one batched call per layer reading per
-  (request, query head) only the keys the mechanism's rule allows (``allhere.serve.vllm_layers``,
-  ``allhere.serve.vllm_paged``), on vLLM's CPU backend (AHA on CUDA too, through allhere's Triton paged kernel).
+  (request, query head) only the keys the mechanism's rule allows (``allhere.serve.vllm.layers``,
+  ``allhere.serve.vllm.attention``), on vLLM's CPU backend (AHA on CUDA too, through allhere's Triton paged kernel).
   AHA's router ``S = sigmoid(X W_router + b)`` on the attention block's input X (the same weights as allhere
   saved: ``...self_attn.allhere.router.{weight,bias}``) gives the hard gate ``g = S > tau`` per (token, query
   head): the full causal prefix where g, the ``window`` most recent keys elsewhere (and the request's first
   ``sinks`` tokens, ``AHAConfig.sinks``); an AHA layer's cache keeps every key. A sinks layer's
-  ``Attention`` is rebuilt to report a KV cache of its own (``allhere.serve.vllm_kv``): the sink blocks and
+  ``Attention`` is rebuilt to report a KV cache of its own (``allhere.serve.vllm.sink_cache``): the sink blocks and
   the window's, a constant number of blocks per request. DAR keeps the window's K/V in a sliding-window
   cache and every token's d_down latent in a cache of its own, the distant keys rebuilt from the latents at
-  every step (``allhere.serve.vllm_dar``).
+  every step (``allhere.serve.vllm.dar``).
 - sliding: the layer's ``Attention`` rebuilt with ``per_layer_sliding_window = window`` (vLLM then
   keeps a sliding-window KV cache for it).
 
@@ -38,7 +38,7 @@ pass (prefill and decode tokens alike, vLLM's warm-up passes included until ``re
 file (``STATS_ENV``, set by ``allhere serve``), the model writes them there after its steps (JSON, replaced
 atomically), and zeroes them before a forward while the reset file next to it exists (``allhere serve``
 creates it once the server is ready, so vLLM's warm-up passes are not counted). From then on the same numbers go
-to vLLM's /metrics where the environment names a Prometheus multiprocess folder (``allhere.serve.vllm_metrics``).
+to vLLM's /metrics where the environment names a Prometheus multiprocess folder (``allhere.serve.vllm.metrics``).
 
 Checked: eager (``enforce_eager=True``), float32, one CPU process: greedy tokens equal allhere's generate
 (tests/serve/test_serve_vllm.py). vLLM's default torch.compile gave the same tokens in one run; there
@@ -67,13 +67,13 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.transformers import TransformersForCausalLM
 
-from ..hosts import CONFIG_KEY
-from .vllm_dar import DARServe, LatentCache
-from .vllm_install import install
-from .vllm_kv import SinkAttention
-from .vllm_layers import AHAServe
-from .vllm_metrics import Metrics, metrics
-from .vllm_plugin import RESET_SUFFIX, STATS_ENV
+from ...hosts import CONFIG_KEY
+from .dar import DARServe, LatentCache
+from .install import install
+from .layers import AHAServe
+from .metrics import Metrics, metrics
+from .plugin import RESET_SUFFIX, STATS_ENV
+from .sink_cache import SinkAttention
 
 
 def aha_layers(model: nn.Module) -> dict[int, AHAServe]:

@@ -15,9 +15,9 @@ full causal kernel over the same tokens. AHA's two row classes have a shape that
   calls of ``GLOBAL_ROWS`` tokens over the request's keys up to the last of them, with the causal mask by position;
   the group's local rows among them dropped.
 
-The keys are gathered once per request, from the blocks through the block table (``allhere.serve.paged``'s
-layout). No soft cap nor learned sink logits (``paged_attention`` computes those layers). Each (query, key) pair
-a row reads is read once: the sink part reads a sink only where the window does not.
+The keys are gathered once per request, from the blocks through the block table (``attention``'s layout). No soft
+cap nor learned sink logits (``paged_attention`` computes those layers). Each (query, key) pair a row reads is read
+once: the sink part reads a sink only where the window does not.
 """
 
 from __future__ import annotations

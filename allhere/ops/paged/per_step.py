@@ -1,7 +1,7 @@
-"""What the layers of one served step share. vLLM hands every layer of a KV cache group the same metadata object
-(rebuilt each step), so what follows from it alone (token positions, block coordinates of the slot mapping, token
-tables, rotary factors) is made by the step's first layer and read by the others: at batch 1 a step's cost is its
-number of tensor operations, thirty layers over."""
+"""What the layers of one served step share. An engine hands every layer of a KV cache group the same metadata
+object (vLLM rebuilds it each step), so what follows from it alone (token positions, block coordinates of the slot
+mapping, token tables, rotary factors) is made by the step's first layer and read by the others: at batch 1 a
+step's cost is its number of tensor operations, thirty layers over."""
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
-"""dar_latent's decode step over its two paged caches, all at once (``allhere.serve.vllm_dar_latent``): when every
+"""dar_latent's decode step over its two paged caches, all at once (``allhere.serve.vllm.dar_latent``): when every
 request of a step has one query, each query's window (the host's K/V, from the sliding-window cache) and its far
 keys (the latent rows [c ; k^R of every KV head], from the latent cache) are read in one softmax and written
 straight to ``out``: no log-sum-exp, no merge, few operations (at batch 1 a step's cost is its number of
-operations, not its keys). No vLLM import: vLLM's kernel (below) is found among torch's registered ops.
+operations, not its keys). Plain torch: vLLM's kernel (below) is found among torch's registered ops.
 
-Far keys are read absorbed, as ``paged_far._attend_absorbed`` reads them: a head's query comes as a row [q^C W_UK_g ;
+Far keys are read absorbed, as ``dar_far._attend_absorbed`` reads them: a head's query comes as a row [q^C W_UK_g ;
 q^R in its KV head's slot, zeros elsewhere] (the served layer makes it in one matmul: ``ops.dar_latent.query_map``),
 scored against the rows as they are gathered (one matmul per step); the probabilities weight the rows, and W_UV_g
 maps the weighted latent once per head. What follows from the step's positions and tables alone is made by its
-first layer and kept for the others (``step_memo``).
+first layer and kept for the others (``per_step``).
 
 With vLLM's CPU build loaded and a bf16 cache, the step is two calls of vLLM's own CPU decode kernel for latent
 caches (``torch.ops._C.decode_attention_cpu``, from sgl-kernel, the one vLLM's CPU MLA backend runs for DeepSeek's
@@ -25,10 +25,10 @@ import math
 
 import torch
 
-from ..softmax import NEG_INF
-from .paged_chunks import Workspace
-from .paged_decode import block_kv
-from .step_memo import memo
+from ...softmax import NEG_INF
+from .chunks import Workspace
+from .decode import block_kv
+from .per_step import memo
 
 PIECE_BYTES = 4 << 20  # gathered rows per piece of requests: read twice, from the CPU's caches the second time
 KEYS_PER_SPLIT = 512  # the fewest far keys a thread of vLLM's kernel takes (vLLM's CPU MLA backend's choice)
@@ -57,9 +57,9 @@ def decode_latent(q, q_row, pos, near, near_table, rows, rows_table, window: int
                   workspace: Workspace | None = None, step: dict | None = None) -> None:
     """q [m, heads, d]: one query per request (request i's at ``pos[i]``), as the host rotated it; q_row [m, heads,
     d_c + kv_heads x e_r]: its far query as a cache row (``ops.dar_latent.check.query_rows``, absorbed); near: the
-    window cache ``paged.paged_view`` [blocks, kv_heads, 2, bs, d] (keys transposed) with ``near_table`` [m, >=];
+    window cache ``attention.paged_view`` [blocks, kv_heads, 2, bs, d] (keys transposed) with ``near_table`` [m, >=];
     rows: the latent cache [blocks, bs_l, d_c + kv_heads x e_r] with ``rows_table`` [m, >=]; w_uv [kv_heads, d,
-    d_c]. Writes ``out`` [m, heads, d]. ``workspace``: where the gathered rows go (``paged_chunks.Workspace``:
+    d_c]. Writes ``out`` [m, heads, d]. ``workspace``: where the gathered rows go (``chunks.Workspace``:
     reused, not page-faulted anew). ``step``: a ``step_values`` dict, where what depends on the step alone (pos,
     the tables, the caches' shapes) is kept for the next layer.
 

@@ -1,18 +1,18 @@
-"""The decode rows of ``allhere.serve.paged.paged_attention`` (requests with one query this step): each (token,
-kv head, class) is one tile of the query heads sharing that kv head, which gathers every block its rule may
+"""The decode rows of ``attention.paged_attention`` (requests with one query this step): each (token, kv head,
+class) is one tile of the query heads sharing that kv head, which gathers every block its rule may
 read, all of them in one row, and attends them at once under the rule's mask (scores by matmul straight from
 the keys as the cache holds them, transposed). A decode step has a few
 rows per request and a long key range each: one gather and one call per piece of tiles costs far fewer
-operations than the chunked prefill path (``allhere.serve.paged_chunks``), whose per-chunk bookkeeping pays off
+operations than the chunked prefill path (``chunks``), whose per-chunk bookkeeping pays off
 only where a tile has many rows."""
 
 from __future__ import annotations
 
 import torch
 
-from ..masks import Mask
-from ..softmax import NEG_INF, softmax_lse
-from .paged_chunks import MAX_GATHER_BYTES, Workspace, gather
+from ...masks import Mask
+from ...softmax import NEG_INF, softmax_lse
+from .chunks import MAX_GATHER_BYTES, Workspace, gather
 
 
 def decode_rows(qflat, tok, req, pos, row_class, reads, view, block_table, scale: float, softcap: float,
@@ -92,8 +92,8 @@ def _attend_t(q, kt, v, allowed, scale: float, softcap: float):
 
 
 def block_kv(view, blocks: torch.Tensor, workspace: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K/V of blocks ``blocks`` [m, w] of ``view`` (``paged.paged_view``), gathered in one copy
-    (``paged_chunks.gather``), each row's blocks side by side: keys as the cache holds them, transposed,
+    """The K/V of blocks ``blocks`` [m, w] of ``view`` (``attention.paged_view``), gathered in one copy
+    (``chunks.gather``), each row's blocks side by side: keys as the cache holds them, transposed,
     [m, kv_heads, d, w x bs], and values [m, kv_heads, w x bs, d]."""
     m, w = blocks.shape
     kv_heads, bs, d = view.shape[1], view.shape[3], view.shape[4]

@@ -1,18 +1,18 @@
-"""The paths of op family ``"paged"`` (``allhere.backend``; handed to ``allhere.ops.families.register_paged``,
-where every family is registered): a served layer's attention over its paged KV cache, picked like every other
-op's, so that ``allhere serve --backend reference`` (or ``use_backend("reference")`` around a direct call) runs
-served models on the ground truth.
+"""The paths of op family ``"paged"`` (``allhere.backend``; registered in ``allhere.ops.families`` with every other
+family): a served layer's attention over its paged KV cache, picked like every other op's, so that ``allhere serve
+--backend reference`` (or ``use_backend("reference")`` around a direct call) runs served models on the ground
+truth.
 
-Every path takes ``paged.paged_attention``'s arguments (q, view, query_start, seq_lens, block_table, reads,
+Every path takes ``attention.paged_attention``'s arguments (q, view, query_start, seq_lens, block_table, reads,
 scale, out, row_class=, sinks=, softcap=, extra=, ...) plus ``window_class`` (the row class that reads exactly
 its window, the others every earlier key: AHA's two classes; None for the other mechanisms) and ``transposed``
-(how the cache stores its keys, as ``paged.write`` wrote them):
+(how the cache stores its keys, as ``attention.write`` wrote them):
 
 - ``"reference"``: per request, its keys and values gathered in order through the block table, every row's
   mask evaluated from its class's predicates on the dense grid, scores and softmax in float32 (slow);
-- ``"torch"``: ``paged.paged_attention`` (tiles of rows over gathered blocks; keys transposed). Inside vLLM's
-  CPU backend the served layer also runs vLLM's own kernel for what it computes (``vllm_paged``);
-- ``"triton"``: allhere's Triton paged kernel (``paged_kernel.aha_paged``; AHA's two classes only, the local
+- ``"torch"``: ``attention.paged_attention`` (tiles of rows over gathered blocks; keys transposed). Inside vLLM's
+  CPU backend the served layer also runs vLLM's own kernel for what it computes (``allhere.serve.vllm.attention``);
+- ``"triton"``: allhere's Triton paged kernel (``aha_triton.aha_paged``; AHA's two classes only, the local
   one's window and sinks as its ``window_read`` holds them; keys untransposed); ``"auto"`` picks it on CUDA, an
   explicit ``"triton"`` also under Triton's interpreter.
 
@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import OpPath
-from ..ops.families import register_paged
-from ..softmax import NEG_INF, merge_pieces, softmax_lse
-from .paged import Read, paged_attention, token_positions
+from ...backend import OpPath
+from ...softmax import NEG_INF, merge_pieces, softmax_lse
+from .attention import Read, paged_attention, token_positions
 
 OP = "paged"
 
 
 def transposed_for(path: OpPath) -> bool:
-    """Whether a layer on ``path`` stores its keys transposed (``paged.write(..., transposed=)``)."""
+    """Whether a layer on ``path`` stores its keys transposed (``attention.write(..., transposed=)``)."""
     return path.backend != "triton"
 
 
@@ -94,14 +93,17 @@ def _keys_of(view: torch.Tensor, table: torch.Tensor, length: int, transposed: b
     return keys[block, slot].float(), view[:, :, 1].transpose(1, 2)[block, slot].float()
 
 
-def _torch(*args, window_class=None, transposed: bool = True, max_seq_len=None, max_query_len=None,
-           **kwargs) -> None:
+def paged_torch(*args, window_class=None, transposed: bool = True, max_seq_len=None, max_query_len=None,
+                **kwargs) -> None:
+    """Backend "torch": ``attention.paged_attention`` (the arguments only the other paths read are dropped)."""
     paged_attention(*args, **kwargs)
 
 
-def _triton(q, view, query_start, seq_lens, block_table, reads, scale, out, row_class=None, window_class=None,
-            max_seq_len=None, max_query_len=None, **unused) -> None:
-    from .paged_kernel import aha_paged
+def paged_triton(q, view, query_start, seq_lens, block_table, reads, scale, out, row_class=None, window_class=None,
+                 max_seq_len=None, max_query_len=None, **unused) -> None:
+    """Backend "triton": AHA's two row classes through ``aha_triton.aha_paged``; ``out``'s rows past the step's
+    tokens zeroed."""
+    from .aha_triton import aha_paged
 
     local = reads[window_class][0]  # a window_read: its window and its sinks (the request's first positions)
     aha_paged(q, view, query_start, seq_lens, block_table, row_class != window_class, local.window, scale, out,
@@ -109,13 +111,11 @@ def _triton(q, view, query_start, seq_lens, block_table, reads, scale, out, row_
     out[int(query_start[-1]):].zero_()
 
 
-def _triton_takes(q, view, query_start, seq_lens, block_table, reads, scale, out, row_class=None,
-                  window_class=None, sinks=None, softcap: float = 0.0, extra=(), **unused) -> str | None:
-    from .paged_kernel import kernel_refusal
+def triton_takes(q, view, query_start, seq_lens, block_table, reads, scale, out, row_class=None,
+                 window_class=None, sinks=None, softcap: float = 0.0, extra=(), **unused) -> str | None:
+    """None where the Triton path takes this call, else why not (one line)."""
+    from .aha_triton import kernel_refusal
 
     if window_class is None or len(reads) != 2 or extra:
         return "the Triton paged kernel computes AHA's two row classes only (a window, every earlier key)"
     return kernel_refusal(q.shape[2], q.device, softcap, sinks)
-
-
-register_paged(paged_reference, _torch, _triton, _triton_takes)

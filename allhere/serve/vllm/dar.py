@@ -1,8 +1,7 @@
 """DAR (Distance-Adaptive Representation, "Dual Dimensionality for Local and Global Attention", arXiv:2606.18587)
 served by vLLM with the cache the paper's Section 5 describes: full-dimensional K/V for the last ``window``
 tokens only, and a d_down latent c = h W_down for every token, from which each step rebuilds the distant keys
-(W_up absorbed into W_K) and reads the distant values through the latents (W_up absorbed into W_V). Imported by
-``allhere.serve.vllm_install``, never by ``import allhere``.
+(W_up absorbed into W_K) and reads the distant values through the latents (W_up absorbed into W_V).
 
 Two caches per converted layer, both vLLM's (it sizes them, assigns their blocks, prefix-caches and frees them):
 
@@ -15,7 +14,7 @@ Two caches per converted layer, both vLLM's (it sizes them, assigns their blocks
 
 KV bytes per token of context fall from 2 x kv_heads x head_dim numbers per layer to d_down (plus the window,
 a constant per request). The price is compute: each step rebuilds the distant keys of every row it reads,
-d_down x kv_heads x head_dim multiply-adds per key (``allhere.serve.paged_far``), where a plain cache only reads
+d_down x kv_heads x head_dim multiply-adds per key (``allhere.ops.paged.dar_far``), where a plain cache only reads
 them.
 
 The host's key path. A far key is RoPE(norm(h' W_K + b)) on h' = c W_up: this block's ``qkv_proj`` key rows
@@ -44,12 +43,12 @@ from vllm.model_executor.models.extract_hidden_states import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from ..hosts import SUBMODULE
-from .paged import slot_places, token_positions, window_read
-from .paged_far import LatentKV, far_pieces, rotary_projection, write_latents
-from .step_memo import memo, step_values
-from .vllm_layers import WINDOW_TILE, block_argument, rebuild_attention
-from .vllm_paged import VLLM_WINDOW_OFFSET, PagedAttention
+from ...hosts import SUBMODULE
+from ...ops.paged.attention import slot_places, token_positions, window_read
+from ...ops.paged.dar_far import LatentKV, far_pieces, rotary_projection, write_latents
+from ...ops.paged.per_step import memo, step_values
+from .attention import VLLM_WINDOW_OFFSET, PagedAttention
+from .layers import WINDOW_TILE, block_argument, rebuild_attention
 
 
 @dataclass
@@ -233,7 +232,7 @@ def plain_rotary(rotary: nn.Module) -> bool:
 
 
 def _key_path(block: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, kv_heads: int):
-    """(keys, order) as ``allhere.serve.paged_far.rotary_projection`` gives them, through ``block``'s own
+    """(keys, order) as ``allhere.ops.paged.dar_far.rotary_projection`` gives them, through ``block``'s own
     ``k_norm`` and ``rotary_emb``: the rotation read from its cos/sin table where it is vLLM's plain
     ``RotaryEmbedding`` (its forward unchanged by the subclass: Llama-3's and YaRN's scaled tables included),
     the module itself otherwise (slower: its own elementwise passes)."""

@@ -1,12 +1,12 @@
 """Greedy tokens of a model folder served by vLLM (one engine), for comparison with allhere's own generation.
 
-``python -m allhere.serve.vllm_check FOLDER --prompts '[[1, 5, 9], [1, 7]]' --max-tokens 32 --forced none,true``
+``python -m allhere.serve.vllm.check FOLDER --prompts '[[1, 5, 9], [1, 7]]' --max-tokens 32 --forced none,true``
 prints one JSON line: per forced-gate setting (``none``: routed; ``true`` / ``false``: every AHA gate
 global / local), the new token ids of every prompt and the routing statistics of that generation. The
 engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), in float32, eager (no torch.compile)
 unless ``--compiled``.
 
-``python -m allhere.serve.vllm_check --jobs`` reads checks from stdin instead, one per line, each the JSON list
+``python -m allhere.serve.vllm.check --jobs`` reads checks from stdin instead, one per line, each the JSON list
 of its arguments (``["FOLDER", "--prompts", "[[1, 5, 9]]", "--forced", "none,true"]``), and prints one
 ``ALLHERE_VLLM_RESULT`` line per check (``ALLHERE_VLLM_ERROR`` and the error where it failed) until stdin
 ends: one process pays vLLM's import once (about 8 of a check's 11 s on 2 CPU cores), each engine after the
@@ -48,8 +48,8 @@ def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(No
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
     from vllm import LLM, SamplingParams
 
-    from .vllm_model import reset_routing_stats, routing_stats, set_forced_gate
-    from .vllm_plugin import register
+    from .model import reset_routing_stats, routing_stats, set_forced_gate
+    from .plugin import register
 
     register()  # where the entry point is installed vLLM has done it already; idempotent
     # small blocks (the CPU's smallest): a prompt and its completion span several, as a long context would
@@ -81,8 +81,8 @@ def greedy(path: str, prompts: list[list[int]], max_tokens: int = 32, forced=(No
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m allhere.serve.vllm_check", description=__doc__.split("\n")[0],
-                                epilog="python -m allhere.serve.vllm_check --jobs: checks from stdin, one JSON list "
+    p = argparse.ArgumentParser(prog="python -m allhere.serve.vllm.check", description=__doc__.split("\n")[0],
+                                epilog="python -m allhere.serve.vllm.check --jobs: checks from stdin, one JSON list "
                                        "of these arguments per line, one result line each")
     p.add_argument("model", help="a model folder (plain, or written by allhere convert)")
     p.add_argument("--prompts", required=True, help="JSON list of prompts, each a list of token ids")

@@ -1,10 +1,10 @@
 """allhere's attention inside vLLM: one custom op per converted layer over the layer's paged KV cache
-(``allhere.serve.paged``), for every mechanism that reads a subset of its keys (AHA, attention sinks, dilated
-windows, Longformer, BigBird, DAR). Imported by ``allhere.serve.vllm_layers``, never by ``import allhere``.
+(``allhere.ops.paged.attention``), for every mechanism that reads a subset of its keys (AHA, attention sinks, dilated
+windows, Longformer, BigBird, DAR).
 
 The converted layer's own vLLM ``Attention`` stays, only as the owner of a paged cache tensor: vLLM sizes it
 (its spec is the unconverted layer's, full attention, every key kept; a sinks layer's and DAR's window keep
-fewer: ``allhere.serve.vllm_kv``, ``allhere.serve.vllm_dar``), hands its blocks to requests, keeps them
+fewer: ``allhere.serve.vllm.sink_cache``, ``allhere.serve.vllm.dar``), hands its blocks to requests, keeps them
 for prefix caching and frees them; its kernel is never called. ``PagedAttention`` (standing where the block's
 ``attn`` stood) writes the step's keys and values into that tensor at vLLM's slot mapping and attends over it
 with ``paged_attention``, for the whole batch in one call, reading per (request, query head) only what the
@@ -18,9 +18,9 @@ window in its windowed kernel, a decode token's global rows in its full kernel, 
 over that kv head's blocks (``vllm_global_decode``); allhere's attention computes the prefill tokens' global rows.
 With one sink (``AHAConfig.sinks = 1``: its local rows also read the request's first token) the decode tokens'
 windows are vLLM's too, the sink swapped in for the call (``vllm_sink_window_decode``), and the prefill tokens'
-rows are a few calls of torch's fused attention per request (``allhere.serve.paged_prefill``); with more sinks,
+rows are a few calls of torch's fused attention per request (``allhere.ops.paged.aha_prefill``); with more sinks,
 allhere's attention computes every row (``PagedAttention.compute`` says why). An AHA layer on CUDA runs allhere's
-Triton paged kernel for all its rows instead (``allhere.serve.paged_kernel``; its keys stored untransposed).
+Triton paged kernel for all its rows instead (``allhere.ops.paged.aha_triton``; its keys stored untransposed).
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from vllm import envs
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
-from ..backend import OpPath, get_backend, select
-from .paged import Read, paged_attention, paged_view, slot_places, write
-from .paged_chunks import Workspace
-from .paged_paths import OP, transposed_for
-from .paged_prefill import aha_prefill
-from .serving import BACKEND_ENV
-from .step_memo import memo, step_values
+from ...backend import OpPath, get_backend, select
+from ...ops.paged.aha_prefill import aha_prefill
+from ...ops.paged.attention import Read, paged_attention, paged_view, slot_places, write
+from ...ops.paged.chunks import Workspace
+from ...ops.paged.dispatch import OP, transposed_for
+from ...ops.paged.per_step import memo, step_values
+from ..serving import BACKEND_ENV
 
 PAGED_ATTR = "_allhere_paged"  # on the owner Attention: [its PagedAttention] (a list: no module cycle)
 VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
@@ -51,7 +51,7 @@ _LAYOUT_CHECKED: dict[tuple, bool] = {}
 
 
 def same_layout(isa: str, dtype: torch.dtype) -> bool:
-    """Whether vLLM's CPU cache writer for ``isa`` stores tokens as ``allhere.serve.paged.write`` does (once per
+    """Whether vLLM's CPU cache writer for ``isa`` stores tokens as ``allhere.ops.paged.attention.write`` does (once per
     process and (isa, dtype))."""
     key = (isa, dtype)
     if key not in _LAYOUT_CHECKED:
@@ -131,7 +131,7 @@ def vllm_global_decode(q, cache, meta, glob, scale: float, softcap: float, isa: 
 
 def read_slots(view: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, values) [m, kv_heads, d] stored at (block, row) pairs of a ``paged_view`` (keys transposed, as
-    ``allhere.serve.paged.write`` stores them)."""
+    ``allhere.ops.paged.attention.write`` stores them)."""
     nb, kv_heads, _, bs, d = view.shape
     return view[:, :, 0].view(nb, kv_heads, d, bs)[blocks, :, :, rows], view[blocks, :, 1, rows]
 
@@ -202,7 +202,7 @@ def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, scale: flo
     """AHA's step on vLLM's CPU backend where its kernel reads allhere's layout: every row's window by vLLM's
     windowed kernel (with one attention sink: the decode tokens' windows, ``vllm_sink_window_decode``); the decode
     tokens' global rows by its full kernel per (token, kv head) (``vllm_global_decode``); with a sink, the prefill
-    tokens' rows in a few large calls of torch's fused attention (``allhere.serve.paged_prefill``); what is left
+    tokens' rows in a few large calls of torch's fused attention (``allhere.ops.paged.aha_prefill``); what is left
     (the prefill tokens' global rows without a sink, learned sink logits, a soft cap, decode tokens sharing a
     swapped slot) by allhere's general attention (``paged_attention`` with the layer's ``reads``). ``row_class``
     [tokens, heads]: ``local`` for a local row, whose one read is a ``window_read`` with at most one sink. ``out``
@@ -243,7 +243,7 @@ def host_softmax_terms(attn: Attention) -> tuple[float, torch.Tensor | None]:
 
 def refuse_softmax_terms(attn: Attention) -> None:
     """For the mechanisms that do not compute the host's soft-capped scores or learned sink logits
-    (``Serving.softmax_terms`` False: ``allhere.serve.vllm_install`` calls it on every converted layer)."""
+    (``Serving.softmax_terms`` False: ``allhere.serve.vllm.install`` calls it on every converted layer)."""
     softcap, sinks = host_softmax_terms(attn)
     if softcap or sinks is not None:
         raise NotImplementedError(f"allhere vLLM serving: {attn.layer_name} has soft-capped scores or learned "
@@ -266,7 +266,7 @@ def _(q, k, v, aux, out, layer) -> None:
 
 class PagedAttention(nn.Module):
     """Stands where the block's ``attn`` stood. ``owner``: the layer's vLLM ``Attention``, used for its cache only;
-    ``reads``: per row class, what a row reads (``allhere.serve.paged``). The host's learned sink logits and
+    ``reads``: per row class, what a row reads (``allhere.ops.paged.attention``). The host's learned sink logits and
     soft-capped scores, where the owner has them, are computed (a mechanism that does not compute them was
     refused before: ``Serving.softmax_terms``). ``router``: a module whose ``gate`` [tokens, heads] (set by the
     block's pre-hook) is the row class of this step. ``window_class``: the class whose rows read exactly their
@@ -333,7 +333,7 @@ class PagedAttention(nn.Module):
                     transposed=transposed_for(self.path) if self.path is not None else True)
 
     def attend(self, q, view, meta, row_class, out, extra=()) -> None:
-        """The layer's path (``allhere.serve.paged_paths``) on the step; ``out[n:]`` zeroed."""
+        """The layer's path (``allhere.ops.paged.dispatch``) on the step; ``out[n:]`` zeroed."""
         self.path.fn(*self._args(q, view, meta, out), **self._options(row_class, extra),
                      max_seq_len=getattr(meta, "max_seq_len", None), max_query_len=getattr(meta, "max_query_len", None))
         out[meta.num_actual_tokens:].zero_()

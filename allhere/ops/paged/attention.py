@@ -1,8 +1,8 @@
 """Attention over a paged KV cache, computed by allhere for every served mechanism that reads a subset of its
 keys (AHA, attention sinks, dilated windows, Longformer, BigBird, DAR): the whole batch in one call, each
 (request, query head) reading only the keys its mechanism's rule allows, straight from the blocks through the
-block table. Plain torch, no vLLM import: ``allhere.serve.vllm_paged`` hands it vLLM's cache tensors, slot
-mapping, block table and the per-request query ranges.
+block table. Plain torch: a served layer (vLLM's: ``allhere.serve.vllm.attention``) hands it the engine's cache
+tensors, slot mapping, block table and the per-request query ranges.
 
 Layout. vLLM allocates a layer's cache tensor, hands its blocks to requests (block table) and keeps them across
 steps and requests (prefix caching); what a block holds is up to the attention that writes and reads it.
@@ -11,8 +11,8 @@ allhere reads the tensor's storage as ``[blocks, kv_heads, 2 (key, value), block
 holds its keys transposed, one contiguous ``[head_dim, block_size]`` tile, then its values, ``[block_size,
 head_dim]``. That is the layout vLLM's own CPU attention kernel reads (its "vec" and "vec16" variants, for x86
 without AMX), so that kernel can read the same blocks where it computes a part of the rule (AHA's windowed
-rows: ``allhere.serve.vllm_paged``). A layer served by the Triton paged kernel instead (AHA on CUDA:
-``allhere.serve.paged_kernel``) stores its keys untransposed, ``[block_size, head_dim]`` like its values
+rows: ``allhere.serve.vllm.attention``). A layer served by the Triton paged kernel instead (AHA on CUDA:
+``aha_triton``) stores its keys untransposed, ``[block_size, head_dim]`` like its values
 (``write(..., transposed=False)``, read through ``kernel_caches``); a layer keeps one layout for its life.
 
 The rule. A mechanism gives, per *row class*, what a row of that class reads: masks over positions (``Read``,
@@ -32,18 +32,18 @@ rule's parts and over pieces of bounded memory, never over requests or heads):
    kv head) and cut into query tiles of up to ``q_tile`` rows, in order of position, the query heads of one
    kv head together (a tile shares its keys; the rest of a group goes into a smaller tile);
 2. per tile and part, the key blocks its rows may read: at or before the tile's last position and not
-   excluded by ``tiles``. A block no row of the tile may read is never gathered (``paged_chunks``);
+   excluded by ``tiles``. A block no row of the tile may read is never gathered (``chunks``);
 3. blocks every row of the tile reads entirely (``dense``, or the predicate evaluated) are packed several to a
    call and attended unmasked; the others under the predicate's mask, each (tile, block) in torch's fused
    flash attention for the CPU, which also returns each row's log-sum-exp;
 4. decode rows (one query in their request) take one tile per (token, kv head, class) that gathers all its
-   blocks at once and scores them by matmul from the transposed keys (``paged_decode``); where every row of
+   blocks at once and scores them by matmul from the transposed keys (``decode``); where every row of
    the layer reads one predicate (the masked patterns: no classes, no extra pieces, no sink logits), all the
    step's decode tokens are computed at once and written straight to ``out``, with no merge
-   (``paged_decode.decode_direct``: at batch 1 a step's cost is its number of operations);
+   (``decode.decode_direct``: at batch 1 a step's cost is its number of operations);
 5. all pieces a row read are merged by their log-sum-exp (one softmax over everything it reads), learned sink
    logits (gpt-oss) joining as one more term, folded as they come once they pass a memory budget
-   (``paged_chunks.Merger``); the rows are written to ``out``.
+   (``chunks.Merger``); the rows are written to ``out``.
 
 Soft-capped scores (Gemma-2) have no fused kernel: there the scores are computed with matmuls too.
 """
@@ -54,9 +54,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .. import masks
-from .paged_chunks import Merger, Workspace, attend_part, tile_rows
-from .paged_decode import decode_direct, decode_rows
+from ... import masks
+from .chunks import Merger, Workspace, attend_part, tile_rows
+from .decode import decode_direct, decode_rows
 
 
 class Read(NamedTuple):
@@ -187,7 +187,7 @@ def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
 
 def _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, view, out) -> None:
     """The decode tokens of a layer whose rows all read one predicate, straight into ``out``
-    (``paged_decode.decode_direct``)."""
+    (``decode.decode_direct``)."""
     req = decode.nonzero().squeeze(1)
     decode_direct(q, starts[:-1][req], req, seq_lens[req].long() - 1, masks.as_mask(Read(*reads[0][0]).pred), view,
                   block_table, scale, softcap, out)
@@ -199,7 +199,7 @@ def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor,
                  workspace: Workspace | None = None, with_decode: bool = True):
     """What ``paged_attention`` reads, before the merge: yields pieces (row ids ``token x heads + head`` [n, size],
     -1: padding; output [n, size, d]; log-sum-exp [n, size]) for ``allhere.softmax.merge_pieces`` /
-    ``paged_chunks.Merger`` as they are computed (a consumer that folds them holds no more than it chooses).
+    ``chunks.Merger`` as they are computed (a consumer that folds them holds no more than it chooses).
     ``with_decode`` False: none for the decode tokens (requests with one query)."""
     heads = q.shape[1]
     n = int(query_start[-1])

@@ -1,7 +1,7 @@
 """``dar_latent`` (DAR whose distant keys are scored in the latent: ``allhere.mechanisms.dar_latent``) served by
-vLLM. Imported by ``allhere.serve.vllm_install``, never by ``import allhere``.
+vLLM.
 
-Two caches per converted layer, both vLLM's, as for DAR (``allhere.serve.vllm_dar``): the block's ``Attention``
+Two caches per converted layer, both vLLM's, as for DAR (``allhere.serve.vllm.dar``): the block's ``Attention``
 rebuilt as a sliding-window layer of the window (the host's exact K/V of the last ``window`` tokens), and a
 ``LatentCache`` of one row per token, [c ; k^R of every KV head]: the latent c = h W_down (d_down numbers) and the
 host's rotated key at the ``rope_pairs`` rotary pairs kept per KV head (the ``channels`` buffer allhere saved).
@@ -21,18 +21,18 @@ from torch import nn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-from ..hosts import SUBMODULE
-from ..mechanisms.dar_latent import far_queries
-from ..ops.dar_latent.check import split_rows
-from ..ops.dar_latent.query_map import absorbed_queries, query_map, rotary_factors
-from ..ops.dar_latent.reference import far_keys
-from .paged import token_positions
-from .paged_far import LatentKV, far_pieces
-from .paged_latent import decode_latent
-from .step_memo import memo, step_values
-from .vllm_dar import DARAttention, LatentCache, check_own_block, keep_input, plain_rotary
-from .vllm_layers import rebuild_attention
-from .vllm_paged import VLLM_WINDOW_OFFSET, WORKSPACE
+from ...hosts import SUBMODULE
+from ...mechanisms.dar_latent import far_queries
+from ...ops.dar_latent.check import split_rows
+from ...ops.dar_latent.query_map import absorbed_queries, query_map, rotary_factors
+from ...ops.dar_latent.reference import far_keys
+from ...ops.paged.attention import token_positions
+from ...ops.paged.dar_far import LatentKV, far_pieces
+from ...ops.paged.dar_latent_decode import decode_latent
+from ...ops.paged.per_step import memo, step_values
+from .attention import VLLM_WINDOW_OFFSET, WORKSPACE
+from .dar import DARAttention, LatentCache, check_own_block, keep_input, plain_rotary
+from .layers import rebuild_attention
 
 
 class DARLatentServe(nn.Module):
@@ -96,7 +96,7 @@ class DARLatentServe(nn.Module):
         return self.up_k.weight.view(g, d - self.r2, self.d_down), self.up_v.weight.view(g, d, self.d_down)
 
     def latent_kv(self) -> LatentKV:
-        """How a prefill's far keys and values are rebuilt from the rows, for ``paged_far`` (built once, from the
+        """How a prefill's far keys and values are rebuilt from the rows, for ``far_pieces`` (built once, from the
         loaded weights)."""
         if self._kv is None:
             g = self.channels.shape[0]

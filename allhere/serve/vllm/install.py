@@ -1,20 +1,19 @@
 """Put a converted folder's mechanism on vLLM's model, as its kind's ``allhere.registry.Serving`` says
 (``allhere.serve.serving``): refuse what it does not serve (the kind, the device, the family), check what it needs
 of vLLM (its own KV cache group: the hybrid KV cache manager), refuse converted layers whose softmax terms it does
-not compute, then run the installer it names on every converted layer. Imported by ``allhere.serve.vllm_model``,
-never by ``import allhere``.
+not compute, then run the installer it names on every converted layer.
 
 ``INSTALLERS`` (by ``Serving.installer``; each ``(block, attn, cfg, at)``: the layer's attention block, its vLLM
 ``Attention``, the kind's config object from ``allhere.registry.from_dict``, and the layer's ``Site``):
 
-- "aha": the router and allhere's attention over the layer's paged cache (``allhere.serve.vllm_layers``); off the
+- "aha": the router and allhere's attention over the layer's paged cache (``allhere.serve.vllm.layers``); off the
   CPU through allhere's Triton paged kernel, refused where that kernel cannot take the layer;
 - "sliding": the layer's ``Attention`` rebuilt with ``per_layer_sliding_window = window`` (vLLM then keeps a
   sliding-window KV cache for it and runs its own kernel);
-- "sinks": the ``Attention`` rebuilt to report a KV cache group of its own (``allhere.serve.vllm_kv``: the sink
+- "sinks": the ``Attention`` rebuilt to report a KV cache group of its own (``allhere.serve.vllm.sink_cache``: the sink
   blocks and the window's), read as a masked pattern;
-- "dar": the window's cache and a latent cache (``allhere.serve.vllm_dar``);
-- "dar_latent": the window's cache and a cache of latent rows (``allhere.serve.vllm_dar_latent``);
+- "dar": the window's cache and a latent cache (``allhere.serve.vllm.dar``);
+- "dar_latent": the window's cache and a cache of latent rows (``allhere.serve.vllm.dar_latent``);
 - "masked": allhere's attention over the layer's paged cache under the config's ``mask_fn`` (any causal pattern:
   a new one needs no change here).
 """
@@ -31,15 +30,15 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.transformers import TransformersForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
-from .. import registry
-from ..hosts import CONFIG_KEY, LAYERS_KEY
-from . import serving
-from .paged_kernel import kernel_refusal
-from .vllm_dar import install_dar
-from .vllm_dar_latent import install_dar_latent
-from .vllm_kv import SinkAttention
-from .vllm_layers import install_aha, install_masked, rebuild_attention
-from .vllm_paged import VLLM_WINDOW_OFFSET, host_softmax_terms, refuse_softmax_terms
+from ... import registry
+from ...hosts import CONFIG_KEY, LAYERS_KEY
+from ...ops.paged.aha_triton import kernel_refusal
+from .. import serving
+from .attention import VLLM_WINDOW_OFFSET, host_softmax_terms, refuse_softmax_terms
+from .dar import install_dar
+from .dar_latent import install_dar_latent
+from .layers import install_aha, install_masked, rebuild_attention
+from .sink_cache import SinkAttention
 
 
 @dataclass

@@ -1,36 +1,36 @@
 """AHA over a paged KV cache through allhere's Triton paged kernels (``allhere.kernels.aha_paged``): the path of a
-served AHA layer on CUDA, where ``allhere.serve.paged``'s torch tiles would be the slow way. No vLLM import: the
-vLLM layer (``allhere.serve.vllm_paged``) hands it the step's tensors, and the tests call it on their own caches.
+served AHA layer on CUDA, where ``attention.paged_attention``'s torch tiles would be the slow way. A served layer
+(vLLM's: ``allhere.serve.vllm.attention``) hands it the step's tensors; the tests call it on their own caches.
 
 The whole step is a few launches for the batch (one split-KV decode kernel for the requests with one query; for
 the others a window pass over every row, then a pass over the global rows, packed per head), each
 (request, query head) reading through the block table only the blocks its rule allows: a local row its window
 (and its request's first ``n_sinks`` positions: AHA with sinks), a global row every key before it. Keys are
-stored untransposed in these layers (``paged.write(..., transposed=False)``). fp32 caches are computed with IEEE
+stored untransposed in these layers (``attention.write(..., transposed=False)``). fp32 caches are computed with IEEE
 fp32 dots; fp16 / bf16 as the other kernels.
 
 Off CUDA the kernels run only under Triton's interpreter, slowly: a layer takes this path there only when asked
 (``allhere serve --backend triton`` with ``TRITON_INTERPRET=1`` before triton is imported; backend "triton" of op
-family "paged", ``allhere.serve.paged_paths``), which the tests use to check the wiring inside vLLM's CPU backend.
+family "paged", ``dispatch``), which the tests use to check the wiring inside vLLM's CPU backend.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .paged import kernel_caches
+from .attention import kernel_caches
 
 
 def kernel_refusal(head_dim: int, device: torch.device, softcap: float = 0.0,
                    sinks: torch.Tensor | None = None) -> str | None:
     """None where a served AHA layer can run the Triton paged kernel, else why not (one line): triton, a CUDA cache
     (or Triton's interpreter), then the kernel's own rule (``allhere.kernels.aha_paged.refusal``)."""
-    from .. import kernels
+    from ... import kernels
 
     why = kernels.device_refusal(device, "the cache is")
     if why:
         return why
-    from ..kernels.aha_paged import refusal
+    from ...kernels.aha_paged import refusal
 
     return refusal(head_dim, softcap, sinks is not None)
 
@@ -44,7 +44,7 @@ def aha_paged(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, se
     at least [requests] (vLLM pads them in some steps). Host hints as ``paged_aha_attention`` takes them.
     n_sinks: a local row also reads its request's first ``n_sinks`` positions (``AHAConfig.sinks``; not the
     learned sink logits of ``kernel_refusal``'s ``sinks``)."""
-    from ..kernels.aha_paged import paged_aha_attention
+    from ...kernels.aha_paged import paged_aha_attention
 
     reqs = query_start.numel() - 1
     k_cache, v_cache = kernel_caches(view)

@@ -1,8 +1,8 @@
 """DAR's distant keys and values read from a paged cache of latents (Distance-Adaptive Representation, "Dual
 Dimensionality for Local and Global Attention", arXiv:2606.18587, Section 5's cache scheme): a token's far
 key and value are never stored, only its latent c = h W_down (d_down numbers); each step rebuilds the far keys
-of the blocks its rows read and attends them. Plain torch, no vLLM import: ``allhere.serve.vllm_dar`` hands it
-vLLM's cache tensor, slot mapping and block table.
+of the blocks its rows read and attends them. Plain torch: a served layer (vLLM's: ``allhere.serve.vllm.dar``) hands
+it the engine's cache tensor, slot mapping and block table.
 
 - Keys: ``LatentKV.keys(c, positions)`` is the host's own key path on h' = c W_up with W_up absorbed into W_K
   (the host's bias, per-head norm and rotary embedding after it), so a far key costs d_down x kv_dim
@@ -27,9 +27,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..softmax import NEG_INF, softmax_lse
-from . import paged_chunks
-from .paged import slot_places
+from ...softmax import NEG_INF, softmax_lse
+from . import chunks
+from .attention import slot_places
 
 FAR_BUDGET = 8 << 20  # bytes of a piece of rebuilt keys: a piece read from the CPU's caches right after the GEMM
 # wrote it (decode of 16 x 8k keys, one core: 95 ms at 8 MB, 138 ms at 32 MB; benchmarks/serve_paged_op.py)
@@ -85,7 +85,7 @@ def rotary_projection(weight: torch.Tensor, bias: torch.Tensor | None, kv_heads:
 
 def write_latents(view: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, places=None) -> None:
     """Store latents c [tokens, d_down] at ``slots`` [tokens] of ``view`` [blocks, block_size, d_down] (negative
-    slots: padding, skipped). ``places``: the slots' ``paged.slot_places``, where the caller has them."""
+    slots: padding, skipped). ``places``: the slots' ``attention.slot_places``, where the caller has them."""
     kept, blocks, rows = places or slot_places(slots, view.shape[1])
     view[blocks, rows] = (c if kept is None else c[kept]).to(view.dtype)
 
@@ -237,9 +237,9 @@ def _far_piece(qr, view, blocks, first: int, count: int, kv: LatentKV, scale: fl
 def _attend_far(qr, k, v, causal: bool, scale: float):
     """qr [1, heads, rows, d] against k, v [1, kv_heads, keys, d] (query head i reads KV head i // (heads /
     kv_heads); causal: query i reads keys 0..i): (output [1, heads, rows, d], log-sum-exp [1, heads, rows] fp32).
-    torch's fused flash attention on the CPU; elsewhere (or ``paged_chunks.FUSED`` False) matmuls in fp32."""
-    if qr.is_cpu and paged_chunks.FUSED:
-        out, lse = paged_chunks._flash(qr, k, v, 0.0, causal, scale=scale)
+    torch's fused flash attention on the CPU; elsewhere (or ``chunks.FUSED`` False) matmuls in fp32."""
+    if qr.is_cpu and chunks.FUSED:
+        out, lse = chunks._flash(qr, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
     group = qr.shape[1] // k.shape[1]
     k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))
