@@ -42,6 +42,9 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=a.positive, default=None, metavar="N",
                    help="requests computed at once; more wait in the queue (default: vLLM's, 128 on the CPU, 256 to "
                         "1024 on a GPU by its memory)")
+    p.add_argument("--max-num-batched-tokens", type=a.positive, default=None, metavar="N",
+                   help="tokens computed in one step, long prompts prefilled in chunks of at most this (default: "
+                        "vLLM's, 2048 on the CPU); at least --max-num-seqs")
     p.add_argument("--max-queued", type=a.positive, default=None, metavar="N",
                    help="requests in flight (computed or waiting); beyond it a new request gets 503 at once instead of "
                         "waiting in an unbounded queue (default 1024, or --max-num-seqs where that is more)")
@@ -65,4 +68,5 @@ def serve(args) -> None:
 
     run(args.model, host=args.host, port=args.port, max_model_len=args.max_model_len, dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, verbose=args.verbose, backend=args.backend, api_key=args.api_key,
-        max_num_seqs=args.max_num_seqs, max_queued=args.max_queued, ready_timeout=args.ready_timeout)
+        max_num_seqs=args.max_num_seqs, max_queued=args.max_queued, ready_timeout=args.ready_timeout,
+        max_num_batched_tokens=args.max_num_batched_tokens)

@@ -2,12 +2,12 @@
 is served from its de-quantized copy, ``allhere.hf.gguf.as_folder``).
 
 The server is vLLM's own (``vllm serve``), started as a child process in its own session; the plugin
-(``allhere.serve.vllm_plugin``, found by vLLM through its ``vllm.general_plugins`` entry point) makes it
+(``allhere.serve.vllm.plugin``, found by vLLM through its ``vllm.general_plugins`` entry point) makes it
 load folders written by ``allhere convert`` / ``allhere sft``. This module checks what can be checked
 before vLLM spends half a minute starting (the folder, the mechanism, the head size on the CPU, the
 port, the limits), warns where the server is reachable from other machines without an API key, waits
 (bounded) until vLLM's ``/health`` answers 200, prints its address, relays the routing statistics of AHA
-models (vLLM's ``/metrics`` carries them too: ``allhere.serve.vllm_metrics``), and stops the whole process
+models (vLLM's ``/metrics`` carries them too: ``allhere.serve.vllm.metrics``), and stops the whole process
 group on Ctrl-C / SIGTERM.
 
 The API key reaches vLLM in its environment (``VLLM_API_KEY``, which vLLM reads), never on its command line,
@@ -50,6 +50,7 @@ KEY_ENV = "VLLM_API_KEY"  # vLLM's own: its server requires the key on /v1/... w
 MAX_QUEUED = 1024  # requests in flight (computed or waiting) by default: beyond, vLLM answers 503 at once
 # vLLM's CPU default reserves 92% of the machine's memory, and refuses to start when less is free
 CPU_KV_CACHE_GIB = 4.0
+CPU_MAX_NUM_SEQS = 128  # vLLM's own default of requests computed at once by its OpenAI server on the CPU
 INSTALL = ("vLLM is not installed in this Python: install allhere's serving extra (docs/serving.md: "
            "scripts/install_serve.sh does it on a fresh machine, CPU or GPU)")
 
@@ -137,6 +138,15 @@ def _served_max_len(url: str, key: str | None) -> int | None:
         return None
 
 
+def cut_note(config: dict, max_model_len: int | None, longest: int | None) -> str:
+    """What the ready line adds where vLLM's auto-fit made requests shorter than the model's positions."""
+    positions = config.get("max_position_embeddings")
+    if max_model_len is not None or longest is None or not isinstance(positions, int) or longest >= positions:
+        return ""
+    return (f" (cut from the model's {positions} positions to what the KV cache holds for one request: "
+            "--kv-cache-gib for more)")
+
+
 def loopback(host: str) -> bool:
     """Whether ``host`` is reachable from this machine only: 127.x.x.x, ::1 or localhost."""
     if host == "localhost":
@@ -164,8 +174,14 @@ def _rope_scaled(rope) -> bool:
     return rope.get("rope_type", rope.get("type", "default")) != "default" or "factor" in rope
 
 
-def check_limits(config: dict, max_model_len: int | None, max_num_seqs: int | None, max_queued: int | None) -> None:
+def check_limits(config: dict, max_model_len: int | None, max_num_seqs: int | None, max_queued: int | None,
+                 max_num_batched_tokens: int | None = None, cpu: bool = True) -> None:
     """ConfigError for limits vLLM would refuse after its start, or that contradict each other."""
+    seqs = max_num_seqs or (CPU_MAX_NUM_SEQS if cpu else None)  # on a GPU vLLM's default follows its memory
+    if max_num_batched_tokens is not None and seqs is not None and max_num_batched_tokens < seqs:
+        raise ConfigError(f"--max-num-batched-tokens {max_num_batched_tokens} is below the {seqs} requests computed "
+                          f"at once ({'--max-num-seqs' if max_num_seqs else 'vLLM default on the CPU'}): each "
+                          f"needs a token of the step; give --max-num-seqs {max_num_batched_tokens} or fewer")
     if max_queued is not None and max_num_seqs is not None and max_queued < max_num_seqs:
         raise ConfigError(f"--max-queued {max_queued} is below --max-num-seqs {max_num_seqs}: no more than "
                           f"{max_queued} requests would ever run at once; raise it or lower --max-num-seqs")
@@ -193,7 +209,7 @@ def stats_every_from_env() -> float:
 
 
 def format_stats(stats: dict) -> str:
-    """One line of the routing statistics the model wrote (``allhere.serve.vllm_model.routing_stats``)."""
+    """One line of the routing statistics the model wrote (``allhere.serve.vllm.model.routing_stats``)."""
     layers = sorted((int(i), g, n) for i, (g, n) in stats["layers"].items())
     layers = ", ".join(f"{i}: {100 * g / n:.1f}%" for i, g, n in layers if n)
     kv = stats.get("kv")
@@ -202,7 +218,7 @@ def format_stats(stats: dict) -> str:
 
 
 def format_kv(kv: dict) -> str:
-    """The caches' bytes (``allhere.serve.vllm_model.kv_bytes``) in one line."""
+    """The caches' bytes (``allhere.serve.vllm.model.kv_bytes``) in one line."""
     # AHA's layers are in the per-token bytes: they keep every key, their window and sinks free no block
     window = (f" + {kv['per_request']} bytes per request (the keys of windows and sinks, DAR's near window "
               "included)") if kv["per_request"] else ""
@@ -214,17 +230,19 @@ def format_kv(kv: dict) -> str:
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: int | None = None,
           dtype: str = "auto", kv_cache_gib: float | None = None, verbose: bool = False, ready_timeout: float = 900.0,
           stats_every: float | None = None, backend: str = "auto", api_key: str | None = None,
-          max_num_seqs: int | None = None, max_queued: int | None = None) -> None:
+          max_num_seqs: int | None = None, max_queued: int | None = None,
+          max_num_batched_tokens: int | None = None) -> None:
     """Start vLLM's OpenAI-compatible server on ``model``; run until a signal (the CLI turns SIGINT / SIGTERM
     into exceptions, and the server is stopped on the way out). Raises ConfigError for what is wrong before
     or while it starts, or when vLLM stops by itself. ``stats_every``: seconds between routing lines
     (default: $ALLHERE_SERVE_STATS_EVERY, else 30). ``kv_cache_gib``: memory for the KV cache (default: 4 GiB
     on the CPU, vLLM's share of the GPU's memory on a GPU). ``backend``: the path of the layers allhere computes
-    (op family "paged": ``allhere.serve.paged_paths``). ``api_key``: required of clients on /v1/... (default:
+    (op family "paged": ``allhere.ops.paged.dispatch``). ``api_key``: required of clients on /v1/... (default:
     $VLLM_API_KEY, else none). ``max_model_len`` (default: vLLM's auto-fit, the model's own maximum lowered to
     what the KV cache holds), ``max_num_seqs`` (requests computed at once; default vLLM's), ``max_queued``
     (requests in flight, beyond which vLLM answers 503; default ``MAX_QUEUED``, or ``max_num_seqs`` where that is
-    more). ``ready_timeout``: seconds to wait for /health."""
+    more), ``max_num_batched_tokens`` (tokens computed in one step, prefill chunks included; default vLLM's, 2048 on
+    the CPU). ``ready_timeout``: seconds to wait for /health."""
     import torch
 
     if stats_every is None:
@@ -249,7 +267,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
     config = read_config(model)
     check_servable(config, model, cpu)
     check_backend(backend, config, cpu)
-    check_limits(config, max_model_len, max_num_seqs, max_queued)
+    check_limits(config, max_model_len, max_num_seqs, max_queued, max_num_batched_tokens, cpu)
     if max_queued is None:
         max_queued = max(MAX_QUEUED, max_num_seqs or 0)
     dtype = served_dtype(dtype, config)
@@ -273,6 +291,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
            "--served-model-name", name, "--max-model-len", str(max_model_len or "auto")]
     if max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
+    if max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     cmd += ["--max-num-queued-reqs", str(max_queued)]
     spec = serving.spec((config.get("allhere_mechanism") or {}).get("kind"))
     if not cpu and spec is not None and not spec.cuda_graphs:
@@ -303,6 +323,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
         print(f"allhere serve: {model} at {url}/v1 (OpenAI-compatible: /v1/models, /v1/completions, "
               f"/v1/chat/completions; /health, /metrics) as model \"{name}\" in {dtype}"
               + (f", up to {longest} tokens per request" if longest else "")
+              + cut_note(config, max_model_len, longest)
               + (", API key required" if key else "")
               + f"; started in {took:.0f} s; Ctrl-C stops it", flush=True)
         if not verbose:

@@ -182,12 +182,28 @@ def test_bad_limits_and_keys(tmp_path, capfd):
     for flags, says in ((["--max-num-seqs", "0"], "--max-num-seqs"), (["--max-queued", "-3"], "--max-queued"),
                         (["--ready-timeout", "0"], "--ready-timeout"), (["--max-model-len", "0"], "--max-model-len"),
                         (["--max-queued", "4", "--max-num-seqs", "8"], "--max-queued 4 is below --max-num-seqs 8"),
+                        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+                        (["--max-num-batched-tokens", "16", "--max-num-seqs", "32"],
+                         "--max-num-batched-tokens 16 is below the 32 requests computed at once (--max-num-seqs)"),
+                        (["--max-num-batched-tokens", "64"], "--max-num-batched-tokens 64 is below the 128 requests "
+                                                             "computed at once (vLLM default on the CPU)"),
                         (["--max-model-len", "5000"], "--max-model-len 5000 is longer than the model's 4096 "
                                                       "positions")):
         assert says in refused(capfd, "--model", model, "--port", port, *flags)
     for key in ("", "two words", "tab\there", "caf\u00e9"):
         err = refused(capfd, "--model", model, "--port", port, "--api-key", key)
         assert "--api-key" in err and (not key or key not in err)
+
+
+def test_auto_fit_cut_is_said():
+    """The ready line says where vLLM's auto-fit served fewer tokens than the model's positions, never otherwise."""
+    from allhere.serve.launch import cut_note
+
+    config = {**LLAMA, "max_position_embeddings": 4096}
+    assert "cut from the model's 4096 positions" in cut_note(config, None, 1000)
+    assert "--kv-cache-gib" in cut_note(config, None, 1000)
+    for given, longest in ((None, 4096), (1000, 1000), (None, None)):  # not cut, the user's own length, unknown
+        assert cut_note(config, given, longest) == ""
 
 
 def test_rotary_scaling_leaves_the_length_to_vllm():

@@ -83,7 +83,7 @@ def server(tmp_path_factory):
     env["ALLHERE_SERVE_STATS_EVERY"] = "1"
     proc = subprocess.Popen([sys.executable, "-m", "allhere.cli", "serve", "--model", str(folder), "--port", str(port),
                              "--dtype", "float32", "--max-model-len", "512", "--kv-cache-gib", "1", "--max-num-seqs",
-                             "8", "--max-queued", "16", "--api-key", KEY],
+                             "8", "--max-queued", "16", "--max-num-batched-tokens", "256", "--api-key", KEY],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
     errors: list[str] = []
