@@ -179,15 +179,31 @@ class TensorBoardReport(NoReport):
         self.tokens = self.seconds = 0.0
         self.pending: list[tuple[str, float, int, float]] = []  # (tag, value, step, wall time) not handed over yet
         self.handed = time.monotonic()
+        self.failed = False  # the events could not be written (their folder gone, the disk full): training goes on
+
+    def guarded(self, write: Callable[[], None]) -> None:
+        """``write()`` unless writing failed before; an OSError (the writer's thread raises its own at the next
+        call) is said once and ends the events, never the training run."""
+        if self.failed:
+            return
+        try:
+            write()
+        except OSError as e:
+            self.failed = True
+            self.note("failed", f"TensorBoard: events no longer written ({e}); the training run goes on")
 
     def add(self, tag: str, value: float, step: int) -> None:
         self.pending.append((tag, float(value), step, time.time()))
 
     def hand_over(self) -> None:
-        for tag, value, step, walltime in self.pending:
-            self.writer.add_scalar(tag, value, step, walltime=walltime)
-        self.pending.clear()
+        pending, self.pending = self.pending, []
         self.handed = time.monotonic()
+
+        def write() -> None:
+            for tag, value, step, walltime in pending:
+                self.writer.add_scalar(tag, value, step, walltime=walltime)
+
+        self.guarded(write)
 
     def step(self, tokens: float, seconds: float) -> None:
         self.tokens += tokens
@@ -224,15 +240,15 @@ class TensorBoardReport(NoReport):
             self.note("heatmap", f"TensorBoard: no mu_f heatmap images ({e})")
             return
         fig.set_layout_engine("constrained")  # add_figure draws the canvas as it is: labels and colour bar inside
-        self.writer.add_figure("eval/mu_f_heatmap", fig, step)  # closes the figure
+        self.guarded(lambda: self.writer.add_figure("eval/mu_f_heatmap", fig, step))  # closes the figure
 
     def flush(self) -> None:
         self.hand_over()
-        self.writer.flush()
+        self.guarded(self.writer.flush)
 
     def close(self) -> None:
         self.hand_over()
-        self.writer.close()
+        self.guarded(self.writer.close)
 
 
 def open_report(report: str | None, ckpt_path: str | Path, start_step: int, steps: int,

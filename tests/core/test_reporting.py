@@ -136,6 +136,27 @@ def test_without_matplotlib_the_heatmap_is_skipped_with_a_note(tmp_path, monkeyp
     assert said[1:] == ["TensorBoard: no mu_f heatmap images (plots need matplotlib: pip install 'allhere[plot]')"]
 
 
+# the writer's own thread ends with the error it then hands to the training loop's next call
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_events_that_cannot_be_written_never_end_the_run(tmp_path):
+    """The events' folder removed mid-run: one line says the events stopped, the run trains to its last step."""
+    import shutil
+
+    pytest.importorskip("tensorboard")
+    said, run = [], tmp_path / "r"
+
+    def held_out_then_gone(model):
+        shutil.rmtree(run / "tensorboard", ignore_errors=True)
+        return held_out(model)
+
+    with report_to("tensorboard", say=said.append):
+        state = train(tiny_model(), batches, cfg(6, eval_every=2, ckpt_every=2), run / "checkpoint.safetensors",
+                      eval_fn=held_out_then_gone, progress=False)
+    assert state["step"] == 6 and [e["step"] for e in state["evals"]] == [2, 4, 6]
+    assert len(said) == 2 and said[1].startswith("TensorBoard: events no longer written ("), said
+    assert said[1].endswith("the training run goes on")
+
+
 def test_without_tensorboard_one_clear_error(tmp_path, monkeypatch, capsys):
     from allhere.cli import main
 
