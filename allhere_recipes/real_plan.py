@@ -81,6 +81,7 @@ class RealPlan:
     mu_f: float = 0.15  # the taught routers' budget on the calibration text
     calib_windows: int = 32  # calibration windows the routers are taught on (seq_len tokens each)
     calib_facts: int = 3  # facts planted in each, asked for beyond the window
+    calib_haystacks: int = 0  # more calibration windows, each a short run of text repeated with facts planted
     taught_lam: float = 0.0  # fine-tuning from taught routers: lambda of L_reg at the start
     taught_target_mu_f: float | None = None  # ... steered towards this share (None: lambda fixed)
     taught_router_lr_mult: float = 1.0  # ... the routers' learning rate over the model's

@@ -61,8 +61,10 @@ def load_and_claim(task: Path, job: str, source: Path, plan, device: str, data_p
     tokenizer, base = load_local(source, convertible=True, dtype=torch.float32)
     base.to(device)
     data = token_data(tokenizer, plan.seq_len, plan.eval_sequences, data_path, recall_distance)
+    # a saved plan read back through the plan's dataclass: a field added since is at its default, not a difference
     claim(task, {"job": job, "model": str(Path(source).resolve()), "plan": plan.to_dict(),
-                 "data_path": data_path, "data_sha256": data.fingerprint})
+                 "data_path": data_path, "data_sha256": data.fingerprint},
+          upgrade=lambda saved: {**saved, "plan": type(plan)(**saved["plan"]).to_dict()})
     log(f"{source}: {data.description}")
     return tokenizer, base, data
 

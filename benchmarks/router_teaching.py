@@ -22,6 +22,7 @@ training files with planted facts (the job's ``real_taught.calibration``). Print
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import torch
@@ -39,7 +40,7 @@ def setup(a):
     tokenizer, model = load_local(resolve_model(a.model), convertible=True, dtype=torch.float32)
     convert(model, AHAConfig(window=a.window, sinks=a.sinks), seed=0)
     model.eval()
-    plan = preset_plan("cpu", "cpu")
+    plan = dataclasses.replace(preset_plan("cpu", "cpu"), calib_haystacks=a.haystacks)
     data = token_data(tokenizer, plan.seq_len, a.heldout)
     windows, answers = calibration(tokenizer, data, plan)
     return tokenizer, model, data.heldout, windows, answers
@@ -171,6 +172,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--sinks", type=int, default=1)
     p.add_argument("--mu-f", type=float, nargs="+", default=[0.1, 0.15])
+    p.add_argument("--haystacks", type=int, default=0, help="calibration windows of repeated text added (default 0)")
     p.add_argument("--heldout", type=int, default=24, help="held-out windows of 512 tokens (default 24)")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ.get("THREADS", torch.get_num_threads())))

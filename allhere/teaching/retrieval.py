@@ -22,6 +22,7 @@ NAMES = ("amber", "cobalt", "scarlet", "olive", "ivory", "violet", "copper", "si
 PEOPLE = ("Ada", "Boris", "Chen", "Dalia", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kasia", "Lior")
 CONSTANTS = ("RETRY_LIMIT", "MAX_DEPTH", "DEFAULT_PORT", "BUFFER_SIZE", "CACHE_TTL", "PAGE_OFFSET", "TIMEOUT_MS",
              "BLOCK_COUNT")
+HAYSTACK_RUN = (24, 64)  # tokens of text repeated in a haystack window (shortest, longest)
 FORMS = (  # (statement, question whose last words lead to the answer {n}); {x} a name, {p} a person
     ("The code for the {x} locker is {n}.", "Which code opens the {x} locker? The code for the {x} locker is {n}."),
     ("Note: {p}'s access number is {n}.", "What was {p}'s access number? {p}'s access number is {n}."),
@@ -37,23 +38,27 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def retrieval_windows(tokenizer, documents: list[torch.Tensor], count: int, length: int, distance: int,
-                      facts: int = 2, seed: int = 0, with_answers: bool = False):
-    """``count`` windows of ``length`` tokens [count, length]: runs of ``documents`` (token ids, each a tensor;
-    a run stays within one document where one is long enough, else runs on into the next) with ``facts`` facts
-    planted per window, each statement more than ``distance`` tokens before its question, questions at the end of
-    the window. A pure function of ``seed``. ``with_answers``: also the bool [count, length] of the positions that
-    ask for a planted fact and predict its answer (each question's tokens up to its answer's last one: where the
-    model must read the fact beyond the window)."""
-    rng = random.Random(seed)
+                      facts: int = 2, seed: int = 0, with_answers: bool = False, haystacks: int = 0):
+    """``count`` windows of ``length`` tokens [count + haystacks, length]: runs of ``documents`` (token ids, each
+    a tensor; a run stays within one document where one is long enough, else runs on into the next) with ``facts``
+    facts planted per window, each statement more than ``distance`` tokens before its question, questions at the end
+    of the window. A pure function of ``seed``. ``with_answers``: also the bool of the same shape marking the
+    positions that ask for a planted fact and predict its answer (each question's tokens up to its answer's last
+    one: where the model must read the fact beyond the window). ``haystacks``: that many more windows after them,
+    each a short run of the text (``HAYSTACK_RUN`` tokens) repeated to fill it, facts planted as in the others:
+    where every stretch looks alike and only the planted fact is new (the passkey tests' kind of text, made of the
+    user's own; the first ``count`` windows are the same with or without them)."""
+    rng, hay_rng = random.Random(seed), random.Random(seed + 1)
     marks = []
     stream = torch.cat(documents) if documents else torch.zeros(0, dtype=torch.long)
     out = []
-    for _ in range(count):
+    for i in range(count + haystacks):
+        draw = rng if i < count else hay_rng
         pairs, answers = [], []
         for _ in range(facts):
-            form = FORMS[rng.randrange(len(FORMS))]
-            value = dict(x=rng.choice(NAMES), p=rng.choice(PEOPLE), c=rng.choice(CONSTANTS),
-                         n=str(rng.randint(10000, 99999)))
+            form = FORMS[draw.randrange(len(FORMS))]
+            value = dict(x=draw.choice(NAMES), p=draw.choice(PEOPLE), c=draw.choice(CONSTANTS),
+                         n=str(draw.randint(10000, 99999)))
             before, after = form[1].split("{n}")  # the question tokenized in three parts: the answer's are known
             parts = [_encode(tokenizer, " " + before.format(**value)), _encode(tokenizer, value["n"]),
                      _encode(tokenizer, after.format(**value) + " ")]
@@ -65,10 +70,13 @@ def retrieval_windows(tokenizer, documents: list[torch.Tensor], count: int, leng
             raise ConfigError(f"the text has {len(stream)} tokens: {length}-token calibration windows cannot hold "
                               f"{facts} facts {distance} tokens apart in it (at least {distance + 1 + planted} tokens "
                               "of text are needed)")
-        start = rng.randrange(len(stream) - text + 1)
+        start = draw.randrange(len(stream) - text + 1)
         piece = stream[start:start + text].tolist()
+        if i >= count:  # a haystack: the window's first lines over and over
+            run = draw.randint(*HAYSTACK_RUN)
+            piece = (piece[:run] * (text // run + 1))[:text]
         early = text - distance  # statements go into the first text - distance tokens
-        at = sorted(rng.randrange(early) for _ in pairs)
+        at = sorted(draw.randrange(early) for _ in pairs)
         ids, last = [], 0
         for (statement, _), cut in zip(pairs, at):
             ids += piece[last:cut] + statement
