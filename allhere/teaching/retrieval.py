@@ -83,10 +83,10 @@ def retrieval_windows(tokenizer, documents: list[torch.Tensor], count: int, leng
             last = cut
         ids += piece[last:]
         found = torch.zeros(length, dtype=torch.bool)
-        for (_, question), (start, count) in zip(pairs, answers):
+        for (_, question), (asked, digits) in zip(pairs, answers):
             # the question's tokens up to its answer's last: where the model reads the fact back (the position
             # before a token predicts it)
-            found[len(ids) - 1:len(ids) + start + count - 1] = True
+            found[len(ids) - 1:len(ids) + asked + digits - 1] = True
             ids += question
         out.append(torch.tensor(ids[:length], dtype=torch.long))
         marks.append(found)

@@ -157,3 +157,19 @@ def test_retrieval_windows_ask_each_fact_beyond_the_distance():
     assert torch.equal(windows, retrieval_windows(Words(), docs, 6, 400, 120, facts=2, seed=3))
     with pytest.raises(ConfigError, match="cannot hold 2 facts 190 tokens apart"):
         retrieval_windows(Words(), docs, 1, 200, 190)
+
+
+def test_haystack_windows_repeat_a_short_run_around_the_facts():
+    docs = [torch.randint(97, 123, (3000,), generator=torch.Generator().manual_seed(0))]
+    plain = retrieval_windows(Words(), docs, 6, 400, 120, facts=2, seed=3)
+    both, answers = retrieval_windows(Words(), docs, 6, 400, 120, facts=2, seed=3, with_answers=True, haystacks=3)
+    assert both.shape == answers.shape == (9, 400) and torch.equal(both[:6], plain)  # the others unchanged
+    def distinct(row):  # different 8-token stretches in a window
+        return len({tuple(row[i:i + 8]) for i in range(len(row) - 7)})
+
+    for row, asked in zip(both[6:].tolist(), answers[6:]):
+        text = "".join(map(chr, row))
+        numbers = [w.strip(".") for w in text.split() if w.strip(".\n").isdigit() and len(w.strip(".\n")) == 5]
+        assert len(numbers) == 4 and asked.any()  # each fact stated and asked, its answer marked
+        # a run of at most 64 tokens over and over, the facts between: far fewer different stretches than text
+        assert distinct(row) < 0.6 * min(distinct(r) for r in plain.tolist())
