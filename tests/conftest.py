@@ -20,6 +20,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: runs compared bit for bit with runs in subprocesses or forks, which
+    compute on one thread (OMP_NUM_THREADS=1), give the same sums."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _pinned_tiles(request):
     """On a GPU the Triton kernels would time their candidate launch settings at every new shape class (the

@@ -83,15 +83,6 @@ def sft_args(chat, out, steps, global_batch=4):
 
 
 @pytest.fixture
-def one_thread():
-    """Every run of a comparison on one thread, as the subprocesses (OMP_NUM_THREADS=1): the same sums."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
 def start_gated():
     """``start(args, gate, step)``: start ``allhere <args>`` held at ``step``; return the process once it waits
     there. Whatever a failed test leaves running is killed."""

@@ -21,10 +21,9 @@ pytest.importorskip("tokenizers")
 
 from allhere.cli import main  # noqa: E402
 
-from hf_fixtures import write_chat, write_model  # noqa: E402
-
 KILLS = 20
-pytestmark = pytest.mark.slow
+# the runs finished in this process compute as the forked ones do (one thread: tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def forked(fn) -> int:
@@ -72,23 +71,6 @@ def same_weights(folder: Path, clean: Path) -> None:
     assert (folder / "tokenizer.json").is_file()
     ours, theirs = load_file(folder / "model.safetensors"), load_file(clean / "model.safetensors")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The runs finished in this process compute as the forked ones do (one thread): the same bits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kills")
-    write_model("Llama-3.2-1B", root / "base")
-    write_chat(root / "chat.jsonl", 16)
-    return root
 
 
 def test_convert_killed_at_random(base, tmp_path):

@@ -20,8 +20,6 @@ from allhere.hf import load_pretrained  # noqa: E402
 from allhere.runtime.atomic_folder import partial_path  # noqa: E402
 from allhere.runtime.runlock import LOCK_NAME  # noqa: E402
 
-from hf_fixtures import write_chat, write_model  # noqa: E402
-
 # ``allhere`` held at AT while the file GATE exists, after writing GATE.reached: "weights" (the temporary folder
 # holds the weights and config.json, not yet the tokenizer), "written" (every file, before the fsync and rename),
 # "published" (just after the rename), "step0" (sft: training's first step, before any checkpoint).
@@ -55,15 +53,6 @@ elif at == "step0":
 from allhere.cli import main
 sys.exit(main())
 """
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """A tiny Llama (the test configurations' Llama-3.2-1B shrunk), its tokenizer and 16 conversations."""
-    root = tmp_path_factory.mktemp("whole")
-    write_model("Llama-3.2-1B", root / "base")
-    write_chat(root / "chat.jsonl", 16)
-    return root
 
 
 def convert_args(base, out):

@@ -39,11 +39,8 @@ def cfg(steps=4, **kw):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test here on one thread (tests/conftest.py)."""
 
 
 def events(folder):
