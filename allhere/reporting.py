@@ -9,7 +9,9 @@ What a run writes (tags):
   - at every evaluation of the loop (``eval_fn``, every ``TrainConfig.eval_every`` steps): ``eval/<name>`` for
     each number it returns, and ``eval/mu_f_heatmap``, an image of mu_f per (layer, head), where it returns
     one (``usage``, as ``allhere.eval.evaluate_lm`` does for a routed model). The image needs matplotlib
-    (``pip install 'allhere[plot]'``); without it the image is skipped and a note says so, once.
+    (``pip install 'allhere[plot]'``); without it the image is skipped and a note says so, once;
+  - after the run, where a job measures the model it saved on held-out data (``report_heldout``): ``heldout/<name>``
+    for each number and ``heldout/mu_f_heatmap`` at the run's last step, in an events file of their own.
 
 Where: ``<checkpoint's folder>/tensorboard/`` for a checkpoint named ``checkpoint.safetensors``, else
 ``<checkpoint's folder>/tensorboard/<its stem>/`` (DAR's two stages, ``stage1`` and ``stage2``, in one folder).
@@ -146,9 +148,9 @@ class NoReport:
     def log(self, step: int, sums: dict, lam: float, lr: float) -> None:
         """A log step: the step's summed ``loss``, ``lm`` and ``mu_f``, its lambda and learning rate."""
 
-    def evaluation(self, step: int, result: dict, model=None) -> None:
+    def evaluation(self, step: int, result: dict, model=None, prefix: str = "eval") -> None:
         """An evaluation's numbers (and its ``usage`` [routed layers][heads] of ``model``, drawn as the mu_f
-        heatmap)."""
+        heatmap), tagged ``<prefix>/...``."""
 
     def flush(self) -> None:
         """Everything so far on disk (called at each checkpoint)."""
@@ -169,12 +171,13 @@ class TensorBoardReport(NoReport):
 
     HAND_OVER_SECONDS = 10.0
 
-    def __init__(self, logdir: Path, start_step: int, note: Callable[[str, str], None]) -> None:
+    def __init__(self, logdir: Path, start_step: int, note: Callable[[str, str], None], suffix: str = "") -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: a reader drops the events of steps >= start_step + 1 written before this writer opened;
-        # max_queue: a batch is handed over without waiting for the writer's thread (the default, 10, would)
-        self.writer = SummaryWriter(str(logdir), purge_step=start_step + 1, max_queue=1000)
+        # max_queue: a batch is handed over without waiting for the writer's thread (the default, 10, would);
+        # suffix: the end of the file's name
+        self.writer = SummaryWriter(str(logdir), purge_step=start_step + 1, max_queue=1000, filename_suffix=suffix)
         self.note = note
         self.tokens = self.seconds = 0.0
         self.pending: list[tuple[str, float, int, float]] = []  # (tag, value, step, wall time) not handed over yet
@@ -220,15 +223,15 @@ class TensorBoardReport(NoReport):
         if time.monotonic() - self.handed >= self.HAND_OVER_SECONDS:
             self.hand_over()
 
-    def evaluation(self, step: int, result: dict, model=None) -> None:
+    def evaluation(self, step: int, result: dict, model=None, prefix: str = "eval") -> None:
         for key, value in result.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.add(f"eval/{key}", value, step)
+                self.add(f"{prefix}/{key}", value, step)
         self.hand_over()
         if result.get("usage"):
-            self.heatmap(step, result["usage"], model)
+            self.heatmap(step, result["usage"], model, f"{prefix}/mu_f_heatmap")
 
-    def heatmap(self, step: int, usage: list, model) -> None:
+    def heatmap(self, step: int, usage: list, model, tag: str = "eval/mu_f_heatmap") -> None:
         from .analysis.plots import usage_figure
         from .routing import routed_layers
 
@@ -240,7 +243,7 @@ class TensorBoardReport(NoReport):
             self.note("heatmap", f"TensorBoard: no mu_f heatmap images ({e})")
             return
         fig.set_layout_engine("constrained")  # add_figure draws the canvas as it is: labels and colour bar inside
-        self.guarded(lambda: self.writer.add_figure("eval/mu_f_heatmap", fig, step))  # closes the figure
+        self.guarded(lambda: self.writer.add_figure(tag, fig, step))  # closes the figure
 
     def flush(self) -> None:
         self.hand_over()
@@ -268,3 +271,25 @@ def open_report(report: str | None, ckpt_path: str | Path, start_step: int, step
     choice.once("where", f"TensorBoard: training curves in {logdir} (each training run in its folder's tensorboard/); "
                          f"see them with: tensorboard --logdir {root}")
     return opened
+
+
+HELDOUT_SUFFIX = ".heldout"  # the end of the name of a run's held-out events file (``report_heldout``)
+
+
+def report_heldout(ckpt_path: str | Path, step: int, result: dict, model=None, report: str | None = None) -> None:
+    """A job's held-out evaluation of the model that the run checkpointed at ``ckpt_path`` trained (``result``: its
+    numbers and ``usage``, as an evaluation of the loop returns them; ``model``: for the heatmap's layer numbers),
+    added to the run's events at ``step`` (its last) as ``heldout/<name>`` and ``heldout/mu_f_heatmap``: what the
+    job measured once the run was done, beside its curves, with no pass of its own. The events go into one file of
+    their own, which replaces the one an earlier call wrote (a resumed job writes each number once). ``report`` as
+    ``open_report``'s."""
+    choice = _current.get()
+    name = check_report_to(report if report is not None else choice.name if choice is not None else "none")
+    if name == "none":
+        return
+    logdir = events_dir(ckpt_path)
+    old = sorted(logdir.glob(f"{EVENTS_PREFIX}*{HELDOUT_SUFFIX}")) if logdir.is_dir() else []
+    with TensorBoardReport(logdir, step, (choice or Reporting(name)).once, suffix=HELDOUT_SUFFIX) as opened:
+        opened.evaluation(step, result, model, prefix="heldout")
+    for path in old:
+        path.unlink(missing_ok=True)

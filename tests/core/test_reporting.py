@@ -12,8 +12,10 @@ import torch
 from allhere import AHAConfig, Decoder, ModelConfig
 from allhere.config import TrainConfig
 from allhere.eval import evaluate_lm
-from allhere.reporting import default_report_to, events_dir, report_to
+from allhere.reporting import HELDOUT_SUFFIX, default_report_to, events_dir, report_heldout, report_to
 from allhere.train import train
+
+from tb_events import events, scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_TAGS = {f"train/{t}" for t in ("loss", "lm_loss", "mu_f", "lambda", "lr", "tokens_per_s")}
@@ -41,12 +43,6 @@ def cfg(steps=4, **kw):
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     """Every test here on one thread (tests/conftest.py)."""
-
-
-def events(folder):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    return EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0}).Reload()
 
 
 def steps(acc, tag):
@@ -100,6 +96,27 @@ def test_a_stopped_run_resumed_has_each_step_once(tmp_path):
         assert steps(acc, tag) == list(range(1, 9)), tag
     assert [e.value for e in acc.Scalars("train/lm_loss")] == pytest.approx([r["lm"] for r in state["history"]],
                                                                             abs=1e-4)
+
+
+def test_a_jobs_heldout_numbers_join_a_finished_runs_events_once(tmp_path):
+    """``report_heldout`` after the run: the numbers and the heatmap under heldout/ at the run's last step, the
+    training curves kept; measured again (a rerun of the job), the new numbers replace the old ones."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "run" / "checkpoint.safetensors"
+    model = tiny_model()
+    train(model, batches, cfg(), path, progress=False, report_to="tensorboard")
+    first, again = held_out(model), {**held_out(model), "loss": 9.5}
+    report_heldout(path, 4, first, model, report="tensorboard")
+    report_heldout(path, 4, again, model, report="tensorboard")
+    acc = events(events_dir(path))
+    assert steps(acc, "train/loss") == [1, 2, 3, 4]
+    assert scalars(acc, "heldout/loss") == [(4, 9.5)]
+    assert scalars(acc, "heldout/mu_f") == [(4, pytest.approx(first["mu_f"]))]
+    assert acc.Tags()["images"] == ["heldout/mu_f_heatmap"] and len(acc.Images("heldout/mu_f_heatmap")) == 1
+    assert len(list(events_dir(path).glob("*" + HELDOUT_SUFFIX))) == 1
+    with report_to("none"):
+        report_heldout(tmp_path / "quiet" / "checkpoint.safetensors", 4, first, model)
+    assert not (tmp_path / "quiet").exists()
 
 
 def test_none_writes_nothing_and_a_block_chooses_for_every_run(tmp_path):
