@@ -26,6 +26,7 @@ from allhere.data.recall_task import RecallTask
 from allhere.eval import evaluate_lm
 from allhere.mechanisms import FullConfig, SlidingConfig
 from allhere.model import swap_mechanism
+from allhere.reporting import report_heldout
 from allhere.routing import routed_layers
 from allhere.runtime.runlock import run_lock
 
@@ -56,6 +57,7 @@ def lm_task(task: Task, progress: bool) -> dict:
         r["retain_percent"] = 100.0 * base / r["loss"]
     _, aha_row, slide_row, control_row = rows.values()
     aha_row["retain_vs_control_percent"] = 100.0 * control_row["loss"] / aha_row["loss"]
+    heldout_events(task, {"aha": (aha, aha_row), CONTROL: (control, control_row)})
     goals = {
         "AHA keeps >= 99% of the full model's held-out quality (loss ratio)": aha_row["retain_percent"] >= 99.0,
         "AHA keeps >= 99% of the control's held-out quality (loss ratio)": aha_row["retain_vs_control_percent"] >= 99.0,
@@ -79,6 +81,7 @@ def recall_task(task: Task, progress: bool) -> dict:
     recall = RecallTask(seq_len=plan.seq_len)
     aha_row["usage"] = evaluate_lm(aha, recall.batch(64, torch.Generator().manual_seed(7))[0],
                                    device=plan.pretrain.device)["usage"]
+    heldout_events(task, {"aha": (aha, aha_row)})
     goals = {
         "full attention reaches >= 90% accuracy": full_row["accuracy"] >= 0.90,
         "sliding-window-only stays near chance (< 2x chance)": slide_row["accuracy"] < 2 * full_row["chance"],
@@ -89,6 +92,13 @@ def recall_task(task: Task, progress: bool) -> dict:
     return {"data": data.description, "rows": rows, "goals": goals,
             "aha_layers": [i for i, _ in routed_layers(aha)],
             "curves": {"pretrain": task.pretrain_curve, "aha": aha_curve}}
+
+
+def heldout_events(task: Task, runs: dict) -> None:
+    """Each fine-tuning run's held-out row of the report (run folder -> (model, row)) in its TensorBoard events at
+    its last step, with AHA's mu_f heatmap (``allhere.reporting.report_heldout``): the numbers the report shows."""
+    for folder, (model, row) in runs.items():
+        report_heldout(task.run / folder / "checkpoint.safetensors", task.plan.finetune.steps, row, model)
 
 
 def run_demo(out: str | Path = "runs/demo", preset: str = "cpu", tasks: tuple[str, ...] = TASKS,

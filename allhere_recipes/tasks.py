@@ -65,7 +65,7 @@ def task_data(name: str, plan: TaskPlan, data_path: str | None = None) -> TaskDa
         lambda step, micro, g: task.training_batch(plan.pretrain.batch_size, g, curriculum=True),
         lambda step, micro, g: task.training_batch(plan.finetune.batch_size, g),
         lambda m: evaluate_recall(m, task, plan.eval_sequences, device=dev),
-        lambda m: _brief(evaluate_recall(m, task, 128, device=dev), ("accuracy", "mu_f")),
+        lambda m: _brief(evaluate_recall(m, task, 128, device=dev, usage=True), ("accuracy", "mu_f")),
         "accuracy", True, list(task.batch(256, torch.Generator().manual_seed(99))[0].split(64)), [],
         {"task": dataclasses.asdict(task), "sequences_sha256": _sha(torch.cat([p.flatten() for p in probe]))})
 

@@ -12,6 +12,8 @@ from allhere.data.corpus import eval_windows, stdlib_corpus, text_corpus
 from allhere.eval.perplexity import rolling_perplexity
 from allhere.runtime.model_checkpoint import load_model
 
+from tb_events import events, scalars
+
 
 def run(*args):
     return main(["demo", "--preset", "tiny", "--device", "cpu", "--no-progress", *args])
@@ -65,12 +67,34 @@ def test_tiny_demo_writes_report_and_reuses_its_run(tmp_path, capsys, corpus):
     assert {"accuracy", "mu_f_retrieval", "mu_f_other"} <= set(recall)
     assert (out / "report.md").read_text().startswith("# allhere demo report")
     assert (out / "mu_f_heatmap.png").read_bytes()[:4] == b"\x89PNG"
+    assert_heldout_events(out, report)
     ckpt = out / "stdlib" / "aha" / "checkpoint.safetensors"
     before = ckpt.stat().st_mtime_ns
     assert run("--out", str(out)) == 0  # finished checkpoints are reused, not retrained
     assert ckpt.stat().st_mtime_ns == before
     again = json.loads((out / "report.json").read_text())
     assert again["tasks"]["stdlib"]["rows"] == report["tasks"]["stdlib"]["rows"]
+    assert_heldout_events(out, again)  # measured again: each number once
+
+
+def assert_heldout_events(out, report):
+    """Each AHA fine-tuning run's TensorBoard events (read back with TensorBoard's reader): the mu_f heatmap at its
+    evaluations and the report's held-out row, heatmap included, at its last step; the control's row too."""
+    pytest.importorskip("matplotlib")
+    for task in ("stdlib", "recall"):
+        acc = events(out / task / "aha" / "tensorboard")
+        row = report["tasks"][task]["rows"]["AHA w=8 (fine-tuned)"]
+        assert [i.step for i in acc.Images("eval/mu_f_heatmap")] == [2, 4], task
+        assert [i.step for i in acc.Images("heldout/mu_f_heatmap")] == [4], task
+        assert scalars(acc, "heldout/mu_f") == [(4, pytest.approx(row["mu_f"], rel=1e-6))], task
+    acc, row = events(out / "stdlib" / "aha" / "tensorboard"), report["tasks"]["stdlib"]["rows"]["AHA w=8 (fine-tuned)"]
+    assert scalars(acc, "heldout/loss") == [(4, pytest.approx(row["loss"], rel=1e-6))]
+    assert scalars(acc, "heldout/retain_vs_control_percent") == [(4, pytest.approx(row["retain_vs_control_percent"],
+                                                                                    rel=1e-6))]
+    control = events(out / "stdlib" / "full-finetuned" / "tensorboard")
+    row = report["tasks"]["stdlib"]["rows"]["full (pretrained + the same fine-tuning steps, control)"]
+    assert scalars(control, "heldout/loss") == [(4, pytest.approx(row["loss"], rel=1e-6))]
+    assert control.Tags()["images"] == []  # a plain model: no routers, no heatmap
 
 
 def test_other_settings_in_same_run_directory_are_refused(tmp_path, capsys):
