@@ -14,7 +14,8 @@ on a real pretrained language model, with routers taught by the model itself.
    AHA with every gate local and every gate global; chat replies; AHA's decode speed at a long prompt against the
    plain model's;
 5. report.md, report.json and mu_f_heatmap.png are written into ``<out>/aha``, every model as a transformers
-   folder (``taught/model``, ``aha/model``, ``control/model``, ...).
+   folder (``taught/model``, ``aha/model``, ``control/model``, ...), the converted ones' model cards with their
+   held-out numbers, and each fine-tuning run's held-out numbers in its TensorBoard events (``real_heldout``).
 A rerun with the same settings continues where the last one stopped.
 """
 
@@ -38,6 +39,7 @@ from allhere.runtime.runlock import run_lock
 
 from . import real_probes as probes
 from .job import Job
+from .real_heldout import heldout_events, write_cards
 from .real_plan import RealPlan, preset_plan
 from .real_report import render_aha, write_aha_report
 from .real_runs import (
@@ -113,6 +115,8 @@ def run_real_demo(model: str = "smollm2", out: str | Path = "runs/smollm2", pres
                         set_forced_gate(m, None)
             if "usage" in row:
                 row["long_tail"] = probes.long_tail(row["usage"])
+            if name in configs:  # a fine-tuning run: what was measured in its TensorBoard events too
+                heldout_events(task / name, configs[name].steps, row, m)
             return row
 
         def measure_forced(part: str, m) -> dict:
@@ -149,6 +153,7 @@ def run_real_demo(model: str = "smollm2", out: str | Path = "runs/smollm2", pres
         report = summarize(plan, rows, speed, data.description, str(source), task)
         report["seconds_this_call"] = round(time.time() - t0, 1)
         write_aha_report(task, report)
+        write_cards(task, report)  # the saved models' cards with the report's held-out numbers
     return report
 
 

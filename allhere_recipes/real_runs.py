@@ -6,13 +6,15 @@ fingerprint: a folder holding other settings is refused), ``results/<stage>.json
 (a rerun skips it), and one folder per fine-tuning run: ``checkpoint.safetensors`` while it trains (resumed
 after Ctrl-C), then ``model/``, a transformers folder in bfloat16 (the dtype SmolLM2 is published in) that
 ``allhere generate --model`` and ``allhere.hf.load_pretrained`` load; the checkpoint, with its optimizer
-state (four times the model), is removed once ``model/`` is written. Every evaluation reads the fine-tuned
-models as saved: their weights rounded to bfloat16, computed in float32 on the CPU.
+state (four times the model), is removed once ``model/`` is written; ``tensorboard/`` (its training curves,
+where reported) and, beside a converted model, ``card.json`` (what its card was first written with). Every
+evaluation reads the fine-tuned models as saved: their weights rounded to bfloat16, computed in float32 on the CPU.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
@@ -29,6 +31,8 @@ from .real_data import TokenData, token_data
 from .rundir import claim, write_json
 
 SAVED_DTYPE = torch.bfloat16
+MADE_BY = "allhere demo --model (the real-model job)"  # what a saved model's card says wrote it
+CARD_RECORD = "card.json"  # beside a converted model's folder: its card's source, settings and results
 DECODE_TOKENS = 16  # a decode step's cost in forward tokens, for the time estimate (CPU, a 135M model)
 
 
@@ -136,16 +140,23 @@ def fine_tune(folder: Path, base, mechanism, cfg: TrainConfig, batches, tokenize
 def save_model(model, folder: Path, tokenizer, card: dict | None = None) -> None:
     """``model`` in bfloat16 with its tokenizer as a transformers folder, written whole or not at all; the model
     keeps the rounded weights. A converted model gets its README.md (``allhere.hf.card.write_card``; ``card``: its
-    ``source``, ``settings`` and ``results``)."""
+    ``source``, ``settings`` and ``results``), whose inputs are kept beside the folder first (``CARD_RECORD``: the
+    job writes the card again with its held-out numbers, ``real_heldout.write_cards``)."""
     from allhere.hf import converted_mechanism, save_pretrained
     from allhere.hf.card import write_card
     from allhere.runtime.atomic_folder import write_folder
 
     model.to(SAVED_DTYPE)
+    converted = converted_mechanism(model) is not None
+    card = dict(card or {})
+    if converted:
+        write_json(folder.parent / CARD_RECORD, {**card, "source": None if card.get("source") is None else
+                                                 str(card["source"]),
+                                                 "results": [dataclasses.asdict(r) for r in card.get("results", ())]})
     with write_folder(folder) as tmp:  # a temporary sibling, fsynced, renamed (the job holds its run lock)
-        if converted_mechanism(model) is not None:
+        if converted:
             save_pretrained(model, tmp)
-            write_card(tmp, model.config, "allhere demo --model (the real-model job)", shown_as=folder, **(card or {}))
+            write_card(tmp, model.config, MADE_BY, shown_as=folder, **card)
         else:
             model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))

@@ -17,6 +17,7 @@ from allhere.eval.passkey import QUESTION, answer_of, passkey_prompts
 from allhere_recipes.real_probes import long_tail
 
 from hf_fixtures import make_tokenizer, write_model
+from tb_events import events, scalars
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,8 @@ def test_tiny_aha_job_reports_saves_models_and_resumes(tiny, tmp_path, capsys, m
     assert card.data.to_dict()["allhere"]["results"]["last_step_loss"] == history[-1]["lm"]
     assert f"allhere generate --model {task / 'aha' / 'model'} " in card.text
     assert not (task / "control" / "model" / "README.md").exists()  # the plain control has no mechanism to describe
+    assert_heldout_cards(task, report)
+    assert_heldout_events(task, report)
 
     import allhere_recipes.real_runs as runs
     import allhere_recipes.real_taught as taught
@@ -89,8 +92,55 @@ def test_tiny_aha_job_reports_saves_models_and_resumes(tiny, tmp_path, capsys, m
     del settings["plan"]["calib_haystacks"]  # a run written before a plan field was added: still the same run
     (task / "settings.json").write_text(json.dumps(settings))
     capsys.readouterr()
+    stopped_before_report(task / "aha")
     assert main(args) == 0  # everything read back: no training, the same report
     assert json.loads((task / "report.json").read_text())["rows"]["aha"]["loss"] == rows["aha"]["loss"]
+    assert_heldout_cards(task, report)  # the card written again, as in the first call
+    assert_heldout_events(task, report)  # and each held-out number once in the events
+
+
+def stopped_before_report(run):
+    """``run``'s card as saved, before the job measured the model (a job stopped there)."""
+    from huggingface_hub import ModelCard
+    from transformers import AutoConfig
+
+    from allhere.hf.card import write_card
+    from allhere_recipes.real_heldout import saved_card
+
+    saved = saved_card(run)
+    write_card(run / "model", AutoConfig.from_pretrained(run / "model"), "test", source=saved["source"],
+               settings=saved["settings"], results=saved["results"])
+    assert "heldout_loss" not in ModelCard.load(run / "model" / "README.md").data.to_dict()["allhere"]["results"]
+
+
+def assert_heldout_cards(task, report):
+    """Every saved converted model's card (read by huggingface_hub) carries the report's held-out numbers."""
+    from huggingface_hub import ModelCard
+
+    for name in ("taught", "taught-nosinks", "aha", "aha-paper"):
+        card = ModelCard.load(task / name / "model" / "README.md")
+        results, row = card.data.to_dict()["allhere"]["results"], report["rows"][name]
+        assert (results["heldout_loss"], results["heldout_mu_f"]) == (row["loss"], row["mu_f"]), name
+        assert (results["retain_vs_control"], results["retain_vs_pretrained"]) == \
+            (row["retain_vs_control"], row["retain_vs_pretrained"]), name
+        assert results["passkey_correct"] == row["passkey"]["correct"], name
+        assert card.data.base_model is None and "Retain %" in card.text, name  # a local folder: no Hub id
+    saved = ModelCard.load(task / "aha" / "model" / "README.md").data.to_dict()["allhere"]["results"]
+    assert saved["last_step_loss"] == report["histories"]["aha"][-1]["lm"]  # the training's numbers kept
+
+
+def assert_heldout_events(task, report):
+    """The fine-tuning runs' TensorBoard events (read back with TensorBoard's reader): the report's held-out
+    numbers at the last step, and AHA's mu_f heatmap."""
+    pytest.importorskip("matplotlib")
+    steps = report["plan"]["steps"]
+    for name in ("aha", "aha-paper", "control"):
+        acc, row = events(task / name / "tensorboard"), report["rows"][name]
+        for key in ("loss", "mu_f"):
+            assert scalars(acc, f"heldout/{key}") == [(steps, pytest.approx(row[key], rel=1e-6))], (name, key)
+        assert scalars(acc, "heldout/passkey_correct") == [(steps, row["passkey"]["correct"])], name
+        heatmaps = [i.step for i in acc.Images("heldout/mu_f_heatmap")] if acc.Tags()["images"] else []
+        assert heatmaps == ([] if name == "control" else [steps]), name
 
 
 def test_tiny_dar_job(tiny, tmp_path):
