@@ -81,5 +81,5 @@ def write_cards(task: Path, report: dict) -> list[Path]:
         results.update({r.key: r for r in heldout_results(row, report["plan"])})
         config = AutoConfig.from_pretrained(str(folder))
         written.append(write_card(folder, config, MADE_BY, source=saved["source"] or report["model"],
-                                  settings=saved["settings"], results=list(results.values()), shown_as=folder))
+                                  settings=saved.get("settings"), results=list(results.values()), shown_as=folder))
     return written
