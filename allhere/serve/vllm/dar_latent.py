@@ -22,7 +22,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
 from ...hosts import SUBMODULE
-from ...mechanisms.dar_latent import far_queries
+from ...mechanisms.dar_latent_channels import far_queries
 from ...ops.dar_latent.check import split_rows
 from ...ops.dar_latent.query_map import absorbed_queries, query_map, rotary_factors
 from ...ops.dar_latent.reference import far_keys
@@ -67,8 +67,8 @@ class DARLatentServe(nn.Module):
         return self.down.cpu_linear(x, self.down.weight, None)
 
     def far_queries(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``mechanisms.dar_latent.far_queries`` in vLLM's layout: q [n, heads, d] (rotated, at ``positions`` [n])
-        -> [n, heads, d], the rotation undone with vLLM's own table."""
+        """``mechanisms.dar_latent_channels.far_queries`` in vLLM's layout: q [n, heads, d] (rotated, at
+        ``positions`` [n]) -> [n, heads, d], the rotation undone with vLLM's own table."""
         cos, sin = self._rotary[0].cos_sin_cache.index_select(0, positions.long()).float().chunk(2, dim=-1)
         cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # rotate-half layout, as the HF host's
         return far_queries(q.transpose(0, 1)[None], cos, sin, self.channels, self.r2)[0].transpose(0, 1)

@@ -2,7 +2,7 @@
 (``allhere.serve.vllm.attention``) and the weights and hooks it needs, put there by ``install`` (which runs the
 installer a kind's ``Serving`` names). Each takes the kind's config object (``allhere.registry.from_dict``), and
 the mechanisms' own pure pieces give the rules: AHA's gate from the hidden state
-(``allhere.mechanisms.aha.hidden_gate``), a pattern's mask predicate (``cfg.mask_fn``).
+(``allhere.mechanisms.aha_gate.hidden_gate``), a pattern's mask predicate (``cfg.mask_fn``).
 
 - AHA: one attention over the layer's cache, two row classes: a local (token, head) reads its ``window`` most
   recent keys (and its request's first ``sinks`` tokens, ``AHAConfig.sinks``: one ``window_read`` holding both), a
@@ -33,7 +33,7 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 
 from ...hosts import SUBMODULE
-from ...mechanisms.aha import AHAConfig, hidden_gate
+from ...mechanisms.aha_gate import hidden_gate
 from ...ops.paged.attention import Read, causal_read, window_read
 from .attention import PagedAttention
 
@@ -41,9 +41,10 @@ WINDOW_TILE, WIDE_TILE = 64, 256  # query rows per tile: rows reading a window, 
 
 
 class AHAServe(nn.Module):
-    """AHA's router for one layer, and its routing counts; ``gate`` is set by the block's pre-hook."""
+    """AHA's router for one layer (``cfg``: the kind's ``AHAConfig``), and its routing counts; ``gate`` is set by
+    the block's pre-hook."""
 
-    def __init__(self, cfg: AHAConfig, d_model: int, n_heads: int) -> None:
+    def __init__(self, cfg, d_model: int, n_heads: int) -> None:
         super().__init__()
         self.tau = cfg.tau
         if cfg.router != "linear":
@@ -89,7 +90,7 @@ def _route_hook(block, args, kwargs):
     getattr(block, SUBMODULE).route(where[key])
 
 
-def install_aha(block: nn.Module, attn: Attention, cfg: AHAConfig, d_model: int, n_heads: int) -> AHAServe:
+def install_aha(block: nn.Module, attn: Attention, cfg, d_model: int, n_heads: int) -> AHAServe:
     mech = AHAServe(cfg, d_model, n_heads)
     block.add_module(SUBMODULE, mech)
     local = window_read(cfg.window, q_tile=WINDOW_TILE, n_sinks=cfg.sinks)  # the window, and the sinks if any
