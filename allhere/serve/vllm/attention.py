@@ -48,6 +48,9 @@ VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both coun
 LAYOUT_ISAS = ("vec", "vec16")  # vLLM CPU kernels that read allhere's block layout (if the check below agrees)
 WORKSPACE = Workspace()  # the gathered keys' memory, reused by every layer of this process (they run in turn)
 PLAN_ATTR = "_allhere_plan"  # on vLLM's attention metadata of a step: the step's PagedStepPlan
+# Query rows per tile: rows that read a window go in tiles of 64 (their keys span the tile plus the window); rows
+# that read every earlier key in tiles of 256 (the keys they gather are shared by more rows)
+WINDOW_TILE, WIDE_TILE = 64, 256
 _LAYOUT_CHECKED: dict[tuple, bool] = {}
 
 

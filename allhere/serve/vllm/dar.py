@@ -46,8 +46,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from ...hosts import SUBMODULE
 from ...ops.paged.attention import token_positions, window_read
 from ...ops.paged.dar_far import LatentKV, far_pieces, rotary_projection, write_latents
-from .attention import VLLM_WINDOW_OFFSET, PagedAttention, step_plan
-from .layers import WINDOW_TILE, block_argument, rebuild_attention
+from .attention import VLLM_WINDOW_OFFSET, WINDOW_TILE, PagedAttention, step_plan
+from .blocks import block_argument, rebuild_attention
 
 
 @dataclass

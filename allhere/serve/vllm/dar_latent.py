@@ -30,8 +30,8 @@ from ...ops.paged.dar_far import LatentKV, far_pieces
 from ...ops.paged.dar_latent_decode import decode_latent
 from ...ops.paged.step_plan import PagedStepPlan, part_of
 from .attention import VLLM_WINDOW_OFFSET, WORKSPACE, step_plan
+from .blocks import rebuild_attention
 from .dar import DARAttention, LatentCache, check_own_block, keep_input, plain_rotary
-from .layers import rebuild_attention
 
 
 class DARLatentServe(nn.Module):
