@@ -1,6 +1,6 @@
-"""AHA's gate from its router's output, the pure pieces every host calls (allhere's modules, a server's layers):
-the router's scores (Eq. 1 of "Learning When Not to Attend Globally") and the hard gate from the attention block's
-input for a host that holds the linear router's weights itself."""
+"""AHA's gate as pure functions of tensors: the router's scores (Eq. 1 of "Learning When Not to Attend Globally")
+and the hard gate from the attention block's input and the linear router's weights, for a host that holds those
+weights itself. No host is named."""
 
 from __future__ import annotations
 
