@@ -4,7 +4,7 @@ Reads top to bottom: set up the optimizer, resume if asked, then for every step 
 micro-batches (a pure function of the seed and the step, so a resumed run sees the same data), forward,
 backward, clip, step (and, with ``target_mu_f``, move lambda towards the share of full attention asked
 for), log, evaluate, checkpoint; the log steps and evaluations also go to TensorBoard where asked
-(``allhere.reporting``). The checkpoint's folder is locked for the run (``allhere.runtime.runlock``); Ctrl-C
+(``allhere.runtime.reporting``). The checkpoint's folder is locked for the run (``allhere.runtime.runlock``); Ctrl-C
 or SIGTERM finishes the step in flight, checkpoints and raises ``allhere.runtime.interrupt.Interrupted``.
 """
 
@@ -26,7 +26,6 @@ from .distributed.training import distributed_run
 from .losses import training_loss
 from .mechanisms.base import mechanism_layers
 from .model import Decoder
-from .reporting import open_report
 from .routing import routed_layers
 from .runtime.interrupt import Interrupted, stop_signals
 from .runtime.model_checkpoint import (
@@ -37,6 +36,7 @@ from .runtime.model_checkpoint import (
     save_checkpoint,
 )
 from .runtime.progress import progress as progress_bar
+from .runtime.reporting import open_report
 from .runtime.runlock import run_lock
 from .validation import ConfigError
 
@@ -121,8 +121,8 @@ def train(model: Decoder, batches: BatchFn, cfg: TrainConfig, ckpt_path: str | P
     whose name contains it (e.g. ".mechanism." for a new bottleneck); the others stay frozen.
     ``progress``: a bar (True), none (False), or a factory with ``allhere.runtime.progress.progress``'s signature
     that makes the bar (``allhere_recipes.job``: one that also tells the whole job's time left).
-    ``report_to``: "tensorboard" (event files in the checkpoint's folder, ``allhere.reporting``) or "none";
-    None (default): the innermost ``allhere.reporting.report_to`` block's choice, else none. An evaluation's
+    ``report_to``: "tensorboard" (event files in the checkpoint's folder, ``allhere.runtime.reporting``) or "none";
+    None (default): the innermost ``allhere.runtime.reporting.report_to`` block's choice, else none. An evaluation's
     ``usage`` (mu_f per layer and head, as ``allhere.eval.evaluate_lm`` gives it) goes to the report as an
     image, not into the state's ``evals``.
 

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from allhere.hf.card import CARD, Result, write_card
-from allhere.reporting import report_heldout
+from allhere.runtime.reporting import report_heldout
 
 from .real_runs import CARD_RECORD, MADE_BY
 

@@ -38,12 +38,12 @@ DECODE_TOKENS = 16  # a decode step's cost in forward tokens, for the time estim
 
 def resolve_model(name_or_path: str, progress: bool = True, log=print) -> Path:
     """A model folder or GGUF file as given, or the cached file of a known model, fetched first when it is not in
-    the cache (``allhere.models_cache.fetch``: what ``allhere fetch`` does, its progress shown). ConfigError in one
-    line saying what to do when it cannot be fetched (no network, say)."""
+    the cache (``allhere.runtime.models_cache.fetch``: what ``allhere fetch`` does, its progress shown). ConfigError
+    in one line saying what to do when it cannot be fetched (no network, say)."""
     p = Path(name_or_path)
     if p.exists():
         return p
-    from allhere import models_cache
+    from allhere.runtime import models_cache
     from allhere.validation import ConfigError
 
     if name_or_path not in models_cache.KNOWN:

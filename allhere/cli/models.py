@@ -49,8 +49,8 @@ def _check_out(out: str, model: str, resume: bool | None = None) -> None:
     if out_p in model_p.parents:  # e.g. sft --model RUN/model --out RUN: the run would write over its input
         raise ConfigError(f"--out {out} holds the input model ({model}); choose a folder outside it (nothing was "
                           "written)")
-    from ..reporting import stale_events
     from ..runtime.atomic_folder import holds_files
+    from ..runtime.reporting import stale_events
     from ..runtime.runlock import ensure_free
 
     ensure_free(out_p)  # a folder another process writes is refused as such
@@ -307,7 +307,7 @@ def sft_arguments(p: argparse.ArgumentParser) -> None:
 
 def sft(args) -> None:
     from ..hf import sft as run_sft
-    from ..reporting import report_to
+    from ..runtime.reporting import report_to
 
     mech = _mechanism(args)
     if args.target_mu_f is not None and args.mechanism != "aha":

@@ -6,7 +6,7 @@ import argparse
 
 from allhere_recipes.plans import PRESETS, TASKS
 
-from ..reporting import report_to
+from ..runtime.reporting import report_to
 from ..validation import ConfigError
 from . import args as a
 
@@ -108,7 +108,7 @@ def real_demo_out(model: str) -> str:
     GGUF file or the folder's name."""
     from pathlib import Path
 
-    from ..models_cache import KNOWN, cache_dir
+    from ..runtime.models_cache import KNOWN, cache_dir
 
     if model in KNOWN and not Path(model).exists():  # a known model's name, fetched by the job
         return f"runs/{model}"

@@ -107,7 +107,7 @@ def base_model_of(source: str | Path | None) -> str | None:
     tuned again: the nearest ancestor on the Hub). None otherwise."""
     import json
 
-    from ..models_cache import KNOWN, known_file
+    from ..runtime.models_cache import KNOWN, known_file
 
     if source is None:
         return None
@@ -205,7 +205,7 @@ def write_card(folder: str | Path, config, made_by: str, source: str | Path | No
         base_meta, base_text = _front_matter(Path(source) / CARD)
     known = None
     if source is not None and Path(source).is_file():
-        from ..models_cache import KNOWN, known_file
+        from ..runtime.models_cache import KNOWN, known_file
 
         known = KNOWN.get(known_file(source) or "")
     run = {k: v for k, v in (settings or {}).items() if v is not None}

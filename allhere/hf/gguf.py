@@ -274,17 +274,17 @@ def _remove_stale(copies: Path, p: Path, keep: Path) -> None:
 
 def as_folder(path: str | Path) -> Path:
     """An ordinary model folder (float32 safetensors, the tokenizer and chat template) holding the GGUF file
-    ``path``: written once into allhere's cache (``allhere.models_cache.cache_dir() / "gguf-folders"``), keyed by
-    the file's content (its sha256), and reused while the file holds the same bytes. Copies no file stands for any
-    more (the path's earlier content, a file removed) are removed. For hosts that read folders only (vLLM with
-    allhere's plugin).
+    ``path``: written once into allhere's cache (``allhere.runtime.models_cache.cache_dir() / "gguf-folders"``),
+    keyed by the file's content (its sha256), and reused while the file holds the same bytes. Copies no file stands
+    for any more (the path's earlier content, a file removed) are removed. For hosts that read folders only (vLLM
+    with allhere's plugin).
 
     Keyed by the whole file's sha256, not by its size, modification time or first bytes: two fine-tunes of one
     model in one quantization have the same size and the same header (metadata and tensor table), and a file
     rewritten by ``cp -p`` or ``rsync -t`` keeps its mtime. Hashing reads the file once (about a second per GB); a
     copy's record keeps the hash with the file's inode, mtime and ctime, so an unchanged file is not read again."""
-    from ..models_cache import cache_dir
     from ..runtime.atomic_folder import fsync_tree
+    from ..runtime.models_cache import cache_dir
 
     check(path)
     p = Path(path).resolve()

@@ -29,8 +29,8 @@ from ..distributed.env import detect
 from ..distributed.parallel import ParallelConfig
 from ..distributed.sharded_checkpoint import full_state_dict
 from ..mechanisms import AHAConfig, DARConfig
-from ..reporting import stale_events
 from ..runtime.atomic_folder import write_folder
+from ..runtime.reporting import stale_events
 from ..runtime.runlock import run_lock
 from ..train import train
 from ..validation import ConfigError

@@ -46,7 +46,8 @@ The package, by what each file holds:
   ``bigbird``;
 - ``tables``: the per-device lookup tables behind ``prepare`` (internal).
 
-Import the names from ``allhere.masks`` itself; the file a name lives in may change.
+Import the names from ``allhere.masks`` itself; the file a name lives in may change (allhere's ops import each
+from its file, which keeps their chains of imports short).
 """
 
 from .bigbird_blocks import BigBirdRandom, bigbird, bigbird_global, bigbird_random, bigbird_window

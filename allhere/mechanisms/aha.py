@@ -23,6 +23,7 @@ from ..ops.sliding.reference import local_pattern
 from ..ops.ste import straight_through
 from ..registry import Serving, register
 from ..validation import check, check_int, is_number
+from .aha_gate import router_scores
 from .base import AttentionCall, AttentionDims, AttentionMechanism, ContextParallelPlan, LayerRouting
 
 ROUTER_KINDS = ("linear", "qproj")
@@ -77,25 +78,6 @@ class AHAConfig:
         check(self.router_init in ROUTER_INITS, c, "router_init", self.router_init, f"one of {ROUTER_INITS}")
         check(is_number(self.router_init_bias) and self.router_init_bias >= 0.0, c, "router_init_bias",
               self.router_init_bias, "a finite number >= 0")
-
-
-def router_scores(logits: torch.Tensor) -> torch.Tensor:
-    """The router's scores s = sigmoid(logits) in fp32 (Eq. 1), same shape: ``logits`` = X W_router (+ bias),
-    per (token, head). A pure piece every host calls on its own router output (allhere's modules, vLLM)."""
-    return torch.sigmoid(logits.float())
-
-
-def hidden_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tau: float,
-                forced: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """AHA's gate from the attention block's input, for a host that holds the linear router's weights itself:
-    x [..., d_model], weight [heads, d_model], bias [heads] or None -> (scores [..., heads] fp32, hard gate
-    [..., heads] bool: True = full causal attention, False = the window). ``forced`` True / False sets every
-    gate global / local (the scores are still computed)."""
-    s = router_scores(torch.nn.functional.linear(x, weight, bias))
-    hard = s > tau
-    if forced is not None:
-        hard = torch.full_like(hard, bool(forced))
-    return s, hard
 
 
 def init_router_(weight: torch.Tensor, bias: torch.Tensor | None, cfg: AHAConfig) -> None:

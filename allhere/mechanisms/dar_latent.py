@@ -36,7 +36,7 @@ from ..registry import Serving, register
 from ..validation import ConfigError, check_int
 from .base import AttentionCall, AttentionDims, AttentionMechanism
 from .dar import DARCache
-from .dar_latent_channels import channel_order, pair_norms, uniform_pairs
+from .dar_latent_channels import channel_order, far_queries, in_channel_order, pair_norms, uniform_pairs
 
 
 @dataclass(frozen=True)
@@ -68,35 +68,6 @@ class DARLatentConfig:
     def cache_numbers(self, dims: AttentionDims) -> tuple[int, int]:
         """(numbers this variant keeps per distant token and layer, plain attention's 2 x kv_heads x head_dim)."""
         return self.d_down + 2 * self.rope_pairs * dims.kv_heads, 2 * dims.kv_heads * dims.head_dim
-
-
-def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, h, n, d] rotated by a rotate-half embedding of width rot = cos.shape[-1] (cos, sin [n, rot] or
-    [b, n, rot]) -> x before it: R^T x = x cos - rotate_half(x) sin. Where the embedding scales cos and sin by s
-    (YaRN's attention factor) this gives s^2 x_pre, the factor the host's scores carry. Channels past rot pass."""
-    rot = cos.shape[-1]
-    cos, sin = (t.float().reshape(-1, 1, *t.shape[-2:]) for t in (cos, sin))  # [b or 1, 1, n, rot]
-    r = x[..., :rot].float()
-    r1, r2 = r.chunk(2, dim=-1)
-    out = r * cos - torch.cat([-r2, r1], dim=-1) * sin
-    return torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
-
-
-def in_channel_order(x: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, n, d] -> its channels in ``channels`` [kv_heads, d] order (each head by its KV head's row)."""
-    b, heads, n, _ = x.shape
-    index = channels.repeat_interleave(heads // channels.shape[0], dim=0)
-    return x.gather(-1, index[None, :, None].expand(b, heads, n, -1))
-
-
-def far_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, channels: torch.Tensor,
-                r2: int) -> torch.Tensor:
-    """The queries of the far keys, [q^R ; q^C]: q [b, heads, n, d] as the host rotated it (cos, sin: its
-    rotary table at the queries' positions, as ``unrotate`` takes them) -> [b, heads, n, d] in ``channels``
-    order, the first ``r2`` channels (the kept pairs) as they are, the others unrotated. The mechanism and its
-    served layer (``allhere.serve.vllm.dar_latent``) both read far keys with these."""
-    return torch.cat([in_channel_order(q, channels)[..., :r2], in_channel_order(unrotate(q, cos, sin),
-                                                                                channels)[..., r2:]], dim=-1)
 
 
 # served (allhere.serve, vLLM's CPU backend, vLLM's own model classes: it reads the block's input and inverts

@@ -5,7 +5,8 @@ score, then a joint truncated SVD of [W_K,nope ; W_V].
 
 Channels of a head of width d under a rotate-half rotary embedding of width rot <= d: pair f < rot/2 is the
 channels (f, f + rot/2), rotated together by frequency f; channels rot..d-1 are never rotated. A layer keeps
-``rope_pairs`` pairs per KV head (``channel_order``: [kept pair channels, then the content channels]).
+``rope_pairs`` pairs per KV head (``channel_order``: [kept pair channels, then the content channels]); a query
+reads the far keys in that order, its kept pairs as the host rotated them and the rest unrotated (``far_queries``).
 
 Pure functions of tensors: no host is named (``dar_latent_init.init_from_host`` finds the weights).
 """
@@ -81,3 +82,32 @@ def svd_init(w_k: torch.Tensor, w_v: torch.Tensor, order: torch.Tensor, kept: in
     up = torch.zeros(stack.shape[0], d_c)
     down[:r], up[:, :r] = vh[:r], u[:, :r] * s[:r]
     return down, up[:rows.numel()], up[rows.numel():]
+
+
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, h, n, d] rotated by a rotate-half embedding of width rot = cos.shape[-1] (cos, sin [n, rot] or
+    [b, n, rot]) -> x before it: R^T x = x cos - rotate_half(x) sin. Where the embedding scales cos and sin by s
+    (YaRN's attention factor) this gives s^2 x_pre, the factor the host's scores carry. Channels past rot pass."""
+    rot = cos.shape[-1]
+    cos, sin = (t.float().reshape(-1, 1, *t.shape[-2:]) for t in (cos, sin))  # [b or 1, 1, n, rot]
+    r = x[..., :rot].float()
+    r1, r2 = r.chunk(2, dim=-1)
+    out = r * cos - torch.cat([-r2, r1], dim=-1) * sin
+    return torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
+
+
+def in_channel_order(x: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, n, d] -> its channels in ``channels`` [kv_heads, d] order (each head by its KV head's row)."""
+    b, heads, n, _ = x.shape
+    index = channels.repeat_interleave(heads // channels.shape[0], dim=0)
+    return x.gather(-1, index[None, :, None].expand(b, heads, n, -1))
+
+
+def far_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, channels: torch.Tensor,
+                r2: int) -> torch.Tensor:
+    """The queries of the far keys, [q^R ; q^C]: q [b, heads, n, d] as the host rotated it (cos, sin: its
+    rotary table at the queries' positions, as ``unrotate`` takes them) -> [b, heads, n, d] in ``channels``
+    order, the first ``r2`` channels (the kept pairs) as they are, the others unrotated: the queries every host
+    reads the far keys with."""
+    return torch.cat([in_channel_order(q, channels)[..., :r2], in_channel_order(unrotate(q, cos, sin),
+                                                                                channels)[..., r2:]], dim=-1)

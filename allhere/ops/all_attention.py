@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import causal, dense_mask
+from ..masks.predicates import causal, dense_mask
 from .common import check_qkv, default_scale, repeat_kv
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..masks import Mask, MaskFn, as_mask
+from ..masks.mask import Mask, MaskFn, as_mask
 from .common import check_qkv, default_scale
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 from .._deprecated import moved_names
-from ..masks import MaskFn, and_masks, causal, dense_mask, within_segments
+from ..masks.mask import MaskFn
+from ..masks.predicates import and_masks, causal, dense_mask
+from ..masks.segments import within_segments
 from ..softmax import NEG_INF, default_scale  # noqa: F401  (default_scale: the ops' name for it too)
 
 

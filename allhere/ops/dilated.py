@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..masks import Mask, and_masks, sliding_window
+from ..masks.mask import Mask
+from ..masks.predicates import and_masks
+from ..masks.windows import sliding_window
 from .blocksparse import pattern_attention
 from .common import check_qkv
 from .sliding.blocked import sliding_window_attention_torch

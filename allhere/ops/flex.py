@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import Mask, MaskFn, as_mask
+from ..masks.mask import Mask, MaskFn, as_mask
 from .common import check_qkv, default_scale
 
 COMPILED_MASK_FROM = 1 << 26  # batch x heads x q x kv from which eager create_block_mask's int64 grids are too big

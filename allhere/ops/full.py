@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from .._deprecated import moved_names
 from ..backend import dispatch
-from ..masks import MaskFn, causal, dense_mask
+from ..masks.mask import MaskFn
+from ..masks.predicates import causal, dense_mask
 from .common import check_qkv, default_scale, masked_attention_reference
 
 

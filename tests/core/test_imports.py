@@ -19,7 +19,8 @@ PACKAGES = ("allhere", "allhere_recipes")
 # matching prefix; ``allhere`` alone is the package's public face (it gathers names up to the model). The
 # kernels are the ground floor of the ops: they import nothing of ops/, mechanisms/ or serve/ (what they share
 # with the ops, such as the softmax merges of ``allhere.softmax``, lies below them). The run utilities of
-# ``allhere.runtime`` (run lock, stop signals, progress) are foundation, all but the checkpoints, which hold a model.
+# ``allhere.runtime`` (run lock, stop signals, progress) are foundation, all but the checkpoints, which hold a model,
+# the training reports, which draw a model's routing, and the cache of fetched models, where they stood before.
 LAYERS = [
     ("foundation", ["allhere.validation", "allhere._optional", "allhere._deprecated", "allhere.backend",
                     "allhere.hosts", "allhere.runtime", "allhere.masks", "allhere.softmax", "allhere.distributed.env",
@@ -31,8 +32,8 @@ LAYERS = [
     ("config", ["allhere.config", "allhere.distributed.parallel"]),
     ("model", ["allhere", "allhere.model", "allhere.routing", "allhere.losses", "allhere.runtime.model_checkpoint",
                "allhere.checkpoint", "allhere.data", "allhere.analysis", "allhere.teaching"]),
-    ("train", ["allhere.train", "allhere.reporting", "allhere.distributed"]),
-    ("host", ["allhere.hf", "allhere.serve", "allhere.models_cache"]),
+    ("train", ["allhere.train", "allhere.runtime.reporting", "allhere.reporting", "allhere.distributed"]),
+    ("host", ["allhere.hf", "allhere.serve", "allhere.runtime.models_cache", "allhere.models_cache"]),
     ("application", ["allhere.eval", "allhere.generation"]),
     ("recipes", ["allhere_recipes"]),
     ("cli", ["allhere.cli"]),
@@ -188,9 +189,10 @@ def test_import_allhere_leaves_the_serving_code_alone():
 
 def test_import_allhere_loads_no_run_utility():
     """``import allhere`` gathers the model's names; the run utilities (``allhere.runtime``: checkpoints, run lock,
-    stop signals, progress) load where a command uses them, and the old checkpoint path only where it is asked for."""
+    stop signals, progress, training reports, the models' cache) load where a command uses them, and their old paths
+    only where they are asked for."""
     code = ("import sys, allhere; print(sorted(m for m in sys.modules if m.startswith(('allhere.runtime', "
-            "'allhere.checkpoint', 'allhere.train', 'allhere.reporting'))))")
+            "'allhere.checkpoint', 'allhere.train', 'allhere.reporting', 'allhere.models_cache'))))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""TensorBoard reports of training runs (``allhere.reporting``), read back with TensorBoard's own reader: every
+"""TensorBoard reports of training runs (``allhere.runtime.reporting``), read back with TensorBoard's own reader: every
 curve and the mu_f heatmap; a stopped and resumed run has each step once; ``none`` writes nothing; the
 command line's --report-to, its line on stderr, and one error line without the package."""
 
@@ -12,7 +12,7 @@ import torch
 from allhere import AHAConfig, Decoder, ModelConfig
 from allhere.config import TrainConfig
 from allhere.eval import evaluate_lm
-from allhere.reporting import HELDOUT_SUFFIX, default_report_to, events_dir, report_heldout, report_to
+from allhere.runtime.reporting import HELDOUT_SUFFIX, default_report_to, events_dir, report_heldout, report_to
 from allhere.train import train
 
 from tb_events import events, scalars

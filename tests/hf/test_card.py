@@ -110,7 +110,7 @@ def test_base_model_only_from_a_hub_id(tmp_path, monkeypatch):
     (folder / "README.md").write_text("---\n: [not yaml\n---\n# x\n")
     assert base_model_of(folder) is None
 
-    from allhere import models_cache
+    from allhere.runtime import models_cache
 
     monkeypatch.setenv("ALLHERE_CACHE", str(tmp_path / "cache"))
     cached = models_cache._target("smollm2")

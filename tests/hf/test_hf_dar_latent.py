@@ -80,7 +80,7 @@ def test_queries_unrotate_with_the_hosts_scaled_table():
     query was before the rotary embedding, at every position."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from allhere.mechanisms.dar_latent import unrotate
+    from allhere.mechanisms.dar_latent_channels import unrotate
 
     model = llama3()
     q = torch.randn(2, 4, 24, HD)

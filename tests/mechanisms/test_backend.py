@@ -131,6 +131,9 @@ def test_named_backend_picks_its_path_or_says_why():
     ("set_forced_gate", "allhere.hf", "set_forced_gate"),
     ("load_model", "allhere.checkpoint", "runtime.model_checkpoint.load_model"),
     ("CheckpointError", "allhere.checkpoint", "runtime.model_checkpoint.CheckpointError"),
+    ("report_to", "allhere.reporting", "runtime.reporting.report_to"),
+    ("model_path", "allhere.models_cache", "runtime.models_cache.model_path"),
+    ("fetch", "allhere.models_cache", "runtime.models_cache.fetch"),
 ])
 def test_renamed_names_still_import_and_say_where_they_went(old, module, new):
     import importlib

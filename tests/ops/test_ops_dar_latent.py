@@ -164,8 +164,7 @@ def test_absorbed_queries_in_one_matmul_equal_far_queries_then_query_rows(rot):
     """The served decode's query rows (``query_map``: the rotation undone, the channels reordered, W_UK and the
     slots folded into one matrix per KV head) = ``far_queries`` then ``query_rows``, with a full and a partial
     rotary width, the kept pairs chosen per KV head."""
-    from allhere.mechanisms.dar_latent import far_queries
-    from allhere.mechanisms.dar_latent_channels import channel_order
+    from allhere.mechanisms.dar_latent_channels import channel_order, far_queries
     from allhere.ops.dar_latent.check import query_rows
     from allhere.ops.dar_latent.query_map import absorbed_queries, query_map, rotary_factors
 

@@ -133,7 +133,7 @@ def test_dar_latent_decode_smoke():
 def test_router_teaching_on_smollm2():
     """benchmarks/router_teaching.py's taught routers on the real SmolLM2 (skipped unless fetched): one budget's
     row, its held-out mu_f near the budget and its Retain % a share."""
-    from allhere.models_cache import model_path
+    from allhere.runtime.models_cache import model_path
     from allhere.validation import ConfigError
 
     try:

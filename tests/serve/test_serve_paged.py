@@ -24,10 +24,12 @@ from allhere.ops.paged.attention import (
     causal_read,
     paged_attention,
     paged_view,
+    token_positions,
     window_read,
     write,
 )
 from allhere.ops.paged.dar_far import LatentKV, far_pieces, rotary_projection, write_latents
+from allhere.ops.paged.step_plan import PagedStepPlan
 from allhere.softmax import merge_pieces
 
 HEADS, KV_HEADS, D, BS = 4, 2, 8, 4  # 2 query heads per kv head; blocks of 4 tokens
@@ -361,6 +363,26 @@ def test_view_refuses_partial_blocks():
         paged_view(torch.zeros(10), BS, KV_HEADS, D)
 
 
+def test_step_plan_makes_each_part_once():
+    """A step's plan makes each part at the first layer that asks and hands the same object to the others; its
+    token positions and slot places are ``token_positions`` and ``slot_places`` of the step."""
+    starts, lens = torch.tensor([0, 3, 4, 5], dtype=torch.int32), torch.tensor([7, 2, 9], dtype=torch.int32)
+    table = torch.tensor([[4, 1], [0, 0], [2, 3]], dtype=torch.int32)
+    slots = torch.tensor([4 * BS + 1, 4 * BS + 2, 4 * BS + 3, -1, 3 * BS])
+    plan = PagedStepPlan(starts, lens, table, 5)
+    calls = []
+    assert plan.part("x", lambda: calls.append(1) or len(calls)) == 1
+    assert plan.part("x", lambda: calls.append(1) or len(calls)) == 1 and calls == [1]
+    req, pos = plan.token_positions()
+    assert plan.token_positions()[0] is req
+    want = token_positions(starts, lens, 5)
+    assert torch.equal(req, want[0]) and torch.equal(pos, want[1]) and not plan.decodes_only()
+    kept, blocks, rows = plan.slot_places(slots, BS)
+    assert plan.slot_places(slots, BS)[1] is blocks
+    assert kept.tolist() == [0, 1, 2, 4] and blocks.tolist() == [4, 4, 4, 3] and rows.tolist() == [1, 2, 3, 0]
+    assert PagedStepPlan(torch.arange(4), lens, table, 3).decodes_only()
+
+
 def latent_decode_case(window: int, dtype: torch.dtype):
     """A dar_latent decode step over paged caches (requests of LENGTHS tokens, each decoding its last): returns
     (the arguments of ``dar_latent_decode.decode_latent`` but ``out``, the expected output by
@@ -414,12 +436,12 @@ def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
     q, q_row, pos, view, table, rows, rows_table, _, w_uv, _ = args
     m = len(LENGTHS)
     direct, again = (torch.full((m, HEADS, D), 7.0, dtype=dtype) for _ in range(2))
-    step = {}  # a second layer of the step reads what the first kept
-    dar_latent_decode.decode_latent(*args, direct, step=step)
-    dar_latent_decode.decode_latent(*args, again, step=step)
-    assert step
-    kv = LatentKV(None, w_uv)
     starts, lens = torch.arange(m + 1), torch.tensor(LENGTHS)
+    step = PagedStepPlan(starts, lens, table, m)  # a second layer of the step reads what the first kept
+    dar_latent_decode.decode_latent(*args, direct, plan=step)
+    dar_latent_decode.decode_latent(*args, again, plan=step)
+    assert step.parts
+    kv = LatentKV(None, w_uv)
     read = []  # the token ids whose rows the pieces asked for
     pieces = far_pieces(q.new_full((m, HEADS, D), float("nan")), rows, starts, lens, rows_table, window, kv, SCALE,
                         absorbed=lambda ids: read.append(ids) or q_row[ids])

@@ -527,6 +527,7 @@ def test_dar_latent_decode_through_vllms_kernel(window, monkeypatch):
     from test_serve_paged import HEADS, LENGTHS, latent_decode_case
 
     from allhere.ops.paged import dar_latent_decode
+    from allhere.ops.paged.step_plan import PagedStepPlan
 
     assert (dar_latent_decode.vllm_decode_kernel() is not None) == torch.cpu._is_avx512_bf16_supported()
     args, want, _ = latent_decode_case(window, torch.bfloat16)
@@ -535,9 +536,10 @@ def test_dar_latent_decode_through_vllms_kernel(window, monkeypatch):
     for kernel in (True, False):
         monkeypatch.setattr(dar_latent_decode, "USE_KERNEL", kernel)
         out, again = (torch.full((len(LENGTHS), HEADS, d), 7.0, dtype=torch.bfloat16) for _ in range(2))
-        step = {}  # a second layer of the step reads what the first kept
-        dar_latent_decode.decode_latent(*args, out, step=step)
-        dar_latent_decode.decode_latent(*args, again, step=step)
+        # a second layer of the step reads what the first kept
+        step = PagedStepPlan(torch.arange(len(LENGTHS) + 1), torch.tensor(LENGTHS), args[4], len(LENGTHS))
+        dar_latent_decode.decode_latent(*args, out, plan=step)
+        dar_latent_decode.decode_latent(*args, again, plan=step)
         torch.testing.assert_close(again, out, atol=0, rtol=0)
         outs.append(out.float())
     torch.testing.assert_close(outs[0], want, atol=3e-2, rtol=3e-2)

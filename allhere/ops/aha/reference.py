@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...masks import causal, dense_mask
+from ...masks.predicates import causal, dense_mask
 from ..common import check_aha, default_scale, hard_gate, masked_attention_reference, segment_mask
 from ..sliding.reference import local_pattern
 from ..ste import add_gate_gradient, trains_gate

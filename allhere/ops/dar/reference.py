@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ...masks import causal, dense_mask, sliding_window
+from ...masks.predicates import causal, dense_mask
+from ...masks.windows import sliding_window
 from ..common import check_qkv, default_scale, repeat_kv
 
 

@@ -1,8 +1,8 @@
 """The far queries of a decode step as absorbed cache rows, in one matmul from the host's rotated queries.
 
-``mechanisms.dar_latent.far_queries`` then ``check.query_rows`` take about twenty small tensor operations per layer
-(the rotation undone, the channels reordered per KV head, W_UK applied, q^R put in its KV head's slot). At batch 1
-a served step's cost is its number of operations, so the served decode folds all of it into two parts:
+``mechanisms.dar_latent_channels.far_queries`` then ``check.query_rows`` take about twenty small tensor operations
+per layer (the rotation undone, the channels reordered per KV head, W_UK applied, q^R put in its KV head's slot).
+At batch 1 a served step's cost is its number of operations, so the served decode folds all of it into two parts:
 
 - per step (shared by a model's layers, which rotate with one table): the rotary factors at the queries'
   positions, so that the unrotated query is u = q * C + q[perm] * S (rotate-half: R^T q = q cos - rotate_half(q) sin);

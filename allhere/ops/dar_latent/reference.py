@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ...masks import causal, dense_mask, sliding_window
+from ...masks.predicates import causal, dense_mask
+from ...masks.windows import sliding_window
 from ..common import default_scale, repeat_kv
 from .check import check_latent_call, split_rows
 

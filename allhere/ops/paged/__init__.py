@@ -6,8 +6,8 @@ Modules: ``attention`` (the cache's block layout, the rule of what each row clas
 ``chunks`` (its prefill tiles, the gather of blocks, the merge of pieces), ``decode`` (its decode rows),
 ``dispatch`` (the family's paths), ``aha_prefill`` (AHA's prefill rows in a few fused calls), ``aha_triton`` (AHA
 through the Triton paged kernels), ``dar_far`` (DAR's far keys rebuilt from paged latents, dar_latent's read
-absorbed), ``dar_latent_decode`` (dar_latent's decode step at once), ``per_step`` (what the layers of one step
-share).
+absorbed), ``dar_latent_decode`` (dar_latent's decode step at once), ``step_plan`` (``PagedStepPlan``: one step's
+batch and what its layers share, made once per step).
 """
 
 from .attention import Read, causal_read, paged_attention, paged_view, window_read, write

@@ -54,7 +54,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ... import masks
+from ...masks.mask import Mask, as_mask
+from ...masks.predicates import causal
+from ...masks.windows import sliding_window, sliding_with_sinks
 from .chunks import Merger, Workspace, attend_part, tile_rows
 from .decode import decode_direct, decode_rows
 
@@ -62,7 +64,7 @@ from .decode import decode_direct, decode_rows
 class Read(NamedTuple):
     """One part of what a row class reads."""
 
-    pred: masks.Mask  # (b, h, q_idx, kv_idx) -> allowed, with its block tests (a plain predicate: none)
+    pred: Mask  # (b, h, q_idx, kv_idx) -> allowed, with its block tests (a plain predicate: none)
     q_tile: int | None = None  # rows per query tile for this part (None: paged_attention's q_tile)
     window: int | None = None  # ``window_read``'s: pred reads exactly the ``window`` most recent keys ...
     n_sinks: int = 0  # ... and the request's first ``n_sinks`` positions (attention sinks in AHA's local rows)
@@ -116,13 +118,13 @@ def window_read(window: int, q_tile: int | None = None, n_sinks: int = 0) -> Rea
     the union, whose ``tiles`` test skips the blocks between the sinks and the window; it has no ``dense`` test,
     so the blocks a tile reads entirely are found by evaluating the predicate)."""
     if n_sinks:
-        return Read(masks.sliding_with_sinks(window, n_sinks), q_tile, window, n_sinks)
-    return Read(masks.sliding_window(window), q_tile, window)
+        return Read(sliding_with_sinks(window, n_sinks), q_tile, window, n_sinks)
+    return Read(sliding_window(window), q_tile, window)
 
 
 def causal_read(q_tile: int | None = None) -> Read:
     """Every key at or before the query (``masks.causal``, block tests and all)."""
-    return Read(masks.causal, q_tile)
+    return Read(causal, q_tile)
 
 
 def token_positions(query_start: torch.Tensor, seq_lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +191,7 @@ def _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, vie
     """The decode tokens of a layer whose rows all read one predicate, straight into ``out``
     (``decode.decode_direct``)."""
     req = decode.nonzero().squeeze(1)
-    decode_direct(q, starts[:-1][req], req, seq_lens[req].long() - 1, masks.as_mask(Read(*reads[0][0]).pred), view,
+    decode_direct(q, starts[:-1][req], req, seq_lens[req].long() - 1, as_mask(Read(*reads[0][0]).pred), view,
                   block_table, scale, softcap, out)
 
 
@@ -205,7 +207,7 @@ def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor,
     n = int(query_start[-1])
     dev = q.device
     workspace = workspace or Workspace()
-    reads = [[Read(masks.as_mask(r[0]), *r[1:]) for r in parts] for parts in reads]
+    reads = [[Read(as_mask(r[0]), *r[1:]) for r in parts] for parts in reads]
     starts = query_start.long()
     q_len = starts[1:] - starts[:-1]
     req, pos = token_positions(query_start, seq_lens, n)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...masks import Mask
+from ...masks.mask import Mask
 from ...softmax import NEG_INF, merge_pieces, softmax_lse
 
 MAX_GATHER_BYTES = 32 << 20  # keys and values gathered for one call (a longer batch runs in pieces)

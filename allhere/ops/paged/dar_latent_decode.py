@@ -8,7 +8,7 @@ Far keys are read absorbed, as ``dar_far._attend_absorbed`` reads them: a head's
 q^R in its KV head's slot, zeros elsewhere] (the served layer makes it in one matmul: ``ops.dar_latent.query_map``),
 scored against the rows as they are gathered (one matmul per step); the probabilities weight the rows, and W_UV_g
 maps the weighted latent once per head. What follows from the step's positions and tables alone is made by its
-first layer and kept for the others (``per_step``).
+first layer and kept for the others (``step_plan``).
 
 With vLLM's CPU build loaded and a bf16 cache, the step is two calls of vLLM's own CPU decode kernel for latent
 caches (``torch.ops._C.decode_attention_cpu``, from sgl-kernel, the one vLLM's CPU MLA backend runs for DeepSeek's
@@ -28,7 +28,7 @@ import torch
 from ...softmax import NEG_INF
 from .chunks import Workspace
 from .decode import block_kv
-from .per_step import memo
+from .step_plan import PagedStepPlan, part_of
 
 PIECE_BYTES = 4 << 20  # gathered rows per piece of requests: read twice, from the CPU's caches the second time
 KEYS_PER_SPLIT = 512  # the fewest far keys a thread of vLLM's kernel takes (vLLM's CPU MLA backend's choice)
@@ -54,14 +54,14 @@ def _kernel_for(rows: torch.Tensor):
 
 
 def decode_latent(q, q_row, pos, near, near_table, rows, rows_table, window: int, w_uv, scale: float, out,
-                  workspace: Workspace | None = None, step: dict | None = None) -> None:
+                  workspace: Workspace | None = None, plan: PagedStepPlan | None = None) -> None:
     """q [m, heads, d]: one query per request (request i's at ``pos[i]``), as the host rotated it; q_row [m, heads,
     d_c + kv_heads x e_r]: its far query as a cache row (``ops.dar_latent.check.query_rows``, absorbed); near: the
     window cache ``attention.paged_view`` [blocks, kv_heads, 2, bs, d] (keys transposed) with ``near_table`` [m, >=];
     rows: the latent cache [blocks, bs_l, d_c + kv_heads x e_r] with ``rows_table`` [m, >=]; w_uv [kv_heads, d,
     d_c]. Writes ``out`` [m, heads, d]. ``workspace``: where the gathered rows go (``chunks.Workspace``:
-    reused, not page-faulted anew). ``step``: a ``step_values`` dict, where what depends on the step alone (pos,
-    the tables, the caches' shapes) is kept for the next layer.
+    reused, not page-faulted anew). ``plan``: the step's ``PagedStepPlan``, where what depends on the step alone
+    (pos, the tables, the caches' shapes) is kept for the next layer (None: made for this call).
 
     The slots a row does not read (past its far keys in a gathered block, blocks past its own) get weight 0 but
     are multiplied all the same: they must hold finite numbers, which vLLM's caches do (zeroed when allocated,
@@ -70,13 +70,13 @@ def decode_latent(q, q_row, pos, near, near_table, rows, rows_table, window: int
     kernel = _kernel_for(rows)
     if kernel is not None:
         _decode_by_kernel(kernel, q, q_row, pos, near, near_table, rows, rows_table, window, w_uv, scale, out,
-                          workspace, step)
+                          workspace, plan)
         return
     m, heads, d = q.shape
     kv_heads, bs = near.shape[1], near.shape[3]
     group, d_c = heads // kv_heads, w_uv.shape[2]
     bl, width = rows.shape[1], rows.shape[2]
-    near_blocks, pieces = memo(step, ("torch", window, bs, bl, width * rows.element_size()), lambda: _plan(
+    near_blocks, pieces = part_of(plan, ("torch", window, bs, bl, width * rows.element_size()), lambda: _plan(
         pos.long(), near_table, rows_table, window, bs, bl, width * rows.element_size()))
     kt, v = block_kv(near, near_blocks, workspace)
     # [m, kv_heads, group, nw x bs], in the cache's dtype as the far scores (fp32 accumulation), softmax in fp32
@@ -128,29 +128,29 @@ def _window_cols(p: torch.Tensor, window: int, bs: int) -> torch.Tensor:
 
 
 def _decode_by_kernel(kernel, q, q_row, pos, near, near_table, rows, rows_table, window: int, w_uv, scale: float,
-                      out, workspace: Workspace, step: dict | None) -> None:
+                      out, workspace: Workspace, plan: PagedStepPlan | None) -> None:
     """``decode_latent`` by two calls of vLLM's kernel: the far rows (read in place) and the window (its blocks
     gathered, the keys transposed back to the values' layout), merged by their log-sum-exps."""
     m, heads, d = q.shape
     kv_heads, d_c = w_uv.shape[0], w_uv.shape[2]
-    p = memo(step, "pos", lambda: pos.long())
-    lat, lse_far = _far_by_kernel(kernel, q_row, p, rows, rows_table, window, d_c, scale, step)
+    p = part_of(plan, "pos", lambda: pos.long())
+    lat, lse_far = _far_by_kernel(kernel, q_row, p, rows, rows_table, window, d_c, scale, plan)
     lat = lat.float().nan_to_num_(0.0)  # a request with no far key: NaN, weight 0 below
     # einsum, not matmul: matmul would broadcast W_UV to every request (a copy each), einsum batches by KV head
     o = torch.einsum("mgqc,gdc->mgqd", lat.view(m, kv_heads, -1, d_c), w_uv.float()).reshape(m, heads, d)
     if window > 0:
-        o_near, lse_near = _near_by_kernel(kernel, q, p, near, near_table, window, scale, workspace, step)
+        o_near, lse_near = _near_by_kernel(kernel, q, p, near, near_table, window, scale, workspace, plan)
         # the far part's share of the softmax (0 where a request reads no far key: lse_far -inf)
         o = torch.lerp(o_near.float(), o, torch.sigmoid(lse_far - lse_near)[..., None])
     out.copy_(o)
 
 
 def _near_by_kernel(kernel, q, p, near, near_table, window: int, scale: float, workspace: Workspace,
-                    step: dict | None):
+                    plan: PagedStepPlan | None):
     """The window's part of a decode step: (output [m, heads, d] in q's dtype, log-sum-exp [m, heads] fp32)."""
     d = q.shape[2]
     kv_heads, bs = near.shape[1], near.shape[3]
-    tiles, table, count, reqs = memo(step, ("near", window, bs, kv_heads), lambda: _near_plan(
+    tiles, table, count, reqs = part_of(plan, ("near", window, bs, kv_heads), lambda: _near_plan(
         p, near_table, window, bs, kv_heads))
     flat = near.reshape(-1, bs, d)  # (block, kv head, keys | values)
     both = torch.index_select(flat, 0, tiles, out=workspace.take("kv", (tiles.numel(), bs, d), flat))
@@ -178,7 +178,8 @@ def _near_plan(p, near_table, window: int, bs: int, kv_heads: int):
     return torch.cat([idx, idx + 1]), table, count, torch.arange(m, device=dev)
 
 
-def _far_by_kernel(kernel, q_row, p, rows, rows_table, window: int, d_c: int, scale: float, step: dict | None):
+def _far_by_kernel(kernel, q_row, p, rows, rows_table, window: int, d_c: int, scale: float,
+                   plan: PagedStepPlan | None):
     """The far rows' part: (the weighted latents [m, heads, d_c] in the rows' dtype (NaN where a request reads no
     far key), log-sum-exp [m, heads] fp32, -inf there), the rows read where they lie."""
     bl, width = rows.shape[1], rows.shape[2]
@@ -188,7 +189,7 @@ def _far_by_kernel(kernel, q_row, p, rows, rows_table, window: int, d_c: int, sc
     unit = math.gcd(rows.stride(0), width)
     per_block, per_row = rows.stride(0) // unit, width // unit
     flat = rows.as_strided(((rows.shape[0] - 1) * per_block + (bl - 1) * per_row + 1, 1, width), (unit, unit, 1))
-    far, slots, splits, reqs = memo(step, ("far", window, bl, per_block, per_row), lambda: _far_plan(
+    far, slots, splits, reqs = part_of(plan, ("far", window, bl, per_block, per_row), lambda: _far_plan(
         p, rows_table, window, bl, per_block, per_row))
     return _attend(kernel, q_row, flat, flat[..., :d_c], slots, far, scale, splits, reqs)
 

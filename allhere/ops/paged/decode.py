@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ...masks import Mask
+from ...masks.mask import Mask
 from ...softmax import NEG_INF, softmax_lse
 from .chunks import MAX_GATHER_BYTES, Workspace, gather
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...masks import dense_mask
+from ...masks.predicates import dense_mask
 from ..common import check_qkv, check_row_start, check_sinks, check_window, default_scale, segment_mask
 from ..full import masked_attention
 from .reference import local_pattern

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ...masks import dense_mask, or_masks, segment_sinks, sliding_window, sliding_with_sinks
+from ...masks.predicates import dense_mask, or_masks
+from ...masks.segments import segment_sinks
+from ...masks.windows import sliding_window, sliding_with_sinks
 from ..common import (
     check_qkv,
     check_row_start,

@@ -37,16 +37,20 @@ from vllm.model_executor.layers.attention.attention import get_attention_context
 
 from ...backend import OpPath, get_backend, select
 from ...ops.paged.aha_prefill import aha_prefill
-from ...ops.paged.attention import Read, paged_attention, paged_view, slot_places, write
+from ...ops.paged.attention import Read, paged_attention, paged_view, write
 from ...ops.paged.chunks import Workspace
 from ...ops.paged.dispatch import OP, transposed_for
-from ...ops.paged.per_step import memo, step_values
+from ...ops.paged.step_plan import PagedStepPlan
 from ..serving import BACKEND_ENV
 
 PAGED_ATTR = "_allhere_paged"  # on the owner Attention: [its PagedAttention] (a list: no module cycle)
 VLLM_WINDOW_OFFSET = 0  # vLLM sliding_window = allhere window + this (both count the query's own key)
 LAYOUT_ISAS = ("vec", "vec16")  # vLLM CPU kernels that read allhere's block layout (if the check below agrees)
 WORKSPACE = Workspace()  # the gathered keys' memory, reused by every layer of this process (they run in turn)
+PLAN_ATTR = "_allhere_plan"  # on vLLM's attention metadata of a step: the step's PagedStepPlan
+# Query rows per tile: rows that read a window go in tiles of 64 (their keys span the tile plus the window); rows
+# that read every earlier key in tiles of 256 (the keys they gather are shared by more rows)
+WINDOW_TILE, WIDE_TILE = 64, 256
 _LAYOUT_CHECKED: dict[tuple, bool] = {}
 
 
@@ -71,6 +75,17 @@ def same_layout(isa: str, dtype: torch.dtype) -> bool:
                 ok = False
         _LAYOUT_CHECKED[key] = ok
     return _LAYOUT_CHECKED[key]
+
+
+def step_plan(meta) -> PagedStepPlan:
+    """The ``PagedStepPlan`` of the step whose attention metadata (one KV cache group's) is ``meta``: made by the
+    step's first layer that asks and kept on ``meta``, which vLLM builds anew every step and hands to each layer
+    of the group, so the plan lives as long as its step."""
+    plan = getattr(meta, PLAN_ATTR, None)
+    if plan is None:
+        plan = PagedStepPlan(meta.query_start_loc, meta.seq_lens, meta.block_table, meta.num_actual_tokens)
+        setattr(meta, PLAN_ATTR, plan)
+    return plan
 
 
 def vllm_window(q, cache, meta, window: int, scale: float, softcap: float, sinks, isa: str, out) -> None:
@@ -175,7 +190,7 @@ def vllm_sink_window_decode(q, cache, view, meta, window: int, scale: float, sof
     requests and slots). Every head's row of the decode tokens done is written to ``out`` [tokens, heads, d];
     returns those tokens [m]."""
     bs = view.shape[3]
-    dec, swap, blocks, rows = memo(step_values(meta), ("sink_swaps", window, bs), lambda: sink_swaps(meta, window, bs))
+    dec, swap, blocks, rows = step_plan(meta).part(("sink swaps", window, bs), lambda: sink_swaps(meta, window, bs))
     if dec.numel() == 0:
         return dec
     tok = meta.query_start_loc[dec].long()
@@ -320,7 +335,7 @@ class PagedAttention(nn.Module):
         if self.path is None:  # one path, hence one cache layout, for the layer's life
             self.path = select(OP, *self._args(q, view, meta, out), **self._options(None), backend=self.backend)
         slots = meta.slot_mapping[:n]
-        places = memo(step_values(meta), ("slots", view.shape[3]), lambda: slot_places(slots, view.shape[3]))
+        places = step_plan(meta).slot_places(slots, view.shape[3])
         write(view, slots, k, v, transposed=transposed_for(self.path), places=places)
         return meta, view, q, out
 

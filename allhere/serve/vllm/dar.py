@@ -44,27 +44,28 @@ from vllm.model_executor.models.extract_hidden_states import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ...hosts import SUBMODULE
-from ...ops.paged.attention import slot_places, token_positions, window_read
+from ...ops.paged.attention import token_positions, window_read
 from ...ops.paged.dar_far import LatentKV, far_pieces, rotary_projection, write_latents
-from ...ops.paged.per_step import memo, step_values
-from .attention import VLLM_WINDOW_OFFSET, PagedAttention
-from .layers import WINDOW_TILE, block_argument, rebuild_attention
+from .attention import VLLM_WINDOW_OFFSET, WINDOW_TILE, PagedAttention, step_plan
+from .blocks import block_argument, rebuild_attention
 
 
 @dataclass
 class LatentMetadata:
-    """What allhere reads of a step for the latent cache (its group's block table and slot mapping)."""
+    """What allhere reads of a step for the latent cache (its group's block table and slot mapping; the step's
+    ``PagedStepPlan`` is kept on it: ``allhere.serve.vllm.attention.step_plan``)."""
 
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    num_actual_tokens: int
 
 
 class LatentMetadataBuilder(CacheOnlyAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> LatentMetadata:
         m = common_attn_metadata
-        return LatentMetadata(m.query_start_loc, m.seq_lens, m.block_table_tensor, m.slot_mapping)
+        return LatentMetadata(m.query_start_loc, m.seq_lens, m.block_table_tensor, m.slot_mapping, m.num_actual_tokens)
 
 
 class LatentBackend(CacheOnlyAttentionBackend):
@@ -168,7 +169,7 @@ class DARAttention(PagedAttention):
         lmeta, _, lcache, _ = get_attention_context(self._parts[0].latent.layer_name)
         latents = lcache[:, 0]
         slots, bs = lmeta.slot_mapping[:n], latents.shape[1]
-        places = memo(step_values(meta), ("latent slots", bs), lambda: slot_places(slots, bs))
+        places = step_plan(lmeta).slot_places(slots, bs)
         write_latents(latents, slots, rows_of(x, k), places)
         return meta, view, q, out, lmeta, latents, x, k
 

@@ -22,17 +22,16 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
 from ...hosts import SUBMODULE
-from ...mechanisms.dar_latent import far_queries
+from ...mechanisms.dar_latent_channels import far_queries
 from ...ops.dar_latent.check import split_rows
 from ...ops.dar_latent.query_map import absorbed_queries, query_map, rotary_factors
 from ...ops.dar_latent.reference import far_keys
-from ...ops.paged.attention import token_positions
 from ...ops.paged.dar_far import LatentKV, far_pieces
 from ...ops.paged.dar_latent_decode import decode_latent
-from ...ops.paged.per_step import memo, step_values
-from .attention import VLLM_WINDOW_OFFSET, WORKSPACE
+from ...ops.paged.step_plan import PagedStepPlan, part_of
+from .attention import VLLM_WINDOW_OFFSET, WORKSPACE, step_plan
+from .blocks import rebuild_attention
 from .dar import DARAttention, LatentCache, check_own_block, keep_input, plain_rotary
-from .layers import rebuild_attention
 
 
 class DARLatentServe(nn.Module):
@@ -68,18 +67,19 @@ class DARLatentServe(nn.Module):
         return self.down.cpu_linear(x, self.down.weight, None)
 
     def far_queries(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``mechanisms.dar_latent.far_queries`` in vLLM's layout: q [n, heads, d] (rotated, at ``positions`` [n])
-        -> [n, heads, d], the rotation undone with vLLM's own table."""
+        """``mechanisms.dar_latent_channels.far_queries`` in vLLM's layout: q [n, heads, d] (rotated, at
+        ``positions`` [n]) -> [n, heads, d], the rotation undone with vLLM's own table."""
         cos, sin = self._rotary[0].cos_sin_cache.index_select(0, positions.long()).float().chunk(2, dim=-1)
         cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # rotate-half layout, as the HF host's
         return far_queries(q.transpose(0, 1)[None], cos, sin, self.channels, self.r2)[0].transpose(0, 1)
 
-    def decode_queries(self, q: torch.Tensor, positions: torch.Tensor, dtype, step: dict | None = None) -> torch.Tensor:
+    def decode_queries(self, q: torch.Tensor, positions: torch.Tensor, dtype,
+                       plan: PagedStepPlan | None = None) -> torch.Tensor:
         """q [n, heads, d] (rotated, at ``positions``) -> its far queries as absorbed cache rows [n, heads, width]
-        in ``dtype`` (``ops.dar_latent.query_map``: one matmul). ``step``: a ``step_values`` dict where the rotary
-        factors at ``positions`` are kept for the step's next layer (the same positions at every layer)."""
+        in ``dtype`` (``ops.dar_latent.query_map``: one matmul). ``plan``: the step's ``PagedStepPlan`` (whose
+        tokens are at ``positions``), where the rotary factors are kept for the step's next layer."""
         cache = self._rotary[0].cos_sin_cache
-        factors = memo(step, ("rotary", id(cache)), lambda: rotary_factors(
+        factors = part_of(plan, ("rotary", id(cache)), lambda: rotary_factors(
             *cache.index_select(0, positions.long()).chunk(2, dim=-1), q.shape[-1]))
         return absorbed_queries(q, factors, self.decode_maps()[0], dtype)
 
@@ -120,14 +120,13 @@ class DARLatentAttention(DARAttention):
             return
         meta, view, q, out, lmeta, rows, _, _ = step
         n = meta.num_actual_tokens
-        # what every layer of the step reads alike, made by its first (vLLM builds the metadata anew each step)
-        shared = step_values(meta)
-        req, positions, decoding = memo(shared, "tokens", lambda: _tokens(meta, n))
-        if decoding:  # every request decodes: the whole step at once
-            near_table, rows_table = memo(shared, "tables", lambda: (meta.block_table[req], lmeta.block_table[req]))
-            q_row = mech.decode_queries(q[:n], positions, rows.dtype, shared)
+        plan = step_plan(meta)  # what every layer of the step reads alike, made by its first
+        req, positions = plan.token_positions()
+        if plan.decodes_only():  # every request decodes: the whole step at once
+            near_table, rows_table = plan.part("token tables", lambda: (meta.block_table[req], lmeta.block_table[req]))
+            q_row = mech.decode_queries(q[:n], positions, rows.dtype, plan)
             decode_latent(q[:n], q_row, positions, view, near_table, rows, rows_table, mech.window,
-                          mech.decode_maps()[1], self.scale, out[:n], WORKSPACE, shared)
+                          mech.decode_maps()[1], self.scale, out[:n], WORKSPACE, plan)
             out[n:].zero_()
             return
         # a prefill's far keys are rebuilt for its far queries; a decode row reads the rows absorbed
@@ -135,12 +134,6 @@ class DARLatentAttention(DARAttention):
                          lmeta.block_table, mech.window, mech.latent_kv(), self.scale,
                          absorbed=lambda ids: mech.decode_queries(q[ids], positions[ids], rows.dtype))
         self.attend(q, view, meta, None, out, extra=far)
-
-
-def _tokens(meta, n: int):
-    """(request [n], position [n] of the step's tokens, whether every request has one query)."""
-    starts = meta.query_start_loc
-    return *token_positions(starts, meta.seq_lens, n), bool((starts[1:] - starts[:-1] <= 1).all())
 
 
 def install_dar_latent(block: nn.Module, attn: Attention, cfg, d_model: int) -> None:

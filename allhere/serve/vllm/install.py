@@ -35,9 +35,10 @@ from ...hosts import CONFIG_KEY, LAYERS_KEY
 from ...ops.paged.aha_triton import kernel_refusal
 from .. import serving
 from .attention import VLLM_WINDOW_OFFSET, host_softmax_terms, refuse_softmax_terms
+from .blocks import rebuild_attention
 from .dar import install_dar
 from .dar_latent import install_dar_latent
-from .layers import install_aha, install_masked, rebuild_attention
+from .layers import install_aha, install_masked
 from .sink_cache import SinkAttention
 
 

@@ -2,7 +2,7 @@
 (``allhere.serve.vllm.attention``) and the weights and hooks it needs, put there by ``install`` (which runs the
 installer a kind's ``Serving`` names). Each takes the kind's config object (``allhere.registry.from_dict``), and
 the mechanisms' own pure pieces give the rules: AHA's gate from the hidden state
-(``allhere.mechanisms.aha.hidden_gate``), a pattern's mask predicate (``cfg.mask_fn``).
+(``allhere.mechanisms.aha_gate.hidden_gate``), a pattern's mask predicate (``cfg.mask_fn``).
 
 - AHA: one attention over the layer's cache, two row classes: a local (token, head) reads its ``window`` most
   recent keys (and its request's first ``sinks`` tokens, ``AHAConfig.sinks``: one ``window_read`` holding both), a
@@ -18,32 +18,26 @@ the mechanisms' own pure pieces give the rules: AHA's gate from the hidden state
 - sinks, dilated, Longformer, BigBird and any other causal pattern (``install_masked``): one class reading what
   the pattern's predicate allows.
 - DAR: ``allhere.serve.vllm.dar``.
-
-Query tiles: rows that read a window go in tiles of 64 (their keys span the tile plus the window); rows that
-read every earlier key in tiles of 256 (the keys they gather are shared by more rows).
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
-from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 
 from ...hosts import SUBMODULE
-from ...mechanisms.aha import AHAConfig, hidden_gate
+from ...mechanisms.aha_gate import hidden_gate
 from ...ops.paged.attention import Read, causal_read, window_read
-from .attention import PagedAttention
-
-WINDOW_TILE, WIDE_TILE = 64, 256  # query rows per tile: rows reading a window, rows reading every earlier key
+from .attention import WIDE_TILE, WINDOW_TILE, PagedAttention
+from .blocks import block_argument
 
 
 class AHAServe(nn.Module):
-    """AHA's router for one layer, and its routing counts; ``gate`` is set by the block's pre-hook."""
+    """AHA's router for one layer (``cfg``: the kind's ``AHAConfig``), and its routing counts; ``gate`` is set by
+    the block's pre-hook."""
 
-    def __init__(self, cfg: AHAConfig, d_model: int, n_heads: int) -> None:
+    def __init__(self, cfg, d_model: int, n_heads: int) -> None:
         super().__init__()
         self.tau = cfg.tau
         if cfg.router != "linear":
@@ -65,31 +59,12 @@ class AHAServe(nn.Module):
         self.n_pairs += gate.numel()
 
 
-def rebuild_attention(block: nn.Module, attn: Attention, cls=Attention, **kwargs) -> Attention:
-    """The layer's vLLM ``Attention`` built again as ``cls`` with ``kwargs`` (its cache spec changes)."""
-    vllm_config = get_current_vllm_config()
-    vllm_config.compilation_config.static_forward_context.pop(attn.layer_name)  # the same name, rebuilt
-    block.attn = cls(attn.num_heads, attn.head_size, attn.impl.scale, num_kv_heads=attn.num_kv_heads,
-                     cache_config=vllm_config.cache_config, prefix=attn.layer_name, **kwargs)
-    return block.attn
-
-
-def block_argument(block, args, kwargs, name: str):
-    """(where, key) of the attention block's argument ``name`` in this call: ``kwargs`` and the name, or
-    ``args`` and its index (families differ: Llama's blocks take (positions, hidden_states), gpt-oss's
-    (hidden_states, positions), either by position or by keyword)."""
-    if name in kwargs:
-        return kwargs, name
-    params = [p for p in inspect.signature(type(block).forward).parameters if p != "self"]
-    return args, params.index(name)
-
-
 def _route_hook(block, args, kwargs):
     where, key = block_argument(block, args, kwargs, "hidden_states")
     getattr(block, SUBMODULE).route(where[key])
 
 
-def install_aha(block: nn.Module, attn: Attention, cfg: AHAConfig, d_model: int, n_heads: int) -> AHAServe:
+def install_aha(block: nn.Module, attn: Attention, cfg, d_model: int, n_heads: int) -> AHAServe:
     mech = AHAServe(cfg, d_model, n_heads)
     block.add_module(SUBMODULE, mech)
     local = window_read(cfg.window, q_tile=WINDOW_TILE, n_sinks=cfg.sinks)  # the window, and the sinks if any

@@ -69,7 +69,6 @@ from vllm.model_executor.models.transformers import TransformersForCausalLM
 
 from ...hosts import CONFIG_KEY
 from .dar import DARServe, LatentCache
-from .install import install
 from .layers import AHAServe
 from .metrics import Metrics, metrics
 from .plugin import RESET_SUFFIX, STATS_ENV
@@ -169,6 +168,8 @@ class _Converted:
     """Mixin: build vLLM's model, then install the folder's mechanism (nothing for an unconverted folder)."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        from .install import install  # every served kind's installer and glue, needed once the model is built
+
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.allhere_layers = install(self, vllm_config.model_config.hf_config)
         model_config = vllm_config.model_config
