@@ -26,8 +26,8 @@ from allhere.data.recall_task import RecallTask
 from allhere.eval import evaluate_lm
 from allhere.mechanisms import FullConfig, SlidingConfig
 from allhere.model import swap_mechanism
-from allhere.runtime.reporting import report_heldout
 from allhere.routing import routed_layers
+from allhere.runtime.reporting import report_heldout
 from allhere.runtime.runlock import run_lock
 
 from .bases import Base, choose_base, describe
@@ -96,7 +96,8 @@ def recall_task(task: Task, progress: bool) -> dict:
 
 def heldout_events(task: Task, runs: dict) -> None:
     """Each fine-tuning run's held-out row of the report (run folder -> (model, row)) in its TensorBoard events at
-    its last step, with AHA's mu_f heatmap (``allhere.runtime.reporting.report_heldout``): the numbers the report shows."""
+    its last step, with AHA's mu_f heatmap (``allhere.runtime.reporting.report_heldout``): the numbers the report
+    shows."""
     for folder, (model, row) in runs.items():
         report_heldout(task.run / folder / "checkpoint.safetensors", task.plan.finetune.steps, row, model)
 

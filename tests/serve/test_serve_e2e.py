@@ -247,7 +247,8 @@ def test_a_dropped_stream_leaves_the_server_serving(server):
 
 def in_flight(server) -> float:
     metrics = scrape(server)
-    return sum(v for k, v in metrics.items() if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+    kinds = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    return sum(v for k, v in metrics.items() if k.startswith(kinds))
 
 
 def test_beyond_the_requests_in_flight_503(server):
