@@ -36,6 +36,10 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="clients must send 'Authorization: Bearer KEY' to /v1/... (401 otherwise; /health and "
                         "/metrics stay open; default: $VLLM_API_KEY, else no key). vLLM gets the key in its "
                         "environment, never on its command line; VLLM_API_KEY keeps it off this one too (ps)")
+    p.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                   help="serve https with this certificate (a PEM file; with --ssl-keyfile; default: plain http, for "
+                        "a loopback address or behind a TLS proxy)")
+    p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key (a PEM file)")
     p.add_argument("--max-model-len", type=a.positive, default=None, metavar="N",
                    help="longest prompt + completion in tokens; a longer request gets 400 (default: the model's own "
                         "maximum, lowered to what the KV cache holds for one request, vLLM's auto-fit)")
@@ -69,4 +73,5 @@ def serve(args) -> None:
     run(args.model, host=args.host, port=args.port, max_model_len=args.max_model_len, dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, verbose=args.verbose, backend=args.backend, api_key=args.api_key,
         max_num_seqs=args.max_num_seqs, max_queued=args.max_queued, ready_timeout=args.ready_timeout,
-        max_num_batched_tokens=args.max_num_batched_tokens)
+        max_num_batched_tokens=args.max_num_batched_tokens, ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile)

@@ -37,6 +37,7 @@ from .server_process import (
     PARENT_ENV,
     WORK_PREFIX,
     child_command,
+    local_context,
     prune_work_folders,
     stop,
     wait_ready,
@@ -132,7 +133,7 @@ def _served_max_len(url: str, key: str | None) -> int | None:
     """The longest prompt + completion the server takes (vLLM's /v1/models says it), None where it does not say."""
     request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(request, timeout=5) as r:
+        with urllib.request.urlopen(request, timeout=5, context=local_context(url)) as r:
             return int(json.loads(r.read())["data"][0]["max_model_len"])
     except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
         return None
@@ -157,12 +158,35 @@ def loopback(host: str) -> bool:
         return False  # a host name: it may resolve to any interface
 
 
-def exposure_warning(host: str, port: int, key: str | None) -> str | None:
-    """The warning line for a server other machines may reach without an API key; None where there is none."""
-    if key or loopback(host):
+def exposure_warning(host: str, port: int, key: str | None, tls: bool = False) -> str | None:
+    """The warning line for a server other machines may reach without an API key, or with one but without TLS;
+    None where there is none."""
+    if loopback(host) or (key and tls):
         return None
+    if key:
+        return (f"allhere serve: warning: listening on {host}:{port} without TLS: the API key and every request and "
+                "answer cross the network unencrypted; give --ssl-certfile and --ssl-keyfile, or put a TLS proxy in "
+                "front")
     return (f"allhere serve: warning: listening on {host}:{port} without an API key: anyone who can reach this port "
             f"can use the model; set one with {KEY_ENV}=KEY in the environment (or --api-key KEY)")
+
+
+def check_tls(certfile: str | None, keyfile: str | None) -> bool:
+    """Whether the server speaks https; ConfigError for one of the two files without the other, or one that cannot
+    be read (vLLM would fail only after loading the model)."""
+    if (certfile is None) != (keyfile is None):
+        raise ConfigError("--ssl-certfile and --ssl-keyfile go together: give both (the certificate and its private "
+                          "key, PEM files) or neither")
+    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        if path is not None:
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(4096)
+            except OSError as e:
+                raise ConfigError(f"{flag} {path}: cannot be read ({e.strerror or e})") from None
+            if b"-----BEGIN " not in head:
+                raise ConfigError(f"{flag} {path}: not a PEM file (no '-----BEGIN' line)")
+    return certfile is not None
 
 
 def _rope_scaled(rope) -> bool:
@@ -175,7 +199,8 @@ def _rope_scaled(rope) -> bool:
 
 
 def check_limits(config: dict, max_model_len: int | None, max_num_seqs: int | None, max_queued: int | None,
-                 max_num_batched_tokens: int | None = None, cpu: bool = True) -> None:
+                 max_num_batched_tokens: int | None = None, ssl_certfile: str | None = None,
+          ssl_keyfile: str | None = None, cpu: bool = True) -> None:
     """ConfigError for limits vLLM would refuse after its start, or that contradict each other."""
     seqs = max_num_seqs or (CPU_MAX_NUM_SEQS if cpu else None)  # on a GPU vLLM's default follows its memory
     if max_num_batched_tokens is not None and seqs is not None and max_num_batched_tokens < seqs:
@@ -231,7 +256,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
           dtype: str = "auto", kv_cache_gib: float | None = None, verbose: bool = False, ready_timeout: float = 900.0,
           stats_every: float | None = None, backend: str = "auto", api_key: str | None = None,
           max_num_seqs: int | None = None, max_queued: int | None = None,
-          max_num_batched_tokens: int | None = None) -> None:
+          max_num_batched_tokens: int | None = None, ssl_certfile: str | None = None,
+          ssl_keyfile: str | None = None) -> None:
     """Start vLLM's OpenAI-compatible server on ``model``; run until a signal (the CLI turns SIGINT / SIGTERM
     into exceptions, and the server is stopped on the way out). Raises ConfigError for what is wrong before
     or while it starts, or when vLLM stops by itself. ``stats_every``: seconds between routing lines
@@ -242,7 +268,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
     what the KV cache holds), ``max_num_seqs`` (requests computed at once; default vLLM's), ``max_queued``
     (requests in flight, beyond which vLLM answers 503; default ``MAX_QUEUED``, or ``max_num_seqs`` where that is
     more), ``max_num_batched_tokens`` (tokens computed in one step, prefill chunks included; default vLLM's, 2048 on
-    the CPU). ``ready_timeout``: seconds to wait for /health."""
+    the CPU). ``ssl_certfile`` and ``ssl_keyfile``: PEM files of a certificate and its key, both or neither; with
+    them the server speaks https (handed to vLLM's server). ``ready_timeout``: seconds to wait for /health."""
     import torch
 
     if stats_every is None:
@@ -268,11 +295,12 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
     check_servable(config, model, cpu)
     check_backend(backend, config, cpu)
     check_limits(config, max_model_len, max_num_seqs, max_queued, max_num_batched_tokens, cpu)
+    tls = check_tls(ssl_certfile, ssl_keyfile)
     if max_queued is None:
         max_queued = max(MAX_QUEUED, max_num_seqs or 0)
     dtype = served_dtype(dtype, config)
     check_port(host, port)
-    warning = exposure_warning(host, port, key)
+    warning = exposure_warning(host, port, key, tls)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     try:
@@ -294,6 +322,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
     if max_num_batched_tokens is not None:
         cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     cmd += ["--max-num-queued-reqs", str(max_queued)]
+    if tls:
+        cmd += ["--ssl-certfile", str(Path(ssl_certfile).resolve()), "--ssl-keyfile", str(Path(ssl_keyfile).resolve())]
     spec = serving.spec((config.get("allhere_mechanism") or {}).get("kind"))
     if not cpu and spec is not None and not spec.cuda_graphs:
         cmd += ["--enforce-eager"]  # e.g. AHA's Triton paged kernel: its grid follows each step's lengths
@@ -312,9 +342,11 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
     except BaseException:
         held.__exit__(None, None, None)
         raise
-    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    scheme = "https" if tls else "http"
+    url = f"{scheme}://{host if ':' not in host else f'[{host}]'}:{port}"
     # this machine reaches a server listening on every address through the loopback one
-    local = {"0.0.0.0": "http://127.0.0.1", "::": "http://[::1]"}.get(host, url.rsplit(":", 1)[0]) + f":{port}"
+    local = {"0.0.0.0": f"{scheme}://127.0.0.1", "::": f"{scheme}://[::1]"}.get(host, url.rsplit(":", 1)[0])
+    local += f":{port}"
     try:
         took = wait_ready(proc, local, ready_timeout, None if verbose else log)
         reset = Path(str(stats_file) + RESET_SUFFIX)

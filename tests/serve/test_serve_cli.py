@@ -229,20 +229,45 @@ def test_the_warning_for_a_server_others_can_reach(monkeypatch):
         assert line == (f"allhere serve: warning: listening on {host}:8000 without an API key: anyone who can reach "
                         "this port can use the model; set one with VLLM_API_KEY=KEY in the environment (or --api-key "
                         "KEY)")
-        assert exposure_warning(host, 8000, "k") is None
+        assert exposure_warning(host, 8000, "k", tls=True) is None
+        assert exposure_warning(host, 8000, "k") == (
+            f"allhere serve: warning: listening on {host}:8000 without TLS: the API key and every request and answer "
+            "cross the network unencrypted; give --ssl-certfile and --ssl-keyfile, or put a TLS proxy in front")
+    assert exposure_warning("127.0.0.1", 8000, "k") is None
+
+
+def test_tls_files_are_checked_before_anything_starts(tmp_path):
+    from allhere.serve.launch import check_tls
+
+    pem, other = tmp_path / "cert.pem", tmp_path / "key.txt"
+    pem.write_text("-----BEGIN CERTIFICATE-----\nMII\n-----END CERTIFICATE-----\n")
+    other.write_text("not a key")
+    assert check_tls(None, None) is False
+    assert check_tls(str(pem), str(pem)) is True
+    with pytest.raises(ConfigError, match="--ssl-certfile and --ssl-keyfile go together"):
+        check_tls(str(pem), None)
+    with pytest.raises(ConfigError, match="--ssl-keyfile .*key.txt: not a PEM file"):
+        check_tls(str(pem), str(other))
+    with pytest.raises(ConfigError, match="--ssl-certfile .*missing.pem: cannot be read"):
+        check_tls(str(tmp_path / "missing.pem"), str(pem))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here: it would start")
 def test_the_warning_is_printed_before_vllm_starts(tmp_path, capfd, monkeypatch):
     """On 0.0.0.0 without a key: one warning line, then (here, without vLLM) the error; with $VLLM_API_KEY (an empty
-    one is no key, as vLLM reads it) no warning."""
+    one is no key, as vLLM reads it) a warning that it crosses the network unencrypted; with the key and TLS files no
+    warning."""
     model, port = folder(tmp_path, LLAMA), str(free_port())
+    pem = tmp_path / "cert.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\nMII\n-----END CERTIFICATE-----\n")
+    tls = ["--ssl-certfile", str(pem), "--ssl-keyfile", str(pem)]
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    for key, warned in ((None, True), ("", True), ("s3cret", False)):
+    for key, extra, warned in ((None, [], "without an API key"), ("", [], "without an API key"),
+                               ("s3cret", [], "without TLS"), ("s3cret", tls, None)):
         if key is not None:
             monkeypatch.setenv("VLLM_API_KEY", key)
-        assert main(["serve", "--model", model, "--host", "0.0.0.0", "--port", port]) == 2
+        assert main(["serve", "--model", model, "--host", "0.0.0.0", "--port", port, *extra]) == 2
         err = capfd.readouterr().err.strip().splitlines()
         assert err[-1].startswith("allhere serve: error: vLLM is not installed")
         assert len(err) == (2 if warned else 1), err
-        assert not warned or err[0].startswith("allhere serve: warning: listening on 0.0.0.0:")
+        assert not warned or err[0].startswith(f"allhere serve: warning: listening on 0.0.0.0:{port} {warned}")

@@ -4,7 +4,7 @@ concurrent requests (8 computed at once), each answer equal to allhere's own gre
 (401 without it, never on a command line or in the log); malformed requests (4xx), 8 clients that drop their
 streams and a request beyond the 24 in flight (503), the server serving on with the greedy answers; the routing
 line and the same numbers on vLLM's /metrics; and a SIGTERM that leaves no process behind. One server for all
-of them. Skipped where vLLM is not installed (scripts/install_serve.sh)."""
+of them; then a second one over TLS (https only). Skipped where vLLM is not installed (scripts/install_serve.sh)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,22 +69,16 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve_e2e")
-    plain = write_model("Llama-3.2-1B", root / "plain", **SIZES)
-    folder = _convert(plain, root / "aha-llama", ah.AHAConfig(window=WINDOW, router_init="neutral"))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
-    ensure_chat_template(tokenizer)  # the tiny tokenizer has none: allhere's fallback template
-    tokenizer.save_pretrained(str(folder))
+def start_server(folder: Path, extra: list[str]):
+    """``allhere serve`` on ``folder`` (float32, 512 tokens, 1 GiB of KV cache, ``extra`` flags) on a free port of
+    127.0.0.1, once it says it is ready: (process, its stdout lines, stderr lines, port, the ready line)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["ALLHERE_SERVE_STATS_EVERY"] = "1"
     proc = subprocess.Popen([sys.executable, "-m", "allhere.cli", "serve", "--model", str(folder), "--port", str(port),
-                             "--dtype", "float32", "--max-model-len", "512", "--kv-cache-gib", "1", "--max-num-seqs",
-                             "8", "--max-queued", "24", "--max-num-batched-tokens", "256", "--api-key", KEY],
+                             "--dtype", "float32", "--max-model-len", "512", "--kv-cache-gib", "1", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
     errors: list[str] = []
@@ -94,7 +89,19 @@ def server(tmp_path_factory):
         assert proc.poll() is None, "".join(lines + errors)
         assert time.monotonic() - start < 600, "".join(lines + errors)
         time.sleep(0.5)
-    ready = next(line for line in lines if "/v1 (OpenAI-compatible" in line)
+    return proc, lines, errors, port, next(line for line in lines if "/v1 (OpenAI-compatible" in line)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_e2e")
+    plain = write_model("Llama-3.2-1B", root / "plain", **SIZES)
+    folder = _convert(plain, root / "aha-llama", ah.AHAConfig(window=WINDOW, router_init="neutral"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ensure_chat_template(tokenizer)  # the tiny tokenizer has none: allhere's fallback template
+    tokenizer.save_pretrained(str(folder))
+    proc, lines, errors, port, ready = start_server(folder, ["--max-num-seqs", "8", "--max-queued", "24",
+                                                             "--max-num-batched-tokens", "256", "--api-key", KEY])
     assert f'as model "{folder.name}" in float32, up to 512 tokens per request, API key required' in ready, ready
     assert not errors, "".join(errors)  # no warning: this machine only
     time.sleep(2)  # routing lines come every second here: none before a request (vLLM's warm-up is not counted)
@@ -340,3 +347,32 @@ def test_routing_line_then_sigterm_leaves_no_process(server):
     while any(alive(p) for p in below) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not [p for p in below if alive(p)], "".join(lines)
+
+
+def test_tls_serves_https_only(server, tmp_path):
+    """--ssl-certfile / --ssl-keyfile handed to vLLM: the ready line says https, a client that trusts the
+    certificate gets the greedy answer over TLS, plain http on the same port gets no answer."""
+    import ssl
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                           str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                          capture_output=True, text=True) if shutil.which("openssl") else None
+    if made is None or made.returncode:
+        pytest.skip(f"no openssl to make a certificate with: {made and made.stderr}")
+    proc, lines, errors, port, ready = start_server(server["folder"], ["--ssl-certfile", str(cert), "--ssl-keyfile",
+                                                                       str(key), "--api-key", KEY])
+    try:
+        assert f"at https://127.0.0.1:{port}/v1" in ready, ready
+        assert not errors, "".join(errors)  # loopback: no warning
+        body = json.dumps({"model": server["name"], "prompt": PROMPTS[2], "max_tokens": NEW, "temperature": 0})
+        request = urllib.request.Request(f"https://127.0.0.1:{port}/v1/completions", data=body.encode(),
+                                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(request, timeout=60, context=ssl.create_default_context(cafile=str(cert))) as r:
+            text = json.loads(r.read())["choices"][0]["text"]
+        assert text == ours(server, server["tokenizer"].encode(PROMPTS[2]))
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 143
