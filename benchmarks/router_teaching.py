@@ -8,11 +8,15 @@
   against the logistic fit on each layer's costliest share (``allhere.teaching.fit``): of held-out text's costliest
   share, the part each router sends global, with the budget set on the calibration text;
 - ``taught``: the taught routers at several budgets: held-out Retain % of the model with every gate global, mu_f
-  there, and passkey retrieval beyond the window.
+  there, and passkey retrieval beyond the window;
+- ``question``: where passkeys are lost: the routers taught at the first budget, then on the passkey prompts the
+  gates of the question's tokens and of the other tokens each set by the routers, by the oracle (each layer's
+  costliest 10% of the prompt's pairs) or all local, and the model's first token after the question read off.
 
     python benchmarks/router_teaching.py oracle --model smollm2 --window 128 --sinks 1
     python benchmarks/router_teaching.py fits --model smollm2
     python benchmarks/router_teaching.py taught --model smollm2 --mu-f 0.1 0.15 0.2
+    python benchmarks/router_teaching.py question --model smollm2 --mu-f 0.15 --haystacks 16
 
 Held-out text: the standard library's validation files (the job's held-out windows); calibration: windows of its
 training files with planted facts (the job's ``real_taught.calibration``). Prints one table; 2 CPU cores take about
@@ -165,9 +169,55 @@ def taught(a, model, held, windows, answers, tokenizer, **_):
               f"{pk['question_mu_f']:.1%} |")
 
 
+def question(a, model, windows, answers, tokenizer, **_):
+    from allhere.eval.passkey import QUESTION, passkey_prompts
+    from allhere.hf import HFCausalLM
+    from allhere.mechanisms.aha_gate import hidden_gate
+    from allhere.routing import routed_layers, set_forced_gate
+    from allhere.teaching import teach_routers
+    from allhere.teaching.teach import _router
+
+    teach_routers(model, list(windows.split(4)), a.mu_f[0], answers=list(answers.split(4)))
+    prompts = passkey_prompts(tokenizer, 20, 480, 2 * a.window)
+    ids = torch.tensor([p.ids for p in prompts])
+    asked = len(tokenizer(QUESTION, add_special_tokens=False)["input_ids"])
+    layers = [m for _, m in routed_layers(model)]
+    routers, oracles = [], []
+    for i in range(0, len(ids), 4):
+        rows = capture(model, ids[i:i + 4], a.window, a.sinks, "output")
+        routers.append([hidden_gate(x, *_router(m), m.cfg.tau)[1].transpose(1, 2) for (x, _), m in zip(rows, layers)])
+        oracles.append([c > torch.quantile(c.flatten(), 0.9) for _, c in rows])  # per batch of 4 prompts
+    router = [torch.cat([r[i] for r in routers]) for i in range(len(layers))]  # [prompts, heads, n] per layer
+    oracle = [torch.cat([o[i] for o in oracles]) for i in range(len(layers))]
+    local = [torch.zeros_like(g) for g in router]
+    print(f"| gates on the question's {asked} tokens | on every other token | first token right (of 20) | mu_f on "
+          "the question / overall |")
+    print("|---|---|---|---|")
+    kinds = {"every gate open": None, "oracle": oracle, "taught routers": router, "every gate local": local}
+    for ask, rest in (("every gate open", "every gate open"), ("oracle", "oracle"), ("oracle", "taught routers"),
+                      ("oracle", "every gate local"), ("taught routers", "taught routers"),
+                      ("taught routers", "oracle"), ("taught routers", "every gate local")):
+        if kinds[ask] is None:
+            gates = None
+            set_forced_gate(model, True)
+        else:
+            gates = [torch.cat([r[..., :-asked], q[..., -asked:]], -1) for q, r in zip(kinds[ask], kinds[rest])]
+            for m, g in zip(layers, gates):
+                m.forced_gate = g
+        with torch.no_grad():
+            first = HFCausalLM(model)(ids).logits[:, -1].argmax(-1).tolist()
+        set_forced_gate(model, None)
+        words = [tokenizer.decode([t]) for t in first]
+        right = sum(w == " " or (w.strip().isdigit() and p.key.startswith(w.strip())) for w, p in zip(words, prompts))
+        shares = "100% / 100%" if gates is None else (
+            f"{sum(g[..., -asked:].float().mean().item() for g in gates) / len(gates):.1%} / "
+            f"{sum(g.float().mean().item() for g in gates) / len(gates):.1%}")
+        print(f"| {ask} | {rest} | {right} | {shares} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("part", choices=("oracle", "fits", "taught"))
+    p.add_argument("part", choices=("oracle", "fits", "taught", "question"))
     p.add_argument("--model", default="smollm2", help="smollm2 (allhere fetch smollm2), a GGUF file or a folder")
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--sinks", type=int, default=1)
@@ -179,8 +229,8 @@ def main() -> None:
     tokenizer, model, held, windows, answers = setup(a)
     print(f"{a.model}, w = {a.window}, {a.sinks} sink(s); {len(held)} held-out windows; load average "
           f"{os.getloadavg()[0]:.2f}")
-    {"oracle": oracle, "fits": fits, "taught": taught}[a.part](a, model=model, held=held, windows=windows,
-                                                                 answers=answers, tokenizer=tokenizer)
+    part = {"oracle": oracle, "fits": fits, "taught": taught, "question": question}[a.part]
+    part(a, model=model, held=held, windows=windows, answers=answers, tokenizer=tokenizer)
 
 
 if __name__ == "__main__":
