@@ -36,10 +36,11 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="clients must send 'Authorization: Bearer KEY' to /v1/... (401 otherwise; /health and "
                         "/metrics stay open; default: $VLLM_API_KEY, else no key). vLLM gets the key in its "
                         "environment, never on its command line; VLLM_API_KEY keeps it off this one too (ps)")
-    p.add_argument("--ssl-certfile", default=None, metavar="PEM",
+    p.add_argument("--ssl-certfile", type=a.existing_file, default=None, metavar="PEM",
                    help="serve https with this certificate (a PEM file; with --ssl-keyfile; default: plain http, for "
                         "a loopback address or behind a TLS proxy)")
-    p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key (a PEM file)")
+    p.add_argument("--ssl-keyfile", type=a.existing_file, default=None, metavar="PEM",
+                   help="the certificate's private key (a PEM file; with --ssl-certfile; default: none, plain http)")
     p.add_argument("--max-model-len", type=a.positive, default=None, metavar="N",
                    help="longest prompt + completion in tokens; a longer request gets 400 (default: the model's own "
                         "maximum, lowered to what the KV cache holds for one request, vLLM's auto-fit)")
