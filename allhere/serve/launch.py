@@ -199,8 +199,7 @@ def _rope_scaled(rope) -> bool:
 
 
 def check_limits(config: dict, max_model_len: int | None, max_num_seqs: int | None, max_queued: int | None,
-                 max_num_batched_tokens: int | None = None, ssl_certfile: str | None = None,
-          ssl_keyfile: str | None = None, cpu: bool = True) -> None:
+                 max_num_batched_tokens: int | None = None, cpu: bool = True) -> None:
     """ConfigError for limits vLLM would refuse after its start, or that contradict each other."""
     seqs = max_num_seqs or (CPU_MAX_NUM_SEQS if cpu else None)  # on a GPU vLLM's default follows its memory
     if max_num_batched_tokens is not None and seqs is not None and max_num_batched_tokens < seqs:
@@ -294,7 +293,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
     config = read_config(model)
     check_servable(config, model, cpu)
     check_backend(backend, config, cpu)
-    check_limits(config, max_model_len, max_num_seqs, max_queued, max_num_batched_tokens, cpu)
+    check_limits(config, max_model_len, max_num_seqs, max_queued, max_num_batched_tokens, cpu=cpu)
     tls = check_tls(ssl_certfile, ssl_keyfile)
     if max_queued is None:
         max_queued = max(MAX_QUEUED, max_num_seqs or 0)
