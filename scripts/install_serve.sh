@@ -18,5 +18,5 @@ else
   # ("operator torchvision::nms does not exist") and break vLLM's imports; text models need none of them
   "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
-"${pip[@]}" -e '.[serve]'
+"${pip[@]}" -e '.[serve,gguf]'  # gguf: `allhere serve --model FILE.gguf` (and `smollm2`) reads the file there
 "$venv/bin/python" -c "import vllm, allhere.serve.vllm.plugin; print('vLLM', vllm.__version__, 'with allhere in $venv')"

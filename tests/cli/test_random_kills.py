@@ -5,7 +5,8 @@ bit; the same command run again then ends with the clean run's model.
 
 Each run is a fork of this process (its imports done), killed after a random share of the time a whole run takes
 (measured first, the same way): the kills land all over a run, its writes included, with no gate to aim them
-(``test_whole_writes.py`` holds runs at chosen points of the write instead)."""
+(``test_whole_writes.py`` holds runs at chosen points of the write instead). ``convert`` is also killed as fresh
+processes, 6 times: a user's own command, its start-up included."""
 
 import os
 import random
@@ -129,3 +130,40 @@ def test_gguf_copy_killed_at_random(tmp_path, monkeypatch):
             same_weights(copy, clean)
         same_weights(as_folder(path), clean)
     assert landed < KILLS
+
+
+def test_convert_process_killed_at_random(base, tmp_path):
+    """The same, with each run a fresh ``python -m allhere.cli convert`` process (its own imports and start-up, as
+    a user's shell runs it), killed at a random moment after its imports: between the time ``convert --help``
+    takes and a whole run's."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def start(*args):
+        return subprocess.Popen([sys.executable, "-m", "allhere.cli", "convert", *args], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def timed(*args) -> float:
+        t0 = time.monotonic()
+        assert start(*args).wait(timeout=300) == 0
+        return time.monotonic() - t0
+
+    args = lambda out: ["--model", str(base / "base"), "--window", "4", "--no-progress",  # noqa: E731
+                        "--out", str(out)]
+    started, whole = timed("--help"), timed(*args(tmp_path / "clean"))
+    print(f"start-up {started:.2f} s, whole run {whole:.2f} s")
+    rng, landed = random.Random(3), 0
+    for i in range(6):
+        out = tmp_path / f"out{i}"
+        proc = start(*args(out))
+        time.sleep(rng.uniform(started, max(started, whole)))
+        proc.kill()  # a run that has ended already is a zombie until waited for: no error
+        proc.wait()
+        if looks_like_a_model(out):
+            landed += 1
+        else:
+            assert start(*args(out)).wait(timeout=300) == 0  # a fresh run past the killed one's leftovers
+        same_weights(out, tmp_path / "clean")
+    assert landed < 6
