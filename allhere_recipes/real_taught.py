@@ -30,7 +30,7 @@ def calibration(tokenizer, data, plan) -> tuple[torch.Tensor, torch.Tensor]:
     docs = data.train[::max(1, len(data.train) // (4 * plan.calib_windows))]
     return retrieval_windows(tokenizer, docs, plan.calib_windows, plan.seq_len, plan.window + MARGIN,
                              plan.calib_facts, seed=0, with_answers=True,
-                             haystacks=plan.calib_haystacks)
+                             haystacks=plan.calib_haystacks, filler=plan.calib_filler)
 
 
 def taught_model(folder: Path, base, cfg, windows: torch.Tensor, answers: torch.Tensor, mu_f: float, tokenizer,

@@ -16,11 +16,11 @@
     python benchmarks/router_teaching.py oracle --model smollm2 --window 128 --sinks 1
     python benchmarks/router_teaching.py fits --model smollm2
     python benchmarks/router_teaching.py taught --model smollm2 --mu-f 0.1 0.15 0.2
-    python benchmarks/router_teaching.py question --model smollm2 --mu-f 0.15 --haystacks 16
+    python benchmarks/router_teaching.py question --model smollm2 --mu-f 0.15 --haystacks 16 --filler text
 
 Held-out text: the standard library's validation files (the job's held-out windows); calibration: windows of its
-training files with planted facts (the job's ``real_taught.calibration``). Prints one table; 2 CPU cores take about
-10 (oracle), 8 (fits) and 5 minutes per budget (taught) on SmolLM2-135M.
+training files and haystacks of plain sentences, facts planted in both (the job's ``real_taught.calibration``).
+Prints one table; 2 CPU cores take about 10 (oracle), 8 (fits) and 5 minutes per budget (taught) on SmolLM2-135M.
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ def setup(a):
     tokenizer, model = load_local(resolve_model(a.model), convertible=True, dtype=torch.float32)
     convert(model, AHAConfig(window=a.window, sinks=a.sinks), seed=0)
     model.eval()
-    plan = dataclasses.replace(preset_plan("cpu", "cpu"), calib_haystacks=a.haystacks)
+    job = preset_plan("cpu", "cpu")  # the job's calibration, where the flags do not say otherwise
+    plan = dataclasses.replace(job, **{name: getattr(a, flag) for name, flag in (
+        ("calib_haystacks", "haystacks"), ("calib_filler", "filler"), ("calib_facts", "facts"),
+        ("calib_windows", "windows")) if getattr(a, flag) is not None})
     data = token_data(tokenizer, plan.seq_len, a.heldout)
     windows, answers = calibration(tokenizer, data, plan)
     return tokenizer, model, data.heldout, windows, answers
@@ -222,7 +225,12 @@ def main() -> None:
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--sinks", type=int, default=1)
     p.add_argument("--mu-f", type=float, nargs="+", default=[0.1, 0.15])
-    p.add_argument("--haystacks", type=int, default=0, help="calibration windows of repeated text added (default 0)")
+    p.add_argument("--haystacks", type=int, help="calibration windows of repeated text added (default: the job's, 32)")
+    p.add_argument("--filler", choices=("text", "prose"),
+                   help="what a haystack repeats: the training text's own or plain sentences (default: the job's: "
+                        "prose)")
+    p.add_argument("--facts", type=int, help="facts planted per calibration window (default: the job's, 3)")
+    p.add_argument("--windows", type=int, help="calibration windows of the training text (default: the job's, 32)")
     p.add_argument("--heldout", type=int, default=24, help="held-out windows of 512 tokens (default 24)")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ.get("THREADS", torch.get_num_threads())))

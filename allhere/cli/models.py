@@ -254,7 +254,7 @@ def _teach(model, tokenizer, text: str, mech, args):
     """AHA's routers taught from the calibration text (``allhere.teaching``), with a line per pass; what the teaching
     found (``allhere.teaching.Teaching``)."""
     from ..runtime.progress import progress
-    from ..teaching import teach_routers, teaching_windows
+    from ..teaching import HAYSTACKS, teach_routers, teaching_windows
 
     try:
         windows, answers = teaching_windows(tokenizer, text, mech.window)
@@ -264,8 +264,9 @@ def _teach(model, tokenizer, text: str, mech, args):
     shown = progress(len(windows), "teaching the routers", enabled=not args.no_progress)
     taught = teach_routers(model, list(windows.split(1)), mu_f, answers=list(answers.split(1)), done=shown.update)
     shown.close()
-    print(f"routers taught on {windows.shape[0]} windows of {windows.shape[1]} tokens of {args.calibration} (facts "
-          f"planted beyond the window): mu_f {taught.mu_f:.1%} there, {taught.answer_mu_f:.1%} where a fact is "
+    print(f"routers taught on {windows.shape[0] - HAYSTACKS} windows of {windows.shape[1]} tokens of "
+          f"{args.calibration} and {HAYSTACKS} of plain sentences (facts planted beyond the window): mu_f "
+          f"{taught.mu_f:.1%} there, {taught.answer_mu_f:.1%} where a fact is "
           f"answered; of the pairs the full model's attention needs most they send {taught.recall:.0%} to full "
           "attention", file=sys.stderr)
     return taught

@@ -14,7 +14,8 @@ from __future__ import annotations
 from .retrieval import retrieval_windows
 from .teach import Teaching, teach_routers
 
-WINDOWS = 32  # calibration windows by default
+WINDOWS = 32  # calibration windows of the user's text by default
+HAYSTACKS = 32  # and windows of plain sentences said over and over, facts planted in them too
 FACTS = 3  # facts planted per window
 MARGIN = 16  # a fact's question comes more than window + MARGIN tokens after its statement
 
@@ -27,14 +28,17 @@ def teaching_length(window: int) -> int:
 
 def teaching_windows(tokenizer, text: str, window: int, count: int = WINDOWS, length: int | None = None,
                      seed: int = 0):
-    """(windows [count, length], answers [count, length]) for teaching routers of window ``window`` from the text
-    ``text`` (one document): each window with ``FACTS`` facts asked for beyond the window, ``answers`` marking the
-    positions that answer them (``retrieval.retrieval_windows``)."""
+    """(windows [count + HAYSTACKS, length], answers of the same shape) for teaching routers of window ``window``:
+    ``count`` windows of the text ``text`` (one document) and ``HAYSTACKS`` of plain sentences said over and over
+    (``retrieval.retrieval_windows(..., filler="prose")``: questions asked in natural language after uniform
+    filler, where the heads that turn an answer are not only those that read the fact), each with ``FACTS`` facts
+    asked for beyond the window, ``answers`` marking the positions that answer them."""
     import torch
 
     length = length or teaching_length(window)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    return retrieval_windows(tokenizer, [ids], count, length, window + MARGIN, FACTS, seed, with_answers=True)
+    return retrieval_windows(tokenizer, [ids], count, length, window + MARGIN, FACTS, seed, with_answers=True,
+                             haystacks=HAYSTACKS, filler="prose")
 
 
 __all__ = ["Teaching", "teach_routers", "teaching_length", "teaching_windows", "retrieval_windows"]

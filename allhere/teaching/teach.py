@@ -116,7 +116,7 @@ def teach_routers(model, batches: list[torch.Tensor], mu_f: float, answers: list
         far, ans = torch.cat(part["far"]), torch.cat(part["answer"])
         far_cost = cost[far]  # the pairs beyond the window: the ones the fit and the recall are about
         weight = 1.0 + (ANSWER_WEIGHT - 1.0) * ans[far].float()
-        w, b = fit_router(x[far], far_cost, mu_f, weight)
+        w, b = fit_router(x[far], far_cost, mu_f, weight, answers=ans[far])
         z = x @ w.T + b
         shift = -torch.quantile(even_sample(z.flatten()).double(), 1.0 - mu_f).item()
         weight_p, bias_p = _router(mech)

@@ -60,6 +60,28 @@ def test_fit_finds_a_linearly_separable_top():
     assert ((z > torch.quantile(z.flatten(), 0.8)) & top).sum() / top.sum() > 0.9
 
 
+def test_answers_get_their_own_costliest_share():
+    """A head whose cost at the answering tokens is high among those tokens' pairs but under the layer's top 20%
+    (another head's long tail fills it): with the answers named it goes global there at the layer's budget,
+    without them it stays local."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3000, 4, generator=g)
+    answers = torch.arange(3000) % 10 == 0
+    x[answers, 0] += 3.0  # the answering tokens look alike
+    first = torch.exp(2.0 * x[:, 1]) * torch.where(answers, 0.1, 1.0)  # a long tail, low where the answers are
+    cost = torch.stack([first, torch.where(answers, 1.0, 0.05)], 1)
+    cost[:, 1] += 0.01 * torch.rand(3000, generator=g)
+    assert cost[answers, 1].max() < torch.quantile(cost.flatten(), 0.8)  # under the layer's top 20%
+    weight = 1.0 + 9.0 * answers.float()
+
+    def opened(**kw):  # the share of the second head's answering pairs global at the layer's 20%
+        w, b = fit_router(x, cost, 0.2, weight, **kw)
+        z = x @ w.T + b
+        return (z[answers, 1] > torch.quantile(z.flatten(), 0.8)).float().mean().item()
+
+    assert opened(answers=answers) > 0.75 and opened() < 0.1
+
+
 def tiny(mech=None, layers=3):
     mech = mech or AHAConfig(window=6, sinks=1)
     torch.manual_seed(0)
@@ -173,3 +195,21 @@ def test_haystack_windows_repeat_a_short_run_around_the_facts():
         assert len(numbers) == 4 and asked.any()  # each fact stated and asked, its answer marked
         # a run of at most 64 tokens over and over, the facts between: far fewer different stretches than text
         assert distinct(row) < 0.6 * min(distinct(r) for r in plain.tolist())
+
+
+def test_prose_haystacks_repeat_plain_sentences_made_here():
+    from allhere.eval.passkey import FILLER
+    from allhere.teaching.retrieval import QUALITIES, THINGS
+
+    docs = [torch.randint(97, 123, (3000,), generator=torch.Generator().manual_seed(0))]
+    plain = retrieval_windows(Words(), docs, 6, 1200, 120, facts=2, seed=3)
+    both = retrieval_windows(Words(), docs, 6, 1200, 120, facts=2, seed=3, haystacks=3, filler="prose")
+    assert torch.equal(both[:6], plain)
+    for row in both[6:].tolist():
+        text = "".join(map(chr, row))
+        sentences = [s for s in (p.strip() for p in text.split(".")) if s.startswith("The ") and s.count(" ") == 3]
+        assert len(sentences) > 20  # "The road is cold." again and again
+        assert all(s.split()[1] in THINGS and s.split()[3] in QUALITIES for s in sentences)
+        assert not any(s.strip() in text for s in FILLER.split(". ") if s.strip())  # not the passkey's
+    with pytest.raises(ConfigError, match="filler must be one of"):
+        retrieval_windows(Words(), docs, 1, 400, 120, haystacks=1, filler="noise")

@@ -32,7 +32,7 @@ def test_convert_teaches_the_routers_as_python_does(host, tmp_path, capsys):
             "--calibration", str(text), "--mu-f", "0.2", "--no-progress"]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "routers taught on 32 windows of 512 tokens" in err
+    assert f"routers taught on 32 windows of 512 tokens of {text} and 32 of plain sentences" in err
     assert re.search(r"mu_f (19\.[5-9]|20\.[0-4])% there", err), err
     from huggingface_hub import ModelCard  # the folder's card: the teaching's own numbers, as printed
 
