@@ -25,14 +25,24 @@ def _passkey(r: dict) -> str:
     return f"{p['correct']}/{p['prompts']}{asked}"
 
 
+def _haystacks(plan: dict) -> str:
+    """The haystacks beside the calibration windows, in words ("" for none, or a run saved before them)."""
+    count = plan.get("calib_haystacks", 0)
+    if not count:
+        return ""
+    kind = "plain sentences" if plan.get("calib_filler") == "prose" else "a short run of the text"
+    return f" and {count} of {kind} said over and over,"
+
+
 def render_aha(report: dict) -> str:
     plan, rows = report["plan"], report["rows"]
     aha, taught = rows["aha"], rows["taught"]
     out = ["# AHA on a real pretrained model", "",
            f"Model: `{report['model']}`. Data: {report['data']}.", "",
            f"Window w = {plan['window']}, {plan['sinks']} sink token(s) in the local branch, {plan['seq_len']}-token "
-           f"sequences. Taught routers: {plan['calib_windows']} calibration windows with {plan['calib_facts']} "
-           f"planted fact(s) each, budget mu_f {percent(plan['mu_f'])} there. Fine-tuning: {plan['steps']} steps of "
+           f"sequences. Taught routers: {plan['calib_windows']} calibration windows of the training text"
+           + _haystacks(plan) + f" with {plan['calib_facts']} planted fact(s) each, budget mu_f "
+           f"{percent(plan['mu_f'])} there. Fine-tuning: {plan['steps']} steps of "
            f"{plan['batch_size'] * plan['grad_accum']} sequence(s), AdamW {plan['lr']:g}; from the taught routers "
            f"routers x{plan['taught_router_lr_mult']:g}, lambda {plan['taught_lam']:g}"
            + (f" steered to mu_f {percent(plan['taught_target_mu_f'])}" if plan.get("taught_target_mu_f") else "")
