@@ -154,10 +154,10 @@ def convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", type=a.existing_file, default=None, metavar="TEXT",
                    help="a UTF-8 text file the host's own attention reads. aha: the routers are taught from it with "
                         "the weights as they are (what each (token, head) loses by reading locally, on 32 windows "
-                        "of the text with facts planted and asked for beyond the window), a usable model with no "
-                        "training; dar_latent: chooses the rotary pairs kept per kv head (the pairs of largest "
-                        "|q||k|, MHA2MLA's choice; its first 8 windows of 512 tokens). default: none (AHA's routers "
-                        "start open; dar_latent takes the same score on the weights)")
+                        "of the text and 32 of plain sentences, facts planted and asked for beyond the window), a "
+                        "usable model with no training; dar_latent: chooses the rotary pairs kept per kv head (the "
+                        "pairs of largest |q||k|, MHA2MLA's choice; its first 8 windows of 512 tokens). default: none "
+                        "(AHA's routers start open; dar_latent takes the same score on the weights)")
     p.add_argument("--mu-f", type=a.fraction, default=None, metavar="SHARE",
                    help="aha with --calibration: the share of (token, head) pairs the taught routers send to full "
                         "attention on the calibration text, 0 < SHARE < 1 (default 0.1)")
