@@ -219,6 +219,8 @@ def question(a, model, windows, answers, tokenizer, **_):
 
 
 def main() -> None:
+    from allhere.teaching.retrieval import FILLERS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("part", choices=("oracle", "fits", "taught", "question"))
     p.add_argument("--model", default="smollm2", help="smollm2 (allhere fetch smollm2), a GGUF file or a folder")
@@ -226,7 +228,7 @@ def main() -> None:
     p.add_argument("--sinks", type=int, default=1)
     p.add_argument("--mu-f", type=float, nargs="+", default=[0.1, 0.15])
     p.add_argument("--haystacks", type=int, help="calibration windows of repeated text added (default: the job's, 32)")
-    p.add_argument("--filler", choices=("text", "prose"),
+    p.add_argument("--filler", choices=FILLERS,
                    help="what a haystack repeats: the training text's own or plain sentences (default: the job's: "
                         "prose)")
     p.add_argument("--facts", type=int, help="facts planted per calibration window (default: the job's, 3)")
