@@ -54,7 +54,7 @@ from .real_runs import (
     train_config,
     work_bar,
 )
-from .real_taught import calibration, static_heads, taught_model
+from .real_taught import calibration, static_heads, taught_models
 from .rundir import check_out
 
 # every model the job measures: (its name in results/ and rows, what it gets besides held-out text and passkey)
@@ -126,8 +126,9 @@ def run_real_demo(model: str = "smollm2", out: str | Path = "runs/smollm2", pres
             return row
 
         rows = {"pretrained": measure("pretrained", base)}
-        taught, teaching = taught_model(task / "taught", base, aha_config(plan), windows, answers, plan.mu_f,
-                                        tokenizer, job)
+        (taught, teaching), (nosinks, teaching0) = taught_models(
+            [(task / "taught", aha_config(plan)), (task / "taught-nosinks", aha_config(plan, sinks=0))], base,
+            windows, answers, plan.mu_f, tokenizer, job)
         rows["taught"] = {**measure("taught", taught), "teaching": teaching}
         heads = static_heads(teaching, rows["taught"]["mu_f"])  # as many global heads as the routers' held-out mu_f
         set_static_heads(taught, heads)
@@ -135,8 +136,6 @@ def run_real_demo(model: str = "smollm2", out: str | Path = "runs/smollm2", pres
             rows["static"] = {**measure("static", taught), "heads": int(heads.sum())}
         finally:
             set_static_heads(taught, None)
-        nosinks, teaching0 = taught_model(task / "taught-nosinks", base, aha_config(plan, sinks=0), windows, answers,
-                                          plan.mu_f, tokenizer, job)
         rows["taught-nosinks"] = {**measure("taught-nosinks", nosinks), "teaching": teaching0}
         del nosinks
         aha = fine_tune(task / "aha", base, None, configs["aha"], batches, tokenizer, job, start=taught)
@@ -163,9 +162,10 @@ def plan_job(task: Path, plan: RealPlan, base, progress: bool) -> Job:
     for name, cfg in run_configs(plan).items():
         plan_run(job, task / name, cfg, base, plan.seq_len)
     forward = lambda tokens: token_cost(base, tokens, plan.seq_len)  # noqa: E731
-    for name in ("taught", "taught-nosinks"):  # a forward of a window and its labels: about two forwards
-        done = (task / name / "teaching.json").exists()
-        job.plan_named(f"{task.name}/{name}", 0 if done else plan.calib_windows, 2 * forward(plan.seq_len))
+    done = all((task / name / "teaching.json").exists() for name in ("taught", "taught-nosinks"))
+    # both taught in one pass: a forward of each window, then per model its labels and its fit (about a forward each)
+    job.plan_named(f"{task.name}/taught", 0 if done else plan.calib_windows + plan.calib_haystacks,
+                   3 * forward(plan.seq_len))
     parts = [(name, extras) for name, extras in MEASURED.items()]
     parts += [(f"{name}-{which}", ()) for name, extras in MEASURED.items() for which in ("local", "global")
               if which in extras]

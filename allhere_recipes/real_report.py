@@ -67,7 +67,8 @@ def render_aha(report: dict) -> str:
                 f"AHA fine-tuned reads {_mu(aha['passkey'])} of its pairs globally while it answers and "
                 f"{percent(aha['passkey'].get('prompt_mu_f') or 0.0)} over the prompts.", "",
             "## Taught routers", "",
-            f"Taught in {teaching['seconds']:.0f} s on {teaching['tokens']:,} calibration tokens: mu_f "
+            f"Taught in {teaching['seconds']:.0f} s (beside the routers without sinks, from the same pass) on "
+            f"{teaching['tokens']:,} calibration tokens: mu_f "
             f"{percent(teaching['mu_f'])} there, {percent(teaching['answer_mu_f'] or 0.0)} on the tokens that ask for "
             f"a planted fact; of the pairs beyond the window the full model's attention needs most, the routers send "
             f"{percent(teaching['recall'])} to full attention. The static heads: the {rows['static']['heads']} heads "

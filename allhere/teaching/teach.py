@@ -74,46 +74,85 @@ def teach_routers(model, batches: list[torch.Tensor], mu_f: float, answers: list
     At most ``max_tokens`` positions per layer are kept for the fit (evenly spaced ones of longer text), in
     bfloat16: about max_tokens x d_model x 2 bytes per layer. ``done()`` is called after each batch. One forward
     pass per batch with every gate global, no gradients through the model. Returns a ``Teaching``."""
+    return teach_alike([model], batches, mu_f, answers, label, max_tokens, done)[0]
+
+
+def teach_alike(models: list, batches: list[torch.Tensor], mu_f: float, answers: list[torch.Tensor] | None = None,
+                label: str = "output", max_tokens: int = MAX_TOKENS,
+                done: Callable[[], None] | None = None) -> list[Teaching]:
+    """``teach_routers`` for several converted copies of one model's weights whose AHA layers may differ in window
+    and sinks (a model's routers with and without sinks, say), from one pass: with every gate global they read the
+    same inputs, so the first model's forward teaches them all, each from what reading locally costs under its own
+    window and sinks. Their weights outside the routed layers must be equal (ConfigError otherwise). One
+    ``Teaching`` per model, in order."""
     if not (isinstance(mu_f, (int, float)) and not isinstance(mu_f, bool) and 0.0 < mu_f < 1.0):
         raise ConfigError(f"teaching routers: mu_f = {mu_f!r} is invalid: expected a number strictly between 0 and 1")
     if label not in LABELS:
         raise ConfigError(f"teaching routers: label must be one of {LABELS}, got {label!r}")
     if answers is not None and [a.shape for a in answers] != [b.shape for b in batches]:
         raise ConfigError("teaching routers: answers must be one bool tensor per batch, of the batch's shape")
-    layers = _check(model)
+    layers = [_check(m) for m in models]
+    _check_alike(models, layers)
     total = sum(ids.numel() for ids in batches)
     stride = max(1, -(-total // max_tokens))
-    kept: list[dict[str, list]] = [{"x": [], "cost": [], "far": [], "answer": []} for _ in layers]
+    kept: list[dict[str, list]] = [{"x": [], "pos": [], "answer": [], "cost": [[] for _ in models]}
+                                   for _ in layers[0]]
     seen = {"batch": 0}
 
     def observe(row, mech, q, k, v, call):
         if call.segment_starts is not None:
             raise ConfigError("teaching routers: calibration batches must be whole sequences (no padding)")
-        cost = local_cost(q, k, v, mech.cfg.window, mech.cfg.sinks, call.scale, label).transpose(1, 2)  # [b, n, h]
-        n = cost.shape[1]
-        far = (torch.arange(n) >= mech.cfg.window).expand(cost.shape[0], n)  # before it the whole prefix is local
-        ans = torch.zeros_like(far) if answers is None else answers[seen["batch"]].bool().cpu()
         pick = slice(None, None, stride)
         part = kept[row]
+        costs = {}  # (window, sinks) -> cost [b * n, heads], once per kind of local read
+        for i, own in enumerate(layers):
+            cfg = own[row].cfg
+            if (cfg.window, cfg.sinks) not in costs:
+                cost = local_cost(q, k, v, cfg.window, cfg.sinks, call.scale, label).transpose(1, 2)  # [b, n, h]
+                costs[cfg.window, cfg.sinks] = cost.reshape(-1, cost.shape[-1])[pick].cpu()
+            part["cost"][i].append(costs[cfg.window, cfg.sinks])
+        b, n = q.shape[0], q.shape[2]
+        ans = torch.zeros(b, n, dtype=torch.bool) if answers is None else answers[seen["batch"]].bool().cpu()
         part["x"].append(call.x.detach().reshape(-1, call.x.shape[-1])[pick].to(torch.bfloat16).cpu())
-        part["cost"].append(cost.reshape(-1, cost.shape[-1])[pick].cpu())
-        part["far"].append(far.reshape(-1)[pick])
+        part["pos"].append(torch.arange(n).expand(b, n).reshape(-1)[pick])
         part["answer"].append(ans.reshape(-1)[pick])
-        if row == len(layers) - 1:
+        if row == len(layers[0]) - 1:
             seen["batch"] += 1
             if done is not None:
                 done()
 
+    model = models[0]
     was_training = model.training
     model.eval()
     try:
         _pass(model, batches, observe)
     finally:
         model.train(was_training)
+    shared = [(torch.cat(p["x"]).float(), torch.cat(p["pos"]), torch.cat(p["answer"])) for p in kept]
+    return [_fit(own, shared, [torch.cat(p["cost"][i]) for p in kept], mu_f, total, label)
+            for i, own in enumerate(layers)]
+
+
+def _check_alike(models: list, layers: list[list]) -> None:
+    """ConfigError unless ``models`` have routed layers of the same shapes and equal weights outside them."""
+    first = models[0]
+    routed = {id(p) for m in layers[0] for p in m.parameters()}
+    shapes = [_router(m)[0].shape for m in layers[0]]
+    for model, own in zip(models[1:], layers[1:]):
+        if [_router(m)[0].shape for m in own] != shapes:
+            raise ConfigError("teaching routers together: the models' routed layers differ")
+        theirs = dict(model.named_parameters())
+        for name, p in first.named_parameters():
+            if id(p) not in routed and (name not in theirs or not torch.equal(p, theirs[name])):
+                raise ConfigError(f"teaching routers together: the models' weights differ ({name})")
+
+
+def _fit(layers: list, shared: list, costs: list, mu_f: float, total: int, label: str) -> Teaching:
+    """One model's routers fitted to its layers' costs (``shared``: per layer the inputs, positions and answer
+    marks of the kept pairs) and their biases set to the budget."""
     layer_mu, recall_hits, recall_total, heads_cost, ans_gates = [], 0, 0, [], []
-    for mech, part in zip(layers, kept):
-        x, cost = torch.cat(part["x"]).float(), torch.cat(part["cost"])
-        far, ans = torch.cat(part["far"]), torch.cat(part["answer"])
+    for mech, (x, pos, ans), cost in zip(layers, shared, costs):
+        far = pos >= mech.cfg.window  # before it the whole prefix is local
         far_cost = cost[far]  # the pairs beyond the window: the ones the fit and the recall are about
         weight = 1.0 + (ANSWER_WEIGHT - 1.0) * ans[far].float()
         w, b = fit_router(x[far], far_cost, mu_f, weight, answers=ans[far])

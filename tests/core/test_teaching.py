@@ -12,6 +12,7 @@ from allhere.teaching import teach_routers
 from allhere.teaching.fit import fit_router
 from allhere.teaching.labels import local_cost
 from allhere.teaching.retrieval import retrieval_windows
+from allhere.teaching.teach import teach_alike
 from allhere.validation import ConfigError
 
 
@@ -140,6 +141,30 @@ def test_taught_routers_find_the_costly_pairs_on_held_out_text():
     chosen = scores > torch.quantile(scores.flatten(), 0.85)
     assert (top & chosen).sum() / top.sum() > 0.3  # chance: 0.15
     assert full < taught < local
+
+
+def test_copies_taught_together_get_the_routers_taught_alone():
+    """One pass teaches a model with sinks and its copy without them (and another window) as each alone would be
+    taught; a copy whose weights differ is refused before anything is taught."""
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 61, (2, 40), generator=g) for _ in range(2)]
+    mechs = [AHAConfig(window=6, sinks=1), AHAConfig(window=6, sinks=0), AHAConfig(window=9, sinks=1)]
+    together = [tiny(m) for m in mechs]
+    got = teach_alike(together, batches, 0.2)
+    for mech, model, taught in zip(mechs, together, got):
+        alone = tiny(mech)
+        want = teach_routers(alone, batches, 0.2)
+        assert torch.allclose(torch.tensor(taught.head_cost), torch.tensor(want.head_cost))
+        assert taught.mu_f == pytest.approx(want.mu_f)
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(model.parameters(), alone.parameters()))
+    assert not torch.allclose(torch.tensor(got[0].head_cost), torch.tensor(got[1].head_cost))  # own costs
+    other = tiny(mechs[1])
+    with torch.no_grad():
+        other.embed.weight.add_(1.0)
+    before = [p.clone() for p in other.parameters()]
+    with pytest.raises(ConfigError, match="weights differ"):
+        teach_alike([tiny(), other], batches, 0.2)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -87,7 +87,7 @@ def test_tiny_aha_job_reports_saves_models_and_resumes(tiny, tmp_path, capsys, m
     import allhere_recipes.real_taught as taught
 
     monkeypatch.setattr(runs, "train", lambda *a, **k: pytest.fail("a finished run trained again"))
-    monkeypatch.setattr(taught, "teach_routers", lambda *a, **k: pytest.fail("taught routers taught again"))
+    monkeypatch.setattr(taught, "teach_alike", lambda *a, **k: pytest.fail("taught routers taught again"))
     settings = json.loads((task / "settings.json").read_text())
     for field in ("calib_haystacks", "calib_filler"):  # a run written before these fields: still the same run
         del settings["plan"][field]
