@@ -10,7 +10,9 @@ Held-out quality as the paper gives it (Rel. % = perplexity / the control's, sma
 against DAR's, the KV bytes per token each model's cache holds after a held-out window and after a long prompt
 (measured on the cache, batch 1), and the decode speed at that long prompt of the control, DAR and
 ``dar_latent``, each through transformers' forward with its own cache (``real_probes.decode_speed``). Writes
-dar_report.md and dar_report.json into ``<out>/dar`` with every model as a transformers folder.
+dar_report.md and dar_report.json into ``<out>/dar`` with every model as a transformers folder; each stage-2
+run's held-out numbers go into its TensorBoard events and, for a converted model, its model card
+(``real_heldout.dar_heldout``).
 
 ``dar_latent``'s shape: d_c = d/4 is DAR's latent, so the two differ only in how distant keys get their
 position; r = head_dim / 16 is MHA2MLA's choice ("Towards Economical Inference: Enabling DeepSeek's Multi-Head
@@ -39,6 +41,7 @@ from allhere.runtime.runlock import run_lock
 
 from . import real_runs as runs
 from .job import Job
+from .real_heldout import dar_heldout
 from .real_plan import RealPlan, preset_plan
 from .real_probes import decode_speed, heldout, long_prompt
 from .real_report import write_dar_report
@@ -133,6 +136,9 @@ def run_real_dar(model: str = "smollm2", out: str | Path = "runs/smollm2", prese
         report = summarize(plan, rows, speed, mechs, data.description, str(source))
         report["seconds_this_call"] = round(time.time() - t0, 1)
         write_dar_report(task, report)
+        finished = {"vanilla (+ stage-2 steps, control)": task / "control",
+                    **{label: task / folder_of(mech) / "stage2" for label, mech in mechs.items()}}
+        dar_heldout(task, finished, report)  # each run's events and each converted model's card
     return report
 
 

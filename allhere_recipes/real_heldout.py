@@ -1,6 +1,6 @@
-"""What the real-model job measured of each model, written where users look besides its report: the held-out
+"""What the real-model jobs measured of each model, written where users look besides their reports: the held-out
 numbers (and AHA's mu_f per layer and head) of every fine-tuning run in the run's TensorBoard events, and the
-held-out numbers of every saved converted model in its model card.
+held-out numbers of every saved converted model in its model card (the AHA job's and the DAR job's alike).
 
 The cards are first written when a model is saved, before the job measures it (``real_runs.save_model``, with the
 numbers of its teaching or training, kept in ``CARD_RECORD`` beside the folder); once the report is written every
@@ -69,17 +69,46 @@ def saved_card(run: Path) -> dict | None:
 def write_cards(task: Path, report: dict) -> list[Path]:
     """Every saved converted model's card in ``task`` written again with its report row's held-out numbers (the
     results it was saved with first, then these, a key of both replaced). Returns the cards written."""
+    return [card for name, row in report["rows"].items()
+            if (card := rewrite_card(task / name, heldout_results(row, report["plan"]), report["model"]))]
+
+
+def rewrite_card(run: Path, results: list[Result], source: str) -> Path | None:
+    """``run/model``'s card written again with ``results`` added to the ones it was saved with (a key of both
+    replaced); None where ``run`` holds no converted model with a card. ``source``: the base model, where the card's
+    record does not name it."""
     from transformers import AutoConfig
 
-    written = []
-    for name, row in report["rows"].items():
-        folder = task / name / "model"
-        saved = saved_card(task / name) if (folder / "config.json").exists() else None
-        if saved is None:
-            continue
-        results = {r.key: r for r in saved["results"]}
-        results.update({r.key: r for r in heldout_results(row, report["plan"])})
-        config = AutoConfig.from_pretrained(str(folder))
-        written.append(write_card(folder, config, MADE_BY, source=saved["source"] or report["model"],
-                                  settings=saved.get("settings"), results=list(results.values()), shown_as=folder))
-    return written
+    folder = run / "model"
+    saved = saved_card(run) if (folder / "config.json").exists() else None
+    if saved is None:
+        return None
+    merged = {r.key: r for r in saved["results"]}
+    merged.update({r.key: r for r in results})
+    return write_card(folder, AutoConfig.from_pretrained(str(folder)), MADE_BY, source=saved["source"] or source,
+                      settings=saved.get("settings"), results=list(merged.values()), shown_as=folder)
+
+
+def dar_results(row: dict, plan: dict) -> list[Result]:
+    """The card's rows of a DAR job's model: its held-out loss, Retain % against the control, and the KV cache it
+    keeps per token, short and long."""
+    text = f"the job's held-out text ({plan['eval_sequences']} windows of {plan['seq_len']} tokens, never trained on)"
+    return [Result("heldout_loss", row["loss"], f"language-model loss (nats per token) on {text}"),
+            Result("retain_vs_control", row["retain_vs_control"], "Retain %: the control's held-out loss over this "
+                   "model's, x 100 (the control: the same model, plain attention, fine-tuned as stage 2)"),
+            Result("kv_bytes_per_token", row["kv_bytes_per_token"], f"KV cache bytes per token after a held-out "
+                   f"window of {plan['seq_len']} tokens"),
+            Result("kv_bytes_per_token_long", row["kv_bytes_per_token_long"], f"KV cache bytes per token after a "
+                   f"prompt of {row['long_tokens']} tokens")]
+
+
+def dar_heldout(task: Path, runs: dict[str, Path], report: dict) -> None:
+    """A DAR job's held-out numbers where users look: per fine-tuning run of ``runs`` (report row -> the run's
+    folder) the row's numbers in its TensorBoard events at its last step, and a converted model's card written
+    again with them."""
+    for name, run in runs.items():
+        row = report["rows"][name]
+        numbers = {k: row[k] for k in ("loss", "perplexity", "retain_vs_control", "kv_bytes_per_token",
+                                       "kv_bytes_per_token_long")}
+        report_heldout(run / "checkpoint.safetensors", report["plan"]["dar_steps"], numbers)
+        rewrite_card(run, dar_results(row, report["plan"]), report["model"])

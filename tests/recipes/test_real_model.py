@@ -175,6 +175,18 @@ def test_tiny_dar_job(tiny, tmp_path):
     first = load_pretrained(out / "dar" / "latent-w8-d18-r1" / "stage1" / "model").model.layers[0].self_attn.allhere
     stats = [first.up_k.weight.float().std(), first.up_v.weight.float().std()]
     assert all(s > 0.05 for s in stats), stats  # the host's scale (its SVD), not the fresh init's 0.02
+    # where users look: each stage-2 run's held-out numbers in its events, a converted model's in its card
+    from huggingface_hub import ModelCard
+
+    for folder, label in (("control", "vanilla (+ stage-2 steps, control)"), ("w8-d18/stage2", "DAR w=8 d/4"),
+                          ("latent-w8-d18-r1/stage2", "DAR latent w=8 d_c=18 r=1")):
+        acc, row = events(out / "dar" / folder / "tensorboard"), rows[label]
+        for key in ("loss", "retain_vs_control", "kv_bytes_per_token"):
+            assert scalars(acc, f"heldout/{key}") == [(2, pytest.approx(row[key], rel=1e-6))], (folder, key)
+        if folder != "control":  # a plain model has no card
+            results = ModelCard.load(out / "dar" / folder / "model" / "README.md").data.to_dict()["allhere"]["results"]
+            assert (results["heldout_loss"], results["retain_vs_control"]) == (row["loss"], row["retain_vs_control"])
+            assert results["kv_bytes_per_token_long"] == row["kv_bytes_per_token_long"] and "last_step_loss" in results
 
 
 @pytest.mark.parametrize("extra, message", [
