@@ -47,6 +47,7 @@ from allhere.mechanisms import (
     bigbird_schedule,
     dilation_schedule,
 )
+from allhere.runtime.reporting import report_heldout
 from allhere.runtime.runlock import run_lock
 from allhere.validation import check_int
 
@@ -110,18 +111,21 @@ def compare_seed(task: Task, steps: int, seed: int, progress: bool) -> dict:
     plan, data = task.plan, task.data
     cfg = dataclasses.replace(plan.finetune, steps=steps, ckpt_every=min(plan.finetune.ckpt_every, steps),
                               eval_every=0, seed=seed)
-    rows = {}
+    rows, ran = {}, {}
     for label, mech in candidates(plan, plan.model.n_layers, seed).items():
         folder = task.run / "compare" / f"steps{steps}" / f"seed{seed}" / label.split()[0].lower()
         model, _ = finetune(task, folder / "checkpoint.safetensors", mech, progress, cfg=cfg, periodic=False)
-        row = {k: v for k, v in data.evaluate(model).items() if k != "usage"}
+        ev = data.evaluate(model)
+        row = {k: v for k, v in ev.items() if k != "usage"}
         row["scores_per_query"] = scores_per_query(model, mech, plan.seq_len, plan.model.n_heads, data.heldout)
-        rows[label] = row
+        rows[label], ran[label] = row, (folder, model, ev.get("usage"))
     full_scores = rows["full (control)"]["scores_per_query"]
     base = rows["full (control)"][data.metric]
-    for row in rows.values():
+    for label, row in rows.items():
         row["density"] = row["scores_per_query"] / full_scores
         row["retain_percent"] = 100.0 * (row[data.metric] / base if data.higher_is_better else base / row[data.metric])
+        folder, model, usage = ran[label]  # the row in the run's events, beside its curves
+        report_heldout(folder / "checkpoint.safetensors", steps, {**row, "usage": usage}, model)
     return rows
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from allhere.runtime.reporting import report_heldout
 from allhere.runtime.runlock import run_lock
 
 from .plans import TASKS, plans
@@ -59,6 +60,9 @@ def run_sweep(out: str | Path = "runs/sweep", preset: str = "cpu", windows=DEFAU
                     ev = data.evaluate(model)
                     r = {"window": w, "lam": lam, data.metric: ev[data.metric], "mu_f": ev["mu_f"],
                          "retain_percent": retain(data.metric, base, ev[data.metric])}
+                    numbers = {k: v for k, v in r.items() if k not in ("window", "lam")}
+                    report_heldout(folder / "checkpoint.safetensors", plan.finetune.steps,  # beside its curves
+                                   {**numbers, "usage": ev.get("usage")}, model)
                     write_json(done, r, indent=None)
                 rows.append({"sweep": kind, **r})
             results["tasks"][name] = {"metric": data.metric, "full": base, "seq_len": plan.seq_len, "rows": rows,

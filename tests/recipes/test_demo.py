@@ -189,6 +189,10 @@ def test_sweep_tiny_is_resumable(tmp_path, capsys, corpus):
         assert r["bits_per_token"] == pytest.approx(loss / math.log(2), rel=1e-5)
         assert r["mu_f"] == pytest.approx(gates, abs=1e-6)
         assert r["retain_percent"] == pytest.approx(100 * res["tasks"]["stdlib"]["full"] / r["bits_per_token"])
+        acc = events(ckpt.parent / "tensorboard")  # the row beside the run's curves, at its last step
+        steps = max(e.step for e in acc.Scalars("train/loss"))
+        for key in ("bits_per_token", "mu_f", "retain_percent"):
+            assert scalars(acc, f"heldout/{key}") == [(steps, pytest.approx(r[key], rel=1e-6))], key
     md = (tmp_path / "sw" / "sweep.md").read_text()
     assert "Window sweep" in md and "Lambda sweep" in md and "n/a" in md
     ckpt = tmp_path / "sw" / "stdlib" / "w4-lam0.01" / "checkpoint.safetensors"
@@ -270,6 +274,10 @@ def test_compare_tiny_reuses_the_demo_pretraining(tmp_path, capsys):
     assert rows["sliding w=8"]["scores_per_query"] == pytest.approx(sum(min(i + 1, w) for i in range(n)) / n)
     for r in rows.values():  # every local pattern at about the budget
         assert r["scores_per_query"] <= rows["full (control)"]["scores_per_query"] + 1e-9
+    for folder, label in (("full", "full (control)"), ("aha", "AHA w=8")):  # each row beside its run's curves
+        acc = events(out / "recall" / "compare" / "steps2" / "seed3" / folder / "tensorboard")
+        for key in ("retain_percent", "density"):
+            assert scalars(acc, f"heldout/{key}") == [(2, pytest.approx(rows[label][key], rel=1e-6))], (label, key)
 
 
 def test_compare_seeds_mean_std_and_reuse(tmp_path):
