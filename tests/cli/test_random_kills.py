@@ -5,8 +5,8 @@ bit; the same command run again then ends with the clean run's model.
 
 Each run is a fork of this process (its imports done), killed after a random share of the time a whole run takes
 (measured first, the same way): the kills land all over a run, its writes included, with no gate to aim them
-(``test_whole_writes.py`` holds runs at chosen points of the write instead). ``convert`` is also killed as fresh
-processes, 6 times: a user's own command, its start-up included."""
+(``test_whole_writes.py`` holds runs at chosen points of the write instead). ``convert`` and ``sft`` are also
+killed as fresh processes, 6 times each: a user's own command, its start-up included."""
 
 import os
 import random
@@ -23,6 +23,7 @@ pytest.importorskip("tokenizers")
 from allhere.cli import main  # noqa: E402
 
 KILLS = 20
+FRESH_KILLS = 6  # fresh processes killed, for the commands tried that way (each pays its start-up)
 # the runs finished in this process compute as the forked ones do (one thread: tests/conftest.py)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -90,11 +91,14 @@ def test_convert_killed_at_random(base, tmp_path):
     assert landed < KILLS  # the kills did not all come after the runs had ended
 
 
+def sft_args(base: Path, out: Path, *more) -> list[str]:
+    return ["sft", "--model", str(base / "base"), "--data", str(base / "chat.jsonl"), "--window", "4",
+            "--seq-len", "16", "--batch-size", "2", "--global-batch", "2", "--max-steps", "2", "--device", "cpu",
+            "--no-progress", "--report-to", "none", "--out", str(out), *more]
+
+
 def test_sft_killed_at_random(base, tmp_path):
-    def args(out, *more):
-        return ["sft", "--model", str(base / "base"), "--data", str(base / "chat.jsonl"), "--window", "4",
-                "--seq-len", "16", "--batch-size", "2", "--global-batch", "2", "--max-steps", "2", "--device", "cpu",
-                "--no-progress", "--report-to", "none", "--out", str(out), *more]
+    args = lambda out, *more: sft_args(base, out, *more)  # noqa: E731
 
     seconds = whole_run(lambda: main(args(tmp_path / "clean")))
     rng, landed = random.Random(1), 0
@@ -132,38 +136,56 @@ def test_gguf_copy_killed_at_random(tmp_path, monkeypatch):
     assert landed < KILLS
 
 
-def test_convert_process_killed_at_random(base, tmp_path):
-    """The same, with each run a fresh ``python -m allhere.cli convert`` process (its own imports and start-up, as
-    a user's shell runs it), killed at a random moment after its imports: between the time ``convert --help``
-    takes and a whole run's."""
+def fresh_kills(command: str, args, model_of, recover, clean: Path, tmp_path: Path, seed: int) -> None:
+    """``FRESH_KILLS`` runs of ``python -m allhere.cli <command> <args(out)>``, each a fresh process (its own
+    imports and start-up, as a user's shell runs it) killed at a random moment after its imports: between the time
+    ``<command> --help`` takes and a whole run's. After each kill ``model_of(out)`` holds nothing that looks like a
+    model or is whole; ``recover(run, out)`` (``run(*more)``: the command again, its exit code) then ends the work,
+    and the model equals ``clean``'s (a whole run's, written here first)."""
     import subprocess
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def start(*args):
-        return subprocess.Popen([sys.executable, "-m", "allhere.cli", "convert", *args], env=env,
+    def start(*more):
+        return subprocess.Popen([sys.executable, "-m", "allhere.cli", command, *more], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    def timed(*args) -> float:
+    def timed(*more) -> float:
         t0 = time.monotonic()
-        assert start(*args).wait(timeout=300) == 0
+        assert start(*more).wait(timeout=300) == 0
         return time.monotonic() - t0
 
-    args = lambda out: ["--model", str(base / "base"), "--window", "4", "--no-progress",  # noqa: E731
-                        "--out", str(out)]
-    started, whole = timed("--help"), timed(*args(tmp_path / "clean"))
-    print(f"start-up {started:.2f} s, whole run {whole:.2f} s")
-    rng, landed = random.Random(3), 0
-    for i in range(6):
-        out = tmp_path / f"out{i}"
+    started, whole = timed("--help"), timed(*args(clean))
+    print(f"{command}: start-up {started:.2f} s, whole run {whole:.2f} s")
+    rng, landed = random.Random(seed), 0
+    for i in range(FRESH_KILLS):
+        out = tmp_path / f"fresh{i}"
         proc = start(*args(out))
         time.sleep(rng.uniform(started, max(started, whole)))
         proc.kill()  # a run that has ended already is a zombie until waited for: no error
         proc.wait()
-        if looks_like_a_model(out):
+        if looks_like_a_model(model_of(out)):
             landed += 1
         else:
-            assert start(*args(out)).wait(timeout=300) == 0  # a fresh run past the killed one's leftovers
-        same_weights(out, tmp_path / "clean")
-    assert landed < 6
+            recover(lambda *more: start(*args(out), *more).wait(timeout=300), out)
+        same_weights(model_of(out), model_of(clean))
+    assert landed < FRESH_KILLS
+
+
+def test_convert_process_killed_at_random(base, tmp_path):
+    def recover(run, out):
+        assert run() == 0  # a fresh run past the killed one's leftovers
+
+    fresh_kills("convert", lambda out: ["--model", str(base / "base"), "--window", "4", "--no-progress",
+                                        "--out", str(out)],
+                lambda out: out, recover, tmp_path / "clean", tmp_path, seed=3)
+
+
+def test_sft_process_killed_at_random(base, tmp_path):
+    def recover(run, out):
+        if run() == 2:  # a checkpoint is there: --resume continues it (one line said so)
+            assert run("--resume") == 0
+
+    fresh_kills("sft", lambda out: sft_args(base, out)[1:], lambda out: out / "model", recover, tmp_path / "clean",
+                tmp_path, seed=4)
