@@ -1,7 +1,8 @@
 """Routers taught by the full model (AHA without fine-tuning, or before it).
 
 ``teach_routers(model, batches, mu_f)`` sets every AHA router of a converted model from the model's own attention
-on calibration text, with the weights frozen, so that a share ``mu_f`` of (token, head) pairs goes global;
+on calibration text, with the weights frozen, so that a share ``mu_f`` of (token, head) pairs goes global
+(``teach_alike``: several converted copies of one model, differing in window or sinks, from one pass);
 ``teaching_windows(tokenizer, text, window)`` makes that text from any text, with facts planted early and asked
 for beyond the window (retrieval the router must learn to see). Modules: ``labels`` (what reading locally costs a
 (token, head)), ``observe`` (the routed layers' inputs through forward hooks), ``fit`` (a layer's router fitted
@@ -12,7 +13,7 @@ at the same budget: ``allhere.analysis.static.top_k_heads`` of ``Teaching.head_c
 from __future__ import annotations
 
 from .retrieval import retrieval_windows
-from .teach import Teaching, teach_routers
+from .teach import Teaching, teach_alike, teach_routers
 
 WINDOWS = 32  # calibration windows of the user's text by default
 HAYSTACKS = 32  # and windows of plain sentences said over and over, facts planted in them too
@@ -41,4 +42,4 @@ def teaching_windows(tokenizer, text: str, window: int, count: int = WINDOWS, le
                              haystacks=HAYSTACKS, filler="prose")
 
 
-__all__ = ["Teaching", "teach_routers", "teaching_length", "teaching_windows", "retrieval_windows"]
+__all__ = ["Teaching", "teach_alike", "teach_routers", "teaching_length", "teaching_windows", "retrieval_windows"]
