@@ -7,7 +7,7 @@ fingerprint: a folder holding other settings is refused), ``results/<stage>.json
 after Ctrl-C), then ``model/``, a transformers folder in bfloat16 (the dtype SmolLM2 is published in) that
 ``allhere generate --model`` and ``allhere.hf.load_pretrained`` load; the checkpoint, with its optimizer
 state (four times the model), is removed once ``model/`` is written; ``tensorboard/`` (its training curves,
-where reported) and, beside a converted model, ``card.json`` (what its card was first written with). Every
+where reported) and, beside every saved model, ``card.json`` (what its card was first written with). Every
 evaluation reads the fine-tuned models as saved: their weights rounded to bfloat16, computed in float32 on the CPU.
 """
 
@@ -139,26 +139,24 @@ def fine_tune(folder: Path, base, mechanism, cfg: TrainConfig, batches, tokenize
 
 def save_model(model, folder: Path, tokenizer, card: dict | None = None) -> None:
     """``model`` in bfloat16 with its tokenizer as a transformers folder, written whole or not at all; the model
-    keeps the rounded weights. A converted model gets its README.md (``allhere.hf.card.write_card``; ``card``: its
-    ``source``, ``settings`` and ``results``), whose inputs are kept beside the folder first (``CARD_RECORD``: the
+    keeps the rounded weights. Its README.md (``allhere.hf.card.write_card``, a plain control's too; ``card``: its
+    ``source``, ``settings`` and ``results``) has its inputs kept beside the folder first (``CARD_RECORD``: the
     job writes the card again with its held-out numbers, ``real_heldout.write_cards``)."""
     from allhere.hf import converted_mechanism, save_pretrained
     from allhere.hf.card import write_card
     from allhere.runtime.atomic_folder import write_folder
 
     model.to(SAVED_DTYPE)
-    converted = converted_mechanism(model) is not None
     card = dict(card or {})
-    if converted:
-        write_json(folder.parent / CARD_RECORD, {**card, "source": None if card.get("source") is None else
-                                                 str(card["source"]),
-                                                 "results": [dataclasses.asdict(r) for r in card.get("results", ())]})
+    write_json(folder.parent / CARD_RECORD, {**card, "source": None if card.get("source") is None else
+                                             str(card["source"]),
+                                             "results": [dataclasses.asdict(r) for r in card.get("results", ())]})
     with write_folder(folder) as tmp:  # a temporary sibling, fsynced, renamed (the job holds its run lock)
-        if converted:
+        if converted_mechanism(model) is not None:
             save_pretrained(model, tmp)
-            write_card(tmp, model.config, MADE_BY, shown_as=folder, **card)
-        else:
+        else:  # a plain model (a control): transformers' own save
             model.save_pretrained(str(tmp))
+        write_card(tmp, model.config, MADE_BY, shown_as=folder, **card)
         tokenizer.save_pretrained(str(tmp))
 
 

@@ -157,10 +157,11 @@ def _layers(config, chosen) -> str:
     return f"{len(chosen)} of {total} ({', '.join(map(str, chosen))})" if total else ", ".join(map(str, chosen))
 
 
-def _usage(folder: str, serving: bool, authors_format: bool) -> str:
+def _usage(folder: str, serving: bool, authors_format: bool, plain: bool = False) -> str:
     alone = ("transformers alone reads this format (the AHA authors' faolmo) only with their remote code"
-             if authors_format else "With transformers alone the folder loads as the host model without its "
-             "mechanism (the added weights reported unused)")
+             if authors_format else "transformers alone loads it as it is (no allhere mechanism)" if plain else
+             "With transformers alone the folder loads as the host model without its mechanism (the added weights "
+             "reported unused)")
     lines = ["## Use it", "",
              "allhere reads local folders only (`hf download REPO --local-dir FOLDER` first for a copy from the Hub). "
              f"{alone}; `allhere.hf.load_pretrained` loads it whole (no `trust_remote_code`). "
@@ -187,16 +188,17 @@ def write_card(folder: str | Path, config, made_by: str, source: str | Path | No
                settings: dict | None = None, results: list[Result] | tuple = (), shown_as: str | Path | None = None
                ) -> Path:
     """Write ``folder/README.md`` (atomically) for the converted model of transformers ``config`` (its
-    ``allhere_mechanism``), written by ``made_by`` (e.g. "allhere convert") from the model at ``source`` (default:
-    ``config.name_or_path``, where transformers' loader put the path it read), with the run's ``settings``
-    (name -> value) and ``results``. ``shown_as``: the folder's path in the card's commands (default ``folder``;
-    the final name of a folder written under a temporary one). An input folder's own README.md is kept under
-    BASE_HEADING. Returns the card's path."""
+    ``allhere_mechanism``; a config without one: a plain model allhere fine-tuned, a job's control), written by
+    ``made_by`` (e.g. "allhere convert") from the model at ``source`` (default: ``config.name_or_path``, where
+    transformers' loader put the path it read), with the run's ``settings`` (name -> value) and ``results``.
+    ``shown_as``: the folder's path in the card's commands (default ``folder``; the final name of a folder written
+    under a temporary one). An input folder's own README.md is kept under BASE_HEADING. Returns the card's path."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    mech = registry.from_dict(getattr(config, CONFIG_KEY))
-    kind = registry.get(mech.kind)
-    settings_of = {k: v for k, v in registry.to_dict(mech).items() if k != "kind"}
+    saved_mech = getattr(config, CONFIG_KEY, None)
+    mech = registry.from_dict(saved_mech) if saved_mech is not None else None  # None: a plain model (a control)
+    kind = registry.get(mech.kind) if mech is not None else None
+    settings_of = {k: v for k, v in registry.to_dict(mech).items() if k != "kind"} if mech is not None else {}
     chosen = list(getattr(config, LAYERS_KEY, None) or [])
     source = source if source is not None else (getattr(config, "name_or_path", "") or None)
     base_id = base_model_of(source)
@@ -213,18 +215,24 @@ def write_card(folder: str | Path, config, made_by: str, source: str | Path | No
     if known is not None and known.license and "license" not in meta:
         meta["license"] = known.license
     data = ModelCardData(base_model=base_id, library_name="transformers", pipeline_tag="text-generation",
-                         tags=["allhere", mech.kind], **meta,
-                         allhere={"mechanism": registry.to_dict(mech), "layers": chosen, "made_by": made_by,
+                         tags=["allhere"] + ([mech.kind] if mech is not None else []), **meta,
+                         allhere={"mechanism": registry.to_dict(mech) if mech is not None else None, "layers": chosen,
+                                  "made_by": made_by,
                                   **({"run": run} if run else {}),
                                   **({"results": {r.key: r.value for r in results}} if results else {})})
     shown = str(shown_as if shown_as is not None else folder)
     name = base_id.split("/")[-1] if base_id else (Path(source).name if source is not None else "A model")
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "").removeprefix("torch.")
-    body = [f"# {name} with {mech.kind} attention (allhere)", "",
-            f"{name} converted by allhere to `{mech.kind}` attention: {kind.summary}. Written by `{made_by}`"
-            + (f" from `{Path(source).name}` (on the Hub: [{base_id}](https://huggingface.co/{base_id}))" if base_id
-               else "") + ".",
-            "", "## What it holds", "", "| setting | value |", "|---|---|"]
+    origin = (f" from `{Path(source).name}` (on the Hub: [{base_id}](https://huggingface.co/{base_id}))" if base_id
+              else "") + "."
+    if mech is None:
+        body = [f"# {name}, fine-tuned (allhere)", "",
+                f"{name} with its own attention (no allhere mechanism), written by `{made_by}`{origin}"]
+    else:
+        body = [f"# {name} with {mech.kind} attention (allhere)", "",
+                f"{name} converted by allhere to `{mech.kind}` attention: {kind.summary}. Written by `{made_by}`"
+                + origin]
+    body += ["", "## What it holds", "", "| setting | value |", "|---|---|"]
     body += [f"| `{k}` | {v} |" for k, v in settings_of.items()]
     if chosen:
         body.append(f"| layers converted | {_layers(config, chosen)} |")
@@ -239,7 +247,8 @@ def write_card(folder: str | Path, config, made_by: str, source: str | Path | No
                     "measures its held-out loss (and mu_f, where it routes) on your text.")
     from .faolmo import read_config as faolmo_config
 
-    body += ["", _usage(shown, kind.serving is not None, faolmo_config(Path(folder)) is not None)]
+    body += ["", _usage(shown, kind is None or kind.serving is not None, faolmo_config(Path(folder)) is not None,
+                        plain=mech is None)]
     if base_text is not None:
         body += ["", BASE_HEADING, "", _demoted(base_text) or "(empty)"]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n")

@@ -90,6 +90,29 @@ def test_sft_card_holds_the_runs_own_numbers(host, tmp_path):
     assert BASE_HEADING in card.text and "What the base model is." in card.text
 
 
+def test_a_plain_models_card_names_no_mechanism(host, tmp_path):
+    """A plain model allhere fine-tuned (a job's control): its card says it has its own attention, claims no
+    mechanism nor allhere's loader, and its snippet runs with transformers alone."""
+    from transformers import AutoConfig
+
+    from allhere.hf.card import Result, write_card
+
+    out = tmp_path / "plain"
+    out.mkdir()
+    for f in host.iterdir():
+        if f.name != "README.md":
+            (out / f.name).write_bytes(f.read_bytes())
+    write_card(out, AutoConfig.from_pretrained(str(out)), "a job", source=host,
+               results=[Result("heldout_loss", 1.5, "held-out loss")])
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    assert data["tags"] == ["allhere"] and data["allhere"]["mechanism"] is None
+    assert data["allhere"]["results"] == {"heldout_loss": 1.5} and data["license"] == "apache-2.0"
+    assert "its own attention (no allhere mechanism)" in card.text and "transformers alone loads it" in card.text
+    assert "without its mechanism" not in card.text and "does not serve" not in card.text
+    assert f"allhere serve --model {out}" in card.text and "What the base model is." in card.text
+
+
 def test_base_model_only_from_a_hub_id(tmp_path, monkeypatch):
     """A Hub id where one is known; a local path or anything else never."""
     snapshot = tmp_path / "hub" / "models--Org--Some-Model" / "snapshots" / "abc123"

@@ -79,7 +79,8 @@ def test_tiny_aha_job_reports_saves_models_and_resumes(tiny, tmp_path, capsys, m
     history = json.loads((task / "aha" / "history.json").read_text())
     assert card.data.to_dict()["allhere"]["results"]["last_step_loss"] == history[-1]["lm"]
     assert f"allhere generate --model {task / 'aha' / 'model'} " in card.text
-    assert not (task / "control" / "model" / "README.md").exists()  # the plain control has no mechanism to describe
+    control = ModelCard.load(task / "control" / "model" / "README.md").data.to_dict()["allhere"]  # plain: no mechanism
+    assert control["mechanism"] is None and control["results"]["steps"] == report["plan"]["steps"]
     assert_heldout_cards(task, report)
     assert_heldout_events(task, report)
 
@@ -118,7 +119,7 @@ def assert_heldout_cards(task, report):
     """Every saved converted model's card (read by huggingface_hub) carries the report's held-out numbers."""
     from huggingface_hub import ModelCard
 
-    for name in ("taught", "taught-nosinks", "aha", "aha-paper"):
+    for name in ("taught", "taught-nosinks", "aha", "aha-paper", "control"):
         card = ModelCard.load(task / name / "model" / "README.md")
         results, row = card.data.to_dict()["allhere"]["results"], report["rows"][name]
         assert (results["heldout_loss"], results["heldout_mu_f"]) == (row["loss"], row["mu_f"]), name
@@ -183,10 +184,9 @@ def test_tiny_dar_job(tiny, tmp_path):
         acc, row = events(out / "dar" / folder / "tensorboard"), rows[label]
         for key in ("loss", "retain_vs_control", "kv_bytes_per_token"):
             assert scalars(acc, f"heldout/{key}") == [(2, pytest.approx(row[key], rel=1e-6))], (folder, key)
-        if folder != "control":  # a plain model has no card
-            results = ModelCard.load(out / "dar" / folder / "model" / "README.md").data.to_dict()["allhere"]["results"]
-            assert (results["heldout_loss"], results["retain_vs_control"]) == (row["loss"], row["retain_vs_control"])
-            assert results["kv_bytes_per_token_long"] == row["kv_bytes_per_token_long"] and "last_step_loss" in results
+        results = ModelCard.load(out / "dar" / folder / "model" / "README.md").data.to_dict()["allhere"]["results"]
+        assert (results["heldout_loss"], results["retain_vs_control"]) == (row["loss"], row["retain_vs_control"])
+        assert results["kv_bytes_per_token_long"] == row["kv_bytes_per_token_long"] and "last_step_loss" in results
 
 
 @pytest.mark.parametrize("extra, message", [
