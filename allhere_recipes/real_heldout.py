@@ -52,7 +52,7 @@ def heldout_results(row: dict, plan: dict) -> list[Result]:
 def saved_card(run: Path) -> dict | None:
     """The source, settings and results the card of ``run/model`` was first written with (``CARD_RECORD``); for a
     folder an allhere without that record wrote, its card's front matter (each result named by its key); None
-    where the folder has no card (a plain model)."""
+    where the folder has no card (a plain model saved before plain models got theirs)."""
     record = run / CARD_RECORD
     if record.exists():
         saved = json.loads(record.read_text())
