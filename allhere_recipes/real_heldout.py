@@ -1,6 +1,6 @@
 """What the real-model jobs measured of each model, written where users look besides their reports: the held-out
 numbers (and AHA's mu_f per layer and head) of every fine-tuning run in the run's TensorBoard events, and the
-held-out numbers of every saved converted model in its model card (the AHA job's and the DAR job's alike).
+held-out numbers of every saved model in its model card (the AHA job's and the DAR job's alike).
 
 The cards are first written when a model is saved, before the job measures it (``real_runs.save_model``, with the
 numbers of its teaching or training, kept in ``CARD_RECORD`` beside the folder); once the report is written every
@@ -67,7 +67,7 @@ def saved_card(run: Path) -> dict | None:
 
 
 def write_cards(task: Path, report: dict) -> list[Path]:
-    """Every saved converted model's card in ``task`` written again with its report row's held-out numbers (the
+    """Every saved model's card in ``task`` written again with its report row's held-out numbers (the
     results it was saved with first, then these, a key of both replaced). Returns the cards written."""
     return [card for name, row in report["rows"].items()
             if (card := rewrite_card(task / name, heldout_results(row, report["plan"]), report["model"]))]
@@ -75,7 +75,7 @@ def write_cards(task: Path, report: dict) -> list[Path]:
 
 def rewrite_card(run: Path, results: list[Result], source: str) -> Path | None:
     """``run/model``'s card written again with ``results`` added to the ones it was saved with (a key of both
-    replaced); None where ``run`` holds no converted model with a card. ``source``: the base model, where the card's
+    replaced); None where ``run`` holds no saved model with a card. ``source``: the base model, where the card's
     record does not name it."""
     from transformers import AutoConfig
 
