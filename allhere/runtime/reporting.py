@@ -293,3 +293,29 @@ def report_heldout(ckpt_path: str | Path, step: int, result: dict, model=None, r
         opened.evaluation(step, result, model, prefix="heldout")
     for path in old:
         path.unlink(missing_ok=True)
+    for path in set(logdir.glob(f"{EVENTS_PREFIX}*{HELDOUT_SUFFIX}")) - set(old):
+        _sort_last(path)
+
+
+def _stamp(path: Path) -> int | None:
+    """The second an events file was opened, as its name says (``events.out.tfevents.<10 digits>.<host>...``)."""
+    head = path.name[len(EVENTS_PREFIX):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _sort_last(path: Path) -> None:
+    """Rename the events file ``path`` so that its name sorts after every other events file of its folder.
+    TensorBoard reads a run's files in the order of their names, and where a later file holds an earlier step
+    than one already read, it drops what was read at that step and after: held-out numbers at a run's last step,
+    read before the run's own file, would vanish. Names start with the second the file was opened (ten digits),
+    then the host, the process and a counter of writers, so a file opened in the same second as the run's may sort
+    first ("10" before "9"); its name takes the second after the newest of them instead."""
+    others = [p for p in path.parent.glob(f"{EVENTS_PREFIX}*") if p != path]
+    if not others or max(p.name for p in others) < path.name:
+        return
+    stamps = [s for s in map(_stamp, others) if s is not None]
+    own = _stamp(path)
+    if own is None or not stamps:
+        return
+    rest = path.name[len(EVENTS_PREFIX):].split(".", 1)[1]
+    path.rename(path.with_name(f"{EVENTS_PREFIX}{max(stamps) + 1:010d}.{rest}"))

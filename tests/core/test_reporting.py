@@ -119,6 +119,24 @@ def test_a_jobs_heldout_numbers_join_a_finished_runs_events_once(tmp_path):
     assert not (tmp_path / "quiet").exists()
 
 
+def test_heldout_numbers_stay_when_their_file_would_sort_before_the_runs(tmp_path):
+    """A run's events file whose name sorts after the held-out file's (opened in the same second by a writer with a
+    counter of more digits, or by a later process): the held-out file is renamed to sort last, and TensorBoard's
+    reader, which reads a folder's files in name order, keeps its numbers."""
+    path = tmp_path / "run" / "checkpoint.safetensors"
+    model = tiny_model()
+    train(model, batches, cfg(), path, progress=False, report_to="tensorboard")
+    logdir = events_dir(path)
+    (own,) = logdir.glob("events.out.tfevents.*")
+    later = own.with_name("events.out.tfevents.9999999990" + own.name[len("events.out.tfevents.") + 10:])
+    own.rename(later)  # the run's file now sorts after anything opened today
+    report_heldout(path, 4, {"loss": 1.25}, model, report="tensorboard")
+    (held,) = logdir.glob("*" + HELDOUT_SUFFIX)
+    assert held.name > later.name and held.name.startswith("events.out.tfevents.9999999991.")
+    acc = events(logdir)
+    assert scalars(acc, "heldout/loss") == [(4, 1.25)] and steps(acc, "train/loss") == [1, 2, 3, 4]
+
+
 def test_none_writes_nothing_and_a_block_chooses_for_every_run(tmp_path):
     pytest.importorskip("tensorboard")
     train(tiny_model(), batches, cfg(2), tmp_path / "default" / "checkpoint.safetensors", progress=False)
