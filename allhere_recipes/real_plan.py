@@ -15,7 +15,7 @@ Two CPU cores train SmolLM2-135M at about 100 tokens/s, so the CPU job fine-tune
   w = 256 on a GPU, the paper's window at SmolLM2's whole context.
 - the routers are taught before any training (``allhere.teaching``: the full model's own attention on 32
   calibration windows of the training code and 32 of plain sentences said over and over, 3 planted facts each,
-  every layer its ``mu_f`` = 20% of pairs on that text, which lands near 15% on held-out code; the sentences
+  every layer its ``mu_f`` = 25% of pairs on that text, which lands near 14.5% on held-out code; the sentences
   because a question asked in prose needs heads that the same question in code does not, and the passkey asks in
   prose), and local heads keep ``sinks`` = 1 first token (SmolLM2 parks attention on it: every head local at
   w = 128 keeps 61.8% of its quality, with the first token 91.8%).
@@ -119,13 +119,13 @@ def preset_plan(preset: str, device: str) -> RealPlan:
                         router_lr_mult=300.0, lam=0.3, target_mu_f=0.1, lam_rate=0.05, recall_share=0.25,
                         eval_sequences=24, passkey_prompts=20, passkey_length=480, chat_tokens=48, speed_prompt=8000,
                         speed_tokens=32, dar_steps=60, dar_stage1_lr=3e-4, device=device, taught_lam=0.1,
-                        taught_target_mu_f=0.09, taught_router_lr_mult=10.0, mu_f=0.2, calib_haystacks=32,
+                        taught_target_mu_f=0.09, taught_router_lr_mult=10.0, mu_f=0.25, calib_haystacks=32,
                         calib_filler="prose")
     if preset == "gpu":
         return RealPlan(seq_len=8192, window=256, steps=200, batch_size=1, grad_accum=4, lr=1e-4,
                         router_lr_mult=300.0, lam=0.3, target_mu_f=0.06, lam_rate=0.05, recall_share=0.25,
                         eval_sequences=16, passkey_prompts=40, passkey_length=8000, chat_tokens=64, speed_prompt=8000,
                         speed_tokens=64, dar_steps=200, dar_stage1_lr=3e-4, device=device, taught_lam=0.1,
-                        taught_target_mu_f=0.06, taught_router_lr_mult=10.0, mu_f=0.2, calib_haystacks=32,
+                        taught_target_mu_f=0.06, taught_router_lr_mult=10.0, mu_f=0.25, calib_haystacks=32,
                         calib_filler="prose")
     raise ConfigError(f"preset = {preset!r} is invalid: expected one of {', '.join(map(repr, PRESETS))}")
