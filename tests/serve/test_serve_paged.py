@@ -62,7 +62,8 @@ def _table(gen, bs):
     return table, n_blocks + 3
 
 
-def _serve(reads, gen, gate=None, q_tile=4, latent=None, d=D, kernel_window=None, path="torch", **options):
+def _serve(reads, gen, gate=None, q_tile=4, latent=None, d=D, kernel_window=None, path="torch", positions=None,
+           **options):
     """Serve LENGTHS (+ the prefixed request) step by step as vLLM schedules them (STEPS), each step's K/V
     written first (with a padding slot), then attended (with a padding row after the real ones). Request 3
     starts with its first SHARED tokens already cached (request 0's blocks). ``latent``: (LatentKV, window, budget):
@@ -70,7 +71,8 @@ def _serve(reads, gen, gate=None, q_tile=4, latent=None, d=D, kernel_window=None
     rows (``far_pieces``) joined. Returns per request its outputs [length, heads, d] (rows before SHARED of
     request 3: never computed) and [q, (k, v), gate [length, heads] or None, latents or None]. ``kernel_window``:
     AHA with this window through the Triton paged kernel (``aha_triton.aha_paged``) instead of ``reads``;
-    ``path``: the backend of op family "paged" that computes the others (``allhere.ops.paged.dispatch``)."""
+    ``path``: the backend of op family "paged" that computes the others (``allhere.ops.paged.dispatch``).
+    ``positions``: a ``PagedStepPlan`` of each step -> the token positions handed to the op (None: none)."""
     lengths = LENGTHS + [PREFIXED]
     table, pool = _table(gen, BS)
     view = paged_view(torch.zeros(pool, KV_HEADS, BS, 2 * d), BS, KV_HEADS, d)
@@ -118,6 +120,9 @@ def _serve(reads, gen, gate=None, q_tile=4, latent=None, d=D, kernel_window=None
             aha_paged(torch.cat([q, q[:1]]), view, torch.tensor(starts), torch.tensor(lens), used, row_class,
                       kernel_window, d ** -0.5, out)
         else:
+            if positions is not None:
+                options["positions"] = positions(PagedStepPlan(torch.tensor(starts), torch.tensor(lens), used,
+                                                               q.shape[0]))
             dispatch("paged", torch.cat([q, q[:1]]), view, torch.tensor(starts), torch.tensor(lens), used, reads,
                      d ** -0.5, out, row_class=row_class, q_tile=q_tile, extra=extra, backend=path, **options)
         assert bool((out[-1] == 7.0).all())  # the padding row is left alone
@@ -175,6 +180,26 @@ def test_aha_equals_reference(tiles, monkeypatch):
     outs, data = _serve(reads, gen, q_tile=q_tile, pack=pack or 4)
     _check(outs, data, lambda q, kv, g, c: aha_attention_reference(_bhld(q), _bhld(kv[0]), _bhld(kv[1]),
                                                             g.T[None], 6, SCALE)[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("path", ["torch", "reference"])
+def test_the_step_plans_positions_are_read(path):
+    """A step plan's token positions, handed to the op (as the served layer does), give the reference; positions
+    shifted by one give something else (so they are read, not made again); positions of another step's length
+    are not taken."""
+    def shifted(plan):
+        req, pos = plan.token_positions()
+        return req, (pos - 1).clamp_min(0)
+
+    def want(q, kv, g, c):
+        return aha_attention_reference(_bhld(q), _bhld(kv[0]), _bhld(kv[1]), g.T[None], 6, SCALE)[0].transpose(0, 1)
+
+    for given in (PagedStepPlan.token_positions, lambda plan: tuple(t[:-1] for t in shifted(plan))):
+        outs, data = _serve(AHA_READS, torch.Generator().manual_seed(1), path=path, positions=given)
+        _check(outs, data, want)
+    outs, data = _serve(AHA_READS, torch.Generator().manual_seed(1), path=path, positions=shifted)
+    with pytest.raises(AssertionError):
+        _check(outs, data, want)
 
 
 def test_aha_through_the_triton_paged_kernel():

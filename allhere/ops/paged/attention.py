@@ -136,11 +136,19 @@ def token_positions(query_start: torch.Tensor, seq_lens: torch.Tensor, n: int) -
     return req, torch.arange(n, device=starts.device) - starts[req] + (lens - q_len)[req]
 
 
+def of_tokens(positions, query_start: torch.Tensor, seq_lens: torch.Tensor, n: int):
+    """``positions`` (request [n], position [n]) where a caller gives them for the step's ``n`` tokens, else
+    ``token_positions`` computed here."""
+    if positions is not None and positions[0].numel() == n:
+        return positions
+    return token_positions(query_start, seq_lens, n)
+
+
 def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, reads: Sequence[Sequence[Read]], scale: float,
                     out: torch.Tensor, row_class: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                     softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
-                    workspace: Workspace | None = None, extra: Sequence = ()) -> None:
+                    workspace: Workspace | None = None, extra: Sequence = (), positions=None) -> None:
     """Every request's queries against its cached keys (the step's own already written).
 
     q [tokens, heads, d]: request r's queries are rows ``query_start[r]:query_start[r + 1]``, at the last
@@ -155,7 +163,9 @@ def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
     ``q_tile``: rows per query tile, unless a ``Read`` names its own. ``pack``: at most this many blocks read
     entirely by a tile go into one call (a power of two). ``workspace``: memory reused across calls for the
     gathered keys and values (one is made for this call if None). ``extra``: more pieces the rows read (as
-    ``paged_pieces`` returns them), joined under the same softmax (then every row is written)."""
+    ``paged_pieces`` returns them), joined under the same softmax (then every row is written). ``positions``:
+    ``token_positions`` of the step's tokens where a caller has them (a ``PagedStepPlan``'s, made once for every
+    layer of the step); None: computed here."""
     heads = q.shape[1]
     n = int(query_start[-1])
     if n == 0:
@@ -170,7 +180,7 @@ def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
     for piece in extra:  # in turn, not interleaved: the pieces may share the workspace's buffers
         merger.add(piece)
     for piece in paged_pieces(q, view, query_start, seq_lens, block_table, reads, scale, row_class, softcap, q_tile,
-                              pack, workspace, with_decode=decode is None):
+                              pack, workspace, with_decode=decode is None, positions=positions):
         merger.add(piece)
     if sinks is not None:  # exp(sink logit) joins every row's denominator, with no value
         rows = torch.arange(n * heads, device=q.device)[:, None]
@@ -198,11 +208,12 @@ def _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, vie
 def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                  block_table: torch.Tensor, reads: Sequence[Sequence[Read]], scale: float,
                  row_class: torch.Tensor | None = None, softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
-                 workspace: Workspace | None = None, with_decode: bool = True):
+                 workspace: Workspace | None = None, with_decode: bool = True, positions=None):
     """What ``paged_attention`` reads, before the merge: yields pieces (row ids ``token x heads + head`` [n, size],
     -1: padding; output [n, size, d]; log-sum-exp [n, size]) for ``allhere.softmax.merge_pieces`` /
     ``chunks.Merger`` as they are computed (a consumer that folds them holds no more than it chooses).
-    ``with_decode`` False: none for the decode tokens (requests with one query)."""
+    ``with_decode`` False: none for the decode tokens (requests with one query). ``positions``: as
+    ``paged_attention``'s."""
     heads = q.shape[1]
     n = int(query_start[-1])
     dev = q.device
@@ -210,7 +221,7 @@ def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor,
     reads = [[Read(as_mask(r[0]), *r[1:]) for r in parts] for parts in reads]
     starts = query_start.long()
     q_len = starts[1:] - starts[:-1]
-    req, pos = token_positions(query_start, seq_lens, n)
+    req, pos = of_tokens(positions, query_start, seq_lens, n)
     tok = torch.arange(n, device=dev).repeat_interleave(heads)  # rows, token-major
     head = torch.arange(heads, device=dev).repeat(n)
     cls = (torch.zeros(n * heads, dtype=torch.long, device=dev) if row_class is None

@@ -26,7 +26,7 @@ import torch
 
 from ...backend import OpPath
 from ...softmax import NEG_INF, merge_pieces, softmax_lse
-from .attention import Read, paged_attention, token_positions
+from .attention import Read, of_tokens, paged_attention
 
 OP = "paged"
 
@@ -39,14 +39,14 @@ def transposed_for(path: OpPath) -> bool:
 def paged_reference(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, reads, scale: float, out: torch.Tensor,
                     row_class: torch.Tensor | None = None, sinks: torch.Tensor | None = None, softcap: float = 0.0,
-                    extra=(), transposed: bool = True, **_tiling) -> None:
+                    extra=(), transposed: bool = True, positions=None, **_tiling) -> None:
     """The dense float32 ground truth of ``paged_attention`` (same arguments and result; its tiling options are
     ignored). ``extra`` pieces join each row's softmax by their log-sum-exp."""
     n, heads, d = int(query_start[-1]), q.shape[1], q.shape[2]
     if n == 0:
         return
     kv_heads = view.shape[1]
-    req, pos = token_positions(query_start, seq_lens, n)
+    req, pos = of_tokens(positions, query_start, seq_lens, n)
     cls = torch.zeros(n, heads, dtype=torch.long, device=q.device) if row_class is None else row_class[:n].long()
     o = torch.zeros(n, heads, d, dtype=torch.float32, device=q.device)
     lse = torch.full((n, heads), NEG_INF, device=q.device)

@@ -248,7 +248,7 @@ def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, scale: flo
     rest = torch.where(done, len(reads), row_class[:n].long())  # class len(reads) reads nothing: rows done
     paged_attention(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table, [*reads, []], scale, out,
                     row_class=rest, sinks=None if sinks is None else sinks.float(), softcap=softcap,
-                    workspace=workspace)
+                    workspace=workspace, positions=step_plan(meta).token_positions())
 
 
 def host_softmax_terms(attn: Attention) -> tuple[float, torch.Tensor | None]:
@@ -350,7 +350,8 @@ class PagedAttention(nn.Module):
     def attend(self, q, view, meta, row_class, out, extra=()) -> None:
         """The layer's path (``allhere.ops.paged.dispatch``) on the step; ``out[n:]`` zeroed."""
         self.path.fn(*self._args(q, view, meta, out), **self._options(row_class, extra),
-                     max_seq_len=getattr(meta, "max_seq_len", None), max_query_len=getattr(meta, "max_query_len", None))
+                     max_seq_len=getattr(meta, "max_seq_len", None), max_query_len=getattr(meta, "max_query_len", None),
+                     positions=step_plan(meta).token_positions())
         out[meta.num_actual_tokens:].zero_()
 
     def compute(self, q, k, v, row_class, out) -> None:

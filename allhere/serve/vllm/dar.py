@@ -44,7 +44,7 @@ from vllm.model_executor.models.extract_hidden_states import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ...hosts import SUBMODULE
-from ...ops.paged.attention import token_positions, window_read
+from ...ops.paged.attention import window_read
 from ...ops.paged.dar_far import LatentKV, far_pieces, rotary_projection, write_latents
 from .attention import VLLM_WINDOW_OFFSET, WINDOW_TILE, PagedAttention, step_plan
 from .blocks import block_argument, rebuild_attention
@@ -181,7 +181,7 @@ class DARAttention(PagedAttention):
         meta, view, q, out, lmeta, latents, x, k = step
         n = meta.num_actual_tokens
         if self._kv is None:
-            self._kv = self._latent_kv(x, k, token_positions(meta.query_start_loc, meta.seq_lens, n)[1])
+            self._kv = self._latent_kv(x, k, step_plan(meta).token_positions()[1])
         far = far_pieces(q[:n], latents, lmeta.query_start_loc, lmeta.seq_lens, lmeta.block_table, mech.window,
                          self._kv, self.scale)
         self.attend(q, view, meta, None, out, extra=far)
