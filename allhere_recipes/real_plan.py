@@ -22,7 +22,7 @@ Two CPU cores train SmolLM2-135M at about 100 tokens/s, so the CPU job fine-tune
 - fine-tuning starts from the taught routers, 120 steps (the whole job within 45 minutes on 2 cores): lambda
   from 0.1, steered towards 9% of the training text's pairs (the dual update of ``allhere.train``, 5% a step),
   the routers at 10 x the model's rate. The training windows with a planted recall (below) go global more than
-  held-out code does, so 9% there lands at 6.0% held out (98.65% of the control); towards 12% it lands at 8.0%
+  held-out code does, so 9% there lands at 5.6-6.0% held out (98.65% of the control); towards 12% it lands at 8.0%
   (98.80%), but the busiest 10% of heads then make 46% of the global calls instead of 52%: Retain buys less than
   a tenth of a point per point of mu_f, and the job keeps 9%. From lambda 0.01 (the pilots' start) the steering
   took all 120 steps to bring the routers from the taught 15% towards a 9% budget (lambda 0.31 at the end,
