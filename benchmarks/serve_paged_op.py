@@ -55,7 +55,7 @@ def setup(requests: int, length: int, q_len: int, dtype: torch.dtype = torch.flo
 def vllm_attention(s, q, qs, seq, table, window, out):
     """vLLM's CPU kernel over the same blocks (allhere's layout is the kernel's "vec" layout), causal,
     ``window`` keys (-1: all)."""
-    from allhere.serve.vllm.attention import vllm_attention as kernel
+    from allhere.serve.vllm.cpu_kernels import vllm_attention as kernel
 
     kernel(q, s["cache"].view(s["nb"], KVH, BS * 2, D), out, qs, seq, table, window, D ** -0.5, 0.0, None, "vec")
 
@@ -86,7 +86,7 @@ def aha_served(s, workspace, n_sinks: int = 0):
     from types import SimpleNamespace
 
     from allhere.ops.paged.attention import causal_read, window_read
-    from allhere.serve.vllm.attention import aha_over_vllm
+    from allhere.serve.vllm.cpu_kernels import aha_over_vllm
     from allhere.serve.vllm.layers import WIDE_TILE, WINDOW_TILE
 
     meta = SimpleNamespace(num_actual_tokens=s["q"].shape[0], query_start_loc=s["qs"], seq_lens=s["seq"],

@@ -389,7 +389,7 @@ def test_vllm_window_kernel_reads_allheres_layout():
     from types import SimpleNamespace
 
     from allhere.ops.paged.attention import paged_attention, paged_view, window_read, write
-    from allhere.serve.vllm.attention import same_layout, vllm_window
+    from allhere.serve.vllm.cpu_kernels import same_layout, vllm_window
 
     if not same_layout("vec", torch.float32):
         pytest.skip("this build's vLLM CPU kernel stores its blocks otherwise")
@@ -426,7 +426,7 @@ def test_aha_step_over_vllms_kernels_equals_allheres_attention(dtype):
 
     from allhere.ops.paged.attention import causal_read, paged_attention, paged_view, window_read, write
     from allhere.ops.paged.chunks import Workspace
-    from allhere.serve.vllm.attention import aha_over_vllm, same_layout
+    from allhere.serve.vllm.cpu_kernels import aha_over_vllm, same_layout
 
     if not same_layout("vec", dtype):
         pytest.skip("this build's vLLM CPU kernel stores its blocks otherwise")
@@ -468,7 +468,7 @@ def test_aha_sinks_step_over_vllms_kernels_equals_allheres_attention(dtype):
 
     from allhere.ops.paged.attention import causal_read, paged_attention, paged_view, window_read, write
     from allhere.ops.paged.chunks import Workspace
-    from allhere.serve.vllm.attention import aha_over_vllm, same_layout, sink_swaps, vllm_sink_window_decode
+    from allhere.serve.vllm.cpu_kernels import aha_over_vllm, same_layout, sink_swaps, vllm_sink_window_decode
 
     if not same_layout("vec", dtype):
         pytest.skip("this build's vLLM CPU kernel stores its blocks otherwise")
@@ -496,7 +496,7 @@ def test_aha_sinks_step_over_vllms_kernels_equals_allheres_attention(dtype):
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     dec, swap, blocks, rows = sink_swaps(meta, window, bs)
     assert dec.tolist() == [1, 2, 3, 6, 7] and swap.tolist() == [0, 3, 4] and rows.tolist() == [25, 29, 0]
-    done = vllm_sink_window_decode(q, cache, view, meta, window, d ** -0.5, 0.0, None, "vec", torch.zeros_like(q))
+    done = vllm_sink_window_decode(q, cache, meta, window, d ** -0.5, 0.0, None, "vec", torch.zeros_like(q))
     assert done.tolist() == [60, 61, 62, 65, 66]  # the decode tokens but the two that share a swapped slot
     assert torch.equal(cache, before)
     for sinks, cap in ((None, 0.0), (None, 3.0), (torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5]), 0.0)):

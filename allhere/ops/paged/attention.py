@@ -11,7 +11,7 @@ allhere reads the tensor's storage as ``[blocks, kv_heads, 2 (key, value), block
 holds its keys transposed, one contiguous ``[head_dim, block_size]`` tile, then its values, ``[block_size,
 head_dim]``. That is the layout vLLM's own CPU attention kernel reads (its "vec" and "vec16" variants, for x86
 without AMX), so that kernel can read the same blocks where it computes a part of the rule (AHA's windowed
-rows: ``allhere.serve.vllm.attention``). A layer served by the Triton paged kernel instead (AHA on CUDA:
+rows: ``allhere.serve.vllm.cpu_kernels``). A layer served by the Triton paged kernel instead (AHA on CUDA:
 ``aha_triton``) stores its keys untransposed, ``[block_size, head_dim]`` like its values
 (``write(..., transposed=False)``, read through ``kernel_caches``); a layer keeps one layout for its life.
 

@@ -11,7 +11,7 @@ its window, the others every earlier key: AHA's two classes; None for the other 
 - ``"reference"``: per request, its keys and values gathered in order through the block table, every row's
   mask evaluated from its class's predicates on the dense grid, scores and softmax in float32 (slow);
 - ``"torch"``: ``attention.paged_attention`` (tiles of rows over gathered blocks; keys transposed). Inside vLLM's
-  CPU backend the served layer also runs vLLM's own kernel for what it computes (``allhere.serve.vllm.attention``);
+  CPU backend the served layer also runs vLLM's own kernel for what it computes (``allhere.serve.vllm.cpu_kernels``);
 - ``"triton"``: allhere's Triton paged kernel (``aha_triton.aha_paged``; AHA's two classes only, the local
   one's window and sinks as its ``window_read`` holds them; keys untransposed); ``"auto"`` picks it on CUDA, an
   explicit ``"triton"`` also under Triton's interpreter.

@@ -46,14 +46,15 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from ...hosts import SUBMODULE
 from ...ops.paged.attention import window_read
 from ...ops.paged.dar_far import LatentKV, far_pieces, rotary_projection, write_latents
-from .attention import VLLM_WINDOW_OFFSET, WINDOW_TILE, PagedAttention, step_plan
+from .attention import WINDOW_TILE, PagedAttention
 from .blocks import block_argument, rebuild_attention
+from .cpu_kernels import VLLM_WINDOW_OFFSET, step_plan
 
 
 @dataclass
 class LatentMetadata:
     """What allhere reads of a step for the latent cache (its group's block table and slot mapping; the step's
-    ``PagedStepPlan`` is kept on it: ``allhere.serve.vllm.attention.step_plan``)."""
+    ``PagedStepPlan`` is kept on it: ``allhere.serve.vllm.cpu_kernels.step_plan``)."""
 
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
@@ -156,11 +157,11 @@ class DARAttention(PagedAttention):
             raise RuntimeError(f"allhere: {self.layer_name} called without the block's input")
         return x
 
-    def begin(self, q, k, v, x, out, rows_of):
+    def begin(self, q, k, v, x, out, meta, cache, rows_of):
         """The step's K/V written to the window's cache, and ``rows_of(x, k)`` (x [n, d_model], k [n, kv_heads, d])
         to the latent cache. Returns (metadata, the window cache's view, q, out, the latent cache's metadata and
         view [blocks, block_size, width], x, k), or None in vLLM's warm-up (no cache yet)."""
-        step = self.write_step(q, k, v, out)
+        step = self.write_step(q, k, v, out, meta, cache)
         if step is None:
             return None
         meta, view, q, out = step
@@ -173,9 +174,9 @@ class DARAttention(PagedAttention):
         write_latents(latents, slots, rows_of(x, k), places)
         return meta, view, q, out, lmeta, latents, x, k
 
-    def compute(self, q, k, v, x, out) -> None:
+    def compute(self, q, k, v, x, out, meta, cache) -> None:
         mech = self._parts[0]
-        step = self.begin(q, k, v, x, out, lambda x, k: F.linear(x, mech.down.weight))
+        step = self.begin(q, k, v, x, out, meta, cache, lambda x, k: F.linear(x, mech.down.weight))
         if step is None:
             return
         meta, view, q, out, lmeta, latents, x, k = step

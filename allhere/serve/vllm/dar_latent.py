@@ -29,8 +29,9 @@ from ...ops.dar_latent.reference import far_keys
 from ...ops.paged.dar_far import LatentKV, far_pieces
 from ...ops.paged.dar_latent_decode import decode_latent
 from ...ops.paged.step_plan import PagedStepPlan, part_of
-from .attention import VLLM_WINDOW_OFFSET, WORKSPACE, step_plan
+from .attention import WORKSPACE
 from .blocks import rebuild_attention
+from .cpu_kernels import VLLM_WINDOW_OFFSET, step_plan
 from .dar import DARAttention, LatentCache, check_own_block, keep_input, plain_rotary
 
 
@@ -113,9 +114,9 @@ class DARLatentAttention(DARAttention):
     """Stands where the block's ``attn`` stood: the window from the near (sliding) cache, the distant keys from
     the rows, one softmax."""
 
-    def compute(self, q, k, v, x, out) -> None:
+    def compute(self, q, k, v, x, out, meta, cache) -> None:
         mech = self._parts[0]
-        step = self.begin(q, k, v, x, out, mech.rows)
+        step = self.begin(q, k, v, x, out, meta, cache, mech.rows)
         if step is None:
             return
         meta, view, q, out, lmeta, rows, _, _ = step

@@ -34,8 +34,9 @@ from ... import registry
 from ...hosts import CONFIG_KEY, LAYERS_KEY
 from ...ops.paged.aha_triton import kernel_refusal
 from .. import serving
-from .attention import VLLM_WINDOW_OFFSET, host_softmax_terms, refuse_softmax_terms
+from .attention import host_softmax_terms, refuse_softmax_terms
 from .blocks import rebuild_attention
+from .cpu_kernels import VLLM_WINDOW_OFFSET
 from .dar import install_dar
 from .dar_latent import install_dar_latent
 from .layers import install_aha, install_masked

@@ -11,7 +11,7 @@ the mechanisms' own pure pieces give the rules: AHA's gate from the hidden state
   ``...self_attn.allhere.router.{weight,bias}``) gives the gate per (token, query head) in a forward pre-hook.
   The host's softmax terms are kept: learned sink logits (gpt-oss) and soft-capped scores (Gemma-2). Where
   vLLM's CPU kernel reads allhere's block layout, the local rows and a decode token's global rows are its kernel's
-  (in place, over the same blocks: ``allhere.serve.vllm.attention.aha_over_vllm``) and allhere's attention computes
+  (in place, over the same blocks: ``allhere.serve.vllm.cpu_kernels.aha_over_vllm``) and allhere's attention computes
   the prefill tokens' global rows; with one sink the decode tokens' windows stay vLLM's (the sink swapped in for
   the call) and allhere's attention computes the prefill tokens' local rows; with more, every row.
   The layer's cache keeps every key either way (its vLLM spec is full attention: the global rows read them all).
@@ -43,7 +43,9 @@ class AHAServe(nn.Module):
         if cfg.router != "linear":
             raise NotImplementedError(f"allhere vLLM serving: AHA router={cfg.router!r} is not supported "
                                       "(use 'linear')")
-        self.router = nn.Linear(d_model, n_heads, bias=cfg.router_bias)
+        # in float32 whatever the served dtype: the gate is a threshold on its scores, and a CPU's bfloat16 matmul
+        # of one token by a few heads costs several times float32's
+        self.router = nn.Linear(d_model, n_heads, bias=cfg.router_bias, dtype=torch.float32)
         self.gate: torch.Tensor | None = None
         self.forced_gate: bool | None = None  # True / False: every gate global / local; None: route
         self.register_buffer("n_global", torch.zeros((), dtype=torch.long), persistent=False)
@@ -52,7 +54,7 @@ class AHAServe(nn.Module):
     def route(self, x: torch.Tensor) -> None:
         """x [tokens, d_model] (vLLM's own blocks) or [1, tokens, d_model] (Hugging Face modules under vLLM's
         Transformers backend): the attention block's input. Sets the hard gate [tokens, heads]."""
-        _, gate = hidden_gate(x.reshape(-1, x.shape[-1]), self.router.weight, self.router.bias, self.tau,
+        _, gate = hidden_gate(x.reshape(-1, x.shape[-1]).float(), self.router.weight, self.router.bias, self.tau,
                               self.forced_gate)
         self.gate = gate
         self.n_global += gate.sum()

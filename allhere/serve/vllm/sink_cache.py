@@ -30,7 +30,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager, regi
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from .attention import VLLM_WINDOW_OFFSET
+from .cpu_kernels import VLLM_WINDOW_OFFSET
 
 
 @dataclass(frozen=True, kw_only=True)
