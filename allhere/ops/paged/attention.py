@@ -59,6 +59,7 @@ from ...masks.predicates import causal
 from ...masks.windows import sliding_window, sliding_with_sinks
 from .chunks import Merger, Workspace, attend_part, tile_rows
 from .decode import decode_direct, decode_rows
+from .step_plan import slot_places, token_positions
 
 
 class Read(NamedTuple):
@@ -78,15 +79,6 @@ def paged_view(cache: torch.Tensor, block_size: int, kv_heads: int, head_dim: in
         raise ValueError(f"a paged cache of {tuple(cache.shape)} does not hold whole blocks of {block_size} tokens x "
                          f"2 x {kv_heads} heads x {head_dim}")
     return cache.view(-1).view(cache.numel() // per_block, kv_heads, 2, block_size, head_dim)
-
-
-def slot_places(slots: torch.Tensor, block_size: int):
-    """Where ``slots`` [tokens] (negative: padding) lie in blocks of ``block_size``: (the index of the kept tokens,
-    None when all are kept; their block; their row in it)."""
-    keep = slots >= 0
-    kept = None if bool(keep.all()) else keep.nonzero().squeeze(1)
-    s = (slots if kept is None else slots[kept]).long()
-    return kept, s // block_size, s % block_size
 
 
 def write(view: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transposed: bool = True,
@@ -125,15 +117,6 @@ def window_read(window: int, q_tile: int | None = None, n_sinks: int = 0) -> Rea
 def causal_read(q_tile: int | None = None) -> Read:
     """Every key at or before the query (``masks.causal``, block tests and all)."""
     return Read(causal, q_tile)
-
-
-def token_positions(query_start: torch.Tensor, seq_lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(request [n], position [n]) of each of the step's first ``n`` query tokens: request r's queries are the
-    last ``query_start[r + 1] - query_start[r]`` of its ``seq_lens[r]`` tokens."""
-    starts, lens = query_start.long(), seq_lens.long()
-    q_len = starts[1:] - starts[:-1]
-    req = torch.repeat_interleave(torch.arange(q_len.numel(), device=starts.device), q_len, output_size=n)
-    return req, torch.arange(n, device=starts.device) - starts[req] + (lens - q_len)[req]
 
 
 def of_tokens(positions, query_start: torch.Tensor, seq_lens: torch.Tensor, n: int):

@@ -29,7 +29,7 @@ import torch
 
 from ...softmax import NEG_INF, softmax_lse
 from . import chunks
-from .attention import slot_places
+from .step_plan import slot_places
 
 FAR_BUDGET = 8 << 20  # bytes of a piece of rebuilt keys: a piece read from the CPU's caches right after the GEMM
 # wrote it (decode of 16 x 8k keys, one core: 95 ms at 8 MB, 138 ms at 32 MB; benchmarks/serve_paged_op.py)
@@ -85,7 +85,7 @@ def rotary_projection(weight: torch.Tensor, bias: torch.Tensor | None, kv_heads:
 
 def write_latents(view: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, places=None) -> None:
     """Store latents c [tokens, d_down] at ``slots`` [tokens] of ``view`` [blocks, block_size, d_down] (negative
-    slots: padding, skipped). ``places``: the slots' ``attention.slot_places``, where the caller has them."""
+    slots: padding, skipped). ``places``: the slots' ``step_plan.slot_places``, where the caller has them."""
     kept, blocks, rows = places or slot_places(slots, view.shape[1])
     view[blocks, rows] = (c if kept is None else c[kept]).to(view.dtype)
 

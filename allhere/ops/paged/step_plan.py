@@ -16,9 +16,25 @@ from typing import Callable, Hashable, TypeVar
 
 import torch
 
-from .attention import slot_places, token_positions
-
 T = TypeVar("T")
+
+
+def slot_places(slots: torch.Tensor, block_size: int):
+    """Where ``slots`` [tokens] (negative: padding) lie in blocks of ``block_size``: (the index of the kept tokens,
+    None when all are kept; their block; their row in it)."""
+    keep = slots >= 0
+    kept = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+    s = (slots if kept is None else slots[kept]).long()
+    return kept, s // block_size, s % block_size
+
+
+def token_positions(query_start: torch.Tensor, seq_lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request [n], position [n]) of each of the step's first ``n`` query tokens: request r's queries are the
+    last ``query_start[r + 1] - query_start[r]`` of its ``seq_lens[r]`` tokens."""
+    starts, lens = query_start.long(), seq_lens.long()
+    q_len = starts[1:] - starts[:-1]
+    req = torch.repeat_interleave(torch.arange(q_len.numel(), device=starts.device), q_len, output_size=n)
+    return req, torch.arange(n, device=starts.device) - starts[req] + (lens - q_len)[req]
 
 
 @dataclass(eq=False)
@@ -39,12 +55,12 @@ class PagedStepPlan:
         return self.parts[key]
 
     def slot_places(self, slots: torch.Tensor, block_size: int):
-        """``attention.slot_places`` of the step's slot mapping ``slots`` [tokens] in blocks of ``block_size``:
+        """``slot_places`` of the step's slot mapping ``slots`` [tokens] in blocks of ``block_size``:
         where every layer writes the step's keys."""
         return self.part(("slot places", block_size), lambda: slot_places(slots, block_size))
 
     def token_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(request [tokens], position [tokens]) of the step's tokens (``attention.token_positions``)."""
+        """(request [tokens], position [tokens]) of the step's tokens (``token_positions``)."""
         return self.part("token positions", lambda: token_positions(self.query_start_loc, self.seq_lens,
                                                                     self.tokens))
 
