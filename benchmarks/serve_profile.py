@@ -8,8 +8,11 @@ registered), BATCH requests of random prompts prefilled, then decode steps timed
 
 (needs the serving environment: bash scripts/install_serve.sh). The engine runs as ``allhere serve`` runs it
 (vLLM's torch.compile of the model, allhere's layers as custom operators), but in one process: the engine core's
-own threads share it, so Python's per-operator costs read somewhat higher than in a server. Run the plain and the
-converted model one after the other on an idle machine and compare the step times and the rows.
+own threads share it, so Python's per-operator costs read somewhat higher than in a server. It also runs on
+torch's threads (every core), where a server's worker runs one thread on a 2-core machine (vLLM keeps a core for
+its engine and API server): the torch threads are printed, and ratios between mechanisms of many small operators
+and plain can differ from a server's. ``--prefill``: the prefill's operators instead of the decode steps'. Run
+the plain and the converted model one after the other on an idle machine and compare the step times and the rows.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="served dtype")
     p.add_argument("--rows", type=int, default=30, help="operators (or functions) listed (default 30)")
     p.add_argument("--python", action="store_true", help="cProfile's Python functions instead of operators")
+    p.add_argument("--prefill", action="store_true", help="profile the prefill (until every first token) instead")
     a = p.parse_args()
 
     import torch
@@ -44,15 +48,23 @@ def main() -> None:
               kv_cache_memory_bytes=3 << 30)
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
+    vocab = min(40000, engine.model_config.get_vocab_size())  # a random model's vocabulary may be small
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     for i in range(a.batch):
-        engine.add_request(f"r{i}", {"prompt_token_ids": torch.randint(100, 40000, (a.prompt,), generator=gen)
+        engine.add_request(f"r{i}", {"prompt_token_ids": torch.randint(4, vocab, (a.prompt,), generator=gen)
                                      .tolist()}, params)
+    from torch.profiler import ProfilerActivity, profile
+
     start, started = time.perf_counter(), set()
-    while len(started) < a.batch:  # until every request has its first token: all decode from here on
-        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
-    print(f"# {a.model}: {a.batch} x {a.prompt} tokens prefilled in {time.perf_counter() - start:.1f} s; "
+    with profile(activities=[ProfilerActivity.CPU], enabled=a.prefill) as prof:
+        while len(started) < a.batch:  # until every request has its first token: all decode from here on
+            started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+    print(f"# {a.model}: {a.batch} x {a.prompt} tokens prefilled in {time.perf_counter() - start:.1f} s"
+          f"{' (profiled)' if a.prefill else ''}; torch threads {torch.get_num_threads()}; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    if a.prefill:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
+        return
     for _ in range(5):
         engine.step()
     start = time.perf_counter()
@@ -70,8 +82,6 @@ def main() -> None:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
         return
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(a.steps):
             engine.step()

@@ -16,13 +16,14 @@ both in the dtype they were saved in (bfloat16; ``--dtype`` to override), with S
 every prompt a different stretch of the standard library's held-out files in the model's tokens, sent as token ids.
 
 (needs the serving environment: bash scripts/install_serve.sh). Model: a random-weight Llama of 4 layers, d = 256,
-4 heads of 64 (fp32) and a word-level tokenizer of 1024 words, saved with transformers. Its versions: AHA (w = 256,
+4 heads of 64 (fp32) and a word-level tokenizer of 1024 words, saved with transformers (``--shape``: other
+shapes, ``SHAPES``: SmolLM2-135M's, a 4-head GQA model, an MHA model of heads of 128). Its versions: AHA (w = 256,
 routers set as ``allhere bench``'s whole-model table sets them: one head global for 27% of the tokens in three
 layers, every other head for 2%: mu_f about 7%, measured on a prompt and while serving, both printed), a sliding
 window of 256 (vLLM's own sliding-window layers), attention sinks (252 + 4), a per-head dilated window (128 keys
 at strides 1, 2, 3, 4), Longformer (window 256, the first 4 tokens global), BigBird (blocks of 64: 3 window
-blocks, 1 global, 1 random), DAR (w = 256, d_down = 64) and dar_latent (w = 256, d_down = 64, 4 rotary pairs per kv
-head, initialised from the random model's weights as ``allhere convert`` does).
+blocks, 1 global, 1 random), DAR (w = 256, d_down = 64; the shape's) and dar_latent (w = 256, d_c = d_down, 4
+rotary pairs per kv head, initialised from the random model's weights as ``allhere convert`` does).
 
 Workload, per prompt length (--prompts): every request its own prompt of random words (vLLM's prefix cache never
 hits), --new greedy tokens (ignore_eos), streamed; batch 1: --rounds requests one after another; batch 16: 16
@@ -58,6 +59,12 @@ import torch
 
 VOCAB = 1024
 LAYERS, HIDDEN, HEADS = 4, 256, 4
+# --shape: (layers, hidden size, heads, kv heads, MLP width, DAR's d_down); every head 64 wide but mha128's.
+# dar_latent keeps d_c = d_down and 4 rotary pairs per kv head on each; DAR d_down.
+SHAPES = {"small": (LAYERS, HIDDEN, HEADS, HEADS, 688, 64),  # the default; --kv-heads sets its kv heads
+          "smollm2": (30, 576, 9, 3, 1536, 144),  # SmolLM2-135M's attention and depth, d_c = d / 4
+          "gqa": (4, 256, 4, 2, 688, 64),  # 4 heads over 2 kv heads, d_c = d / 4
+          "mha128": (4, 512, 4, 4, 1376, 128)}  # multi-head, heads of 128, d_c = d / 4
 
 
 def tokenizer():
@@ -71,7 +78,7 @@ def tokenizer():
                                    unk_token="<unk>")
 
 
-def configs():
+def configs(d_down: int = 64):
     import allhere as ah
 
     return {"aha": ah.AHAConfig(window=256), "sliding": ah.SlidingConfig(window=256),
@@ -79,21 +86,23 @@ def configs():
             "dilated": ah.DilatedConfig(window=128, dilation=(1, 2, 3, 4)),
             "longformer": ah.LongformerConfig(window=256, global_first=4),
             "bigbird": ah.BigBirdConfig(block=64, window_blocks=3, global_blocks=1, random_blocks=1),
-            "dar": ah.DARConfig(window=256, d_down=64),
-            "dar_latent": ah.DARLatentConfig(window=256, d_down=64, rope_pairs=4)}
+            "dar": ah.DARConfig(window=256, d_down=d_down),
+            "dar_latent": ah.DARLatentConfig(window=256, d_down=d_down, rope_pairs=4)}
 
 
 def build(root: Path, calibrate: int, mechanisms: list[str], max_len: int,
-          kv_heads: int = HEADS) -> tuple[dict[str, Path], float | None]:
-    """The plain folder and one per mechanism; returns them and the AHA model's mu_f on a prompt."""
+          shape: tuple = SHAPES["small"]) -> tuple[dict[str, Path], float | None]:
+    """The plain folder and one per mechanism, of ``shape`` (a ``SHAPES`` value); returns them and the AHA model's
+    mu_f on a prompt."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from allhere.hf import collect_routing, convert, save_pretrained
     from allhere_recipes.model_bench import head_shares, set_routers
 
     tok = tokenizer()
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=kv_heads, max_position_embeddings=max_len,
+    layers, hidden, heads, kv_heads, mlp, d_down = shape
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_len,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
     torch.manual_seed(0)
     plain = LlamaForCausalLM(cfg).eval()
@@ -101,11 +110,12 @@ def build(root: Path, calibrate: int, mechanisms: list[str], max_len: int,
     plain.save_pretrained(folders["plain"])
     tok.save_pretrained(folders["plain"])
     for name in mechanisms:
-        model = convert(LlamaForCausalLM.from_pretrained(folders["plain"], dtype=torch.float32).eval(), configs()[name])
+        model = convert(LlamaForCausalLM.from_pretrained(folders["plain"], dtype=torch.float32).eval(),
+                        configs(d_down)[name])
         if name == "aha":
             ids = torch.randint(4, VOCAB, (1, calibrate), generator=torch.Generator().manual_seed(1))
             run = lambda x: model(x, use_cache=False).logits  # noqa: E731
-            set_routers(model, run, ids, head_shares(LAYERS, HEADS))
+            set_routers(model, run, ids, head_shares(layers, heads))
             with torch.no_grad():
                 run(ids)
             mu_f = float(collect_routing(model).mu_f())
@@ -257,8 +267,16 @@ def main() -> None:
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
                    help="served dtype (default float32; with --real auto: the dtype the folders were saved in)")
     p.add_argument("--kv-heads", type=int, default=HEADS, choices=[h for h in range(1, HEADS + 1) if HEADS % h == 0],
-                   help=f"the random model's kv heads (default {HEADS}: multi-head; fewer: grouped-query)")
+                   help=f"the small random model's kv heads (default {HEADS}: multi-head; fewer: grouped-query)")
+    p.add_argument("--shape", default="small", choices=list(SHAPES),
+                   help="the random model's shape (default small: 4 layers, d 256, 4 heads of 64; smollm2: "
+                        "SmolLM2-135M's 30 layers of 9 heads over 3; gqa: 4 heads over 2; mha128: heads of 128)")
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="write the random model's folders here and keep them (for serve_profile.py)")
     a = p.parse_args()
+    if a.shape != "small" and a.kv_heads != HEADS:
+        p.error("--kv-heads sets the small shape's kv heads; the other shapes fix theirs")
+    shape = SHAPES[a.shape] if a.shape != "small" else SHAPES["small"][:3] + (a.kv_heads,) + SHAPES["small"][4:]
     if a.quick:
         a.prompts, a.new, a.rounds, a.rounds16 = [256], 16, 2, 1
     max_len = max(a.prompts) + a.new + 64
@@ -272,9 +290,9 @@ def main() -> None:
         prompts = real_prompts(folders["plain"], a.prompts, count)
         dtype = a.dtype or "auto"
     else:
-        root = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+        root = a.keep or Path(tempfile.mkdtemp(prefix="serve-bench-"))
         folders, mu_f = build(root, min(max(a.prompts), 4096), list(dict.fromkeys(a.mechanisms)), max(max_len, 4096),
-                              a.kv_heads)
+                              shape)
         g = torch.Generator().manual_seed(2)
         prompts = {n: [" ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 4, (n - 1,), generator=g))
                        for _ in range(count)] for n in a.prompts}  # + BOS = n tokens each
@@ -282,7 +300,8 @@ def main() -> None:
     load = lambda: " ".join(f"{x:.2f}" for x in os.getloadavg())  # noqa: E731
     print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; prompts {a.prompts} tokens, "
           f"{a.new} new, batch 1 x {a.rounds}, batch 16 x {a.rounds16}; KV cache {a.kv_cache_gib} GiB; dtype {dtype}"
-          + (f"; {HEADS} heads over {a.kv_heads} kv heads" if a.real is None else "")
+          + (f"; shape {a.shape}: {shape[0]} layers, d {shape[1]}, {shape[2]} heads over {shape[3]} kv heads, "
+             f"d_down {shape[5]}" if a.real is None else "")
           + (f"; real model: {' against '.join(map(str, a.real))}" if a.real is not None else "")
           + (f"; AHA mu_f on a prompt {100 * mu_f:.1f}%" if mu_f is not None else ""), flush=True)
     results = {}

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..validation import ConfigError
 from . import serving
+from .cost import decode_work
 from .server_process import (
     KEEP_WORK,
     PARENT_ENV,
@@ -362,6 +363,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: 
         stats = _read_stats(stats_file)
         if stats and stats.get("kv"):  # written by the model as it was built (a converted folder)
             print(f"allhere serve: {format_kv(stats['kv'])}", flush=True)
+        work = decode_work(config, longest or config.get("max_position_embeddings") or 0)
+        if work is not None:
+            print(f"allhere serve: {work.line()}", flush=True)
         shown, shown_at = None, 0.0
         while proc.poll() is None:  # until a signal (raised here by the CLI's handlers) or vLLM's own end
             time.sleep(1.0)

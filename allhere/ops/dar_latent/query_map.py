@@ -50,5 +50,12 @@ def absorbed_queries(q: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor,
     qf = q.float()
     u = torch.addcmul(qf * c, qf.index_select(-1, perm), s)
     x = torch.cat([qf, u], -1).view(n, m.shape[0], heads // m.shape[0], 2 * d)
-    # einsum, not matmul: matmul would broadcast M to every query (a copy of M per query), einsum batches by KV head
-    return torch.einsum("ngqe,gew->ngqw", x, m).to(dtype).reshape(n, heads, -1)
+    return by_kv_head(x, m).to(dtype).reshape(n, heads, -1)
+
+
+def by_kv_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [n, kv_heads, q, e] @ w [kv_heads, e, out] per KV head -> [n, kv_heads, q, out], in one bmm. Not matmul,
+    which broadcasts w to every n (a copy each), nor einsum, whose planning costs 3x the bmm at a decode step's
+    sizes (16 us against 5 us on one core)."""
+    n, g, q, e = x.shape
+    return torch.bmm(x.transpose(0, 1).reshape(g, n * q, e), w).view(g, n, q, -1).transpose(0, 1)

@@ -26,6 +26,7 @@ import math
 import torch
 
 from ...softmax import NEG_INF
+from ..dar_latent.query_map import by_kv_head
 from .chunks import Workspace
 from .decode import block_kv
 from .step_plan import PagedStepPlan, part_of
@@ -92,7 +93,7 @@ def decode_latent(q, q_row, pos, near, near_table, rows, rows_table, window: int
         w_near, w_far = w.split([s_near.shape[-1], c.shape[1]], -1)
         summed[a:b] = torch.bmm(w_far.reshape(b - a, heads, -1).to(c.dtype), c[..., :d_c])  # read where it lies
         o[a:b] = torch.matmul(w_near.to(v.dtype), v[a:b]).float()
-    o += torch.einsum("mgqc,gdc->mgqd", summed.view(m, kv_heads, group, d_c), w_uv.float())
+    o += by_kv_head(summed.view(m, kv_heads, group, d_c), w_uv.float().transpose(1, 2))
     out.copy_(o.view(m, heads, d))
 
 
@@ -136,8 +137,7 @@ def _decode_by_kernel(kernel, q, q_row, pos, near, near_table, rows, rows_table,
     p = part_of(plan, "pos", lambda: pos.long())
     lat, lse_far = _far_by_kernel(kernel, q_row, p, rows, rows_table, window, d_c, scale, plan)
     lat = lat.float().nan_to_num_(0.0)  # a request with no far key: NaN, weight 0 below
-    # einsum, not matmul: matmul would broadcast W_UV to every request (a copy each), einsum batches by KV head
-    o = torch.einsum("mgqc,gdc->mgqd", lat.view(m, kv_heads, -1, d_c), w_uv.float()).reshape(m, heads, d)
+    o = by_kv_head(lat.view(m, kv_heads, -1, d_c), w_uv.float().transpose(1, 2)).reshape(m, heads, d)
     if window > 0:
         o_near, lse_near = _near_by_kernel(kernel, q, p, near, near_table, window, scale, workspace, plan)
         # the far part's share of the softmax (0 where a request reads no far key: lse_far -inf)
@@ -201,7 +201,8 @@ def _far_plan(p, rows_table, window: int, bl: int, per_block: int, per_row: int)
     most = max(1, int(far.max()))
     slots = (rows_table[:, :(most + bl - 1) // bl].long()[..., None] * per_block
              + torch.arange(bl, device=p.device) * per_row)
-    splits = max(1, min(most // KEYS_PER_SPLIT, -(-2 * torch.get_num_threads() // m)))
+    threads = torch.get_num_threads()  # one (vLLM's CPU worker on 2 cores): one split, its log-sum-exp read as is
+    splits = 1 if threads == 1 else max(1, min(most // KEYS_PER_SPLIT, -(-2 * threads // m)))
     return far, slots.view(m, -1), splits, torch.arange(m, device=p.device)
 
 

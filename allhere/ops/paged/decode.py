@@ -107,9 +107,10 @@ def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float,
     """The decode tokens ``tok`` [m] (request ``req``, position ``pos``) of a layer whose rows all read one
     predicate (the masked patterns), written straight into ``out`` [tokens, heads, d]: one softmax per row
     over every key it reads, so no log-sum-exp and no merge. All tokens at once, in few operations (the cost
-    of a decode step at batch 1 is the number of operations, not the keys): each token's readable blocks
-    (``pred.tiles``, any head) gathered in one copy, scores by one matmul from the keys as the cache holds
-    them (transposed), the predicate's mask, softmax, one matmul with the values. Scores in float32."""
+    of a decode step at batch 1 is the number of operations, not the keys): each (token, kv head)'s readable
+    blocks (``pred.tiles``, any head of its group: heads that read different blocks, BigBird's random ones,
+    cost their own kv head's keys only) gathered in one copy, scores by one matmul from the keys as the cache
+    holds them (transposed), the predicate's mask, softmax, one matmul with the values. Scores in float32."""
     m, heads, d = tok.numel(), q.shape[1], q.shape[2]
     kv_heads, bs = view.shape[1], view.shape[3]
     group = heads // kv_heads
@@ -118,21 +119,23 @@ def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float,
     h = torch.arange(heads, device=dev).view(1, kv_heads, group, 1)
     p = pos.view(m, 1, 1, 1)
     kl = torch.arange(int(pos.max()) // bs + 1, device=dev) * bs
-    ok = kl <= pos[:, None]  # [m, blocks]
+    ok = (kl <= pos[:, None])[:, None].expand(m, kv_heads, kl.numel())  # [m, kv_heads, blocks]
     test = pred.tiles
     if test is not None:
-        ok = ok & test(zero, h, p, p, kl, kl + bs - 1).expand(m, kv_heads, group, kl.numel()).any(2).any(1)
-    count = ok.sum(1)
+        ok = ok & test(zero, h, p, p, kl, kl + bs - 1).expand(m, kv_heads, group, kl.numel()).any(2)
+    count = ok.sum(2)
     width = max(1, int(count.max()))
-    cols = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices[:, :width]  # readable blocks first
-    valid = torch.arange(width, device=dev) < count[:, None]
-    blocks = torch.where(valid, block_table[req].long().gather(1, cols), 0)
-    kt, v = block_kv(view, blocks, Workspace())
+    cols = torch.sort((~ok).to(torch.int8), dim=2, stable=True).indices[..., :width]  # readable blocks first
+    valid = torch.arange(width, device=dev) < count[..., None]  # [m, kv_heads, width]
+    blocks = torch.where(valid, block_table[req].long()[:, None].expand(m, kv_heads, -1).gather(2, cols), 0)
+    tiles = blocks * kv_heads + torch.arange(kv_heads, device=dev)[:, None]
+    kt, v = gather(view, tiles, Workspace(), transposed=True)  # [m, kv_heads, width, d, bs], [..., bs, d]
+    kt = kt.permute(0, 1, 3, 2, 4).reshape(m, kv_heads, d, width * bs)
     s = torch.matmul(q[tok].view(m, kv_heads, group, d).float(), kt.float()) * scale  # [m, kv_heads, group, keys]
     if softcap:
         s = torch.tanh(s / softcap) * softcap
-    kpos = (cols[:, :, None] * bs + torch.arange(bs, device=dev)).view(m, 1, 1, -1)
-    allowed = pred(zero, h, p, kpos) & (kpos <= p) & valid.repeat_interleave(bs, 1).view(m, 1, 1, -1)
+    kpos = (cols[..., None] * bs + torch.arange(bs, device=dev)).view(m, kv_heads, 1, -1)
+    allowed = pred(zero, h, p, kpos) & (kpos <= p) & valid.repeat_interleave(bs, 2).view(m, kv_heads, 1, -1)
     s.masked_fill_(~allowed, NEG_INF)
     w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
-    out[tok] = torch.matmul(w, v.float()).view(m, heads, d).to(out.dtype)
+    out[tok] = torch.matmul(w, v.reshape(m, kv_heads, width * bs, d).float()).view(m, heads, d).to(out.dtype)

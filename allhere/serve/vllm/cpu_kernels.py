@@ -120,9 +120,14 @@ class DecodeRequests(NamedTuple):
     starts: torch.Tensor  # [m x kv_heads + 1] int32: 0, 1, 2, ... (one query per request of the kernel's call)
 
 
-def decode_requests(meta, kv_heads: int) -> DecodeRequests:
+def decode_indices(meta) -> torch.Tensor:
+    """The step's requests with one query (decode), by their index in its metadata [m]."""
     starts = meta.query_start_loc.long()
-    req = ((starts[1:] - starts[:-1]) == 1).nonzero().squeeze(1)
+    return ((starts[1:] - starts[:-1]) == 1).nonzero().squeeze(1)
+
+
+def decode_requests(meta, kv_heads: int) -> DecodeRequests:
+    starts, req = meta.query_start_loc.long(), decode_indices(meta)
     m = req.numel()
     return DecodeRequests(starts[:-1][req], m == meta.num_actual_tokens, meta.block_table[req].long() * kv_heads,
                           meta.seq_lens[req].to(torch.int32),
@@ -163,8 +168,7 @@ def sink_swaps(meta, window: int, bs: int):
     at position p swaps position p - window where that is >= 1 (else a window of window + 1 reads the sink as it
     is); a request whose swapped slot another request would read (blocks shared by prefix caching), and that
     reader, are left out."""
-    starts = meta.query_start_loc.long()
-    dec = ((starts[1:] - starts[:-1]) == 1).nonzero().squeeze(1)
+    dec = decode_indices(meta)
     pos = meta.seq_lens[dec].long() - 1
     table = meta.block_table[dec].long()
     at = pos - window
