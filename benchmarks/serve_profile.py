@@ -18,6 +18,7 @@ the plain and the converted model one after the other on an idle machine and com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -56,7 +57,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     start, started = time.perf_counter(), set()
-    with profile(activities=[ProfilerActivity.CPU], enabled=a.prefill) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) if a.prefill else contextlib.nullcontext() as prof:
         while len(started) < a.batch:  # until every request has its first token: all decode from here on
             started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
     print(f"# {a.model}: {a.batch} x {a.prompt} tokens prefilled in {time.perf_counter() - start:.1f} s"

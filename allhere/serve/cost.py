@@ -66,11 +66,19 @@ class Work:
                 f"{work}: {self.verdict()}")
 
 
-def shape(config: dict) -> tuple[int, int, int]:
-    """(query heads, KV heads, head size) of a saved model's config.json."""
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    return heads, kv_heads, config.get("head_dim") or config["hidden_size"] // heads
+def shape(config: dict) -> tuple[int, int, int] | None:
+    """(query heads, KV heads, head size) of a saved model's config.json (its ``text_config`` where it nests one);
+    None where it does not say them plainly."""
+    text = config.get("text_config") if "num_attention_heads" not in config else config
+    if not isinstance(text, dict):
+        return None
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    kv_heads = text.get("num_key_value_heads") or heads
+    d = text.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads
+                                 else None)
+    if not all(isinstance(x, int) and x > 0 for x in (heads, kv_heads, d)) or heads % kv_heads:
+        return None
+    return heads, kv_heads, d
 
 
 def decode_work(config: dict, context: int) -> Work | None:
@@ -79,8 +87,11 @@ def decode_work(config: dict, context: int) -> Work | None:
     mech = config.get("allhere_mechanism")
     if not isinstance(mech, dict) or context < 1:
         return None
+    dims = shape(config)
+    if dims is None:
+        return None
     cfg = registry.from_dict(mech)
-    heads, g, d = shape(config)
+    heads, g, d = dims
     t = context
     plain_macs, plain_bytes = heads * 2 * d * t, g * 2 * d * t
 

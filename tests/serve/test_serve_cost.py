@@ -59,6 +59,10 @@ def test_a_kv_head_is_read_for_every_key_any_of_its_heads_reads():
     assert mha.bytes == pytest.approx(mha.macs)
 
 
-def test_nothing_to_say_without_a_mechanism():
+def test_nothing_to_say_without_a_mechanism_or_a_plain_shape():
     assert decode_work(GQA, 8192) is None
+    aha = to_dict(ah.AHAConfig(window=8))
+    assert decode_work({"hidden_size": 256, "allhere_mechanism": aha}, 8192) is None  # no heads said
+    nested = decode_work({"text_config": GQA, "allhere_mechanism": aha}, 8192)
+    assert nested is not None and nested.macs == pytest.approx(8 / 8192)
     assert decode_work({**GQA, "allhere_mechanism": to_dict(ah.AHAConfig(window=8))}, 0) is None
