@@ -419,9 +419,11 @@ def test_aha_step_over_vllms_kernels_equals_allheres_attention(dtype):
     """AHA's whole step where vLLM's CPU kernel reads allhere's layout (``aha_over_vllm``): windows by its windowed
     kernel, decode tokens' global rows by its full kernel per (token, kv head), prefill tokens' global rows by
     allhere's attention; against allhere's own attention for every row. GQA (6 heads over 2 kv heads), three
-    decode requests (one with no global row, one with a whole kv head's group global) beside a prefill chunk;
-    with a soft cap, and with sink logits (then decode's global rows stay allhere's). In bfloat16 both sides
-    compute in float32 over bfloat16 inputs: equal within bfloat16's rounding of the output."""
+    decode requests (one with no global row, one with a whole kv head's group global) beside a prefill chunk, and
+    a short request whose window holds all its keys (its global rows are its window's: one call), also alone in
+    a step (every row local); with a soft cap, and with sink logits (then decode's global rows stay allhere's).
+    In bfloat16 both sides compute in float32 over bfloat16 inputs: equal within bfloat16's rounding of the
+    output."""
     from types import SimpleNamespace
 
     from allhere.ops.paged.attention import causal_read, paged_attention, paged_view, window_read, write
@@ -432,10 +434,11 @@ def test_aha_step_over_vllms_kernels_equals_allheres_attention(dtype):
         pytest.skip("this build's vLLM CPU kernel stores its blocks otherwise")
     heads, kv_heads, d, bs, window = 6, 2, 64, 32, 40
     gen = torch.Generator().manual_seed(0)
-    lens, q_lens = [100, 70, 130, 45], [60, 1, 1, 1]
+    lens, q_lens = [100, 70, 130, 45, 30], [60, 1, 1, 1, 1]
     cache = torch.zeros(20, kv_heads, bs, 2 * d, dtype=dtype)
     view = paged_view(cache, bs, kv_heads, d)
-    table = torch.tensor([[7, 2, 5, 0, 0], [1, 8, 3, 0, 0], [4, 9, 10, 11, 12], [13, 6, 0, 0, 0]], dtype=torch.int32)
+    table = torch.tensor([[7, 2, 5, 0, 0], [1, 8, 3, 0, 0], [4, 9, 10, 11, 12], [13, 6, 0, 0, 0], [14, 0, 0, 0, 0]],
+                         dtype=torch.int32)
     for r, n in enumerate(lens):
         slots = torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(n)])
         write(view, slots, torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen))
@@ -443,9 +446,12 @@ def test_aha_step_over_vllms_kernels_equals_allheres_attention(dtype):
     gate = torch.rand(q.shape[0], heads, generator=gen) < 0.3
     gate[60] = False  # a decode token with no global row
     gate[61] = torch.tensor([True, True, True, False, False, False])  # one kv head's whole group global
+    gate[63] = True  # position 29 < window: every global row reads the window's keys
     meta = SimpleNamespace(num_actual_tokens=q.shape[0],
-                           query_start_loc=torch.tensor([0, 60, 61, 62, 63], dtype=torch.int32),
+                           query_start_loc=torch.tensor([0, 60, 61, 62, 63, 64], dtype=torch.int32),
                            seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table)
+    short = SimpleNamespace(num_actual_tokens=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                            seq_lens=torch.tensor([30], dtype=torch.int32), block_table=table[4:])
     reads = [[window_read(window)], [causal_read()]]
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for sinks, cap in ((None, 0.0), (None, 3.0), (torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5]), 0.0)):
@@ -454,6 +460,10 @@ def test_aha_step_over_vllms_kernels_equals_allheres_attention(dtype):
         paged_attention(q, view, meta.query_start_loc, meta.seq_lens, table, reads, d ** -0.5, ours, row_class=gate,
                         sinks=sinks, softcap=cap)
         torch.testing.assert_close(theirs.float(), ours.float(), **tol)
+        alone = torch.zeros_like(q[63:])
+        aha_over_vllm(q[63:], cache, view, short, reads, gate[63:], 0, d ** -0.5, cap, sinks, "vec", alone,
+                      Workspace())
+        torch.testing.assert_close(alone.float(), ours[63:].float(), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -260,6 +260,13 @@ def vllm_sink_window_decode(q, cache, meta, window: int, scale: float, softcap: 
     return sw.tok
 
 
+def past_window(plan: PagedStepPlan, window: int) -> torch.Tensor | bool:
+    """Which of the step's tokens have keys before their window of ``window`` (position >= window): [n, 1] bool,
+    or True (all of them), False (none: a short prompt, every row local)."""
+    past = plan.token_positions()[1] >= window
+    return True if bool(past.all()) else (past[:, None] if bool(past.any()) else False)
+
+
 def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, scale: float, softcap: float, sinks,
                   isa: str, out, workspace) -> None:
     """AHA's step on vLLM's CPU backend where its kernel reads allhere's layout: every row's window by vLLM's
@@ -276,6 +283,10 @@ def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, scale: flo
     n = meta.num_actual_tokens
     rows = row_class[:n]
     glob = rows if rows.dtype == torch.bool and local == 0 else rows != local  # AHA's gate is that already
+    plan = step_plan(meta)
+    reach = plan.part(("past window", window_read.window), lambda: past_window(plan, window_read.window))
+    if reach is not True:  # a global row of a token whose window holds all its keys is its local row
+        glob = glob & reach
     if window_read.n_sinks:
         tok = vllm_sink_window_decode(q, cache, meta, window_read.window, scale, softcap, sinks, isa, out)
         windows_done = tok.numel() == n
@@ -286,7 +297,7 @@ def aha_over_vllm(q, cache, view, meta, reads, row_class, local: int, scale: flo
     decode_globals = sinks is None and not all_local
     if decode_globals:
         global_tok = vllm_global_decode(q, cache, meta, glob, scale, softcap, isa, out)
-    if windows_done and (all_local or (decode_globals and step_plan(meta).decodes_only())):
+    if windows_done and (all_local or (decode_globals and plan.decodes_only())):
         return  # every row done: a step of decode tokens (or of local rows only), the usual step of a server
     is_local = ~glob
     done = torch.zeros_like(is_local)
