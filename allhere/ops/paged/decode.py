@@ -92,15 +92,17 @@ def _attend_t(q, kt, v, allowed, scale: float, softcap: float):
 
 
 def block_kv(view, blocks: torch.Tensor, workspace: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K/V of blocks ``blocks`` [m, w] of ``view`` (``attention.paged_view``), gathered in one copy
-    (``chunks.gather``), each row's blocks side by side: keys as the cache holds them, transposed,
-    [m, kv_heads, d, w x bs], and values [m, kv_heads, w x bs, d]."""
-    m, w = blocks.shape
+    """The K/V of blocks ``blocks`` [m, w] (the same blocks for every kv head) or [m, kv_heads, w] (each kv head
+    its own) of ``view`` (``attention.paged_view``), gathered in one copy (``chunks.gather``), each row's blocks
+    side by side: keys as the cache holds them, transposed, [m, kv_heads, d, w x bs], and values [m, kv_heads,
+    w x bs, d]."""
     kv_heads, bs, d = view.shape[1], view.shape[3], view.shape[4]
-    tiles = blocks[..., None] * kv_heads + torch.arange(kv_heads, device=blocks.device)
-    kt, v = gather(view, tiles, workspace, transposed=True)  # [m, w, kv_heads, d, bs], [m, w, kv_heads, bs, d]
-    return (kt.permute(0, 2, 3, 1, 4).reshape(m, kv_heads, d, w * bs),
-            v.permute(0, 2, 1, 3, 4).reshape(m, kv_heads, w * bs, d))
+    if blocks.dim() == 2:
+        blocks = blocks[:, None].expand(-1, kv_heads, -1)
+    m, _, w = blocks.shape
+    tiles = blocks * kv_heads + torch.arange(kv_heads, device=blocks.device)[:, None]
+    kt, v = gather(view, tiles, workspace, transposed=True)  # [m, kv_heads, w, d, bs], [m, kv_heads, w, bs, d]
+    return kt.permute(0, 1, 3, 2, 4).reshape(m, kv_heads, d, w * bs), v.reshape(m, kv_heads, w * bs, d)
 
 
 def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float, softcap: float, out) -> None:
@@ -128,9 +130,7 @@ def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float,
     cols = torch.sort((~ok).to(torch.int8), dim=2, stable=True).indices[..., :width]  # readable blocks first
     valid = torch.arange(width, device=dev) < count[..., None]  # [m, kv_heads, width]
     blocks = torch.where(valid, block_table[req].long()[:, None].expand(m, kv_heads, -1).gather(2, cols), 0)
-    tiles = blocks * kv_heads + torch.arange(kv_heads, device=dev)[:, None]
-    kt, v = gather(view, tiles, Workspace(), transposed=True)  # [m, kv_heads, width, d, bs], [..., bs, d]
-    kt = kt.permute(0, 1, 3, 2, 4).reshape(m, kv_heads, d, width * bs)
+    kt, v = block_kv(view, blocks, Workspace())
     s = torch.matmul(q[tok].view(m, kv_heads, group, d).float(), kt.float()) * scale  # [m, kv_heads, group, keys]
     if softcap:
         s = torch.tanh(s / softcap) * softcap
@@ -138,4 +138,4 @@ def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float,
     allowed = pred(zero, h, p, kpos) & (kpos <= p) & valid.repeat_interleave(bs, 2).view(m, kv_heads, 1, -1)
     s.masked_fill_(~allowed, NEG_INF)
     w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
-    out[tok] = torch.matmul(w, v.reshape(m, kv_heads, width * bs, d).float()).view(m, heads, d).to(out.dtype)
+    out[tok] = torch.matmul(w, v.float()).view(m, heads, d).to(out.dtype)
