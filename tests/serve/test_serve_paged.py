@@ -519,3 +519,48 @@ def test_aha_prefill_in_large_calls_equals_paged_attention(window, n_sinks, dtyp
     assert done.tolist() == [True] * 250 + [False] + [True] * 150
     torch.testing.assert_close(ours[done].float(), ref[done].float(), **tol)
     assert bool((ours[~done] == 7.0).all())  # the decode token's rows are left as they were
+
+
+@pytest.mark.parametrize("window, dtype, small", [(40, torch.float32, False), (200, torch.float32, False),
+                                                   (40, torch.bfloat16, False), (40, torch.float32, True)])
+def test_window_prefill_pieces_equal_the_window_rows(window, dtype, small, monkeypatch):
+    """``window_prefill.window_pieces`` (a prefill's windows in a few fused calls, as pieces with their
+    log-sum-exp) = ``paged_attention``'s window rows, and each row's log-sum-exp = the dense one: a whole prompt,
+    a later chunk whose first blocks were freed (filled with NaN, as nothing reads there), a chunk shorter than a
+    tile, a decode token beside them (no piece); a window wider than a tile; ``small``: tiles of 48."""
+    from allhere.ops.paged import aha_prefill as prefill_module
+    from allhere.ops.paged.window_prefill import window_pieces
+
+    if small:
+        monkeypatch.setattr(prefill_module, "TILE", 48)
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, bs = 6, 2, 16, 32
+    lens, q_lens = [300, 77, 530, 20], [250, 1, 130, 20]
+    cache = torch.zeros(80, kv_heads, bs, 2 * d, dtype=dtype)
+    view = paged_view(cache, bs, kv_heads, d)
+    table = torch.randperm(80, generator=gen).to(torch.int32).view(4, 20)
+    dense = []
+    for r, n in enumerate(lens):
+        k, v = torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen)
+        write(view, torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(n)]), k, v)
+        dense.append((k.to(dtype).float(), v.to(dtype).float()))
+    q = torch.randn(sum(q_lens), heads, d, generator=gen).to(dtype)
+    starts, seq_lens = torch.tensor([0, 250, 251, 381, 401], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    ref = torch.zeros_like(q)
+    paged_attention(q, view, starts, seq_lens, table, [[window_read(window)]], d ** -0.5, ref)
+    reach = (lens[2] - q_lens[2] - window) // bs  # request 2: the blocks behind every window
+    view[table[2, :reach].long()] = float("nan")
+    pieces = list(window_pieces(q, view, starts, seq_lens, table, window, d ** -0.5))
+    assert len(pieces) == 3  # not the decode token
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    group = heads // kv_heads
+    for (ids, o, lse), r in zip(pieces, (0, 2, 3)):
+        s, t = int(starts[r]), q_lens[r]
+        assert ids[0].tolist() == list(range(s * heads, (s + t) * heads))
+        torch.testing.assert_close(o[0].view(t, heads, d).float(), ref[s:s + t].float(), **tol)
+        k, v = dense[r]
+        pos = torch.arange(lens[r] - t, lens[r])
+        allowed = (torch.arange(lens[r])[None] <= pos[:, None]) & (pos[:, None] - torch.arange(lens[r])[None] < window)
+        scores = torch.einsum("thd,khd->thk", q[s:s + t].float(), k.repeat_interleave(group, 1)) * d ** -0.5
+        want = scores.masked_fill(~allowed[:, None], float("-inf")).logsumexp(-1)
+        torch.testing.assert_close(lse[0].view(t, heads), want, **tol)

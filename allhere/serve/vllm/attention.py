@@ -141,17 +141,19 @@ class PagedAttention(nn.Module):
             write(view, slots, k, v, transposed=transposed_for(self.path), places=places)
         return meta, view, q, out
 
-    def _args(self, q, view, meta, out) -> tuple:
-        return q, view, meta.query_start_loc, meta.seq_lens, meta.block_table, self.reads, self.scale, out
+    def _args(self, q, view, meta, out, reads=None) -> tuple:
+        return (q, view, meta.query_start_loc, meta.seq_lens, meta.block_table, self.reads if reads is None else reads,
+                self.scale, out)
 
     def _options(self, row_class, extra=()) -> dict:
         return dict(row_class=row_class, window_class=self.window_class, softcap=self.softcap, extra=extra,
                     sinks=None if self.sinks is None else self.sinks.float(), workspace=WORKSPACE,
                     transposed=transposed_for(self.path) if self.path is not None else True)
 
-    def attend(self, q, view, meta, row_class, out, extra=()) -> None:
-        """The layer's path (``allhere.ops.paged.dispatch``) on the step; ``out[n:]`` zeroed."""
-        self.path.fn(*self._args(q, view, meta, out), **self._options(row_class, extra),
+    def attend(self, q, view, meta, row_class, out, extra=(), reads=None) -> None:
+        """The layer's path (``allhere.ops.paged.dispatch``) on the step (``reads``: in place of the layer's);
+        ``out[n:]`` zeroed."""
+        self.path.fn(*self._args(q, view, meta, out, reads), **self._options(row_class, extra),
                      max_seq_len=getattr(meta, "max_seq_len", None), max_query_len=getattr(meta, "max_query_len", None),
                      positions=step_plan(meta).token_positions())
         out[meta.num_actual_tokens:].zero_()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from ...hosts import SUBMODULE
 from ...ops.paged.attention import window_read
 from ...ops.paged.dar_far import LatentKV, far_pieces, rotary_projection, write_latents
+from ...ops.paged.window_prefill import window_pieces
 from .attention import WINDOW_TILE, PagedAttention
 from .blocks import block_argument, rebuild_attention
 from .cpu_kernels import VLLM_WINDOW_OFFSET, step_plan
@@ -185,7 +187,23 @@ class DARAttention(PagedAttention):
             self._kv = self._latent_kv(x, k, step_plan(meta).token_positions()[1])
         far = far_pieces(q[:n], latents, lmeta.query_start_loc, lmeta.seq_lens, lmeta.block_table, mech.window,
                          self._kv, self.scale)
-        self.attend(q, view, meta, None, out, extra=far)
+        self.attend_far(q, view, meta, out, far)
+
+    def attend_far(self, q, view, meta, out, far) -> None:
+        """The window and ``far``'s pieces under one softmax. On the torch path a prefill's windows are read in a
+        few large calls (``ops.paged.window_prefill``) and the layer's path reads only the decode rows' (the
+        prefill rows are of a class that reads nothing there)."""
+        starts = meta.query_start_loc.long()
+        prefill = (starts[1:] - starts[:-1]) > 1
+        if self.path.backend != "torch" or not self.reads[0] or not bool(prefill.any()):
+            self.attend(q, view, meta, None, out, extra=far)
+            return
+        n = meta.num_actual_tokens
+        req, _ = step_plan(meta).token_positions()
+        near = window_pieces(q[:n], view, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                             self._parts[0].window, self.scale)
+        row_class = prefill[req].long()[:, None].expand(n, self.heads)  # 1: a prefill row, read here by nothing
+        self.attend(q, view, meta, row_class, out, extra=itertools.chain(far, near), reads=[self.reads[0], []])
 
     def _latent_kv(self, x, k_host, positions) -> LatentKV:
         """The far keys' and values' maps from the latents; first checked: the same key path on the step's

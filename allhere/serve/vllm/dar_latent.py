@@ -134,7 +134,7 @@ class DARLatentAttention(DARAttention):
         far = far_pieces(mech.far_queries(q[:n], positions), rows, lmeta.query_start_loc, lmeta.seq_lens,
                          lmeta.block_table, mech.window, mech.latent_kv(), self.scale,
                          absorbed=lambda ids: mech.decode_queries(q[ids], positions[ids], rows.dtype))
-        self.attend(q, view, meta, None, out, extra=far)
+        self.attend_far(q, view, meta, out, far)
 
 
 def install_dar_latent(block: nn.Module, attn: Attention, cfg, d_model: int) -> None:
