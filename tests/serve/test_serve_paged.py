@@ -21,6 +21,7 @@ from allhere.ops.full import pattern_attention_reference
 from allhere.ops.paged import chunks as paged_chunks
 from allhere.ops.paged.aha_triton import aha_paged, kernel_refusal
 from allhere.ops.paged.attention import (
+    Read,
     causal_read,
     paged_attention,
     paged_view,
@@ -564,3 +565,25 @@ def test_window_prefill_pieces_equal_the_window_rows(window, dtype, small, monke
         scores = torch.einsum("thd,khd->thk", q[s:s + t].float(), k.repeat_interleave(group, 1)) * d ** -0.5
         want = scores.masked_fill(~allowed[:, None], float("-inf")).logsumexp(-1)
         torch.testing.assert_close(lse[0].view(t, heads), want, **tol)
+
+
+def test_decode_reads_kept_for_the_steps_other_layers():
+    """A decode step of a one-rule layer (``decode_direct``) with the step's plan: the first layer works out which
+    blocks and keys its rows read, a second layer of the same rule (another cache, other queries) reuses them and
+    gets what it gets with no plan, and a layer of another rule works out its own."""
+    gen = torch.Generator().manual_seed(3)
+    starts = torch.arange(len(LENGTHS) + 1, dtype=torch.int32)
+    lens = torch.tensor(LENGTHS, dtype=torch.int32)
+    table, pool = _table(gen, BS)
+    table = table[:len(LENGTHS)].clamp_min(0)
+    bigbird = ah.BigBirdConfig(block=4, window_blocks=2, global_blocks=1, random_blocks=1).mask_fn(None)
+    plan = PagedStepPlan(starts, lens, table, len(LENGTHS))
+    for pred in (bigbird, bigbird, sliding_window(5)):
+        view = paged_view(torch.randn(pool, KV_HEADS, BS, 2 * D, generator=gen), BS, KV_HEADS, D)
+        q = torch.randn(len(LENGTHS), HEADS, D, generator=gen)
+        alone, planned = torch.zeros_like(q), torch.zeros_like(q)
+        paged_attention(q, view, starts, lens, table, [[Read(pred)]], SCALE, alone)
+        paged_attention(q, view, starts, lens, table, [[Read(pred)]], SCALE, planned, plan=plan)
+        torch.testing.assert_close(planned, alone, atol=0, rtol=0)
+        assert bool(alone.abs().sum(-1).gt(0).all())
+    assert sorted(k[1].name for k in plan.parts if k[0] == "direct reads") == sorted([bigbird.name, "sliding_window_5"])

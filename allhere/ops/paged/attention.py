@@ -59,7 +59,7 @@ from ...masks.predicates import causal
 from ...masks.windows import sliding_window, sliding_with_sinks
 from .chunks import Merger, Workspace, attend_part, tile_rows
 from .decode import decode_direct, decode_rows
-from .step_plan import slot_places, token_positions
+from .step_plan import PagedStepPlan, slot_places, token_positions
 
 
 class Read(NamedTuple):
@@ -131,7 +131,8 @@ def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
                     seq_lens: torch.Tensor, block_table: torch.Tensor, reads: Sequence[Sequence[Read]], scale: float,
                     out: torch.Tensor, row_class: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                     softcap: float = 0.0, q_tile: int = 64, pack: int = 8,
-                    workspace: Workspace | None = None, extra: Sequence = (), positions=None) -> None:
+                    workspace: Workspace | None = None, extra: Sequence = (), positions=None,
+                    plan: PagedStepPlan | None = None) -> None:
     """Every request's queries against its cached keys (the step's own already written).
 
     q [tokens, heads, d]: request r's queries are rows ``query_start[r]:query_start[r + 1]``, at the last
@@ -148,7 +149,8 @@ def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
     gathered keys and values (one is made for this call if None). ``extra``: more pieces the rows read (as
     ``paged_pieces`` returns them), joined under the same softmax (then every row is written). ``positions``:
     ``token_positions`` of the step's tokens where a caller has them (a ``PagedStepPlan``'s, made once for every
-    layer of the step); None: computed here."""
+    layer of the step); None: computed here. ``plan``: the step's ``PagedStepPlan``, where a decode step's reads
+    of a one-rule layer are kept for the step's other layers of the same rule (``decode.decode_direct``)."""
     heads = q.shape[1]
     n = int(query_start[-1])
     if n == 0:
@@ -157,7 +159,7 @@ def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
     starts = query_start.long()
     decode = (starts[1:] - starts[:-1]) == 1 if one_read else None
     if decode is not None and bool(decode.all()):  # a decode step of a one-rule layer: no merge at all
-        _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, view, out)
+        _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, view, out, plan)
         return
     merger = Merger(n * heads, q.shape[2], q.device)
     for piece in extra:  # in turn, not interleaved: the pieces may share the workspace's buffers
@@ -177,15 +179,15 @@ def paged_attention(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tens
         mine = ~torch.isin(cls, torch.tensor(empty, device=q.device))[..., None]
         out[:n] = torch.where(mine, merged, out[:n])
     if decode is not None and bool(decode.any()):
-        _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, view, out)
+        _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, view, out, plan)
 
 
-def _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, view, out) -> None:
+def _direct(q, seq_lens, block_table, reads, scale, softcap, starts, decode, view, out, plan) -> None:
     """The decode tokens of a layer whose rows all read one predicate, straight into ``out``
     (``decode.decode_direct``)."""
     req = decode.nonzero().squeeze(1)
     decode_direct(q, starts[:-1][req], req, seq_lens[req].long() - 1, as_mask(Read(*reads[0][0]).pred), view,
-                  block_table, scale, softcap, out)
+                  block_table, scale, softcap, out, plan)
 
 
 def paged_pieces(q: torch.Tensor, view: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,

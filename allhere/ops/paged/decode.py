@@ -13,6 +13,7 @@ import torch
 from ...masks.mask import Mask
 from ...softmax import NEG_INF, softmax_lse
 from .chunks import MAX_GATHER_BYTES, Workspace, gather
+from .step_plan import PagedStepPlan, part_of
 
 
 def decode_rows(qflat, tok, req, pos, row_class, reads, view, block_table, scale: float, softcap: float,
@@ -105,18 +106,34 @@ def block_kv(view, blocks: torch.Tensor, workspace: Workspace) -> tuple[torch.Te
     return kt.permute(0, 1, 3, 2, 4).reshape(m, kv_heads, d, w * bs), v.reshape(m, kv_heads, w * bs, d)
 
 
-def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float, softcap: float, out) -> None:
+def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float, softcap: float, out,
+                  plan: PagedStepPlan | None = None) -> None:
     """The decode tokens ``tok`` [m] (request ``req``, position ``pos``) of a layer whose rows all read one
     predicate (the masked patterns), written straight into ``out`` [tokens, heads, d]: one softmax per row
     over every key it reads, so no log-sum-exp and no merge. All tokens at once, in few operations (the cost
     of a decode step at batch 1 is the number of operations, not the keys): each (token, kv head)'s readable
     blocks (``pred.tiles``, any head of its group: heads that read different blocks, BigBird's random ones,
     cost their own kv head's keys only) gathered in one copy, scores by one matmul from the keys as the cache
-    holds them (transposed), the predicate's mask, softmax, one matmul with the values. Scores in float32."""
+    holds them (transposed), the predicate's mask, softmax, one matmul with the values. Scores in float32.
+    ``plan``: the step's ``PagedStepPlan``, where which blocks and keys each row reads is kept for the step's
+    other layers reading the same ``pred`` (the object: layers of one pattern share it)."""
     m, heads, d = tok.numel(), q.shape[1], q.shape[2]
-    kv_heads, bs = view.shape[1], view.shape[3]
-    group = heads // kv_heads
-    dev = q.device
+    kv_heads = view.shape[1]
+    blocks, allowed = part_of(plan, ("direct reads", pred, heads, kv_heads, view.shape[3]),
+                              lambda: _direct_reads(pred, req, pos, block_table, heads, kv_heads, view.shape[3]))
+    kt, v = block_kv(view, blocks, Workspace())
+    s = torch.matmul(q[tok].view(m, kv_heads, heads // kv_heads, d).float(), kt.float()) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s.masked_fill_(~allowed, NEG_INF)  # [m, kv_heads, group, keys]
+    w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
+    out[tok] = torch.matmul(w, v.float()).view(m, heads, d).to(out.dtype)
+
+
+def _direct_reads(pred: Mask, req, pos, block_table, heads: int, kv_heads: int, bs: int):
+    """``decode_direct``'s reads: (blocks [m, kv_heads, width] of each (token, kv head), readable ones first, 0
+    past them; allowed [m, kv_heads, group or 1, width x bs] bool: the keys each row reads among them)."""
+    m, group, dev = pos.numel(), heads // kv_heads, pos.device
     zero = torch.zeros((), dtype=torch.long, device=dev)
     h = torch.arange(heads, device=dev).view(1, kv_heads, group, 1)
     p = pos.view(m, 1, 1, 1)
@@ -130,12 +147,6 @@ def decode_direct(q, tok, req, pos, pred: Mask, view, block_table, scale: float,
     cols = torch.sort((~ok).to(torch.int8), dim=2, stable=True).indices[..., :width]  # readable blocks first
     valid = torch.arange(width, device=dev) < count[..., None]  # [m, kv_heads, width]
     blocks = torch.where(valid, block_table[req].long()[:, None].expand(m, kv_heads, -1).gather(2, cols), 0)
-    kt, v = block_kv(view, blocks, Workspace())
-    s = torch.matmul(q[tok].view(m, kv_heads, group, d).float(), kt.float()) * scale  # [m, kv_heads, group, keys]
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
     kpos = (cols[..., None] * bs + torch.arange(bs, device=dev)).view(m, kv_heads, 1, -1)
     allowed = pred(zero, h, p, kpos) & (kpos <= p) & valid.repeat_interleave(bs, 2).view(m, kv_heads, 1, -1)
-    s.masked_fill_(~allowed, NEG_INF)
-    w = torch.softmax(s, -1).nan_to_num_(0.0)  # a row that reads no key: 0
-    out[tok] = torch.matmul(w, v.float()).view(m, heads, d).to(out.dtype)
+    return blocks, allowed

@@ -155,7 +155,7 @@ class PagedAttention(nn.Module):
         ``out[n:]`` zeroed."""
         self.path.fn(*self._args(q, view, meta, out, reads), **self._options(row_class, extra),
                      max_seq_len=getattr(meta, "max_seq_len", None), max_query_len=getattr(meta, "max_query_len", None),
-                     positions=step_plan(meta).token_positions())
+                     positions=step_plan(meta).token_positions(), plan=step_plan(meta))
         out[meta.num_actual_tokens:].zero_()
 
     def compute(self, q, k, v, row_class, out, meta, cache) -> None:

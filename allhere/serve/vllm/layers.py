@@ -83,4 +83,19 @@ def install_masked(block: nn.Module, attn: Attention, cfg) -> None:
                                   f"{type(cfg).__name__} has no mask_fn")
     if not getattr(cfg, "causal", True):
         raise NotImplementedError(f"allhere vLLM serving: {cfg.kind} with causal=False is an encoder's pattern")
-    block.attn = PagedAttention(attn, [[Read(cfg.mask_fn(None), WINDOW_TILE)]])
+    block.attn = PagedAttention(attn, [[Read(pattern_mask(cfg), WINDOW_TILE)]])
+
+
+_MASKS: dict = {}  # config -> its Mask, made once
+
+
+def pattern_mask(cfg):
+    """``cfg.mask_fn(None)``, one object for every layer of an equal config (a frozen dataclass): a decode step's
+    reads of it are then worked out by its first layer and kept for the others (``ops.paged.decode.decode_direct``
+    with the step's ``PagedStepPlan``)."""
+    try:
+        if cfg not in _MASKS:
+            _MASKS[cfg] = cfg.mask_fn(None)
+        return _MASKS[cfg]
+    except TypeError:  # a config that cannot be a key: a mask of its own
+        return cfg.mask_fn(None)
