@@ -481,6 +481,21 @@ def test_dar_latent_decode_step(window, dtype, piece, monkeypatch):
     assert sorted(i for ids in read for i in ids.tolist()) == readers  # each far reader's row, asked for once
 
 
+def _prefill_cache(gen, lens, blocks: int, kv_heads: int, d: int, dtype, bs: int = 32):
+    """A paged cache of ``len(lens)`` requests' random K/V (request r: ``lens[r]`` tokens, at most ``blocks``
+    blocks of ``bs``), their blocks scattered: (view, table [requests, blocks], per request (k, v) in float32 as
+    the cache holds them)."""
+    pool = len(lens) * blocks
+    view = paged_view(torch.zeros(pool, kv_heads, bs, 2 * d, dtype=dtype), bs, kv_heads, d)
+    table = torch.randperm(pool, generator=gen).to(torch.int32).view(len(lens), blocks)
+    dense = []
+    for r, n in enumerate(lens):
+        k, v = torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen)
+        write(view, torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(n)]), k, v)
+        dense.append((k.to(dtype).float(), v.to(dtype).float()))
+    return view, table, dense
+
+
 @pytest.mark.parametrize("window, n_sinks, dtype, small", [(40, 0, torch.float32, False),
                                                             (40, 1, torch.float32, False),
                                                             (40, 2, torch.float32, False),
@@ -500,14 +515,9 @@ def test_aha_prefill_in_large_calls_equals_paged_attention(window, n_sinks, dtyp
         monkeypatch.setattr(prefill_module, "GLOBAL_ROWS", 16)
 
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, d, bs = 6, 2, 16, 32
+    heads, kv_heads, d = 6, 2, 16
     lens, q_lens = [300, 77, 130, 20], [250, 1, 130, 20]
-    cache = torch.zeros(40, kv_heads, bs, 2 * d, dtype=dtype)
-    view = paged_view(cache, bs, kv_heads, d)
-    table = torch.randperm(40, generator=gen).to(torch.int32).view(4, 10)
-    for r, n in enumerate(lens):
-        slots = torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(n)])
-        write(view, slots, torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen))
+    view, table, _ = _prefill_cache(gen, lens, 10, kv_heads, d, dtype)
     q = torch.randn(sum(q_lens), heads, d, generator=gen).to(dtype)
     starts, seq_lens = torch.tensor([0, 250, 251, 381, 401], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
     glob = torch.rand(q.shape[0], heads, generator=gen) < 0.2
@@ -537,14 +547,7 @@ def test_window_prefill_pieces_equal_the_window_rows(window, dtype, small, monke
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, d, bs = 6, 2, 16, 32
     lens, q_lens = [300, 77, 530, 20], [250, 1, 130, 20]
-    cache = torch.zeros(80, kv_heads, bs, 2 * d, dtype=dtype)
-    view = paged_view(cache, bs, kv_heads, d)
-    table = torch.randperm(80, generator=gen).to(torch.int32).view(4, 20)
-    dense = []
-    for r, n in enumerate(lens):
-        k, v = torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen)
-        write(view, torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(n)]), k, v)
-        dense.append((k.to(dtype).float(), v.to(dtype).float()))
+    view, table, dense = _prefill_cache(gen, lens, 20, kv_heads, d, dtype)
     q = torch.randn(sum(q_lens), heads, d, generator=gen).to(dtype)
     starts, seq_lens = torch.tensor([0, 250, 251, 381, 401], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
     ref = torch.zeros_like(q)
