@@ -4,12 +4,12 @@ both for ``--steps`` optimizer steps (the job's cpu preset: 120), lambda steered
     python benchmarks/real_steps.py --out runs/steps240-seed1 --steps 240 --target 0.12 --seed 1 [--model smollm2]
 
 The job's own pieces (``allhere_recipes.real_model``, ``real_runs``, ``real_taught``) with the cpu preset's plan
-(``--preset``) but those three settings: the routers taught on the job's calibration (read back from ``<out>/aha/taught`` when
-there, e.g. copied from another seed's folder: the teaching does not depend on the seed), AHA fine-tuned from
-them, the control fine-tuned from the pretrained model, both on the job's batches of ``--seed``; then AHA's and
-the control's held-out loss, AHA's mu_f there and its passkeys. Prints and writes ``<out>/steps.json``: Retain %
-of the control = control loss / AHA loss. Resumable per stage as the job is. On 2 cores, 240 steps: about 20
-minutes per fine-tuning run.
+(``--preset``) but those three settings: the routers taught on the job's calibration (read back from
+``<out>/aha/taught`` when there, e.g. copied from another seed's folder: the teaching does not depend on the seed),
+AHA fine-tuned from them, the control fine-tuned from the pretrained model, both on the job's batches of
+``--seed``; then AHA's and the control's held-out loss, AHA's mu_f there and its passkeys. Prints and writes
+``<out>/steps.json``: Retain % of the control = control loss / AHA loss. Resumable per stage as the job is. On 2
+cores, 240 steps: about 20 minutes per fine-tuning run.
 """
 
 from __future__ import annotations
