@@ -249,10 +249,10 @@ def task_flag(p: argparse.ArgumentParser, verb: str, tasks: tuple[str, ...]) -> 
                    help=f"{verb} only this task (repeatable); default: {' and '.join(tasks)}")
 
 
-def preset_flag(p: argparse.ArgumentParser, presets: tuple[str, ...]) -> None:
+def preset_flag(p: argparse.ArgumentParser, presets: tuple[str, ...], more: str = "") -> None:
     p.add_argument("--preset", default="cpu", choices=presets,
                    help="sizes and steps: cpu (default; `allhere demo` takes about 5 min on 2 cores from the "
-                        "shipped bases, 10 with --pretrain), tiny (seconds), gpu")
+                        f"shipped bases, 10 with --pretrain), tiny (seconds), gpu{more}")
 
 
 @_named("report")

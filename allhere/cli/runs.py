@@ -10,6 +10,8 @@ from ..runtime.reporting import report_to
 from ..validation import ConfigError
 from . import args as a
 
+REAL_LONG = "cpu-long"  # a preset of the real-model AHA job only (allhere_recipes.real_plan)
+
 # demo -------------------------------------------------------------------------------------------------
 
 def demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +23,9 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
                         "smollm2 (fetched into allhere's cache first when it is not there, as `allhere fetch "
                         "smollm2` does), a GGUF file or a transformers folder; "
                         "with --mechanism dar the DAR comparison on it (default: the embedded model)")
-    a.preset_flag(p, PRESETS)
+    a.preset_flag(p, PRESETS + (REAL_LONG,),
+                  f"; {REAL_LONG}: with --model, the AHA job with twice the fine-tuning steps (about 70 min on 2 "
+                  "cores against 45 for cpu; docs/real-model.md)")
     a.task_flag(p, "run", TASKS)
     a.data_flag(p)
     a.device_flag(p)
@@ -69,6 +73,8 @@ def _check_demo_flags(args) -> None:
     given = [flag for name, flag in foreign.items() if getattr(args, name, None) not in (None, False)]
     if args.seed is not None and (args.model is None or args.mechanism != "aha"):
         raise ConfigError("--seed is for `allhere demo --model` with the AHA job (the seed of its fine-tuning runs)")
+    if args.preset == REAL_LONG and (args.model is None or args.mechanism != "aha"):
+        raise ConfigError(f"--preset {REAL_LONG} is for `allhere demo --model` with the AHA job")
     if given and args.model is not None:
         raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the embedded model's demo, "
                           "not for --model (its settings: --preset, --device, --data, --out)")

@@ -193,10 +193,18 @@ def test_tiny_dar_job(tiny, tmp_path):
     (["--window", "8"], "--window is for the embedded model's demo"),
     (["--task", "stdlib"], "--task is for the embedded model's demo"),
     (["--seed", "1", "--mechanism", "dar"], "--seed is for `allhere demo --model` with the AHA job"),
+    (["--preset", "cpu-long", "--mechanism", "dar"], "--preset cpu-long is for `allhere demo --model` with the AHA"),
 ])
 def test_flags_of_the_embedded_demo_are_refused(tiny, tmp_path, capsys, extra, message):
     assert main(["demo", "--model", str(tiny[0]), "--out", str(tmp_path / "o"), *extra]) == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_real_jobs_long_preset_is_refused_by_the_embedded_demo(tmp_path, capsys):
+    assert main(["demo", "--preset", "cpu-long", "--out", str(tmp_path / "o")]) == 2
+    assert "--preset cpu-long is for `allhere demo --model`" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_demo_fetches_a_missing_model_and_a_failed_fetch_is_one_line(tmp_path, capsys, monkeypatch):
