@@ -82,9 +82,10 @@ class JobBar:
     def update(self, n: int = 1) -> None:
         now = time.monotonic()
         job = self.job
-        job.spent += now - self.last
-        job.done_cost += n * job.cost.get(self.desc, 0.0)
-        job.left[self.desc] = max(0, job.left.get(self.desc, 0) - n)
+        if self.desc in job.cost:  # a bar the job did not plan (work only some resumptions do) counts nothing
+            job.spent += now - self.last
+            job.done_cost += n * job.cost[self.desc]
+            job.left[self.desc] = max(0, job.left[self.desc] - n)
         self.last, self.steps = now, self.steps + n
         self.set_postfix(**self.values)  # the job's time left in the line this update may print
         self.inner.update(n)
@@ -95,6 +96,7 @@ class JobBar:
         self.inner.set_postfix(**self.values, **({"job_left": duration(left)} if left is not None else {}))
 
     def close(self) -> None:
-        self.job.left[self.desc] = 0
+        if self.desc in self.job.left:
+            self.job.left[self.desc] = 0
         self.job.seconds[self.desc] = round(time.monotonic() - self.t0, 1)
         self.inner.close()

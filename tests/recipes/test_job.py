@@ -39,3 +39,20 @@ def test_time_left_counts_the_runs_to_come_at_the_measured_pace(tmp_path, monkey
         bar.update()
     bar.close()
     assert job.seconds == {"t/a": 20.0} and job.time_left("t/b", None) == 6 * 3 * 2.0
+
+
+def test_a_bar_the_job_did_not_plan_counts_nothing(tmp_path, monkeypatch):
+    """Work only some resumptions do (one of two models taught together, the other read back) runs under a bar
+    with no planned cost: the job's time left goes on, counting it as nothing (it raised KeyError)."""
+    clock = [0.0]
+    monkeypatch.setattr("allhere_recipes.job.time.monotonic", lambda: clock[0])
+    job = Job()
+    job.plan(tmp_path / "t" / "a" / "checkpoint.safetensors", 4, 1.0)
+    bar = job.bar(4, "t/a")
+    clock[0] += 1.0
+    bar.update()
+    extra = job.bar(3, "t/unplanned")
+    clock[0] += 5.0
+    extra.update()
+    extra.close()
+    assert job.time_left("t/unplanned", None) == 3 * 1.0
