@@ -9,10 +9,11 @@ registered), BATCH requests of random prompts prefilled, then decode steps timed
 (needs the serving environment: bash scripts/install_serve.sh). The engine runs as ``allhere serve`` runs it
 (vLLM's torch.compile of the model, allhere's layers as custom operators), but in one process: the engine core's
 own threads share it, so Python's per-operator costs read somewhat higher than in a server. It also runs on
-torch's threads (every core), where a server's worker runs one thread on a 2-core machine (vLLM keeps a core for
-its engine and API server): the torch threads are printed, and ratios between mechanisms of many small operators
-and plain can differ from a server's. ``--prefill``: the prefill's operators instead of the decode steps'. Run
-the plain and the converted model one after the other on an idle machine and compare the step times and the rows.
+torch's threads (every core; ``--threads``), where a server's worker runs one thread on a 2-core machine (vLLM
+keeps a core for its engine and API server): the torch threads are printed, and ratios between mechanisms of many
+small operators and plain can differ from a server's. ``--prefill``: the prefill's operators instead of the decode
+steps'. Run the plain and the converted model one after the other on an idle machine and compare the step times
+and the rows.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=30, help="operators (or functions) listed (default 30)")
     p.add_argument("--python", action="store_true", help="cProfile's Python functions instead of operators")
     p.add_argument("--prefill", action="store_true", help="profile the prefill (until every first token) instead")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's threads (default: every core; 1: as a server's worker on a 2-core machine)")
     a = p.parse_args()
 
     import torch
@@ -44,6 +47,8 @@ def main() -> None:
     from allhere.serve.vllm.plugin import register
 
     register()
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
     steps = 5 + 20 + a.steps
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.prompt + steps + 8, seed=0,
               kv_cache_memory_bytes=3 << 30)
