@@ -61,7 +61,8 @@ from dataclasses import dataclass
 
 from allhere.validation import ConfigError
 
-PRESETS = ("cpu", "cpu-long", "gpu", "tiny")
+LONG = "cpu-long"  # the cpu preset with twice the fine-tuning steps (the AHA job on --model only)
+PRESETS = ("cpu", LONG, "gpu", "tiny")
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def preset_plan(preset: str, device: str) -> RealPlan:
                         speed_tokens=32, dar_steps=60, dar_stage1_lr=3e-4, device=device, taught_lam=0.1,
                         taught_target_mu_f=0.09, taught_router_lr_mult=10.0, mu_f=0.25, calib_haystacks=32,
                         calib_filler="prose")
-    if preset == "cpu-long":  # every fine-tuning run (AHA, the control, the paper's recipe) 240 steps
+    if preset == LONG:  # every fine-tuning run (AHA, the control, the paper's recipe) 240 steps
         return dataclasses.replace(preset_plan("cpu", device), steps=240, taught_target_mu_f=0.12)
     if preset == "gpu":
         return RealPlan(seq_len=8192, window=256, steps=200, batch_size=1, grad_accum=4, lr=1e-4,

@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0, help="the fine-tuning runs' batches (default 0)")
     p.add_argument("--lr", type=float, default=None, help="both runs' peak learning rate (default: the preset's)")
     p.add_argument("--model", default="smollm2", help="a fetched model's name, a GGUF file or a folder")
-    p.add_argument("--preset", choices=["cpu", "tiny"], default="cpu", help="the job's plan the three settings "
+    p.add_argument("--preset", choices=["cpu", "tiny"], default="cpu", help="the job's plan these settings "
                    "change (default cpu; tiny: seconds, to try the script)")
     args = p.parse_args(argv)
     plan = dataclasses.replace(preset_plan(args.preset, "cpu"), steps=args.steps, taught_target_mu_f=args.target,

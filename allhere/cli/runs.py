@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 
 from allhere_recipes.plans import PRESETS, TASKS
+from allhere_recipes.real_plan import LONG as REAL_LONG
 
 from ..runtime.reporting import report_to
 from ..validation import ConfigError
 from . import args as a
-
-REAL_LONG = "cpu-long"  # a preset of the real-model AHA job only (allhere_recipes.real_plan)
 
 # demo -------------------------------------------------------------------------------------------------
 
